@@ -1,0 +1,28 @@
+# `make demo` and `make test` bootstrap .venv themselves on a fresh machine.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO_DIR ?= runs/demo
+
+.PHONY: demo test bench clean
+
+$(BIN)/bagpipe: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(BIN)/bagpipe
+	$(BIN)/bagpipe synth --out $(DEMO_DIR)/data --rows 200000 --test-rows 50000 --seed 1 --max-rows-per-table 20000
+	$(BIN)/bagpipe train --config configs/demo.toml --data $(DEMO_DIR)/data --run-dir $(DEMO_DIR)/run
+
+test: $(BIN)/bagpipe
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_reference.py
+
+clean:
+	rm -rf $(VENV) runs

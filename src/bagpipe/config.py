@@ -1,0 +1,129 @@
+"""Run configuration: frozen dataclasses loaded from TOML, overridden by flags.
+
+Every field is validated in ``__post_init__`` so that an impossible value is refused before
+anything runs, with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS = ("sgd", "adagrad", "adam")
+MODES = ("reference",)
+
+
+def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
+    """Parse a layer-size string such as ``13-512-256-64`` into a tuple of positive ints."""
+    try:
+        sizes = tuple(int(part) for part in str(text).split("-"))
+    except ValueError:
+        raise ValueError(f"{name}: expected sizes joined by '-', such as 13-512-64, got {text!r}") from None
+    if not sizes or any(size <= 0 for size in sizes):
+        raise ValueError(f"{name}: every layer size must be a positive integer, got {text!r}")
+    return sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    emb_dim: int = 16
+    arch_mlp_bot: str = "13-512-256-16"  # last size must equal emb_dim
+    arch_mlp_top: str = "512-256-1"  # sizes after the interaction; must end in 1
+
+    def __post_init__(self) -> None:
+        if self.emb_dim <= 0:
+            raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
+        bot = parse_arch(self.arch_mlp_bot, name="arch_mlp_bot")
+        top = parse_arch(self.arch_mlp_top, name="arch_mlp_top")
+        if len(bot) < 2:
+            raise ValueError(f"arch_mlp_bot needs an input and an output size, got {self.arch_mlp_bot!r}")
+        if bot[-1] != self.emb_dim:
+            raise ValueError(
+                f"arch_mlp_bot must end in the embedding dimension ({self.emb_dim}), got {self.arch_mlp_bot!r}"
+            )
+        if top[-1] != 1:
+            raise ValueError(f"arch_mlp_top must end in 1 (one logit), got {self.arch_mlp_top!r}")
+
+    @property
+    def bottom_sizes(self) -> tuple[int, ...]:
+        return parse_arch(self.arch_mlp_bot, name="arch_mlp_bot")
+
+    @property
+    def top_sizes(self) -> tuple[int, ...]:
+        return parse_arch(self.arch_mlp_top, name="arch_mlp_top")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    data: str  # a directory holding train and test splits (TSV, JSON lines or preprocessed)
+    run_dir: str
+    mode: str = "reference"
+    iterations: int = 0  # 0: one pass over the training split
+    batch_size: int = 2048
+    eval_batch_size: int = 16384
+    optimizer: str = "adagrad"
+    lr: float = 0.01
+    seed: int = 0
+    shuffle: bool = False  # Criteo data is in time order; shuffling is an explicit choice
+    shuffle_seed: int = 0
+    warmup_iterations: int = 5  # excluded from the steady-state samples/s
+    log_every: int = 10
+    max_eval_rows: int = 0  # 0: the whole test split
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("data: a data directory is required (--data)")
+        if not self.run_dir:
+            raise ValueError("run_dir: a run directory is required (--run-dir)")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        for name in ("batch_size", "eval_batch_size", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("iterations", "warmup_iterations", "max_eval_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+    """Build a TrainConfig from an optional TOML file, then apply flag overrides (non-None values).
+
+    The TOML file may hold the train fields at top level and the model fields under ``[model]``.
+    """
+    values: dict[str, Any] = {}
+    model_values: dict[str, Any] = {}
+    if path:
+        config_path = Path(path)
+        if not config_path.is_file():
+            raise ValueError(f"--config: no such file {path}")
+        try:
+            raw = tomllib.loads(config_path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path}: not valid TOML: {err}") from None
+        model_values = dict(raw.pop("model", {}))
+        values = raw
+    model_names = {f.name for f in dataclasses.fields(ModelConfig)}
+    train_names = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        (model_values if key in model_names else values)[key] = value
+    unknown = sorted(set(values) - train_names) + sorted(set(model_values) - model_names)
+    if unknown:
+        where = f" in {path}" if path else ""
+        raise ValueError(f"unknown setting(s){where}: {', '.join(unknown)}")
+    values.setdefault("data", "")
+    values.setdefault("run_dir", "")
+    return TrainConfig(model=ModelConfig(**model_values), **values)
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)

@@ -1,0 +1,60 @@
+"""Deterministic global batches over a binary split: consecutive rows, or shuffled by a seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from bagpipe.data.binary import BinarySplit
+
+
+@dataclass(frozen=True)
+class Batch:
+    dense_x: torch.Tensor  # float32 [B, num_dense]
+    ids: torch.Tensor  # int64 [B, num_tables]
+    target: torch.Tensor  # float32 [B]
+
+    def __len__(self) -> int:
+        return self.target.shape[0]
+
+
+def batches_per_epoch(split: BinarySplit, batch_size: int) -> int:
+    return split.rows // batch_size
+
+
+def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool,
+               shuffle_seed: int) -> Iterator[slice | np.ndarray]:
+    """Row selectors of each iteration's global batch; an incomplete last batch is dropped.
+
+    Without shuffling, batch i holds rows [i * B, (i + 1) * B) of the epoch, in file order.
+    With shuffling, each epoch has its own permutation drawn from (shuffle_seed, epoch).
+    """
+    per_epoch = batches_per_epoch(split, batch_size)
+    if per_epoch == 0:
+        raise ValueError(f"{split.directory}: {split.rows} rows is fewer than one batch of {batch_size}")
+    for iteration in range(iterations):
+        epoch, index = divmod(iteration, per_epoch)
+        if shuffle:
+            if index == 0:
+                order = np.random.default_rng([shuffle_seed, epoch]).permutation(split.rows)
+            yield np.sort(order[index * batch_size:(index + 1) * batch_size])
+        else:
+            yield slice(index * batch_size, (index + 1) * batch_size)
+
+
+def read_batch(split: BinarySplit, rows: slice | np.ndarray) -> Batch:
+    return Batch(
+        dense_x=torch.from_numpy(np.array(split.dense[rows], dtype=np.float32)),
+        ids=torch.from_numpy(np.array(split.ids[rows], dtype=np.int64)),
+        target=torch.from_numpy(np.array(split.labels[rows], dtype=np.float32)),
+    )
+
+
+def iterate_batches(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool = False,
+                    shuffle_seed: int = 0) -> Iterator[Batch]:
+    for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=shuffle,
+                           shuffle_seed=shuffle_seed):
+        yield read_batch(split, rows)

@@ -1,0 +1,33 @@
+"""Evaluation metrics: ROC AUC (ties averaged) and binary log-loss, on numpy arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Area under the ROC curve by the rank-sum formula; tied scores share their mean rank."""
+    labels = np.asarray(labels, dtype=np.float64).ravel()
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    if labels.shape != scores.shape:
+        raise ValueError(f"labels {labels.shape} and scores {scores.shape} differ in shape")
+    num_pos = float((labels > 0.5).sum())
+    num_neg = float(labels.size - num_pos)
+    if num_pos == 0 or num_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    # Average rank of each run of equal scores (1-based).
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], sorted_scores.size]
+    run_ranks = (starts + ends + 1) / 2.0
+    ranks = np.empty_like(scores)
+    ranks[order] = np.repeat(run_ranks, ends - starts)
+    rank_sum = ranks[labels > 0.5].sum()
+    return float((rank_sum - num_pos * (num_pos + 1) / 2.0) / (num_pos * num_neg))
+
+
+def log_loss(labels: np.ndarray, probabilities: np.ndarray, *, eps: float = 1e-7) -> float:
+    labels = np.asarray(labels, dtype=np.float64).ravel()
+    p = np.clip(np.asarray(probabilities, dtype=np.float64).ravel(), eps, 1.0 - eps)
+    return float(-np.mean(labels * np.log(p) + (1.0 - labels) * np.log(1.0 - p)))

@@ -1,0 +1,66 @@
+"""Row-wise embedding optimizers: update only the rows a batch touched, with their own state.
+
+The state of a row is a flat float32 vector stored beside it, so that it can travel with the
+row (to a cache, a server, a checkpoint). Each update equals what the matching ``torch.optim``
+class does to those rows alone: SGD, Adagrad (per element sum of squares) and Adam (per-row
+step count, so bias correction counts the row's own updates, as lazy/sparse Adam does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+OPTIMIZER_NAMES = ("sgd", "adagrad", "adam")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowOptimizer:
+    name: str
+    lr: float
+    eps: float = 0.0  # set per optimizer by make_row_optimizer
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+    def state_width(self, dim: int) -> int:
+        """Floats of optimizer state per row."""
+        return {"sgd": 0, "adagrad": dim, "adam": 2 * dim + 1}[self.name]
+
+    def step(self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
+        """Update ``rows`` [U, D] and ``state`` [U, S] in place from ``grads`` [U, D]."""
+        if self.name == "sgd":
+            rows.add_(grads, alpha=-self.lr)
+        elif self.name == "adagrad":
+            state.addcmul_(grads, grads)
+            rows.addcdiv_(grads, state.sqrt().add_(self.eps), value=-self.lr)
+        else:
+            dim = rows.shape[1]
+            exp_avg, exp_avg_sq, steps = state[:, :dim], state[:, dim:2 * dim], state[:, 2 * dim:]
+            steps.add_(1.0)
+            exp_avg.lerp_(grads, 1.0 - self.beta1)
+            exp_avg_sq.mul_(self.beta2).addcmul_(grads, grads, value=1.0 - self.beta2)
+            bias1 = 1.0 - torch.pow(self.beta1, steps)
+            bias2_sqrt = (1.0 - torch.pow(self.beta2, steps)).sqrt()
+            denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
+            rows.addcdiv_(exp_avg, denom * (bias1 / self.lr), value=-1.0)
+        # Writing back through an index (rows = table[ids]) is the caller's job.
+
+    def dense_optimizer(self, params) -> torch.optim.Optimizer:
+        """The torch.optim counterpart for dense parameters."""
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr)
+        if self.name == "adagrad":
+            return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps)
+        return torch.optim.Adam(params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps)
+
+
+def make_row_optimizer(name: str, *, lr: float) -> RowOptimizer:
+    eps = {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}.get(name, 0.0)
+    return RowOptimizer(name=name, lr=lr, eps=eps)

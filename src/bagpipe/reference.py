@@ -1,0 +1,168 @@
+"""The reference trainer: one process, every table in memory. The correctness oracle.
+
+Every distributed mode must end with the parameters this trainer reaches on the same global
+batches, so it is kept plain: one loss, one backward, one row-wise embedding update, one dense
+optimizer step per iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bagpipe.config import TrainConfig, config_to_dict
+from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches, read_batch
+from bagpipe.data.binary import BinaryDataset, BinarySplit, open_dataset
+from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.embeddings import EmbeddingTables
+from bagpipe.metrics import log_loss, roc_auc
+from bagpipe.models.dlrm import DLRM
+from bagpipe.optim import make_row_optimizer
+from bagpipe.progress import progress
+from bagpipe.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Timer:
+    """Steady-state throughput: samples and seconds after the warm-up iterations."""
+
+    warmup: int
+    samples: int = 0
+    seconds: float = 0.0
+
+    def record(self, iteration: int, samples: int, seconds: float) -> None:
+        if iteration >= self.warmup:
+            self.samples += samples
+            self.seconds += seconds
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("nan")
+
+
+def build_model(config: TrainConfig, num_tables: int) -> DLRM:
+    torch.manual_seed(config.seed)
+    return DLRM(num_tables=num_tables, emb_dim=config.model.emb_dim,
+                bottom_sizes=config.model.bottom_sizes, top_sizes=config.model.top_sizes)
+
+
+def check_data(config: TrainConfig, dataset: BinaryDataset) -> None:
+    """Refuse a model/data mismatch before training starts."""
+    num_dense = dataset.train.dense.shape[1]
+    if config.model.bottom_sizes[0] != num_dense:
+        raise ValueError(f"arch_mlp_bot starts with {config.model.bottom_sizes[0]} inputs, "
+                         f"but {dataset.directory} has {num_dense} dense features")
+    if batches_per_epoch(dataset.train, config.batch_size) == 0:
+        raise ValueError(f"batch_size {config.batch_size} exceeds the {dataset.train.rows} training rows")
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, tables: EmbeddingTables, split: BinarySplit, *, batch_size: int,
+             max_rows: int = 0) -> dict:
+    model.eval()
+    rows = min(split.rows, max_rows) if max_rows else split.rows
+    probs = []
+    for start in range(0, rows, batch_size):
+        batch = read_batch(split, slice(start, min(start + batch_size, rows)))
+        embeddings, _ = tables.lookup(batch.ids)
+        probs.append(torch.sigmoid(model(batch.dense_x, embeddings.detach())).numpy())
+    model.train()
+    labels = np.asarray(split.labels[:rows])
+    scores = np.concatenate(probs) if probs else np.zeros(0)
+    return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores)}
+
+
+def train_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
+               batch: Batch) -> float:
+    embeddings, lookup = tables.lookup(batch.ids)
+    loss = F.binary_cross_entropy_with_logits(model(batch.dense_x, embeddings), batch.target)
+    dense_optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    dense_optimizer.step()
+    tables.apply_gradients(lookup)
+    return loss.item()
+
+
+def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
+    started = time.perf_counter()
+    torch.use_deterministic_algorithms(True)
+    dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress))
+    check_data(config, dataset)
+    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+    run = RunDir(config.run_dir)
+    run.write_json("config.json", config_to_dict(config))
+
+    model = build_model(config, dataset.train.num_tables)
+    row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
+    tables = EmbeddingTables(table_sizes=dataset.table_sizes, dim=config.model.emb_dim,
+                             optimizer=row_optimizer, seed=config.seed)
+    dense_optimizer = row_optimizer.dense_optimizer(model.parameters())
+    log.info("reference training: %d iterations of %d samples, %d tables (%d rows)", iterations,
+             config.batch_size, len(dataset.table_sizes), sum(dataset.table_sizes))
+
+    timer = Timer(warmup=min(config.warmup_iterations, max(iterations - 1, 0)))
+    setup_s = time.perf_counter() - started
+    bar = progress(total=iterations, desc="train", unit="it", enabled=show_progress)
+    loss = float("nan")
+    recent_losses: list[float] = []
+    train_started = time.perf_counter()
+    tick = train_started
+    batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
+                              shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
+    for iteration, batch in enumerate(batches):
+        loss = train_step(model, tables, dense_optimizer, batch)
+        now = time.perf_counter()
+        timer.record(iteration, len(batch), now - tick)
+        tick = now
+        recent_losses.append(loss)
+        if (iteration + 1) % config.log_every == 0 or iteration + 1 == iterations:
+            mean_loss = float(np.mean(recent_losses))
+            run.log_metrics(iteration=iteration + 1, samples=(iteration + 1) * config.batch_size,
+                            train_loss=mean_loss, elapsed_s=now - train_started,
+                            samples_per_s=timer.samples_per_s)
+            bar.set_postfix(loss=f"{mean_loss:.4f}")
+            recent_losses.clear()
+        bar.update(1)
+    bar.close()
+    train_s = time.perf_counter() - train_started
+
+    eval_started = time.perf_counter()
+    metrics = {"eval_auc": float("nan"), "eval_logloss": float("nan"), "eval_rows": 0}
+    if dataset.test is not None and dataset.test.rows:
+        metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
+                           max_rows=config.max_eval_rows)
+        run.log_metrics(event="eval", iteration=iterations, **metrics)
+    else:
+        log.warning("%s has no test split: skipping evaluation", dataset.directory)
+    eval_s = time.perf_counter() - eval_started
+
+    run.save_checkpoint(
+        dense=model.state_dict(),
+        embeddings=[tables.table(t).clone() for t in range(len(dataset.table_sizes))],
+        extra={"iteration": iterations, "mode": "reference"},
+    )
+    summary = {
+        "mode": "reference",
+        "iterations": iterations,
+        "samples": iterations * config.batch_size,
+        "samples_per_s": timer.samples_per_s,
+        "final_train_loss": loss,
+        **metrics,
+        "best_auc": dataset.meta.get("best_auc"),
+        "setup_s": setup_s,
+        "train_s": train_s,
+        "eval_s": eval_s,
+        "wall_s": time.perf_counter() - started,
+        "warmup_iterations": timer.warmup,
+        "torch_threads": torch.get_num_threads(),
+    }
+    run.write_json("summary.json", summary)
+    run.close()
+    return summary

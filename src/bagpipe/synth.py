@@ -1,0 +1,204 @@
+"""Synthetic Criteo-format data with a planted model, so the best achievable AUC is known.
+
+Categorical ids follow a bounded Zipf law per table (hot rows scattered by a random bijection);
+labels are drawn from a logistic model over the parsed features, exactly as a reader sees them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from bagpipe.data.formats import NUM_DENSE, dense_transform
+from bagpipe.metrics import log_loss, roc_auc
+from bagpipe.progress import progress
+
+CRITEO_KAGGLE_TABLE_SIZES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+TABLE_PRESETS = {"criteo-kaggle": CRITEO_KAGGLE_TABLE_SIZES}
+
+DEFAULT_ZIPF = 1.2  # about 1% of a large table's rows then take over 90% of its lookups
+EMPTY_CATEGORICAL = 0.03
+EMPTY_DENSE = 0.05
+CHUNK_ROWS = 262_144
+_EXACT_CDF_LIMIT = 1 << 20
+
+
+def resolve_table_sizes(*, tables: str | None, table_sizes: str | None, max_rows_per_table: int = 0) -> list[int]:
+    if tables and table_sizes:
+        raise ValueError("give either --tables or --table-sizes, not both")
+    if table_sizes:
+        try:
+            sizes = [int(part) for part in table_sizes.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"--table-sizes: expected comma-separated integers, got {table_sizes!r}") from None
+    else:
+        name = tables or "criteo-kaggle"
+        if name not in TABLE_PRESETS:
+            raise ValueError(f"--tables: unknown preset {name!r}; known: {', '.join(TABLE_PRESETS)}")
+        sizes = list(TABLE_PRESETS[name])
+    if not sizes or any(size <= 0 for size in sizes):
+        raise ValueError(f"table sizes must be positive integers, got {sizes}")
+    if max_rows_per_table < 0:
+        raise ValueError(f"--max-rows-per-table must not be negative, got {max_rows_per_table}")
+    if max_rows_per_table:
+        sizes = [min(size, max_rows_per_table) for size in sizes]
+    return sizes
+
+
+def _mix64(values: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser: a fixed pseudo-random function of uint64 values."""
+    z = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class PlantedModel:
+    """The logistic model that generates labels: dense weights plus one effect per (table, row)."""
+
+    def __init__(self, *, table_sizes: list[int], seed: int) -> None:
+        rng = np.random.default_rng([seed, 1])
+        self.table_sizes = table_sizes
+        self.salt = np.uint64(rng.integers(1, 2**62))
+        self.dense_weights = rng.normal(0.0, 0.5, NUM_DENSE)
+        self.dense_center = 1.5
+        self.table_scale = 2.0 / math.sqrt(len(table_sizes))
+        self.bias = -1.0
+
+    def row_effects(self, table: int, ids: np.ndarray) -> np.ndarray:
+        """Effect in [-1, 1) of each row, computed by hashing so no table-sized array is kept."""
+        with np.errstate(over="ignore"):
+            key = ids.astype(np.uint64) * np.uint64(len(self.table_sizes)) + np.uint64(table)
+            bits = _mix64(key ^ self.salt)
+        return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53) * 2.0 - 1.0
+
+    def logits(self, dense_features: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        logit = self.bias + (dense_features - self.dense_center) @ self.dense_weights * 0.5
+        for table in range(ids.shape[1]):
+            logit = logit + self.table_scale * 1.5 * self.row_effects(table, ids[:, table])
+        return logit
+
+
+class ZipfSampler:
+    """Draws row ids of one table: Zipf ranks, scattered by ``rank * a + b mod n``."""
+
+    def __init__(self, *, num_rows: int, exponent: float, rng: np.random.Generator) -> None:
+        self.num_rows = num_rows
+        self.exponent = exponent
+        multiplier = int(rng.integers(1, max(num_rows, 2)))
+        while math.gcd(multiplier, num_rows) != 1:
+            multiplier = int(rng.integers(1, max(num_rows, 2)))
+        self.multiplier = multiplier
+        self.offset = int(rng.integers(0, num_rows))
+        self.cdf = None
+        if num_rows <= _EXACT_CDF_LIMIT:
+            weights = np.arange(1, num_rows + 1, dtype=np.float64) ** -exponent
+            self.cdf = np.cumsum(weights) / weights.sum()
+
+    def ranks(self, uniforms: np.ndarray) -> np.ndarray:
+        if self.cdf is not None:
+            return np.minimum(np.searchsorted(self.cdf, uniforms, side="right"), self.num_rows - 1)
+        # Continuous inverse CDF of a bounded power law on [1, n + 1).
+        a, n = self.exponent, float(self.num_rows)
+        if abs(a - 1.0) < 1e-9:
+            ranks = np.exp(uniforms * math.log(n + 1.0))
+        else:
+            top = (n + 1.0) ** (1.0 - a)
+            ranks = (1.0 + uniforms * (top - 1.0)) ** (1.0 / (1.0 - a))
+        return np.clip(np.floor(ranks).astype(np.int64) - 1, 0, self.num_rows - 1)
+
+    def sample(self, count: int, rng: np.random.Generator) -> np.ndarray:
+        ranks = self.ranks(rng.random(count))
+        return (ranks * self.multiplier + self.offset) % self.num_rows
+
+
+def _dense_values(count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Integer dense counts and their empty mask, shaped like Criteo's I1..I13."""
+    scales = np.linspace(0.5, 3.0, NUM_DENSE)
+    values = np.floor(rng.lognormal(mean=scales, sigma=1.0, size=(count, NUM_DENSE))).astype(np.int64)
+    negatives = rng.random(count) < 0.02  # Criteo's I2 holds a few negative values
+    values[negatives, 1] = -rng.integers(1, 4, negatives.sum())
+    empty = rng.random((count, NUM_DENSE)) < EMPTY_DENSE
+    values[empty] = 0
+    return values, empty
+
+
+def _format_rows(labels, dense, dense_empty, hashes, cat_empty) -> str:
+    dense_cols = [
+        ["" if e else str(v) for v, e in zip(dense[:, j].tolist(), dense_empty[:, j].tolist())]
+        for j in range(dense.shape[1])
+    ]
+    cat_cols = [
+        ["" if e else f"{v:08x}" for v, e in zip(hashes[:, t].tolist(), cat_empty[:, t].tolist())]
+        for t in range(hashes.shape[1])
+    ]
+    label_col = [str(int(v)) for v in labels.tolist()]
+    lines = ["\t".join(fields) for fields in zip(label_col, *dense_cols, *cat_cols)]
+    return "\n".join(lines) + "\n"
+
+
+def generate(
+    out_dir: str | Path,
+    *,
+    rows: int,
+    test_rows: int,
+    seed: int = 0,
+    table_sizes: list[int],
+    zipf: float = DEFAULT_ZIPF,
+    show_progress: bool = True,
+) -> dict:
+    """Write train.tsv, test.tsv and meta.json into ``out_dir``; return the metadata."""
+    if rows <= 0:
+        raise ValueError(f"--rows must be positive, got {rows}")
+    if test_rows < 0:
+        raise ValueError(f"--test-rows must not be negative, got {test_rows}")
+    if not zipf > 0:
+        raise ValueError(f"--zipf must be positive, got {zipf}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng([seed, 0])
+    samplers = [ZipfSampler(num_rows=n, exponent=zipf, rng=rng) for n in table_sizes]
+    planted = PlantedModel(table_sizes=table_sizes, seed=seed)
+    sizes = np.asarray(table_sizes, dtype=np.uint64)
+    test_labels, test_probs = [], []
+    bar = progress(total=rows + test_rows, desc="synth", unit="rows", enabled=show_progress)
+    for split, count in (("train", rows), ("test", test_rows)):
+        with open(out / f"{split}.tsv", "w") as handle:
+            for start in range(0, count, CHUNK_ROWS):
+                n = min(CHUNK_ROWS, count - start)
+                dense, dense_empty = _dense_values(n, rng)
+                ids = np.stack([s.sample(n, rng) for s in samplers], axis=1).astype(np.int64)
+                cat_empty = rng.random(ids.shape) < EMPTY_CATEGORICAL
+                ids[cat_empty] = 0
+                # A 32-bit hash value that the reader's "hex mod table size" maps back to the id.
+                wraps = (np.uint64(1 << 32) - 1 - ids.astype(np.uint64)) // sizes
+                hashes = ids.astype(np.uint64) + (rng.random(ids.shape) * wraps).astype(np.uint64) * sizes
+                probs = 1.0 / (1.0 + np.exp(-planted.logits(dense_transform(dense), ids)))
+                labels = (rng.random(n) < probs).astype(np.int64)
+                handle.write(_format_rows(labels, dense, dense_empty, hashes, cat_empty))
+                if split == "test":
+                    test_labels.append(labels)
+                    test_probs.append(probs)
+                bar.update(n)
+    bar.close()
+    meta = {
+        "format": "criteo-tsv",
+        "table_sizes": list(table_sizes),
+        "num_dense": NUM_DENSE,
+        "train_rows": rows,
+        "test_rows": test_rows,
+        "seed": seed,
+        "zipf": zipf,
+    }
+    if test_rows:
+        labels, probs = np.concatenate(test_labels), np.concatenate(test_probs)
+        meta["best_auc"] = roc_auc(labels, probs)
+        meta["best_logloss"] = log_loss(labels, probs)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
