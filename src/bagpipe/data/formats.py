@@ -179,5 +179,5 @@ def _collect(parse_row, lines, *, path, first_line, bad, num_tables) -> Chunk:
     return Chunk(
         np.asarray(labels, dtype=np.float32),
         dense_transform(np.asarray(dense, dtype=np.float64).reshape(-1, NUM_DENSE)),
-        np.asarray(ids, dtype=np.int64).reshape(-1, num_tables or 0),
+        np.asarray(ids, dtype=np.int64).reshape(-1, len(ids[0]) if ids else (num_tables or 0)),
     )

@@ -1,0 +1,24 @@
+"""Shared fixtures: small synthetic data sets made once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from bagpipe.data.preprocess import preprocess
+from bagpipe.synth import generate, resolve_table_sizes
+
+
+@pytest.fixture(scope="session")
+def small_tsv(tmp_path_factory):
+    """A learnable TSV data set: Criteo's 26 tables capped at 40 rows, 40k train rows."""
+    out = tmp_path_factory.mktemp("small_tsv")
+    sizes = resolve_table_sizes(tables=None, table_sizes=None, max_rows_per_table=40)
+    generate(out, rows=40_000, test_rows=10_000, seed=3, table_sizes=sizes, show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_binary(small_tsv, tmp_path_factory):
+    out = tmp_path_factory.mktemp("small_bin")
+    preprocess(small_tsv, out, show_progress=False)
+    return out

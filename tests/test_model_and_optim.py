@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from bagpipe.embeddings import EmbeddingTables, init_block, init_table, INIT_BLOCK_ROWS
+from bagpipe.models.dlrm import DLRM
+from bagpipe.optim import make_row_optimizer
+
+
+def test_dlrm_shapes_and_interaction_width():
+    model = DLRM(num_tables=26, emb_dim=16, bottom_sizes=(13, 64, 16), top_sizes=(32, 1))
+    assert model.top[0].in_features == 16 + 27 * 26 // 2
+    logits = model(torch.randn(8, 13), torch.randn(8, 26, 16))
+    assert logits.shape == (8,)
+    with pytest.raises(ValueError, match=r"\[B, 26, 16\]"):
+        model(torch.randn(8, 13), torch.randn(8, 25, 16))
+    with pytest.raises(ValueError, match="embedding dimension"):
+        DLRM(num_tables=2, emb_dim=16, bottom_sizes=(13, 8), top_sizes=(1,))
+
+
+def test_dlrm_gradients_reach_every_embedding():
+    model = DLRM(num_tables=3, emb_dim=4, bottom_sizes=(13, 4), top_sizes=(8, 1))
+    embeddings = torch.randn(5, 3, 4, requires_grad=True)
+    model(torch.randn(5, 13), embeddings).sum().backward()
+    assert embeddings.grad is not None and (embeddings.grad.abs().sum(dim=(0, 2)) > 0).all()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_row_optimizer_matches_torch_optim_on_the_rows_it_touches(name):
+    torch.manual_seed(0)
+    dim, num_rows = 4, 10
+    row_optimizer = make_row_optimizer(name, lr=0.05)
+    table = torch.randn(num_rows, dim)
+    state = torch.zeros(num_rows, row_optimizer.state_width(dim))
+    # torch.optim on each row as its own parameter: untouched rows get no step, as in our optimizer.
+    params = [torch.nn.Parameter(table[i].clone()) for i in range(num_rows)]
+    reference = [row_optimizer.dense_optimizer([p]) for p in params]
+    for _ in range(6):
+        touched = torch.unique(torch.randint(0, num_rows, (5,)))
+        grads = torch.randn(len(touched), dim)
+        rows, row_state = table[touched].clone(), state[touched].clone()
+        row_optimizer.step(rows, row_state, grads)
+        table[touched], state[touched] = rows, row_state
+        for k, i in enumerate(touched.tolist()):
+            params[i].grad = grads[k].clone()
+            reference[i].step()
+    torch.testing.assert_close(table, torch.stack([p.detach() for p in params]), rtol=1e-5, atol=1e-6)
+
+
+def test_initial_rows_do_not_depend_on_how_a_table_is_split():
+    num_rows = INIT_BLOCK_ROWS + 100
+    whole = init_table(seed=1, table=2, num_rows=num_rows, dim=3)
+    second = init_block(seed=1, table=2, block=1, num_rows=num_rows, dim=3)
+    assert torch.equal(whole[INIT_BLOCK_ROWS:], second)
+    assert whole.abs().max() <= num_rows ** -0.5
+    assert not torch.equal(whole, init_table(seed=2, table=2, num_rows=num_rows, dim=3))
+
+
+def test_tables_update_only_looked_up_rows():
+    tables = EmbeddingTables(table_sizes=[4, 6], dim=2, optimizer=make_row_optimizer("sgd", lr=1.0), seed=0)
+    before = tables.weights.clone()
+    embeddings, lookup = tables.lookup(torch.tensor([[1, 5], [1, 0]]))
+    assert embeddings.shape == (2, 2, 2)
+    embeddings.sum().backward()
+    tables.apply_gradients(lookup)
+    changed = (tables.weights != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [1, 4, 4 + 5]
+    # Row 1 of table 0 appears twice: its gradient is the sum of both uses.
+    torch.testing.assert_close(tables.weights[1], before[1] - 2.0)

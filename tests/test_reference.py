@@ -1,0 +1,79 @@
+import json
+
+import pytest
+import torch
+
+from bagpipe.cli import main
+from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.reference import train_reference
+from bagpipe.rundir import export
+from bagpipe.synth import CRITEO_KAGGLE_TABLE_SIZES
+
+
+def small_config(data, run_dir, **overrides):
+    values = dict(data=str(data), run_dir=str(run_dir), batch_size=256, iterations=300, optimizer="adagrad",
+                  lr=0.05, seed=0, warmup_iterations=2, log_every=50,
+                  model=ModelConfig(emb_dim=8, arch_mlp_bot="13-32-8", arch_mlp_top="32-1"))
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_reference_trainer_learns_the_planted_model(small_binary, tmp_path):
+    summary = train_reference(small_config(small_binary, tmp_path / "run"), show_progress=False)
+    assert summary["iterations"] == 300 and summary["samples"] == 300 * 256
+    assert summary["best_auc"] - summary["eval_auc"] < 0.03, summary
+    assert summary["samples_per_s"] > 0 and summary["final_train_loss"] < 0.6
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("iterations", "samples", "samples_per_s", "final_train_loss", "eval_auc", "eval_logloss", "wall_s"):
+        assert key in written
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "train_loss" in r] == [50, 100, 150, 200, 250, 300]
+    assert records[-1]["event"] == "eval"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_same_seed_gives_bitwise_identical_exports(small_binary, tmp_path, optimizer):
+    exports = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        config = small_config(small_binary, tmp_path / name, iterations=30, optimizer=optimizer, seed=seed,
+                              shuffle=True, shuffle_seed=4)
+        train_reference(config, show_progress=False)
+        exports.append(export(tmp_path / name, tmp_path / f"{name}.pt"))
+    a, b, c = exports
+    assert a["dense"].keys() == b["dense"].keys()
+    assert all(torch.equal(a["dense"][k], b["dense"][k]) for k in a["dense"])
+    assert all(torch.equal(x, y) for x, y in zip(a["embeddings"], b["embeddings"]))
+    assert not all(torch.equal(x, y) for x, y in zip(a["embeddings"], c["embeddings"]))
+    assert [t.shape[0] for t in a["embeddings"]] == [min(n, 40) for n in CRITEO_KAGGLE_TABLE_SIZES]
+
+
+def test_training_moves_embeddings_and_dense_parameters(small_binary, tmp_path):
+    train_reference(small_config(small_binary, tmp_path / "zero", iterations=1, lr=1e-30), show_progress=False)
+    train_reference(small_config(small_binary, tmp_path / "some", iterations=20), show_progress=False)
+    start, trained = export(tmp_path / "zero", tmp_path / "0.pt"), export(tmp_path / "some", tmp_path / "1.pt")
+    assert any(not torch.equal(x, y) for x, y in zip(start["embeddings"], trained["embeddings"]))
+    assert any(not torch.equal(start["dense"][k], trained["dense"][k]) for k in start["dense"])
+
+
+def test_cli_trains_from_tsv_and_exports(small_tsv, tmp_path, capsys):
+    config = tmp_path / "job.toml"
+    config.write_text('batch_size = 512\noptimizer = "sgd"\nlr = 0.1\n[model]\nemb_dim = 4\n'
+                      'arch_mlp_bot = "13-8-4"\narch_mlp_top = "8-1"\n')
+    code = main(["train", "--config", str(config), "--data", str(small_tsv), "--run-dir", str(tmp_path / "run"),
+                 "--iterations", "10", "--no-progress"])
+    assert code == 0
+    assert "eval AUC" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == 10 and summary["samples"] == 5120  # the flag overrode the file
+    assert main(["export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "model.pt")]) == 0
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert len(exported["embeddings"]) == 26 and exported["embeddings"][0].shape == (40, 4)
+
+
+def test_cli_refuses_impossible_settings_before_training(small_tsv, tmp_path, capsys):
+    assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "r"), "--emb-dim", "8"]) == 2
+    assert "arch_mlp_bot must end in the embedding dimension" in capsys.readouterr().err
+    assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "r"), "--batch-size",
+                 "1000000", "--no-progress"]) == 2
+    assert "exceeds the 40000 training rows" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "summary.json").exists()
