@@ -1,0 +1,5 @@
+"""The oracle's planner (pure) and the simple references it is tested against."""
+
+from bagpipe.planner.plan import NEVER, POLICIES, PlannerConfig, PlanStep, plan
+
+__all__ = ["NEVER", "POLICIES", "PlanStep", "PlannerConfig", "plan"]

@@ -1,0 +1,220 @@
+"""The oracle's planner: from the batch stream, every iteration's fetches, evictions and syncs.
+
+Pure: no I/O, no clocks, no randomness. Rows are keys in one flat space (table offset + id).
+Before iteration ``i`` every row of batch ``i`` is resident; when the cache would overflow,
+rows are evicted after iteration ``i - 1`` by the policy's score (highest first), never rows of
+batch ``i``. An evicted row is always dirty (it was used since its fetch), so each eviction is a
+write-back, given to one trainer in turn. Its version is the iteration after which it was
+written; a later fetch must observe that version.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+POLICIES = ("lookahead", "lru", "lfu", "none")
+NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
+_NOT_IN_WINDOW = 1 << 50
+_NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    num_rows: int  # rows of all tables together (the flat key space)
+    cache_rows: int
+    lookahead: int = 200  # batches the oracle sees ahead, the current one included
+    num_trainers: int = 1
+    policy: str = "lookahead"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("num_rows", "cache_rows", "lookahead", "num_trainers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """What happens around iteration ``iteration`` (the last step, with no batch, flushes)."""
+
+    iteration: int
+    fetch_keys: np.ndarray  # rows to make resident before `iteration` (its deadline)
+    fetch_versions: np.ndarray  # the write-back version each fetch must observe (-1: initial)
+    evict_keys: np.ndarray  # rows written back after `iteration - 1`, freeing their slots
+    evict_writers: np.ndarray  # the trainer that writes each evicted row back
+    sync_now_keys: np.ndarray  # rows of this batch used again at `iteration + 1`
+    sync_later_keys: np.ndarray  # rows of this batch whose next use is later (or unknown)
+    sync_later_deadlines: np.ndarray  # their next use, NEVER if none is in sight
+    resident_rows: int  # residency after this step's evictions and fetches
+    lookups: int  # ids in the batch, repeats included
+
+
+class _Stream:
+    """The batch stream seen through a window: unique keys of batches, and their true next uses.
+
+    Next uses are computed for a block of batches at a time by one sort over the block plus the
+    lookahead beyond it; uses further away are NEVER until a later block brings them in sight.
+    """
+
+    def __init__(self, batches: Iterator[np.ndarray], *, lookahead: int) -> None:
+        self.batches = batches
+        self.lookahead = lookahead
+        self.window: deque[tuple[np.ndarray, int]] = deque()  # (unique keys, lookups) from `first`
+        self.first = 0
+        self.exhausted = False
+        self.next_uses: dict[int, np.ndarray] = {}
+        self.range_keys = np.zeros(0, dtype=np.int64)  # keys of the current block's range, sorted
+        self.range_first = np.zeros(0, dtype=np.int64)  # and the first batch using each
+
+    def _fill(self, upto: int) -> None:
+        while not self.exhausted and self.first + len(self.window) < upto:
+            batch = next(self.batches, None)
+            if batch is None:
+                self.exhausted = True
+            else:
+                batch = np.asarray(batch, dtype=np.int64).ravel()
+                self.window.append((np.unique(batch), batch.size))
+
+    def batch(self, i: int) -> tuple[np.ndarray, int] | None:
+        """Unique keys and lookup count of batch i; starts a new block of next uses when due."""
+        self._fill(i + 1)
+        while self.first < i and self.window:
+            self.window.popleft()
+            self.next_uses.pop(self.first, None)
+            self.first += 1
+        if not self.window:
+            return None
+        if i not in self.next_uses:
+            self._compute_block(i)
+        return self.window[0]
+
+    def _compute_block(self, start: int) -> None:
+        stop = start + _NEXT_USE_BLOCK
+        self._fill(stop + self.lookahead)
+        last = self.first + len(self.window)
+        keys = [self.window[j - self.first][0] for j in range(start, last)]
+        iters = np.repeat(np.arange(start, last, dtype=np.int64), [len(k) for k in keys])
+        flat = np.concatenate(keys)
+        order = np.lexsort((iters, flat))
+        sorted_keys, sorted_iters = flat[order], iters[order]
+        same = sorted_keys[1:] == sorted_keys[:-1]
+        nxt = np.full(len(flat), NEVER, dtype=np.int64)
+        nxt[order[:-1]] = np.where(same, sorted_iters[1:], NEVER)
+        offsets = np.cumsum([0] + [len(k) for k in keys])
+        for j in range(start, min(stop, last)):
+            self.next_uses[j] = nxt[offsets[j - start]:offsets[j - start + 1]]
+        group_start = np.r_[True, ~same]
+        self.range_keys, self.range_first = sorted_keys[group_start], sorted_iters[group_start]
+
+    def first_uses(self, keys: np.ndarray) -> np.ndarray:
+        """First use of each key in the current block's range, NEVER if none."""
+        if not len(self.range_keys):
+            return np.full(len(keys), NEVER, dtype=np.int64)
+        pos = np.searchsorted(self.range_keys, keys).clip(max=len(self.range_keys) - 1)
+        return np.where(self.range_keys[pos] == keys, self.range_first[pos], NEVER)
+
+
+def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanStep]:
+    """Yield one PlanStep per batch, then a final flush step that writes every resident row back.
+
+    Each batch is an array of keys (repeats allowed), in training order.
+    """
+    stream = _Stream(iter(batches), lookahead=config.lookahead)
+    capacity = config.cache_rows
+    slot_of = np.full(config.num_rows, -1, dtype=np.int64)
+    slot_key = np.full(capacity, -1, dtype=np.int64)
+    slot_next = np.full(capacity, NEVER, dtype=np.int64)  # next use of the slot's row, as known
+    slot_last = np.full(capacity, -1, dtype=np.int64)
+    freq = np.zeros(config.num_rows, dtype=np.int64)
+    version = np.full(config.num_rows, -1, dtype=np.int64)
+    free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
+    num_free = capacity
+    writes = 0  # write-backs handed out so far, to share them evenly among trainers
+    empty = np.zeros(0, dtype=np.int64)
+    previous_batch = empty  # policy "none" evicts the last batch's rows
+
+    def evict(keys: np.ndarray, *, after: int) -> np.ndarray:
+        nonlocal writes, num_free
+        slots = slot_of[keys]
+        free[num_free:num_free + len(slots)] = slots
+        num_free += len(slots)
+        slot_key[slots] = -1
+        slot_of[keys] = -1
+        version[keys] = after
+        writers = (writes + np.arange(len(keys))) % config.num_trainers
+        writes += len(keys)
+        return writers
+
+    i = 0
+    while (current := stream.batch(i)) is not None:
+        keys, lookups = current
+        if len(keys) > capacity:
+            raise ValueError(f"batch {i} touches {len(keys)} distinct rows, more than the cache's "
+                             f"{capacity}: raise cache_rows or lower the batch size")
+        if len(keys) and (keys[0] < 0 or keys[-1] >= config.num_rows):
+            raise ValueError(f"batch {i} has a row outside [0, {config.num_rows})")
+        if i % _NEXT_USE_BLOCK == 0:  # a new block brings further uses of idle rows in sight
+            unknown = np.flatnonzero((slot_key >= 0) & (slot_next == NEVER))
+            slot_next[unknown] = stream.first_uses(slot_key[unknown])
+        evict_keys, writers = empty, empty
+        if config.policy == "none" and len(previous_batch):
+            evict_keys, writers = previous_batch, evict(previous_batch, after=i - 1)
+        missing = keys[slot_of[keys] < 0]
+        overflow = len(missing) - num_free
+        if overflow > 0:
+            occupied = np.flatnonzero(slot_key >= 0)
+            candidates = occupied[~np.isin(slot_key[occupied], keys)]
+            score = _scores(config.policy, candidates, slot_next=slot_next, slot_last=slot_last,
+                            freq=freq[slot_key[candidates]], i=i, lookahead=config.lookahead)
+            chosen = candidates[np.argpartition(-score, overflow - 1)[:overflow]]
+            evict_keys = np.sort(slot_key[chosen])
+            writers = evict(evict_keys, after=i - 1)
+        fetch_versions = version[missing]
+        slots = free[num_free - len(missing):num_free][::-1].copy()
+        num_free -= len(missing)
+        slot_of[missing] = slots
+        slot_key[slots] = missing
+        next_use = stream.next_uses[i]
+        batch_slots = slot_of[keys]
+        slot_next[batch_slots] = next_use
+        slot_last[batch_slots] = i
+        freq[keys] += 1
+        previous_batch = keys
+        soon = next_use == i + 1
+        visible = next_use - i <= config.lookahead
+        yield PlanStep(
+            iteration=i,
+            fetch_keys=missing,
+            fetch_versions=fetch_versions,
+            evict_keys=evict_keys,
+            evict_writers=writers,
+            sync_now_keys=keys[soon],
+            sync_later_keys=keys[~soon],
+            sync_later_deadlines=np.where(visible, next_use, NEVER)[~soon],
+            resident_rows=capacity - num_free,
+            lookups=lookups,
+        )
+        i += 1
+    remaining = np.sort(slot_key[slot_key >= 0])
+    writers = evict(remaining, after=i - 1) if len(remaining) else empty
+    yield PlanStep(iteration=i, fetch_keys=empty, fetch_versions=empty, evict_keys=remaining,
+                   evict_writers=writers, sync_now_keys=empty, sync_later_keys=empty,
+                   sync_later_deadlines=empty, resident_rows=0, lookups=0)
+
+
+def _scores(policy: str, slots: np.ndarray, *, slot_next, slot_last, freq, i: int, lookahead: int) -> np.ndarray:
+    """Eviction priority of resident slots (``freq`` is their rows' use counts): highest goes first."""
+    age = i - slot_last[slots]
+    if policy == "lru":
+        return age
+    if policy == "lfu":  # least frequent first; among equals, least recently used first
+        return -freq * (1 << 32) + age
+    # lookahead: rows with no use in the window first (least frequent of those first), then the
+    # row whose next use is furthest away.
+    nxt = slot_next[slots]
+    return np.where(nxt - i >= lookahead, _NOT_IN_WINDOW - freq, nxt)
