@@ -1,0 +1,117 @@
+"""Property tests of the planner's invariants over random streams and configs."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bagpipe.planner import NEVER, PlannerConfig, plan
+from bagpipe.planner.reference import belady
+
+
+@st.composite
+def streams(draw):
+    num_rows = draw(st.integers(2, 60))
+    num_batches = draw(st.integers(1, 40))
+    batch_size = draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    skew = draw(st.sampled_from([0.0, 1.0, 2.0]))
+    weights = np.arange(1, num_rows + 1, dtype=float) ** -skew
+    batches = [rng.choice(num_rows, size=batch_size, p=weights / weights.sum()) for _ in range(num_batches)]
+    largest = max(len(np.unique(b)) for b in batches)
+    cache_rows = draw(st.integers(largest, max(largest, num_rows)))
+    return num_rows, batches, cache_rows
+
+
+def simulate(batches, steps, *, cache_rows, num_trainers):
+    """Replay a plan against a model cache and server, checking every invariant on the way."""
+    resident: set[int] = set()
+    dirty: set[int] = set()
+    server_version = {}  # key -> iteration after which it was last written back
+    written_by = []
+    fetched = 0
+    for step in steps:
+        evicted = step.evict_keys.tolist()
+        assert len(set(evicted)) == len(evicted)
+        for key, writer in zip(evicted, step.evict_writers.tolist()):
+            assert key in resident and key in dirty, "only resident, dirty rows are written back"
+            assert 0 <= writer < num_trainers
+            resident.discard(key)
+            dirty.discard(key)
+            server_version[key] = step.iteration - 1
+            written_by.append(writer)
+        for key, version in zip(step.fetch_keys.tolist(), step.fetch_versions.tolist()):
+            assert key not in resident
+            assert version == server_version.get(key, -1), "a fetch asks for its last write-back"
+            resident.add(key)
+            fetched += 1
+        assert len(resident) <= cache_rows, "residency never exceeds the capacity"
+        assert len(resident) == step.resident_rows
+        if step.iteration < len(batches):
+            needed = set(np.unique(batches[step.iteration]).tolist())
+            assert needed <= resident, "every row a batch needs is resident when it runs"
+            assert set(step.sync_now_keys.tolist()) | set(step.sync_later_keys.tolist()) == needed
+            dirty |= needed
+    assert not resident and not dirty, "every dirty row is written back exactly once by the end"
+    counts = np.bincount(written_by, minlength=num_trainers) if written_by else np.zeros(num_trainers)
+    assert counts.max() - counts.min() <= 1, "write-backs are shared out evenly"
+    return fetched
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams(), st.sampled_from(["lookahead", "lru", "lfu", "none"]), st.integers(1, 8), st.integers(1, 4))
+def test_plans_keep_every_invariant(stream, policy, lookahead, num_trainers):
+    num_rows, batches, cache_rows = stream
+    config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead,
+                           num_trainers=num_trainers, policy=policy)
+    steps = list(plan(batches, config))
+    assert len(steps) == len(batches) + 1
+    simulate(batches, steps, cache_rows=cache_rows, num_trainers=num_trainers)
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams())
+def test_full_window_lookahead_fetches_exactly_what_belady_does(stream):
+    num_rows, batches, cache_rows = stream
+    config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=len(batches) + 1)
+    fetched = simulate(batches, list(plan(batches, config)), cache_rows=cache_rows, num_trainers=1)
+    optimum = belady(batches, cache_rows=cache_rows)
+    assert fetched == optimum.rows_fetched
+    lru = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, policy="lru")
+    assert sum(len(s.fetch_keys) for s in plan(batches, lru)) >= optimum.rows_fetched
+
+
+@settings(max_examples=50, deadline=None)
+@given(streams(), st.integers(1, 8))
+def test_identical_inputs_give_identical_plans(stream, lookahead):
+    num_rows, batches, cache_rows = stream
+    config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead, num_trainers=3)
+    first, second = list(plan(batches, config)), list(plan([b.copy() for b in batches], config))
+    for a, b in zip(first, second, strict=True):
+        for field in ("fetch_keys", "fetch_versions", "evict_keys", "evict_writers", "sync_now_keys",
+                      "sync_later_keys", "sync_later_deadlines"):
+            assert np.array_equal(getattr(a, field), getattr(b, field))
+
+
+def test_sync_split_follows_next_use():
+    batches = [np.array([1, 2, 3]), np.array([1]), np.array([2]), np.array([9])]
+    steps = list(plan(batches, PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))
+    assert steps[0].sync_now_keys.tolist() == [1]
+    assert steps[0].sync_later_keys.tolist() == [2, 3]
+    assert steps[0].sync_later_deadlines.tolist() == [2, NEVER]
+
+
+def test_eviction_waits_for_capacity_and_takes_the_furthest_use():
+    # Room for 3: nothing is evicted until row 4 arrives; then row 3 (next use furthest) goes.
+    batches = [np.array([1, 2, 3]), np.array([1]), np.array([4]), np.array([1, 2]), np.array([3])]
+    steps = list(plan(batches, PlannerConfig(num_rows=5, cache_rows=3, lookahead=10)))
+    assert [s.evict_keys.tolist() for s in steps[:5]] == [[], [], [3], [], [4]]
+    assert steps[4].fetch_keys.tolist() == [3] and steps[4].fetch_versions.tolist() == [1]
+
+
+def test_a_batch_larger_than_the_cache_is_refused():
+    with pytest.raises(ValueError, match="batch 1 touches 3 distinct rows"):
+        list(plan([np.array([0, 0]), np.array([0, 1, 2])], PlannerConfig(num_rows=3, cache_rows=2)))
+    with pytest.raises(ValueError, match="policy must be one of"):
+        PlannerConfig(num_rows=3, cache_rows=2, policy="fifo")
