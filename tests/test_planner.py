@@ -115,3 +115,21 @@ def test_a_batch_larger_than_the_cache_is_refused():
         list(plan([np.array([0, 0]), np.array([0, 1, 2])], PlannerConfig(num_rows=3, cache_rows=2)))
     with pytest.raises(ValueError, match="policy must be one of"):
         PlannerConfig(num_rows=3, cache_rows=2, policy="fifo")
+
+
+def test_plan_stats_command_counts_what_moves(small_binary, capsys):
+    import json
+
+    from bagpipe.cli import main
+
+    results = {}
+    for policy in ("lookahead", "belady", "lru", "none"):
+        assert main(["plan-stats", "--data", str(small_binary), "--batch-size", "256", "--cache-rows", "600",
+                     "--lookahead", "1000", "--policy", policy, "--iterations", "40"]) == 0
+        results[policy] = json.loads(capsys.readouterr().out)
+    for stats in results.values():
+        assert stats["iterations"] == 40 and stats["lookups"] == 40 * 256 * 26
+        assert stats["peak_cache_rows"] <= 600
+        assert stats["rows_written_back"] == stats["rows_fetched"]
+    assert results["lookahead"]["rows_fetched"] == results["belady"]["rows_fetched"]
+    assert results["belady"]["rows_fetched"] <= results["lru"]["rows_fetched"] < results["none"]["rows_fetched"]

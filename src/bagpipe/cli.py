@@ -1,4 +1,4 @@
-"""The ``bagpipe`` command: synth, preprocess, train, export."""
+"""The ``bagpipe`` command: synth, preprocess, train, export, plan-stats."""
 
 from __future__ import annotations
 
@@ -65,10 +65,21 @@ def _add_export(sub) -> None:
     p.add_argument("--out", required=True)
 
 
+def _add_plan_stats(sub) -> None:
+    p = sub.add_parser("plan-stats", help="plan a cache policy over a data set and print what it moves")
+    p.add_argument("--data", required=True, help="a preprocessed data set (its train split is planned)")
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--cache-rows", type=int, required=True)
+    p.add_argument("--lookahead", type=int, default=200)
+    p.add_argument("--policy", default="lookahead", help="lookahead, lru, lfu, none or belady")
+    p.add_argument("--iterations", type=int, default=0, help="0: one pass over the split")
+    p.add_argument("--trainers", type=int, default=1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bagpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_synth, _add_preprocess, _add_train, _add_export):
+    for add in (_add_synth, _add_preprocess, _add_train, _add_export, _add_plan_stats):
         add(sub)
     return parser
 
@@ -130,7 +141,18 @@ def run_export(args) -> None:
     log.info("wrote %s: %d dense tensors, %d tables", args.out, len(exported["dense"]), len(exported["embeddings"]))
 
 
-COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train, "export": run_export}
+def run_plan_stats(args) -> None:
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.planner.stats import plan_stats
+
+    split = open_dataset(args.data).train
+    print(json.dumps(plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows,
+                                lookahead=args.lookahead, policy=args.policy, iterations=args.iterations,
+                                num_trainers=args.trainers)))
+
+
+COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train, "export": run_export,
+            "plan-stats": run_plan_stats}
 
 
 def main(argv: list[str] | None = None) -> int:
