@@ -124,11 +124,11 @@ def test_plan_stats_command_counts_what_moves(small_binary, capsys):
 
     results = {}
     for policy in ("lookahead", "belady", "lru", "none"):
-        assert main(["plan-stats", "--data", str(small_binary), "--batch-size", "256", "--cache-rows", "600",
+        assert main(["plan-stats", "--data", str(small_binary), "--batch-size", "64", "--cache-rows", "600",
                      "--lookahead", "1000", "--policy", policy, "--iterations", "40"]) == 0
         results[policy] = json.loads(capsys.readouterr().out)
     for stats in results.values():
-        assert stats["iterations"] == 40 and stats["lookups"] == 40 * 256 * 26
+        assert stats["iterations"] == 40 and stats["lookups"] == 40 * 64 * 26
         assert stats["peak_cache_rows"] <= 600
         assert stats["rows_written_back"] == stats["rows_fetched"]
     assert results["lookahead"]["rows_fetched"] == results["belady"]["rows_fetched"]
