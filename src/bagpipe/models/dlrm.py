@@ -39,10 +39,10 @@ class DLRM(nn.Module):
         self.emb_dim = emb_dim
         num_features = num_tables + 1
         rows, cols = torch.tril_indices(num_features, num_features, offset=-1)
-        self.register_buffer("pair_rows", rows, persistent=False)
-        self.register_buffer("pair_cols", cols, persistent=False)
+        # Flat positions of the strictly-lower-triangle pairs in a [F, F] dot matrix.
+        self.register_buffer("pair_index", rows * num_features + cols, persistent=False)
         self.bottom = mlp(bottom_sizes, relu_last=True)
-        self.top = mlp((emb_dim + rows.numel(), *top_sizes), relu_last=False)
+        self.top = mlp((emb_dim + len(self.pair_index), *top_sizes), relu_last=False)
 
     def forward(self, dense_x: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         if embeddings.dim() != 3 or embeddings.shape[1:] != (self.num_tables, self.emb_dim):
@@ -50,5 +50,5 @@ class DLRM(nn.Module):
         x = self.bottom(dense_x)
         features = torch.cat([x.unsqueeze(1), embeddings], dim=1)
         dots = torch.bmm(features, features.transpose(1, 2))
-        interactions = dots[:, self.pair_rows, self.pair_cols]
+        interactions = dots.flatten(1).index_select(1, self.pair_index)
         return self.top(torch.cat([x, interactions], dim=1)).squeeze(1)
