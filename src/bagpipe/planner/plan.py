@@ -78,7 +78,7 @@ class _Stream:
                 self.exhausted = True
             else:
                 batch = np.asarray(batch, dtype=np.int64).ravel()
-                self.window.append((np.unique(batch), batch.size))
+                self.window.append((_sorted_unique(batch), batch.size))
 
     def batch(self, i: int) -> tuple[np.ndarray, int] | None:
         """Unique keys and lookup count of batch i; starts a new block of next uses when due."""
@@ -168,7 +168,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         overflow = len(missing) - num_free
         if overflow > 0:
             occupied = np.flatnonzero(slot_key >= 0)
-            candidates = occupied[~np.isin(slot_key[occupied], keys)]
+            candidates = occupied[~_contains(keys, slot_key[occupied])]
             score = _scores(config.policy, candidates, slot_next=slot_next, slot_last=slot_last,
                             freq=freq[slot_key[candidates]], i=i, lookahead=config.lookahead)
             chosen = candidates[np.argpartition(-score, overflow - 1)[:overflow]]
@@ -205,6 +205,18 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
     yield PlanStep(iteration=i, fetch_keys=empty, fetch_versions=empty, evict_keys=remaining,
                    evict_writers=writers, sync_now_keys=empty, sync_later_keys=empty,
                    sync_later_deadlines=empty, resident_rows=0, lookups=0)
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    # Sort-based: several times faster than np.unique's hash path on int64 batches.
+    ordered = np.sort(values)
+    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
+
+
+def _contains(sorted_keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Whether each value is in ``sorted_keys`` (sorted, unique, non-empty)."""
+    pos = np.searchsorted(sorted_keys, values).clip(max=len(sorted_keys) - 1)
+    return sorted_keys[pos] == values
 
 
 def _scores(policy: str, slots: np.ndarray, *, slot_next, slot_last, freq, i: int, lookahead: int) -> np.ndarray:
