@@ -1,0 +1,86 @@
+"""Trainer-side row cache: a fixed number of slots holding rows and their optimizer state.
+
+Memory is O(cache rows x dim): the key -> slot map is a sorted array of the resident keys, never
+an array over all rows. The cache carries out a plan step (evict, then install fetched rows) and
+serves lookups whose gradients the row optimizer applies to the cached rows in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bagpipe.embeddings import Lookup
+from bagpipe.optim import RowOptimizer
+
+
+class RowCache:
+    def __init__(self, *, capacity: int, dim: int, optimizer: RowOptimizer, device: str = "cpu") -> None:
+        if capacity <= 0:
+            raise ValueError(f"cache capacity must be positive, got {capacity}")
+        self.capacity, self.dim, self.optimizer = capacity, dim, optimizer
+        self.weights = torch.zeros(capacity, dim, device=device)
+        self.state = torch.zeros(capacity, optimizer.state_width(dim), device=device)
+        self.slot_key = np.full(capacity, -1, dtype=np.int64)
+        self._index_keys = np.zeros(0, dtype=np.int64)  # resident keys, sorted
+        self._index_slots = np.zeros(0, dtype=np.int64)
+
+    @property
+    def resident_rows(self) -> int:
+        return len(self._index_keys)
+
+    def _reindex(self) -> None:
+        slots = np.flatnonzero(self.slot_key >= 0)
+        order = np.argsort(self.slot_key[slots], kind="stable")
+        self._index_keys, self._index_slots = self.slot_key[slots][order], slots[order]
+
+    def slots_of(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.asarray(keys, dtype=np.int64)
+        if not len(keys):
+            return np.zeros(0, dtype=np.int64)
+        pos = np.searchsorted(self._index_keys, keys).clip(max=max(len(self._index_keys) - 1, 0))
+        if not len(self._index_keys) or (self._index_keys[pos] != keys).any():
+            missing = keys[(self._index_keys[pos] != keys)] if len(self._index_keys) else keys
+            raise KeyError(f"{len(missing)} rows are not resident (first: key {int(missing[0])}); "
+                           "the plan and the cache disagree")
+        return self._index_slots[pos]
+
+    def evict(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove ``keys``; return their rows and state for the write-back."""
+        slots = torch.from_numpy(self.slots_of(keys))
+        rows, state = self.weights.index_select(0, slots), self.state.index_select(0, slots)
+        self.slot_key[slots.numpy()] = -1
+        self._reindex()
+        return rows, state
+
+    def install(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
+        free = np.flatnonzero(self.slot_key < 0)
+        if len(keys) > len(free):
+            raise ValueError(f"installing {len(keys)} rows into a cache with {len(free)} free slots")
+        slots = free[:len(keys)]
+        self.slot_key[slots] = keys
+        index = torch.from_numpy(slots)
+        self.weights.index_copy_(0, index, rows.to(self.weights.device))
+        if state.shape[1]:
+            self.state.index_copy_(0, index, state.to(self.state.device))
+        self._reindex()
+
+    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, Lookup]:
+        """Embeddings [B, T, D] of flat keys [B, T]; every key must be resident."""
+        unique_keys, inverse = torch.unique(keys, return_inverse=True)
+        slots = torch.from_numpy(self.slots_of(unique_keys.numpy()))
+        rows = self.weights.index_select(0, slots).requires_grad_(True)
+        embeddings = rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, self.dim)
+        return embeddings, Lookup(slots, rows)
+
+    @torch.no_grad()
+    def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
+        """Row-optimizer step on the looked-up slots (``grads``: e.g. all-reduced ones)."""
+        grads = lookup.rows.grad if grads is None else grads
+        assert grads is not None, "backward() must run before apply_gradients()"
+        slots = lookup.unique_ids  # here: cache slots
+        rows, state = lookup.rows.detach().clone(), self.state.index_select(0, slots)
+        self.optimizer.step(rows, state, grads)
+        self.weights.index_copy_(0, slots, rows)
+        if state.shape[1]:
+            self.state.index_copy_(0, slots, state)

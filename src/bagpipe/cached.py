@@ -1,0 +1,68 @@
+"""Single-process cached training: planner + row stores + one trainer cache, in one loop.
+
+The distributed runtime's reference: the same plan steps carried out in order, synchronously.
+Its result must equal the reference trainer's (every row read reflects all earlier updates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from bagpipe.cache import RowCache
+from bagpipe.data.batches import iterate_batches
+from bagpipe.data.binary import BinarySplit
+from bagpipe.models.dlrm import DLRM
+from bagpipe.optim import RowOptimizer
+from bagpipe.planner import PlannerConfig, plan
+from bagpipe.reference import train_step
+from bagpipe.storage import RowStore
+
+
+def key_offsets(table_sizes: list[int]) -> torch.Tensor:
+    return torch.tensor(np.concatenate([[0], np.cumsum(table_sizes)[:-1]]), dtype=torch.int64)
+
+
+def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: BinarySplit, *,
+                 row_optimizer: RowOptimizer, seed: int, batch_size: int, iterations: int, cache_rows: int,
+                 lookahead: int, policy: str = "lookahead", num_shards: int = 1,
+                 timeout: float = 30.0) -> list[RowStore]:
+    """Train ``iterations`` batches from a cache of ``cache_rows`` rows; return the row stores."""
+    sizes = split.table_sizes
+    offsets = key_offsets(sizes)
+    stores = [RowStore(table_sizes=sizes, dim=model.emb_dim, optimizer=row_optimizer, seed=seed, shard=s,
+                       num_shards=num_shards) for s in range(num_shards)]
+    cache = RowCache(capacity=cache_rows, dim=model.emb_dim, optimizer=row_optimizer)
+    batches = [dataclasses.replace(b, ids=b.ids + offsets)
+               for b in iterate_batches(split, batch_size=batch_size, iterations=iterations)]
+    config = PlannerConfig(num_rows=int(sum(sizes)), cache_rows=cache_rows, lookahead=lookahead, policy=policy)
+    for step in plan((b.ids.numpy().ravel() for b in batches), config):
+        if len(step.evict_keys):
+            rows, state = cache.evict(step.evict_keys)
+            for shard, store in enumerate(stores):
+                mine = step.evict_keys % num_shards == shard
+                index = torch.from_numpy(np.flatnonzero(mine))
+                store.write_back(step.evict_keys[mine], rows[index], state[index], version=step.iteration - 1)
+        if len(step.fetch_keys):
+            rows = torch.empty(len(step.fetch_keys), model.emb_dim)
+            state = torch.empty(len(step.fetch_keys), row_optimizer.state_width(model.emb_dim))
+            for shard, store in enumerate(stores):
+                mine = step.fetch_keys % num_shards == shard
+                index = torch.from_numpy(np.flatnonzero(mine))
+                rows[index], state[index] = store.fetch(step.fetch_keys[mine], step.fetch_versions[mine],
+                                                        timeout=timeout)
+            cache.install(step.fetch_keys, rows, state)
+        if step.iteration < len(batches):
+            train_step(model, cache, dense_optimizer, batches[step.iteration])
+    return stores
+
+
+def gather_tables(stores: list[RowStore], table_sizes: list[int]) -> list[torch.Tensor]:
+    """Reassemble every table from its shards (for export and tests)."""
+    num_shards = len(stores)
+    flat = torch.empty(int(sum(table_sizes)), stores[0].dim)
+    for shard, store in enumerate(stores):
+        flat[shard::num_shards] = store.weights
+    return list(torch.split(flat, list(table_sizes)))

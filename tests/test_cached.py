@@ -1,0 +1,84 @@
+"""Cached training (planner + row stores + trainer cache) equals the reference trainer."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from bagpipe.cache import RowCache
+from bagpipe.cached import gather_tables, train_cached
+from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.data.binary import open_dataset
+from bagpipe.embeddings import EmbeddingTables
+from bagpipe.optim import make_row_optimizer
+from bagpipe.reference import build_model, train_step
+from bagpipe.data.batches import iterate_batches
+from bagpipe.storage import RowStore
+
+ITERATIONS, BATCH = 60, 64
+
+
+def run_reference(split, config, row_optimizer):
+    model = build_model(config, split.num_tables)
+    tables = EmbeddingTables(table_sizes=split.table_sizes, dim=config.model.emb_dim, optimizer=row_optimizer,
+                             seed=config.seed)
+    dense_optimizer = row_optimizer.dense_optimizer(model.parameters())
+    for batch in iterate_batches(split, batch_size=BATCH, iterations=ITERATIONS):
+        train_step(model, tables, dense_optimizer, batch)
+    return model, [tables.table(t) for t in range(split.num_tables)]
+
+
+@pytest.mark.parametrize("optimizer, policy, shards", [("adagrad", "lookahead", 2), ("sgd", "lru", 1),
+                                                       ("adam", "lookahead", 3)])
+def test_cached_training_equals_reference(small_binary, tmp_path, optimizer, policy, shards):
+    split = open_dataset(small_binary).train
+    config = TrainConfig(data="-", run_dir="-", optimizer=optimizer, lr=0.05, seed=7,
+                         model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"))
+    row_optimizer = make_row_optimizer(optimizer, lr=config.lr)
+    ref_model, ref_tables = run_reference(split, config, row_optimizer)
+
+    model = build_model(config, split.num_tables)
+    stores = train_cached(model, row_optimizer.dense_optimizer(model.parameters()), split,
+                          row_optimizer=row_optimizer, seed=config.seed, batch_size=BATCH, iterations=ITERATIONS,
+                          cache_rows=600, lookahead=4, policy=policy, num_shards=shards)
+    # The small cache (600 of 861 rows) forces evictions and re-fetches.
+    assert (np.concatenate([s.versions for s in stores]) > 0).any()
+    for got, want in zip(gather_tables(stores, split.table_sizes), ref_tables, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for name, value in ref_model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-7)
+
+
+def test_fetch_waits_for_a_delayed_write_back():
+    optimizer = make_row_optimizer("adagrad", lr=0.1)
+    store = RowStore(table_sizes=[10, 6], dim=2, optimizer=optimizer, seed=0, shard=1, num_shards=2)
+    keys = np.array([3, 11])
+    new_rows, new_state = torch.ones(2, 2), torch.full((2, 2), 5.0)
+
+    def late_writer():
+        time.sleep(0.3)
+        store.write_back(keys, new_rows, new_state, version=4)
+
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    rows, state = store.fetch(keys, np.array([4, 4]), timeout=10.0)
+    writer.join()
+    assert torch.equal(rows, new_rows) and torch.equal(state, new_state)
+    with pytest.raises(TimeoutError, match="wants version 5"):
+        store.fetch(keys, np.array([5, 4]), timeout=0.2)
+    with pytest.raises(ValueError, match="does not hold"):
+        store.fetch(np.array([2]), np.array([-1]), timeout=0.1)
+
+
+def test_cache_memory_is_bounded_by_its_slots():
+    cache = RowCache(capacity=4, dim=3, optimizer=make_row_optimizer("sgd", lr=1.0))
+    cache.install(np.array([10**12, 5]), torch.ones(2, 3), torch.zeros(2, 0))
+    assert cache.resident_rows == 2 and cache.slot_key.nbytes == 4 * 8
+    with pytest.raises(KeyError, match="not resident"):
+        cache.slots_of(np.array([6]))
+    with pytest.raises(ValueError, match="free slots"):
+        cache.install(np.array([1, 2, 3]), torch.ones(3, 3), torch.zeros(3, 0))
+    rows, _ = cache.evict(np.array([10**12]))
+    assert torch.equal(rows, torch.ones(1, 3)) and cache.resident_rows == 1
