@@ -36,12 +36,11 @@ class RowCache:
 
     def slots_of(self, keys: np.ndarray) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.int64)
-        if not len(keys):
-            return np.zeros(0, dtype=np.int64)
-        pos = np.searchsorted(self._index_keys, keys).clip(max=max(len(self._index_keys) - 1, 0))
-        if not len(self._index_keys) or (self._index_keys[pos] != keys).any():
-            missing = keys[(self._index_keys[pos] != keys)] if len(self._index_keys) else keys
-            raise KeyError(f"{len(missing)} rows are not resident (first: key {int(missing[0])}); "
+        pos = np.searchsorted(self._index_keys, keys)
+        found = pos < len(self._index_keys)
+        found[found] = self._index_keys[pos[found]] == keys[found]
+        if not found.all():
+            raise KeyError(f"{int((~found).sum())} rows are not resident (first: key {int(keys[~found][0])}); "
                            "the plan and the cache disagree")
         return self._index_slots[pos]
 

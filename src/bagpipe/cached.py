@@ -14,15 +14,12 @@ import torch
 from bagpipe.cache import RowCache
 from bagpipe.data.batches import iterate_batches
 from bagpipe.data.binary import BinarySplit
+from bagpipe.embeddings import table_offsets
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlannerConfig, plan
 from bagpipe.reference import train_step
 from bagpipe.storage import RowStore
-
-
-def key_offsets(table_sizes: list[int]) -> torch.Tensor:
-    return torch.tensor(np.concatenate([[0], np.cumsum(table_sizes)[:-1]]), dtype=torch.int64)
 
 
 def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: BinarySplit, *,
@@ -31,7 +28,7 @@ def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: Bin
                  timeout: float = 30.0) -> list[RowStore]:
     """Train ``iterations`` batches from a cache of ``cache_rows`` rows; return the row stores."""
     sizes = split.table_sizes
-    offsets = key_offsets(sizes)
+    offsets = torch.from_numpy(table_offsets(sizes))
     stores = [RowStore(table_sizes=sizes, dim=model.emb_dim, optimizer=row_optimizer, seed=seed, shard=s,
                        num_shards=num_shards) for s in range(num_shards)]
     cache = RowCache(capacity=cache_rows, dim=model.emb_dim, optimizer=row_optimizer)

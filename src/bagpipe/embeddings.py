@@ -18,6 +18,11 @@ from bagpipe.optim import RowOptimizer
 INIT_BLOCK_ROWS = 65_536
 
 
+def table_offsets(table_sizes: list[int]) -> np.ndarray:
+    """First flat key of each table: key = offset of its table + id."""
+    return np.concatenate([[0], np.cumsum(table_sizes)[:-1]]).astype(np.int64)
+
+
 def init_block(*, seed: int, table: int, block: int, num_rows: int, dim: int) -> torch.Tensor:
     """Rows [block * INIT_BLOCK_ROWS, ...) of a table: uniform in +-1/sqrt(num_rows), as DLRM does."""
     start = block * INIT_BLOCK_ROWS
@@ -39,7 +44,7 @@ class EmbeddingTables:
         self.table_sizes = list(table_sizes)
         self.dim = dim
         self.optimizer = optimizer
-        self.offsets = torch.tensor(np.concatenate([[0], np.cumsum(table_sizes)[:-1]]), dtype=torch.int64)
+        self.offsets = torch.from_numpy(table_offsets(table_sizes))
         self.weights = torch.cat([
             init_table(seed=seed, table=t, num_rows=n, dim=dim) for t, n in enumerate(table_sizes)
         ])

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import torch
 
-from bagpipe.embeddings import init_table
+from bagpipe.embeddings import init_table, table_offsets
 from bagpipe.optim import RowOptimizer
 
 
@@ -22,7 +22,7 @@ class RowStore:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside [0, {num_shards})")
         self.shard, self.num_shards, self.dim = shard, num_shards, dim
-        offsets = np.concatenate([[0], np.cumsum(table_sizes)[:-1]]).astype(np.int64)
+        offsets = table_offsets(table_sizes)
         parts = []
         for table, (offset, size) in enumerate(zip(offsets.tolist(), table_sizes)):
             first = (shard - offset) % num_shards  # first id of this table that the shard owns

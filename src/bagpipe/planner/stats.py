@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from bagpipe.data.binary import BinarySplit
+from bagpipe.embeddings import table_offsets
 from bagpipe.planner.plan import PlannerConfig, plan
 from bagpipe.planner.reference import belady
 
@@ -15,7 +16,7 @@ STATS_POLICIES = ("lookahead", "lru", "lfu", "none", "belady")
 
 def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list[np.ndarray]:
     """Each global batch's rows as flat keys (table offset + id), in training order."""
-    offsets = np.concatenate([[0], np.cumsum(split.table_sizes)[:-1]]).astype(np.int64)
+    offsets = table_offsets(split.table_sizes)
     per_epoch = split.rows // batch_size
     if per_epoch == 0:
         raise ValueError(f"--batch-size {batch_size} exceeds the {split.rows} rows of {split.directory}")
