@@ -60,11 +60,12 @@ def simulate(batches, steps, *, cache_rows, num_trainers):
 
 
 @settings(max_examples=150, deadline=None)
-@given(streams(), st.sampled_from(["lookahead", "lru", "lfu", "none"]), st.integers(1, 8), st.integers(1, 4))
-def test_plans_keep_every_invariant(stream, policy, lookahead, num_trainers):
+@given(streams(), st.sampled_from(["lookahead", "lru", "lfu", "none"]), st.integers(1, 8), st.integers(1, 4),
+       st.sampled_from([0.0, 0.25, 0.9]))
+def test_plans_keep_every_invariant(stream, policy, lookahead, num_trainers, cleanup_fraction):
     num_rows, batches, cache_rows = stream
     config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead,
-                           num_trainers=num_trainers, policy=policy)
+                           num_trainers=num_trainers, policy=policy, cleanup_fraction=cleanup_fraction)
     steps = list(plan(batches, config))
     assert len(steps) == len(batches) + 1
     simulate(batches, steps, cache_rows=cache_rows, num_trainers=num_trainers)
@@ -108,6 +109,19 @@ def test_eviction_waits_for_capacity_and_takes_the_furthest_use():
     steps = list(plan(batches, PlannerConfig(num_rows=5, cache_rows=3, lookahead=10)))
     assert [s.evict_keys.tolist() for s in steps[:5]] == [[], [], [3], [], [4]]
     assert steps[4].fetch_keys.tolist() == [3] and steps[4].fetch_versions.tolist() == [1]
+
+
+def test_cleanup_fraction_evicts_in_fewer_larger_rounds():
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 400, 30) for _ in range(60)]
+    rounds = {}
+    for fraction in (0.0, 0.5):
+        steps = list(plan(batches, PlannerConfig(num_rows=400, cache_rows=100, lookahead=5,
+                                                 cleanup_fraction=fraction)))
+        rounds[fraction] = sum(1 for s in steps[:-1] if len(s.evict_keys))
+        if fraction:
+            assert all(len(s.evict_keys) >= 50 for s in steps[:-1] if len(s.evict_keys))
+    assert rounds[0.5] < rounds[0.0]
 
 
 def test_a_batch_larger_than_the_cache_is_refused():

@@ -74,6 +74,8 @@ def _add_plan_stats(sub) -> None:
     p.add_argument("--policy", default="lookahead", help="lookahead, lru, lfu, none or belady")
     p.add_argument("--iterations", type=int, default=0, help="0: one pass over the split")
     p.add_argument("--trainers", type=int, default=1)
+    p.add_argument("--cleanup-fraction", type=float, default=0.0,
+                   help="when evicting, also free this share of the cache (fewer, larger eviction rounds)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +150,7 @@ def run_plan_stats(args) -> None:
     split = open_dataset(args.data).train
     print(json.dumps(plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows,
                                 lookahead=args.lookahead, policy=args.policy, iterations=args.iterations,
-                                num_trainers=args.trainers)))
+                                num_trainers=args.trainers, cleanup_fraction=args.cleanup_fraction)))
 
 
 COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train, "export": run_export,

@@ -29,8 +29,11 @@ class PlannerConfig:
     lookahead: int = 200  # batches the oracle sees ahead, the current one included
     num_trainers: int = 1
     policy: str = "lookahead"
+    cleanup_fraction: float = 0.0  # when evicting, also free this share of the cache (fewer, larger rounds)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.cleanup_fraction < 1.0:
+            raise ValueError(f"cleanup_fraction must be in [0, 1), got {self.cleanup_fraction}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("num_rows", "cache_rows", "lookahead", "num_trainers"):
@@ -169,6 +172,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         if overflow > 0:
             occupied = np.flatnonzero(slot_key >= 0)
             candidates = occupied[~_contains(keys, slot_key[occupied])]
+            overflow = min(len(candidates), overflow + int(config.cleanup_fraction * capacity))
             score = _scores(config.policy, candidates, slot_next=slot_next, slot_last=slot_last,
                             freq=freq[slot_key[candidates]], i=i, lookahead=config.lookahead)
             chosen = candidates[np.argpartition(-score, overflow - 1)[:overflow]]

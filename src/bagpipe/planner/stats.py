@@ -29,7 +29,7 @@ def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list
 
 
 def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: int, policy: str,
-               iterations: int = 0, num_trainers: int = 1) -> dict:
+               iterations: int = 0, num_trainers: int = 1, cleanup_fraction: float = 0.0) -> dict:
     if policy not in STATS_POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(STATS_POLICIES)}, got {policy!r}")
     batches = key_batches(split, batch_size=batch_size, iterations=iterations)
@@ -41,7 +41,7 @@ def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahea
                                            counts.peak_cache_rows, counts.lookups)
     else:
         config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead,
-                               num_trainers=num_trainers, policy=policy)
+                               num_trainers=num_trainers, policy=policy, cleanup_fraction=cleanup_fraction)
         fetched = written = peak = lookups = 0
         for step in plan(batches, config):
             fetched += len(step.fetch_keys)
