@@ -38,22 +38,25 @@ def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: Bin
     for step in plan((b.ids.numpy().ravel() for b in batches), config):
         if len(step.evict_keys):
             rows, state = cache.evict(step.evict_keys)
-            for shard, store in enumerate(stores):
-                mine = step.evict_keys % num_shards == shard
-                index = torch.from_numpy(np.flatnonzero(mine))
+            for store, mine, index in _by_shard(stores, step.evict_keys):
                 store.write_back(step.evict_keys[mine], rows[index], state[index], version=step.iteration - 1)
         if len(step.fetch_keys):
             rows = torch.empty(len(step.fetch_keys), model.emb_dim)
             state = torch.empty(len(step.fetch_keys), row_optimizer.state_width(model.emb_dim))
-            for shard, store in enumerate(stores):
-                mine = step.fetch_keys % num_shards == shard
-                index = torch.from_numpy(np.flatnonzero(mine))
+            for store, mine, index in _by_shard(stores, step.fetch_keys):
                 rows[index], state[index] = store.fetch(step.fetch_keys[mine], step.fetch_versions[mine],
                                                         timeout=timeout)
             cache.install(step.fetch_keys, rows, state)
         if step.iteration < len(batches):
             train_step(model, cache, dense_optimizer, batches[step.iteration])
     return stores
+
+
+def _by_shard(stores: list[RowStore], keys: np.ndarray):
+    """Each store with the mask and tensor index of the keys it owns."""
+    for shard, store in enumerate(stores):
+        mine = keys % len(stores) == shard
+        yield store, mine, torch.from_numpy(np.flatnonzero(mine))
 
 
 def gather_tables(stores: list[RowStore], table_sizes: list[int]) -> list[torch.Tensor]:

@@ -66,9 +66,9 @@ class PlantedModel:
         rng = np.random.default_rng([seed, 1])
         self.table_sizes = table_sizes
         self.salt = np.uint64(rng.integers(1, 2**62))
-        self.dense_weights = rng.normal(0.0, 0.5, NUM_DENSE)
+        self.dense_weights = rng.normal(0.0, 0.25, NUM_DENSE)
         self.dense_center = 1.5
-        self.table_scale = 2.0 / math.sqrt(len(table_sizes))
+        self.table_scale = 3.0 / math.sqrt(len(table_sizes))  # best AUC about 0.85 on Criteo's shape
         self.bias = -1.0
 
     def row_effects(self, table: int, ids: np.ndarray) -> np.ndarray:
@@ -79,9 +79,9 @@ class PlantedModel:
         return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53) * 2.0 - 1.0
 
     def logits(self, dense_features: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        logit = self.bias + (dense_features - self.dense_center) @ self.dense_weights * 0.5
+        logit = self.bias + (dense_features - self.dense_center) @ self.dense_weights
         for table in range(ids.shape[1]):
-            logit = logit + self.table_scale * 1.5 * self.row_effects(table, ids[:, table])
+            logit = logit + self.table_scale * self.row_effects(table, ids[:, table])
         return logit
 
 
