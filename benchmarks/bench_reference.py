@@ -323,7 +323,7 @@ def profile_phases(data: Path, *, arch: tuple[str, str], optimizer: str, threads
             if iteration >= warmup:
                 for phase, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6))):
                     times[phase].append((b - a) * 1e3)
-                unique_rows.append(lookup.unique_ids.numel())
+                unique_rows.append(lookup.index.numel())
     phases = {p: round(median(v), 3) for p, v in times.items()}
     total = sum(phases.values())
     return {

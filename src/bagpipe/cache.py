@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bagpipe.embeddings import Lookup
+from bagpipe.embeddings import Lookup, gather_rows, update_rows
 from bagpipe.optim import RowOptimizer
 
 
@@ -68,18 +68,8 @@ class RowCache:
         """Embeddings [B, T, D] of flat keys [B, T]; every key must be resident."""
         unique_keys, inverse = torch.unique(keys, return_inverse=True)
         slots = torch.from_numpy(self.slots_of(unique_keys.numpy()))
-        rows = self.weights.index_select(0, slots).requires_grad_(True)
-        embeddings = rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, self.dim)
-        return embeddings, Lookup(slots, rows)
+        return gather_rows(self.weights, slots, inverse)
 
-    @torch.no_grad()
     def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
         """Row-optimizer step on the looked-up slots (``grads``: e.g. all-reduced ones)."""
-        grads = lookup.rows.grad if grads is None else grads
-        assert grads is not None, "backward() must run before apply_gradients()"
-        slots = lookup.unique_ids  # here: cache slots
-        rows, state = lookup.rows.detach().clone(), self.state.index_select(0, slots)
-        self.optimizer.step(rows, state, grads)
-        self.weights.index_copy_(0, slots, rows)
-        if state.shape[1]:
-            self.state.index_copy_(0, slots, state)
+        update_rows(self.optimizer, self.weights, self.state, lookup, grads)

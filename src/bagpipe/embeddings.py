@@ -52,23 +52,11 @@ class EmbeddingTables:
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, "Lookup"]:
         """Embeddings [B, T, D] of ids [B, T] (one id per sample and table)."""
-        global_ids = ids.to(torch.int64) + self.offsets
-        unique_ids, inverse = torch.unique(global_ids, return_inverse=True)
-        rows = self.weights.index_select(0, unique_ids).requires_grad_(True)
-        # index_select's backward is an index_add, much cheaper than embedding's sort-based one.
-        embeddings = rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, self.dim)
-        return embeddings, Lookup(unique_ids, rows)
+        unique_ids, inverse = torch.unique(ids.to(torch.int64) + self.offsets, return_inverse=True)
+        return gather_rows(self.weights, unique_ids, inverse)
 
-    @torch.no_grad()
     def apply_gradients(self, lookup: "Lookup") -> None:
-        rows = lookup.rows.detach().clone()
-        grads = lookup.rows.grad
-        assert grads is not None, "backward() must run before apply_gradients()"
-        state = self.state.index_select(0, lookup.unique_ids)
-        self.optimizer.step(rows, state, grads)
-        self.weights.index_copy_(0, lookup.unique_ids, rows)
-        if state.shape[1]:
-            self.state.index_copy_(0, lookup.unique_ids, state)
+        update_rows(self.optimizer, self.weights, self.state, lookup)
 
     def table(self, index: int) -> torch.Tensor:
         start = int(self.offsets[index])
@@ -78,8 +66,29 @@ class EmbeddingTables:
 class Lookup:
     """The rows one batch gathered (a leaf that receives their summed gradients)."""
 
-    __slots__ = ("unique_ids", "rows")
+    __slots__ = ("index", "rows")
 
-    def __init__(self, unique_ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self.unique_ids = unique_ids
+    def __init__(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        self.index = index  # where the distinct rows live in the weights tensor (ids or cache slots)
         self.rows = rows
+
+
+def gather_rows(weights: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, Lookup]:
+    """Embeddings [*inverse.shape, D] built from the distinct rows ``weights[index]``."""
+    rows = weights.index_select(0, index).requires_grad_(True)
+    # index_select's backward is an index_add, much cheaper than embedding's sort-based one.
+    embeddings = rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, weights.shape[1])
+    return embeddings, Lookup(index, rows)
+
+
+@torch.no_grad()
+def update_rows(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Tensor, lookup: Lookup,
+                grads: torch.Tensor | None = None) -> None:
+    """Row-optimizer step on the looked-up rows, in place (``grads``: default, the leaf's own)."""
+    grads = lookup.rows.grad if grads is None else grads
+    assert grads is not None, "backward() must run before the row update"
+    rows, row_state = lookup.rows.detach().clone(), state.index_select(0, lookup.index)
+    optimizer.step(rows, row_state, grads)
+    weights.index_copy_(0, lookup.index, rows)
+    if row_state.shape[1]:
+        state.index_copy_(0, lookup.index, row_state)

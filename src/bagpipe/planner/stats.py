@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from bagpipe.data.batches import batch_rows, batches_per_epoch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import table_offsets
 from bagpipe.planner.plan import PlannerConfig, plan
@@ -17,15 +18,10 @@ STATS_POLICIES = ("lookahead", "lru", "lfu", "none", "belady")
 def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list[np.ndarray]:
     """Each global batch's rows as flat keys (table offset + id), in training order."""
     offsets = table_offsets(split.table_sizes)
-    per_epoch = split.rows // batch_size
-    if per_epoch == 0:
-        raise ValueError(f"--batch-size {batch_size} exceeds the {split.rows} rows of {split.directory}")
-    iterations = iterations or per_epoch
-    batches = []
-    for i in range(iterations):
-        start = (i % per_epoch) * batch_size
-        batches.append((np.asarray(split.ids[start:start + batch_size], dtype=np.int64) + offsets).ravel())
-    return batches
+    iterations = iterations or batches_per_epoch(split, batch_size)
+    return [(np.asarray(split.ids[rows], dtype=np.int64) + offsets).ravel()
+            for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=False,
+                                   shuffle_seed=0)]
 
 
 def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: int, policy: str,
