@@ -67,8 +67,14 @@ class RowCache:
     def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, Lookup]:
         """Embeddings [B, T, D] of flat keys [B, T]; every key must be resident."""
         unique_keys, inverse = torch.unique(keys, return_inverse=True)
-        slots = torch.from_numpy(self.slots_of(unique_keys.numpy()))
-        return gather_rows(self.weights, slots, inverse)
+        slots = torch.from_numpy(self.slots_of(unique_keys.numpy())).to(self.weights.device)
+        return gather_rows(self.weights, slots, inverse.to(self.weights.device))
+
+    def apply_to(self, keys: np.ndarray, grads: torch.Tensor) -> None:
+        """Row-optimizer step on resident ``keys`` with the given (e.g. all-reduced) gradients."""
+        slots = torch.from_numpy(self.slots_of(keys)).to(self.weights.device)
+        update_rows(self.optimizer, self.weights, self.state, Lookup(slots, self.weights.index_select(0, slots)),
+                    grads.to(self.weights.device))
 
     def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
         """Row-optimizer step on the looked-up slots (``grads``: e.g. all-reduced ones)."""

@@ -19,7 +19,7 @@ from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlannerConfig, plan
 from bagpipe.reference import train_step
-from bagpipe.storage import RowStore
+from bagpipe.storage import RowStore, gather_flat
 
 
 def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: BinarySplit, *,
@@ -61,8 +61,5 @@ def _by_shard(stores: list[RowStore], keys: np.ndarray):
 
 def gather_tables(stores: list[RowStore], table_sizes: list[int]) -> list[torch.Tensor]:
     """Reassemble every table from its shards (for export and tests)."""
-    num_shards = len(stores)
-    flat = torch.empty(int(sum(table_sizes)), stores[0].dim)
-    for shard, store in enumerate(stores):
-        flat[shard::num_shards] = store.weights
+    flat = gather_flat([store.weights for store in stores], int(sum(table_sizes)))
     return list(torch.split(flat, list(table_sizes)))

@@ -7,13 +7,16 @@ anything runs, with a message naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bagpipe.planner.plan import POLICIES
+
 OPTIMIZERS = ("sgd", "adagrad", "adam")
-MODES = ("reference",)
+MODES = ("reference", "bagpipe")
 
 
 def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
@@ -72,6 +75,16 @@ class TrainConfig:
     warmup_iterations: int = 5  # excluded from the steady-state samples/s
     log_every: int = 10
     max_eval_rows: int = 0  # 0: the whole test split
+    # --mode bagpipe: the local job's shape and the cache plan
+    trainers: int = 2
+    servers: int = 1
+    cache_rows: int = 0  # rows each trainer caches; 0: 5% of all rows
+    lookahead: int = 200  # batches the oracle plans ahead
+    policy: str = "lookahead"
+    cleanup_fraction: float = 0.0  # evict this share of the cache at once when evicting
+    prefetch_depth: int = 8  # iterations whose fetches a trainer has in flight
+    timeout: float = 60.0  # seconds any remote wait may take before the job fails
+    master_port: int = 0  # 0: a free port on 127.0.0.1
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def __post_init__(self) -> None:
@@ -91,6 +104,20 @@ class TrainConfig:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("trainers", "servers", "lookahead", "prefetch_depth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cache_rows < 0:
+            raise ValueError(f"cache_rows must not be negative, got {self.cache_rows}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if not 0 <= self.master_port < 65535:
+            raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
+        if self.mode == "bagpipe" and self.batch_size % self.trainers:
+            raise ValueError(f"batch_size {self.batch_size} must be a multiple of trainers ({self.trainers}): "
+                             "each trainer takes an equal slice of the global batch")
 
 
 def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -127,3 +154,20 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+def dump_toml(config: TrainConfig) -> str:
+    """The config as TOML that ``load_train_config`` reads back to an equal config."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return json.dumps(str(v))  # a TOML basic string: JSON's escapes are valid TOML
+
+    values = config_to_dict(config)
+    model = values.pop("model")
+    lines = [f"{k} = {value(v)}" for k, v in values.items()]
+    lines += ["", "[model]"] + [f"{k} = {value(v)}" for k, v in model.items()]
+    return "\n".join(lines) + "\n"

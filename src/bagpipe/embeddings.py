@@ -40,14 +40,17 @@ def init_table(*, seed: int, table: int, num_rows: int, dim: int) -> torch.Tenso
 class EmbeddingTables:
     """Every table's rows and optimizer state; lookups return tensors that autograd flows through."""
 
-    def __init__(self, *, table_sizes: list[int], dim: int, optimizer: RowOptimizer, seed: int) -> None:
+    def __init__(self, *, table_sizes: list[int], dim: int, optimizer: RowOptimizer, seed: int,
+                 weights: torch.Tensor | None = None) -> None:
+        """Initial rows from ``seed``, or the given flat ``weights`` (e.g. gathered from servers)."""
         self.table_sizes = list(table_sizes)
         self.dim = dim
         self.optimizer = optimizer
         self.offsets = torch.from_numpy(table_offsets(table_sizes))
-        self.weights = torch.cat([
-            init_table(seed=seed, table=t, num_rows=n, dim=dim) for t, n in enumerate(table_sizes)
-        ])
+        if weights is None:
+            weights = torch.cat([init_table(seed=seed, table=t, num_rows=n, dim=dim)
+                                 for t, n in enumerate(table_sizes)])
+        self.weights = weights
         self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(dim))
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, "Lookup"]:

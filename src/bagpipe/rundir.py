@@ -12,10 +12,16 @@ CHECKPOINT = "checkpoint.pt"
 
 
 class RunDir:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, append: bool = False) -> None:
+        """Open a run dir; a fresh one (``append`` False) starts an empty metrics log.
+
+        Metrics are appended (O_APPEND), so several processes of one job may log to the same file.
+        """
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.path / "metrics.jsonl", "w")
+        if not append:
+            (self.path / "metrics.jsonl").write_text("")
+        self._metrics = open(self.path / "metrics.jsonl", "a")
 
     def write_json(self, name: str, payload: dict) -> None:
         (self.path / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -32,6 +32,8 @@ class RowStore:
         self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(dim))
         self.versions = np.full(self.weights.shape[0], -1, dtype=np.int64)
         self._changed = threading.Condition()
+        self.fetches_waited = 0  # fetches that arrived before the write-back they must observe
+        self._waiting: list[tuple[torch.Tensor, np.ndarray, torch.futures.Future]] = []
 
     def _local(self, keys: np.ndarray) -> torch.Tensor:
         keys = np.asarray(keys, dtype=np.int64)
@@ -50,13 +52,51 @@ class RowStore:
                 raise TimeoutError(f"shard {self.shard}: {len(behind)} rows still lack their write-back after "
                                    f"{timeout} s (first: key {int(keys[behind[0]])} wants version "
                                    f"{int(wanted[behind[0]])}, has {int(self.versions[local[behind[0]]])})")
-            return self.weights.index_select(0, local), self.state.index_select(0, local)
+            return self._read(local)
+
+    def fetch_async(self, keys: np.ndarray, versions: np.ndarray) -> torch.futures.Future:
+        """Like ``fetch``, without blocking a thread: the future completes when the rows are ready.
+
+        The waiting side owns the timeout (an RPC's own deadline, for a remote fetch).
+        """
+        local = self._local(keys)
+        wanted = np.asarray(versions, dtype=np.int64)
+        future: torch.futures.Future = torch.futures.Future()
+        with self._changed:
+            if (self.versions[local.numpy()] >= wanted).all():
+                future.set_result(self._read(local))
+            else:
+                self.fetches_waited += 1
+                self._waiting.append((local, wanted, future))
+        return future
+
+    def _read(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weights.index_select(0, local), self.state.index_select(0, local)
 
     def write_back(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
         local = self._local(keys)
+        ready = []
         with self._changed:
             self.weights.index_copy_(0, local, rows)
             if state.shape[1]:
                 self.state.index_copy_(0, local, state)
             self.versions[local.numpy()] = version
             self._changed.notify_all()
+            still = []
+            for waiting_local, wanted, future in self._waiting:
+                if (self.versions[waiting_local.numpy()] >= wanted).all():
+                    ready.append((future, self._read(waiting_local)))
+                else:
+                    still.append((waiting_local, wanted, future))
+            self._waiting = still
+        for future, result in ready:  # outside the lock: completing runs the RPC's reply callbacks
+            future.set_result(result)
+
+
+def gather_flat(shard_weights: list[torch.Tensor], num_rows: int) -> torch.Tensor:
+    """Reassemble the flat key space from every shard's rows (shard s holds keys s, s + S, ...)."""
+    num_shards = len(shard_weights)
+    flat = torch.empty(num_rows, shard_weights[0].shape[1])
+    for shard, weights in enumerate(shard_weights):
+        flat[shard::num_shards] = weights
+    return flat

@@ -1,0 +1,1 @@
+"""The distributed runtime: oracle, embedding servers and trainers over torch.distributed."""

@@ -1,0 +1,293 @@
+"""The oracle role: read the data in order, plan, and hand every trainer its slice and its plan.
+
+A producer thread runs the planner over the global batches and fills one bounded queue per
+trainer; trainers pull from their queue (flow control: the oracle never runs further ahead than
+the queues hold). When every trainer has reported done, the oracle gathers the tables from the
+servers, stops them, evaluates the model and writes the run dir as the reference trainer does.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import torch
+import torch.distributed.rpc as rpc
+
+from bagpipe.config import TrainConfig, config_to_dict
+from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
+from bagpipe.data.binary import open_dataset
+from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.embeddings import EmbeddingTables, table_offsets
+from bagpipe.optim import make_row_optimizer
+from bagpipe.planner import PlannerConfig, plan
+from bagpipe.reference import build_model, check_data, evaluate
+from bagpipe.rundir import RunDir
+from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
+from bagpipe.runtime.world import World, check_in, init_rpc
+from bagpipe.storage import gather_flat
+
+log = logging.getLogger(__name__)
+
+PULL_MAX_STEPS = 8  # plan messages per pull
+
+
+def default_cache_rows(table_sizes: list[int]) -> int:
+    return max(1, int(0.05 * sum(table_sizes)))
+
+
+class Oracle:
+    def __init__(self, config: TrainConfig, world: World) -> None:
+        self.config, self.world = config, world
+        self.dataset = open_dataset(ensure_preprocessed(config.data, show_progress=False))
+        check_data(config, self.dataset)
+        split = self.dataset.train
+        self.iterations = config.iterations or batches_per_epoch(split, config.batch_size)
+        sizes = self.dataset.table_sizes
+        cache_rows = config.cache_rows or default_cache_rows(sizes)
+        if config.batch_size % world.num_trainers:
+            raise ValueError(f"batch_size {config.batch_size} is not a multiple of the "
+                             f"{world.num_trainers} trainers")
+        self.job = JobInfo(config=config_to_dict(config), table_sizes=list(sizes),
+                           num_dense=int(split.dense.shape[1]), iterations=self.iterations,
+                           cache_rows=cache_rows, slice_size=config.batch_size // world.num_trainers)
+        self.planner_config = PlannerConfig(num_rows=int(sum(sizes)), cache_rows=cache_rows,
+                                            lookahead=config.lookahead, num_trainers=world.num_trainers,
+                                            policy=config.policy, cleanup_fraction=config.cleanup_fraction)
+        depth = max(2 * config.prefetch_depth, 2 * PULL_MAX_STEPS)
+        self.queues = [queue.Queue(maxsize=depth) for _ in range(world.num_trainers)]
+        self.servers_ready: set[str] = set()
+        self.done: dict[int, tuple[TrainerStats, dict | None]] = {}
+        self.changed = threading.Condition()
+        self.failure: BaseException | None = None
+        self.last_heard = time.monotonic()
+        self.bytes_sent = 0
+        self.stop = threading.Event()
+
+    # -- the producer ------------------------------------------------------------------------
+    def produce(self) -> None:
+        try:
+            self._produce()
+        except BaseException as err:  # handed to the trainers' next pull and to the main thread
+            with self.changed:
+                self.failure = err
+                self.changed.notify_all()
+
+    def _produce(self) -> None:
+        config, split = self.config, self.dataset.train
+        offsets = table_offsets(self.dataset.table_sizes)
+        pending: deque = deque()
+
+        def key_stream():
+            for rows in batch_rows(split, batch_size=config.batch_size, iterations=self.iterations,
+                                   shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
+                batch = read_batch(split, rows)
+                pending.append(batch)
+                yield (batch.ids.numpy() + offsets).ravel()
+
+        t = self.world.num_trainers
+        b = self.job.slice_size
+        for step in plan(key_stream(), self.planner_config):
+            batch = pending.popleft() if step.iteration < self.iterations else None
+            batch_keys = np.union1d(step.sync_now_keys, step.sync_later_keys)
+            now_mask = np.isin(batch_keys, step.sync_now_keys, assume_unique=True)
+            common = dict(iteration=step.iteration, final=batch is None,
+                          fetch_keys=torch.from_numpy(step.fetch_keys),
+                          fetch_versions=torch.from_numpy(step.fetch_versions),
+                          evict_keys=torch.from_numpy(step.evict_keys),
+                          batch_keys=torch.from_numpy(batch_keys), now_mask=torch.from_numpy(now_mask),
+                          lookups=step.lookups)
+            for trainer, out in enumerate(self.queues):
+                part = slice(trainer * b, (trainer + 1) * b)
+                message = StepMessage(
+                    dense_x=None if batch is None else batch.dense_x[part],
+                    ids=None if batch is None else batch.ids[part],
+                    target=None if batch is None else batch.target[part],
+                    write_mask=torch.from_numpy(step.evict_writers == trainer), **common)
+                self.bytes_sent += message.nbytes()
+                while not self.stop.is_set():
+                    try:
+                        out.put(message, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+
+    # -- RPC handlers ------------------------------------------------------------------------
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
+
+    def pull(self, trainer: int, max_steps: int) -> list[StepMessage]:
+        self.heard()
+        deadline = time.monotonic() + self.world.timeout
+        with self.changed:
+            while len(self.servers_ready) < self.world.num_servers and self.failure is None:
+                if not self.changed.wait(timeout=max(deadline - time.monotonic(), 0.0)):
+                    raise TimeoutError(f"servers ready after {self.world.timeout:.0f} s: "
+                                       f"{sorted(self.servers_ready)} of {self.world.num_servers}")
+        out = self.queues[trainer]
+        messages = []
+        while not messages:
+            if self.failure is not None:
+                raise RuntimeError(f"the oracle failed: {self.failure}")
+            try:
+                messages.append(out.get(timeout=0.2))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the oracle produced no plan for trainer {trainer} in "
+                                       f"{self.world.timeout:.0f} s") from None
+        while len(messages) < max_steps and not messages[-1].final:
+            try:
+                messages.append(out.get_nowait())
+            except queue.Empty:
+                break
+        self.heard()
+        return messages
+
+    def server_ready(self, name: str) -> None:
+        with self.changed:
+            self.servers_ready.add(name)
+            self.changed.notify_all()
+
+    def trainer_done(self, trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
+        self.heard()
+        with self.changed:
+            self.done[trainer] = (stats, dense_state)
+            self.changed.notify_all()
+
+    # -- the main thread ---------------------------------------------------------------------
+    def wait_for_trainers(self) -> None:
+        """Until every trainer reported done; heartbeat the servers; fail on silence or a failure."""
+        last_ping = 0.0
+        with self.changed:
+            while len(self.done) < self.world.num_trainers:
+                if self.failure is not None:
+                    raise RuntimeError(f"planning failed: {self.failure}") from self.failure
+                silent = time.monotonic() - self.last_heard
+                if silent > self.world.timeout:
+                    missing = sorted(set(range(self.world.num_trainers)) - set(self.done))
+                    raise TimeoutError(f"no trainer has been heard from for {silent:.0f} s "
+                                       f"(trainers not done: {missing})")
+                if time.monotonic() - last_ping > min(5.0, self.world.timeout / 4):
+                    from bagpipe.runtime import server
+                    for name in sorted(self.servers_ready):  # also surfaces a dead server within seconds
+                        rpc.rpc_sync(name, server.rpc_ping, timeout=self.world.timeout)
+                    last_ping = time.monotonic()
+                self.changed.wait(timeout=0.5)
+
+
+_ORACLE: Oracle | None = None
+
+
+def rpc_job_info(caller: str) -> JobInfo:
+    _ORACLE.heard()
+    return _ORACLE.job
+
+
+def rpc_ready(name: str) -> None:
+    _ORACLE.server_ready(name)
+
+
+def rpc_pull(trainer: int, max_steps: int) -> list[StepMessage]:
+    return _ORACLE.pull(trainer, max_steps)
+
+
+def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
+    _ORACLE.trainer_done(trainer, stats, dense_state)
+
+
+def run_oracle(config: TrainConfig, world: World) -> dict:
+    """Plan and feed the whole job; return the summary it writes to the run dir."""
+    from bagpipe.runtime import server
+
+    global _ORACLE
+    started = time.perf_counter()
+    torch.use_deterministic_algorithms(True)
+    _ORACLE = oracle = Oracle(config, world)
+    run = RunDir(config.run_dir)
+    run.write_json("config.json", config_to_dict(config))
+    log.info("bagpipe job: %d iterations of %d samples over %d trainers, %d servers; cache %d of %d rows, "
+             "lookahead %d, policy %s", oracle.iterations, config.batch_size, world.num_trainers,
+             world.num_servers, oracle.job.cache_rows, oracle.planner_config.num_rows, config.lookahead,
+             config.policy)
+    store = check_in(world, "oracle")
+    init_rpc(world)
+    producer = threading.Thread(target=oracle.produce, name="planner", daemon=True)
+    producer.start()
+    try:
+        oracle.wait_for_trainers()
+        shards = [rpc.rpc_sync(World.server_name(s), server.rpc_dump, timeout=world.timeout)
+                  for s in range(world.num_servers)]
+        for s in range(world.num_servers):
+            rpc.rpc_sync(World.server_name(s), server.rpc_stop, timeout=world.timeout)
+    finally:
+        oracle.stop.set()
+    rpc.shutdown(graceful=True, timeout=world.timeout)
+    del store
+    train_s = time.perf_counter() - started
+    return finish(oracle, run, shards, started=started, train_s=train_s)
+
+
+def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, train_s: float) -> dict:
+    """Evaluate the trained model, write checkpoint and summary (the reference's run-dir layout)."""
+    config, dataset = oracle.config, oracle.dataset
+    sizes = dataset.table_sizes
+    flat = gather_flat([s["weights"] for s in shards], int(sum(sizes)))
+    row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
+    tables = EmbeddingTables(table_sizes=sizes, dim=config.model.emb_dim, optimizer=row_optimizer,
+                             seed=config.seed, weights=flat)
+    model = build_model(config, len(sizes))
+    stats = {t: s for t, (s, _) in oracle.done.items()}
+    dense_state = oracle.done[0][1]
+    model.load_state_dict(dense_state)
+    eval_started = time.perf_counter()
+    metrics = {"eval_auc": float("nan"), "eval_logloss": float("nan"), "eval_rows": 0}
+    if dataset.test is not None and dataset.test.rows:
+        metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
+                           max_rows=config.max_eval_rows)
+        run.log_metrics(event="eval", iteration=oracle.iterations, **metrics)
+    eval_s = time.perf_counter() - eval_started
+    run.save_checkpoint(dense=model.state_dict(),
+                        embeddings=[t.clone() for t in torch.split(flat, list(sizes))],
+                        extra={"iteration": oracle.iterations, "mode": "bagpipe"})
+    all_stats = list(stats.values())
+    batch_rows = sum(s.batch_rows for s in all_stats)
+    summary = {
+        "mode": "bagpipe",
+        "iterations": oracle.iterations,
+        "samples": oracle.iterations * config.batch_size,
+        "samples_per_s": stats[0].samples_per_s,
+        "final_train_loss": stats[0].extra.get("final_train_loss", float("nan")),
+        **metrics,
+        "best_auc": dataset.meta.get("best_auc"),
+        "trainers": oracle.world.num_trainers,
+        "servers": oracle.world.num_servers,
+        "cache_rows": oracle.job.cache_rows,
+        "total_rows": int(sum(sizes)),
+        "lookahead": config.lookahead,
+        "policy": config.policy,
+        "rows_fetched": sum(s.rows_fetched for s in all_stats),
+        "rows_written_back": sum(s.rows_written_back for s in all_stats),
+        "rows_moved_per_iteration": sum(s.rows_fetched + s.rows_written_back for s in all_stats)
+        / max(oracle.iterations, 1),
+        "cache_hit_rate": sum(s.batch_hits for s in all_stats) / batch_rows if batch_rows else float("nan"),
+        "embedding_stall_fraction": float(np.mean([s.stall_s / s.loop_s if s.loop_s else 0.0
+                                                   for s in all_stats])),
+        "sync_fraction": float(np.mean([s.sync_s / s.loop_s if s.loop_s else 0.0 for s in all_stats])),
+        "bytes_sent": oracle.bytes_sent + sum(s.bytes_sent for s in all_stats)
+        + sum(s["bytes_sent"] for s in shards),
+        "server_fetches": sum(s["fetches"] for s in shards),
+        "server_fetches_waited": sum(s["fetches_waited"] for s in shards),
+        "train_s": train_s,
+        "eval_s": eval_s,
+        "wall_s": time.perf_counter() - started,
+        "warmup_iterations": config.warmup_iterations,
+    }
+    run.write_json("summary.json", summary)
+    run.close()
+    return summary

@@ -1,0 +1,61 @@
+"""What the oracle tells the trainers: the job, then one message per iteration.
+
+Every trainer holds the same cache (the plan is global), so every trainer gets the same plan
+part; only the batch slice and which evicted rows it writes back differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    config: dict  # TrainConfig as a dict (model under "model")
+    table_sizes: list[int]
+    num_dense: int
+    iterations: int
+    cache_rows: int
+    slice_size: int  # samples per trainer per iteration
+
+
+@dataclass
+class StepMessage:
+    iteration: int
+    final: bool  # the flush after the last iteration: no batch, every resident row is evicted
+    dense_x: torch.Tensor | None  # this trainer's slice of the global batch
+    ids: torch.Tensor | None  # [slice, tables], ids within each table
+    target: torch.Tensor | None
+    fetch_keys: torch.Tensor  # flat keys to install before this iteration
+    fetch_versions: torch.Tensor  # the write-back version each fetch must observe
+    evict_keys: torch.Tensor  # flat keys to evict before the fetches (after iteration - 1)
+    write_mask: torch.Tensor  # bool per evicted key: this trainer writes it back
+    batch_keys: torch.Tensor  # the global batch's distinct flat keys, sorted
+    now_mask: torch.Tensor  # bool per batch key: used again next iteration, so synced right away
+    lookups: int = 0  # ids in the global batch, repeats included
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.dense_x, self.ids, self.target, self.fetch_keys, self.fetch_versions,
+                            self.evict_keys, self.write_mask, self.batch_keys, self.now_mask) if t is not None]
+
+
+@dataclass
+class TrainerStats:
+    """Counters a trainer reports when it finishes (summed or averaged by the oracle)."""
+
+    iterations: int = 0
+    rows_fetched: int = 0
+    rows_written_back: int = 0
+    batch_rows: int = 0  # distinct rows of the global batches, summed over iterations
+    batch_hits: int = 0  # of those, rows already resident before the iteration's fetches
+    stall_s: float = 0.0  # waiting for plan messages, fetched rows or forced gradient syncs
+    sync_s: float = 0.0  # waiting on the blocking gradient all-reduce
+    loop_s: float = 0.0  # wall time from the first iteration to the end of the flush
+    bytes_sent: int = 0  # payload this trainer sent: write-backs and gradient all-reduces
+    samples_per_s: float = float("nan")  # steady state, as the reference counts it
+    extra: dict = field(default_factory=dict)

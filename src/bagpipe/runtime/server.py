@@ -1,0 +1,104 @@
+"""The embedding server role: one RowStore shard behind RPC.
+
+Fetches that ask for a version not yet written back are parked (``async_execution``) rather
+than holding an RPC thread, so a server can never deadlock on its own write-back traffic; the
+caller's RPC deadline bounds the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed.rpc as rpc
+
+from bagpipe.optim import make_row_optimizer
+from bagpipe.runtime import oracle
+from bagpipe.runtime.world import World, check_in, init_rpc
+from bagpipe.storage import RowStore
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    def __init__(self, store: RowStore) -> None:
+        self.store = store
+        self.stop = threading.Event()
+        self.last_request = time.monotonic()
+        self.bytes_sent = 0
+        self.fetches = 0
+        self.rows_written = 0
+        self._lock = threading.Lock()
+
+    def touch(self) -> None:
+        self.last_request = time.monotonic()
+
+    def fetch(self, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
+        self.touch()
+        future = self.store.fetch_async(keys.numpy(), versions.numpy())
+        with self._lock:
+            self.fetches += 1
+            self.bytes_sent += len(keys) * 4 * (self.store.dim + self.store.state.shape[1])
+        return future
+
+    def write_back(self, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, version: int) -> None:
+        self.touch()
+        self.store.write_back(keys.numpy(), rows, state, version=version)
+        with self._lock:
+            self.rows_written += len(keys)
+
+    def dump(self) -> dict:
+        self.touch()
+        return {"weights": self.store.weights, "bytes_sent": self.bytes_sent, "fetches": self.fetches,
+                "fetches_waited": self.store.fetches_waited, "rows_written": self.rows_written}
+
+
+_SERVER: Server | None = None
+
+
+@rpc.functions.async_execution
+def rpc_fetch(keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
+    return _SERVER.fetch(keys, versions)
+
+
+def rpc_write_back(keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, version: int) -> None:
+    _SERVER.write_back(keys, rows, state, version)
+
+
+def rpc_dump() -> dict:
+    return _SERVER.dump()
+
+
+def rpc_ping() -> None:
+    _SERVER.touch()
+
+
+def rpc_stop() -> None:
+    _SERVER.stop.set()
+
+
+def run_server(world: World) -> None:
+    """Serve one shard until the oracle says stop; fail if not even the oracle's heartbeat arrives."""
+    global _SERVER
+    role, index = world.role
+    store = check_in(world, "server")
+    init_rpc(world)
+    job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(f"server{index}",))
+    config = job.config
+    row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
+    started = time.perf_counter()
+    _SERVER = Server(RowStore(table_sizes=job.table_sizes, dim=config["model"]["emb_dim"],
+                              optimizer=row_optimizer, seed=config["seed"], shard=index,
+                              num_shards=world.num_servers))
+    log.info("server %d holds %d rows (of %d) in %.1f s", index, _SERVER.store.weights.shape[0],
+             int(np.sum(job.table_sizes)), time.perf_counter() - started)
+    rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,))
+    _SERVER.touch()
+    while not _SERVER.stop.wait(0.2):
+        idle = time.monotonic() - _SERVER.last_request
+        if idle > world.timeout:
+            raise TimeoutError(f"server {index}: no request or heartbeat for {idle:.0f} s; is the oracle gone?")
+    rpc.shutdown(graceful=True, timeout=world.timeout)

@@ -1,0 +1,314 @@
+"""The trainer side: a row cache kept in step with the oracle's plan, ahead of compute.
+
+A prefetcher thread pulls plan messages from the oracle and issues each iteration's fetches as
+soon as it sees them (servers park a fetch until the write-back it must observe has arrived);
+a writer thread sends write-backs. The compute thread, at each iteration boundary, applies the
+gradient updates that were synced lazily, evicts, installs the fetched rows and hands out the
+batch. Every trainer holds the same rows (the plan is global); gradients of the batch's rows are
+summed over trainers with gloo: rows used again next iteration at once, the others in the
+background, applied before their next use or eviction. Each iteration's update is applied on its
+own, in order, so the result equals synchronous training on the global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+
+from bagpipe.cache import RowCache
+from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.embeddings import Lookup, table_offsets
+from bagpipe.optim import make_row_optimizer
+from bagpipe.reference import Timer, build_model
+from bagpipe.rundir import RunDir
+from bagpipe.runtime import oracle, server
+from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
+from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class TrainerRuntime:
+    """One trainer's cache, prefetcher, writer and gradient sync (no model knowledge)."""
+
+    def __init__(self, world: World, store, *, job: JobInfo, device: str = "cpu", writeback_delay: float = 0.0,
+                 prefetch_depth: int | None = None) -> None:
+        self.world = world
+        self.index = world.role[1]
+        self.job = job
+        config = job.config
+        self.dim = config["model"]["emb_dim"]
+        self.row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
+        self.cache = RowCache(capacity=job.cache_rows, dim=self.dim, optimizer=self.row_optimizer, device=device)
+        self.offsets = torch.from_numpy(table_offsets(job.table_sizes))
+        self.group = trainer_group(world, store, self.index)
+        self.stats = TrainerStats()
+        self.step: StepMessage | None = None
+        self.writeback_delay = writeback_delay  # tests only: delays every write-back on purpose
+        self._ready: queue.Queue = queue.Queue(maxsize=prefetch_depth or config["prefetch_depth"])
+        self._writes: queue.Queue = queue.Queue()
+        self._pending: deque = deque()  # lazily synced updates: (iteration, keys, grads, work)
+        self._failure: BaseException | None = None
+        self._stopping = threading.Event()
+        self._started = None
+        self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
+        self._writer = threading.Thread(target=self._guard, args=(self._write,), name="write-back", daemon=True)
+        self._prefetcher.start()
+        self._writer.start()
+
+    # -- background threads ------------------------------------------------------------------
+    def _guard(self, body) -> None:
+        try:
+            body()
+        except BaseException as err:
+            self._failure = self._failure or err
+            self._stopping.set()
+
+    def _prefetch(self) -> None:
+        while not self._stopping.is_set():
+            messages = rpc.rpc_sync("oracle", oracle.rpc_pull, args=(self.index, oracle.PULL_MAX_STEPS),
+                                    timeout=self.world.timeout)
+            for message in messages:
+                fetches = self._issue_fetches(message)
+                while not self._stopping.is_set():
+                    try:
+                        self._ready.put((message, fetches), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if message.final:
+                    return
+
+    def _issue_fetches(self, message: StepMessage) -> list:
+        keys, versions = message.fetch_keys, message.fetch_versions
+        shards = keys % self.world.num_servers
+        fetches = []
+        for shard in range(self.world.num_servers):
+            index = torch.nonzero(shards == shard).flatten()
+            if len(index):
+                future = rpc.rpc_async(World.server_name(shard), server.rpc_fetch,
+                                       args=(keys[index], versions[index]), timeout=self.world.timeout)
+                fetches.append((shard, index, future))
+        return fetches
+
+    def _write(self) -> None:
+        in_flight = []
+        while True:
+            item = self._writes.get()
+            if item is _END:
+                break
+            if self.writeback_delay:
+                time.sleep(self.writeback_delay)
+            shard, keys, rows, state, version = item
+            in_flight.append((shard, rpc.rpc_async(World.server_name(shard), server.rpc_write_back,
+                                                   args=(keys, rows, state, version), timeout=self.world.timeout)))
+            while in_flight and in_flight[0][1].done():
+                _check(*in_flight.pop(0), what="write-back")
+        for shard, future in in_flight:
+            _check(shard, future, what="write-back")
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"trainer {self.index}: {self._failure}") from self._failure
+
+    # -- the compute thread ------------------------------------------------------------------
+    def advance(self) -> StepMessage | None:
+        """Carry out the next plan step and return its message; None after the final flush."""
+        if self._started is None:
+            self._started = time.perf_counter()
+        waited = time.perf_counter()
+        while True:
+            self._raise_if_failed()
+            try:
+                message, fetches = self._ready.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if time.perf_counter() - waited > self.world.timeout:
+                    raise TimeoutError(f"trainer {self.index}: no plan from the oracle for "
+                                       f"{self.world.timeout:.0f} s") from None
+        self.stats.stall_s += time.perf_counter() - waited
+        self._boundary(message, fetches)
+        self.step = message
+        if message.final:
+            self._flush()
+            return None
+        self.stats.iterations += 1
+        return message
+
+    def _boundary(self, message: StepMessage, fetches: list) -> None:
+        evict_keys = message.evict_keys.numpy()
+        self._apply_pending(upto=message.iteration - 2, evicting=evict_keys)
+        if len(evict_keys):
+            rows, state = self.cache.evict(evict_keys)
+            mine = message.write_mask
+            if mine.any():
+                self._send_write_backs(message.evict_keys[mine], rows[mine], state[mine],
+                                       version=message.iteration - 1)
+        fetch_keys = message.fetch_keys.numpy()
+        if len(fetch_keys):
+            rows = torch.empty(len(fetch_keys), self.dim)
+            state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(self.dim))
+            waited = time.perf_counter()
+            for shard, index, future in fetches:
+                rows[index], state[index] = _check(shard, future, what="fetch")
+            self.stats.stall_s += time.perf_counter() - waited
+            self.cache.install(fetch_keys, rows, state)
+            self.stats.rows_fetched += len(fetch_keys)
+        if not message.final:
+            self.stats.batch_rows += len(message.batch_keys)
+            self.stats.batch_hits += len(message.batch_keys) - len(fetch_keys)
+
+    def _send_write_backs(self, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *, version: int):
+        shards = keys % self.world.num_servers
+        for shard in range(self.world.num_servers):
+            index = torch.nonzero(shards == shard).flatten()
+            if len(index):
+                self._writes.put((shard, keys[index], rows[index], state[index], version))
+        self.stats.rows_written_back += len(keys)
+        self.stats.bytes_sent += rows.numel() * 4 + state.numel() * 4 + keys.numel() * 8
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, Lookup]:
+        """Embeddings [B, T, D] of this iteration's ids [B, T] (ids within each table)."""
+        return self.cache.lookup(ids.to(torch.int64) + self.offsets)
+
+    def sync(self, lookup: Lookup, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Sum gradients over trainers (divided by their number) and update the cached rows.
+
+        ``extra`` (e.g. the flattened dense gradients) rides along in the blocking all-reduce and
+        comes back averaged. Rows used next iteration are updated now; the rest when their sync
+        completes, before their next use or eviction.
+        """
+        message, trainers = self.step, self.world.num_trainers
+        batch_keys = message.batch_keys
+        local_keys = torch.from_numpy(self.cache.slot_key[lookup.index.cpu().numpy()])
+        grads = torch.zeros(len(batch_keys), self.dim)
+        grads.index_copy_(0, torch.searchsorted(batch_keys, local_keys), lookup.rows.grad.cpu())
+        now = message.now_mask
+        extra_size = 0 if extra is None else extra.numel()
+        buffer = torch.cat([torch.zeros(0) if extra is None else extra.reshape(-1).cpu(), grads[now].reshape(-1)])
+        if self.group is not None and buffer.numel():
+            waited = time.perf_counter()
+            self.group.allreduce([buffer]).wait()
+            self.stats.sync_s += time.perf_counter() - waited
+            self.stats.bytes_sent += buffer.numel() * 4
+            buffer /= trainers
+        self.cache.apply_to(batch_keys[now].numpy(), buffer[extra_size:].view(-1, self.dim))
+        later = ~now
+        if later.any():
+            later_grads = grads[later].contiguous()
+            work = None
+            if self.group is not None:
+                work = self.group.allreduce([later_grads])
+                self.stats.bytes_sent += later_grads.numel() * 4
+            self._pending.append((message.iteration, batch_keys[later].numpy(), later_grads, work))
+        return None if extra is None else buffer[:extra_size]
+
+    def _apply_pending(self, *, upto: int, evicting: np.ndarray) -> None:
+        """Apply lazily synced updates from iterations <= upto, and any whose rows are evicted now."""
+        while self._pending:
+            iteration, keys, grads, work = self._pending[0]
+            if iteration > upto and not np.isin(keys, evicting, assume_unique=True).any():
+                break
+            self._pending.popleft()
+            if work is not None:
+                waited = time.perf_counter()
+                work.wait()
+                self.stats.stall_s += time.perf_counter() - waited
+                grads /= self.world.num_trainers
+            self.cache.apply_to(keys, grads)
+
+    def _flush(self) -> None:
+        self._writes.put(_END)
+        self._writer.join()
+        self._raise_if_failed()
+        self.stats.loop_s = time.perf_counter() - self._started
+
+    def close(self, *, dense_state: dict | None = None) -> None:
+        """Report to the oracle (after the final flush) and leave the RPC world."""
+        self._stopping.set()
+        rpc.rpc_sync("oracle", oracle.rpc_trainer_done, args=(self.index, self.stats, dense_state),
+                     timeout=self.world.timeout)
+        rpc.shutdown(graceful=True, timeout=self.world.timeout)
+
+    def abort(self) -> None:
+        self._stopping.set()
+        self._writes.put(_END)
+
+
+def _check(shard: int, future, *, what: str):
+    try:
+        return future.wait()
+    except RuntimeError as err:
+        raise RuntimeError(f"{what} at server {shard} failed: {err}") from None
+
+
+def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
+    """The DLRM training loop of ``--mode bagpipe``: the reference step, with synced gradients."""
+    torch.use_deterministic_algorithms(True)
+    job = runtime.job
+    model = build_model(config, len(job.table_sizes))
+    dense_optimizer = runtime.row_optimizer.dense_optimizer(model.parameters())
+    params = list(model.parameters())
+    leader = runtime.index == 0
+    run = RunDir(config.run_dir, append=True) if leader else None
+    timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - 1, 0)))
+    losses: list[float] = []
+    loss = float("nan")
+    tick = time.perf_counter()
+    started = tick
+    while (message := runtime.advance()) is not None:
+        embeddings, lookup = runtime.lookup(message.ids)
+        local_loss = F.binary_cross_entropy_with_logits(model(message.dense_x, embeddings), message.target)
+        dense_optimizer.zero_grad(set_to_none=True)
+        local_loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [local_loss.detach().reshape(1)])
+        flat = runtime.sync(lookup, flat)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        dense_optimizer.step()
+        loss = float(flat[-1])
+        iteration = message.iteration
+        now = time.perf_counter()
+        timer.record(iteration, config.batch_size, now - tick)
+        tick = now
+        losses.append(loss)
+        if leader and ((iteration + 1) % config.log_every == 0 or iteration + 1 == job.iterations):
+            run.log_metrics(iteration=iteration + 1, samples=(iteration + 1) * config.batch_size,
+                            train_loss=float(np.mean(losses)), elapsed_s=now - started,
+                            samples_per_s=timer.samples_per_s,
+                            stall_fraction=runtime.stats.stall_s / max(now - runtime._started, 1e-9))
+            losses.clear()
+    runtime.stats.samples_per_s = timer.samples_per_s
+    runtime.stats.extra["final_train_loss"] = loss
+    if run is not None:
+        run.close()
+    runtime.close(dense_state=model.state_dict() if leader else None)
+
+
+def config_from_dict(values: dict) -> TrainConfig:
+    values = dict(values)
+    return TrainConfig(model=ModelConfig(**values.pop("model")), **values)
+
+
+def run_trainer(world: World, *, writeback_delay: float = 0.0) -> None:
+    store = check_in(world, "trainer")
+    init_rpc(world)
+    job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(world.name,), timeout=world.timeout)
+    runtime = TrainerRuntime(world, store, job=job, writeback_delay=writeback_delay)
+    try:
+        train_loop(runtime, config_from_dict(job.config))
+    except BaseException:
+        runtime.abort()
+        raise
