@@ -1,0 +1,167 @@
+"""The distributed runtime (oracle, servers, trainers as processes) against the reference trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.reference import train_reference
+from bagpipe.rundir import export
+from bagpipe.runtime.launch import JobFailed, launch_local
+from bagpipe.runtime.world import free_port
+
+ITERATIONS, BATCH, CACHE = 150, 128, 700  # the 861-row data: ~85 rows evicted and re-fetched per iteration
+MODEL = ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1")
+
+
+def job_config(data, run_dir, **overrides) -> TrainConfig:
+    values = dict(data=str(data), run_dir=str(run_dir), mode="bagpipe", iterations=ITERATIONS, batch_size=BATCH,
+                  optimizer="adagrad", lr=0.05, seed=5, trainers=2, servers=2, cache_rows=CACHE, lookahead=20,
+                  timeout=30.0, warmup_iterations=2, log_every=10, max_eval_rows=2000, model=MODEL)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def reference_of(config: TrainConfig, run_dir) -> dict:
+    from dataclasses import replace
+
+    train_reference(replace(config, mode="reference", run_dir=str(run_dir)), show_progress=False)
+    return export(run_dir, Path(run_dir) / "export.pt")
+
+
+def assert_same_parameters(ours: dict, reference: dict, *, rel: float = 1e-5) -> None:
+    """Every table and dense tensor within ``rel`` of the reference (norm-wise); 0: bit for bit."""
+    assert ours["dense"].keys() == reference["dense"].keys()
+    pairs = [(f"table {t}", got, want) for t, (got, want) in
+             enumerate(zip(ours["embeddings"], reference["embeddings"], strict=True))]
+    pairs += [(name, ours["dense"][name], want) for name, want in reference["dense"].items()]
+    for name, got, want in pairs:
+        assert got.shape == want.shape, name
+        error = ((got - want).norm() / want.norm()).item()
+        assert error <= rel, f"{name}: relative error {error:.2e} exceeds {rel:.0e}"
+
+
+# Two trainers sum a row's gradient as two partial sums, the reference in one pass: the same
+# terms, associated differently (~1e-7 relative). SGD and Adagrad keep that at ~5e-7 after 150
+# iterations; Adam divides every element by its own gradient's magnitude, which amplifies it where
+# a gradient nearly cancels (measured: 2.5e-5 on the dense weights). With one trainer the sums are
+# the reference's own, and Adam must match bit for bit, across the same evictions and re-fetches.
+@pytest.mark.parametrize("optimizer, policy, trainers, rel", [
+    ("adagrad", "lookahead", 2, 1e-5), ("sgd", "lookahead", 2, 1e-5), ("adagrad", "lru", 2, 1e-5),
+    ("adam", "lookahead", 2, 1e-4), ("adam", "lookahead", 1, 0.0)])
+def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy, trainers, rel):
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, policy=policy, trainers=trainers)
+    summary = launch_local(config, show_progress=False)
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, reference_of(config, tmp_path / "reference"), rel=rel)
+    # The cache really was too small: rows were evicted, written back and fetched again.
+    assert summary["rows_written_back"] > 10 * CACHE
+    assert summary["rows_fetched"] > 10 * CACHE
+    assert 0.0 < summary["cache_hit_rate"] < 1.0
+    assert summary["iterations"] == ITERATIONS and summary["bytes_sent"] > 0
+    assert 0.0 <= summary["embedding_stall_fraction"] < 1.0
+
+
+def test_delayed_write_backs_are_still_observed(small_binary, tmp_path):
+    """Write-backs held back on purpose: fetches wait at the server for them, and the result is exact."""
+    config = job_config(small_binary, tmp_path / "bagpipe", iterations=60, lookahead=4, prefetch_depth=4)
+    summary = launch_local(config, show_progress=False, extra_trainer_args=["--writeback-delay", "0.02"])
+    assert summary["server_fetches_waited"] > 0
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
+
+
+def bagpipe_cli(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "bagpipe.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
+
+
+def test_killing_a_role_fails_the_job_fast_and_leaves_no_process(small_binary, tmp_path):
+    run_dir = tmp_path / "run"
+    job = bagpipe_cli("train", "--mode", "bagpipe", "--data", str(small_binary), "--run-dir", str(run_dir),
+                      "--iterations", "100000", "--batch-size", "128", "--cache-rows", "700", "--lookahead", "20",
+                      "--emb-dim", "8", "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1", "--log-every", "5",
+                      "--timeout", "30", "--no-progress")
+    try:
+        deadline = time.monotonic() + 60
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert job.poll() is None, job.communicate()
+            assert time.monotonic() < deadline, "the job never started training"
+            time.sleep(0.2)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        killed = time.monotonic()
+        os.kill(pids["trainer1"], signal.SIGKILL)
+        _, err = job.communicate(timeout=30)
+        elapsed = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 1
+    assert "trainer 1 (rank 3) failed (killed by SIGKILL)" in err
+    assert elapsed < 15
+    assert not [name for name, pid in pids.items() if alive(pid)]
+
+
+def test_cache_smaller_than_a_batch_is_refused_with_the_role_named(small_binary, tmp_path):
+    config = job_config(small_binary, tmp_path / "run", cache_rows=50)
+    started = time.monotonic()
+    with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed.*more than the cache's 50"):
+        launch_local(config, show_progress=False)
+    assert time.monotonic() - started < 30
+
+
+def test_world_size_mismatch_is_refused_within_seconds(small_binary, tmp_path):
+    port = str(free_port())
+    oracle = bagpipe_cli("oracle", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"),
+                         "--worker-id", "0", "--world-size", "4", "--world-size-trainers", "2",
+                         "--master-port", port, "--timeout", "30")
+    try:
+        started = time.monotonic()
+        server = bagpipe_cli("server", "--worker-id", "1", "--world-size", "5", "--world-size-trainers", "2",
+                             "--master-port", port, "--timeout", "30")
+        _, err = server.communicate(timeout=60)
+        assert server.returncode == 2
+        assert "world mismatch: this server has world_size=5" in err and "the oracle has world_size=4" in err
+        assert time.monotonic() - started < 20
+    finally:
+        oracle.kill()
+        oracle.wait()
+
+
+def test_unreachable_master_is_a_clear_error(tmp_path):
+    started = time.monotonic()
+    trainer = bagpipe_cli("trainer", "--worker-id", "2", "--world-size", "4", "--world-size-trainers", "2",
+                          "--master-port", str(free_port()), "--timeout", "3")
+    _, err = trainer.communicate(timeout=60)
+    assert trainer.returncode == 1
+    assert "cannot reach the oracle's store" in err
+    assert time.monotonic() - started < 30
+
+
+def test_missing_data_is_refused_before_any_role_starts(tmp_path):
+    job = bagpipe_cli("train", "--mode", "bagpipe", "--data", str(tmp_path / "nowhere"), "--run-dir",
+                      str(tmp_path / "run"), "--no-progress")
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 2
+    assert "nowhere" in err
+    assert not (tmp_path / "run" / "pids.json").exists()
