@@ -244,15 +244,23 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
     model = build_model(config, len(sizes))
     stats = {t: s for t, (s, _) in oracle.done.items()}
     dense_state = oracle.done[0][1]
-    model.load_state_dict(dense_state)
+    evaluable = dense_state is not None
+    if evaluable:
+        try:
+            model.load_state_dict(dense_state)
+        except RuntimeError as err:  # a user script's own model: keep its weights, skip our evaluation
+            log.warning("trainer 0's model is not the configured DLRM (%s); skipping evaluation", err)
+            evaluable = False
+    else:
+        log.warning("trainer 0 reported no model: the checkpoint holds the embeddings only")
     eval_started = time.perf_counter()
     metrics = {"eval_auc": float("nan"), "eval_logloss": float("nan"), "eval_rows": 0}
-    if dataset.test is not None and dataset.test.rows:
+    if evaluable and dataset.test is not None and dataset.test.rows:
         metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
                            max_rows=config.max_eval_rows)
         run.log_metrics(event="eval", iteration=oracle.iterations, **metrics)
     eval_s = time.perf_counter() - eval_started
-    run.save_checkpoint(dense=model.state_dict(),
+    run.save_checkpoint(dense=(model.state_dict() if evaluable else dense_state) or {},
                         embeddings=[t.clone() for t in torch.split(flat, list(sizes))],
                         extra={"iteration": oracle.iterations, "mode": "bagpipe"})
     all_stats = list(stats.values())

@@ -1,0 +1,160 @@
+"""The original system's trainer API: ``init_cache``, ``next_batch`` and ``get_emb``.
+
+A user's trainer script written for the original runs with only its import changed::
+
+    from bagpipe import init_cache          # or: from BagPipe import init_cache
+    cache = init_cache(emb_size=16, ln_emb=table_sizes, cache_size=25000, emb_optim=torch.optim.Adagrad,
+                       emb_optim_params={"lr": 0.01}, worker_id=rank, world_size=world,
+                       training_worker_id=trainer_rank, trainer_world_size=trainers)
+    dist.init_process_group(...)            # optional: the script's own group, e.g. for DDP
+    while (batch := cache.next_batch()) is not None:
+        embs = cache.get_emb(batch["sparse_vector"])   # one [B, emb_size] tensor per table
+        loss = ...; loss.backward(); dense_optimizer.step()
+    cache.close(model)
+
+The oracle (``bagpipe oracle``) owns the data and the plan; ``init_cache`` checks that the
+script's settings agree with it. The cache syncs embedding gradients over its own gloo group, so
+it works whether or not the script creates a default process group, before or after this call.
+``next_batch`` first applies the previous iteration's embedding update (after the script's
+``backward``), then returns the next batch: the embedding optimizer runs inside the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+import torch.distributed.rpc as rpc
+
+from bagpipe.embeddings import Lookup
+from bagpipe.runtime import oracle
+from bagpipe.runtime.trainer import TrainerRuntime
+from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World, check_in, init_rpc
+
+log = logging.getLogger(__name__)
+
+_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adagrad: "adagrad", torch.optim.Adam: "adam"}
+
+
+class TrainerCache:
+    """What ``init_cache`` returns: one trainer's view of the job."""
+
+    def __init__(self, runtime: TrainerRuntime) -> None:
+        self.runtime = runtime
+        self.num_iterations = runtime.job.iterations
+        self._lookup: Lookup | None = None
+        self._closed = False
+
+    def __len__(self) -> int:
+        return self.num_iterations
+
+    def next_batch(self) -> dict | None:
+        """The next slice of the global batch; None when the data is done (rows flushed to servers).
+
+        ``dense_x`` float [B, num_dense], ``sparse_vector`` one id tensor [B] per table, ``target``
+        float [B, 1].
+        """
+        self._finish_iteration()
+        message = self.runtime.advance()
+        if message is None:
+            return None
+        return {"dense_x": message.dense_x, "sparse_vector": list(message.ids.unbind(1)),
+                "target": message.target.view(-1, 1)}
+
+    def get_emb(self, ls_i) -> list[torch.Tensor]:
+        """One [B, emb_size] tensor per table for the ids of ``next_batch()["sparse_vector"]``."""
+        if self._lookup is not None:
+            raise RuntimeError("get_emb was already called for this batch: call it once per next_batch()")
+        ids = torch.stack([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in ls_i], dim=1)
+        if ids.shape[1] != len(self.runtime.job.table_sizes):
+            raise ValueError(f"get_emb got {ids.shape[1]} tables, the job has {len(self.runtime.job.table_sizes)}")
+        if not torch.equal(ids, self.runtime.step.ids):
+            raise ValueError("get_emb must be given the ids of the current batch (next_batch()['sparse_vector'])")
+        embeddings, self._lookup = self.runtime.lookup(ids)
+        return list(embeddings.unbind(1))
+
+    def _finish_iteration(self) -> None:
+        if self._lookup is None:
+            if self.runtime.step is not None and not self.runtime.step.final:
+                raise RuntimeError("next_batch() called before get_emb() for the previous batch")
+            return
+        if self._lookup.rows.grad is None:
+            raise RuntimeError("backward() did not reach the embeddings of the previous batch; "
+                               "call loss.backward() before next_batch()")
+        self.runtime.sync(self._lookup)
+        self._lookup = None
+
+    def close(self, model: torch.nn.Module | None = None) -> None:
+        """Finish (flushing every row to the servers if the data is not done) and leave the job.
+
+        Trainer 0 may hand over its ``model`` (a DDP wrapper is unwrapped) so the oracle can
+        evaluate it and write it to the run dir's checkpoint.
+        """
+        if self._closed:
+            return
+        if self.runtime.step is None or not self.runtime.step.final:
+            raise RuntimeError(f"close() before next_batch() returned None: the oracle's plan covers "
+                               f"{self.num_iterations} iterations, and every one must run")
+        module = getattr(model, "module", model)
+        state = module.state_dict() if module is not None and self.runtime.index == 0 else None
+        self.runtime.close(dense_state=state)
+        self._closed = True
+
+    exit_worker = close  # the original's name
+
+
+def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_size: int = 25000,
+               cleanup_batch_proportion: float = 0.25, emb_optim=None, emb_optim_params=None,
+               device: str = "cuda:0", worker_id: int = 0, world_size: int | None = None,
+               training_worker_id: int = 0, trainer_world_size: int | None = None, *,
+               master_ip: str | None = None, master_port: int | None = None, timeout: float = 60.0,
+               prefetch_depth: int | None = None) -> TrainerCache:
+    """Join the job as a trainer and return its cache (see the module docstring)."""
+    if world_size is None or trainer_world_size is None:
+        raise ValueError("init_cache needs world_size (all processes) and trainer_world_size (trainers)")
+    world = World(rank=worker_id, world_size=world_size, num_trainers=trainer_world_size,
+                  master_addr=master_ip or os.environ.get("MASTER_ADDR", LOOPBACK),
+                  master_port=int(master_port or os.environ.get("MASTER_PORT", DEFAULT_PORT)), timeout=timeout)
+    role, index = world.role
+    if role != "trainer" or index != training_worker_id:
+        raise ValueError(f"worker_id {worker_id} is the {role} {index} of this world (0: oracle, 1..{world.num_servers}"
+                         f": servers, then trainers), but training_worker_id is {training_worker_id}")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device %s requested but CUDA is not available: caching on the CPU", device)
+        device = "cpu"
+    store = check_in(world, "trainer")
+    init_rpc(world)
+    job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(world.name,), timeout=world.timeout)
+    _check_against_job(job, emb_size=emb_size, ln_emb=list(ln_emb), cache_size=cache_size,
+                       lookahead_value=lookahead_value, cleanup=cleanup_batch_proportion, emb_optim=emb_optim,
+                       emb_optim_params=emb_optim_params or {})
+    runtime = TrainerRuntime(world, store, job=job, device=device, prefetch_depth=prefetch_depth)
+    return TrainerCache(runtime)
+
+
+def _check_against_job(job, *, emb_size, ln_emb, cache_size, lookahead_value, cleanup, emb_optim,
+                       emb_optim_params) -> None:
+    config = job.config
+    problems = []
+    if emb_size != config["model"]["emb_dim"]:
+        problems.append(f"emb_size {emb_size} != the oracle's {config['model']['emb_dim']} (--emb-size)")
+    if ln_emb and list(map(int, ln_emb)) != list(job.table_sizes):
+        problems.append(f"ln_emb ({len(ln_emb)} tables) differs from the data's table sizes ({len(job.table_sizes)})")
+    if cache_size != job.cache_rows:
+        problems.append(f"cache_size {cache_size} != the oracle's {job.cache_rows} (--cache-size)")
+    if emb_optim is not None:
+        name = _OPTIMIZERS.get(emb_optim)
+        if name is None:
+            problems.append(f"emb_optim {emb_optim!r} is not supported (SGD, Adagrad or Adam)")
+        elif name != config["optimizer"]:
+            problems.append(f"emb_optim {emb_optim.__name__} != the oracle's optimizer {config['optimizer']}")
+    lr = emb_optim_params.get("lr")
+    if lr is not None and not math.isclose(lr, config["lr"], rel_tol=1e-9):
+        problems.append(f"emb_optim_params lr {lr} != the oracle's lr {config['lr']}")
+    if problems:
+        raise ValueError("init_cache disagrees with the oracle: " + "; ".join(problems))
+    if lookahead_value != config["lookahead"] or cleanup != config["cleanup_fraction"]:
+        log.info("the oracle plans with lookahead %d and cleanup %.2f (init_cache asked %d and %.2f)",
+                 config["lookahead"], config["cleanup_fraction"], lookahead_value, cleanup)

@@ -1,0 +1,82 @@
+"""The original trainer API: the example script, with separately started oracle and servers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bagpipe.data.binary import open_dataset
+from bagpipe.rundir import export
+from bagpipe.runtime.world import free_port
+from test_runtime import BATCH, CACHE, assert_same_parameters, job_config, reference_of
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERATIONS = 100
+
+
+def test_compat_module_exports_init_cache():
+    import bagpipe
+    from BagPipe import init_cache
+
+    assert init_cache is bagpipe.init_cache
+
+
+def test_init_cache_refuses_a_world_that_does_not_add_up():
+    from bagpipe import init_cache
+
+    with pytest.raises(ValueError, match="worker_id 1 is the server 0"):
+        init_cache(worker_id=1, world_size=5, training_worker_id=0, trainer_world_size=2)
+    with pytest.raises(ValueError, match="needs world_size"):
+        init_cache(worker_id=3)
+
+
+# With DDP the script creates its own default process group after init_cache; without it (one
+# trainer, --no-ddp) there is none at all. The cache must work, and match the reference, either way.
+@pytest.mark.parametrize("trainers, ddp", [(2, True), (1, False)])
+def test_example_script_with_separate_roles_equals_reference(small_binary, tmp_path, trainers, ddp):
+    sizes = open_dataset(small_binary).table_sizes
+    emb_info = tmp_path / "emb_info.txt"
+    emb_info.write_text("".join(f"{n}\n" for n in sizes))
+    config = job_config(small_binary, tmp_path / "run", iterations=ITERATIONS, trainers=trainers)
+    port, dist_port = str(free_port()), str(free_port())
+    size = 3 + trainers
+    world = ["--world-size", str(size), "--world-size-trainers", str(trainers), "--master-port", port,
+             "--timeout", "60"]
+    model = ["--arch-mlp-bot", config.model.arch_mlp_bot, "--arch-mlp-top", config.model.arch_mlp_top]
+    bagpipe = [sys.executable, "-m", "bagpipe.cli"]
+    commands = [
+        bagpipe + ["oracle", "--processed-csv", str(small_binary), "--run-dir", config.run_dir,
+                   "--emb-info-file", str(emb_info), "--mini-batch-size", str(BATCH), "--cache-size", str(CACHE),
+                   "--lookahead-value", "20", "--iterations", str(ITERATIONS), "--optimizer", "adagrad",
+                   "--lr", str(config.lr), "--seed", str(config.seed), "--emb-size", "8",
+                   "--max-eval-rows", "2000", "--worker-id", "0", *world, *model],
+        bagpipe + ["server", "--worker-id", "1", *world],
+        bagpipe + ["server", "--worker-id", "2", *world],
+    ]
+    for trainer in range(trainers):
+        commands.append([sys.executable, str(ROOT / "examples" / "dlrm_bagpipe.py"), "--worker-id", str(3 + trainer),
+                         "--training-worker-id", str(trainer), "--world-size", str(size), "--world-size-trainers",
+                         str(trainers), "--master-port", port, "--dist-port", dist_port, "--emb-info-file",
+                         str(emb_info), "--emb-size", "8", "--cache-size", str(CACHE), "--lookahead-value", "20",
+                         "--optimizer", "adagrad", "--lr", str(config.lr), "--seed", str(config.seed), *model,
+                         *([] if ddp else ["--no-ddp"])])
+    logs = [open(tmp_path / f"role{i}.log", "w") for i in range(len(commands))]
+    processes = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT) for c, log in zip(commands, logs)]
+    try:
+        for process in processes:
+            process.wait(timeout=180)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in processes]
+    assert codes == [0] * size, "\n".join(f"--- role {i} (exit {c})\n" + (tmp_path / f"role{i}.log").read_text()[-3000:]
+                                       for i, c in enumerate(codes) if c)
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, reference_of(config, tmp_path / "reference"), rel=1e-5 if trainers > 1 else 0.0)
