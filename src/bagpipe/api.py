@@ -28,7 +28,7 @@ import os
 import torch
 import torch.distributed.rpc as rpc
 
-from bagpipe.embeddings import Lookup
+from bagpipe.embeddings import Bags, Lookup
 from bagpipe.runtime import oracle
 from bagpipe.runtime.trainer import TrainerRuntime
 from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World, check_in, init_rpc
@@ -60,13 +60,19 @@ class TrainerCache:
         message = self.runtime.advance()
         if message is None:
             return None
-        return {"dense_x": message.dense_x, "sparse_vector": list(message.ids.unbind(1)),
+        ids = message.ids  # multi-hot batches pass their Bags through whole
+        return {"dense_x": message.dense_x, "sparse_vector": ids if isinstance(ids, Bags) else list(ids.unbind(1)),
                 "target": message.target.view(-1, 1)}
 
     def get_emb(self, ls_i) -> list[torch.Tensor]:
         """One [B, emb_size] tensor per table for the ids of ``next_batch()["sparse_vector"]``."""
         if self._lookup is not None:
             raise RuntimeError("get_emb was already called for this batch: call it once per next_batch()")
+        if isinstance(ls_i, Bags):
+            if ls_i is not self.runtime.step.ids:
+                raise ValueError("get_emb must be given the bags of the current batch")
+            embeddings, self._lookup = self.runtime.lookup(ls_i)
+            return list(embeddings.unbind(1))
         ids = torch.stack([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in ls_i], dim=1)
         if ids.shape[1] != len(self.runtime.job.table_sizes):
             raise ValueError(f"get_emb got {ids.shape[1]} tables, the job has {len(self.runtime.job.table_sizes)}")

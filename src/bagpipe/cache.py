@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bagpipe.embeddings import Lookup, gather_rows, update_rows
+from bagpipe.embeddings import Bags, Lookup, flat_keys, gather_bags, gather_rows, table_offsets, update_rows
 from bagpipe.optim import RowOptimizer
 
 
@@ -64,11 +64,17 @@ class RowCache:
             self.state.index_copy_(0, index, state.to(self.state.device))
         self._reindex()
 
-    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, Lookup]:
-        """Embeddings [B, T, D] of flat keys [B, T]; every key must be resident."""
+    def lookup(self, keys: torch.Tensor, bags: Bags | None = None) -> tuple[torch.Tensor, Lookup]:
+        """Embeddings [B, T, D] of flat keys [B, T], or pooled ``bags`` whose flat keys are ``keys`` [N].
+
+        Every key must be resident.
+        """
         unique_keys, inverse = torch.unique(keys, return_inverse=True)
         slots = torch.from_numpy(self.slots_of(unique_keys.numpy())).to(self.weights.device)
-        return gather_rows(self.weights, slots, inverse.to(self.weights.device))
+        inverse = inverse.to(self.weights.device)
+        if bags is not None:
+            return gather_bags(self.weights, slots, inverse, bags)
+        return gather_rows(self.weights, slots, inverse)
 
     def apply_to(self, keys: np.ndarray, grads: torch.Tensor) -> None:
         """Row-optimizer step on resident ``keys`` with the given (e.g. all-reduced) gradients."""
@@ -79,3 +85,18 @@ class RowCache:
     def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
         """Row-optimizer step on the looked-up slots (``grads``: e.g. all-reduced ones)."""
         update_rows(self.optimizer, self.weights, self.state, lookup, grads)
+
+
+class CachedTables:
+    """A RowCache seen through per-table ids, with the reference tables' lookup interface."""
+
+    def __init__(self, cache: RowCache, table_sizes: list[int]) -> None:
+        self.cache = cache
+        self.offsets = torch.from_numpy(table_offsets(table_sizes))
+
+    def lookup(self, ids: torch.Tensor | Bags) -> tuple[torch.Tensor, Lookup]:
+        """Embeddings [B, T, D] of one-hot ids [B, T], or pooled bags."""
+        return self.cache.lookup(flat_keys(ids, self.offsets), bags=ids if isinstance(ids, Bags) else None)
+
+    def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
+        self.cache.apply_gradients(lookup, grads)

@@ -6,15 +6,13 @@ Its result must equal the reference trainer's (every row read reflects all earli
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
-from bagpipe.cache import RowCache
-from bagpipe.data.batches import iterate_batches
+from bagpipe.cache import CachedTables, RowCache
+from bagpipe.data.batches import Batch, iterate_batches
 from bagpipe.data.binary import BinarySplit
-from bagpipe.embeddings import table_offsets
+from bagpipe.embeddings import flat_keys
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlannerConfig, plan
@@ -23,19 +21,24 @@ from bagpipe.storage import RowStore, gather_flat
 
 
 def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: BinarySplit, *,
-                 row_optimizer: RowOptimizer, seed: int, batch_size: int, iterations: int, cache_rows: int,
-                 lookahead: int, policy: str = "lookahead", num_shards: int = 1,
-                 timeout: float = 30.0) -> list[RowStore]:
-    """Train ``iterations`` batches from a cache of ``cache_rows`` rows; return the row stores."""
-    sizes = split.table_sizes
-    offsets = torch.from_numpy(table_offsets(sizes))
+                 batch_size: int, iterations: int, **options) -> list[RowStore]:
+    """Train ``iterations`` batches of a split from a cache; return the row stores."""
+    batches = list(iterate_batches(split, batch_size=batch_size, iterations=iterations))
+    return train_cached_batches(model, dense_optimizer, batches, table_sizes=split.table_sizes, **options)
+
+
+def train_cached_batches(model: DLRM, dense_optimizer: torch.optim.Optimizer, batches: list[Batch], *,
+                         table_sizes: list[int], row_optimizer: RowOptimizer, seed: int, cache_rows: int,
+                         lookahead: int, policy: str = "lookahead", num_shards: int = 1,
+                         timeout: float = 30.0) -> list[RowStore]:
+    """Train on ``batches`` (one-hot ids or multi-hot bags) from a cache of ``cache_rows`` rows."""
+    sizes = list(table_sizes)
     stores = [RowStore(table_sizes=sizes, dim=model.emb_dim, optimizer=row_optimizer, seed=seed, shard=s,
                        num_shards=num_shards) for s in range(num_shards)]
     cache = RowCache(capacity=cache_rows, dim=model.emb_dim, optimizer=row_optimizer)
-    batches = [dataclasses.replace(b, ids=b.ids + offsets)
-               for b in iterate_batches(split, batch_size=batch_size, iterations=iterations)]
+    tables = CachedTables(cache, sizes)
     config = PlannerConfig(num_rows=int(sum(sizes)), cache_rows=cache_rows, lookahead=lookahead, policy=policy)
-    for step in plan((b.ids.numpy().ravel() for b in batches), config):
+    for step in plan((flat_keys(b.ids, tables.offsets).numpy().ravel() for b in batches), config):
         if len(step.evict_keys):
             rows, state = cache.evict(step.evict_keys)
             for store, mine, index in _by_shard(stores, step.evict_keys):
@@ -48,7 +51,7 @@ def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: Bin
                                                         timeout=timeout)
             cache.install(step.fetch_keys, rows, state)
         if step.iteration < len(batches):
-            train_step(model, cache, dense_optimizer, batches[step.iteration])
+            train_step(model, tables, dense_optimizer, batches[step.iteration])
     return stores
 
 

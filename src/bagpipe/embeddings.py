@@ -9,6 +9,7 @@ initialised on its own and still equal the reference.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,9 +54,11 @@ class EmbeddingTables:
         self.weights = weights
         self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(dim))
 
-    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, "Lookup"]:
-        """Embeddings [B, T, D] of ids [B, T] (one id per sample and table)."""
-        unique_ids, inverse = torch.unique(ids.to(torch.int64) + self.offsets, return_inverse=True)
+    def lookup(self, ids: "torch.Tensor | Bags") -> tuple[torch.Tensor, "Lookup"]:
+        """Embeddings [B, T, D] of ids [B, T] (one id per sample and table), or of pooled bags."""
+        unique_ids, inverse = torch.unique(flat_keys(ids, self.offsets), return_inverse=True)
+        if isinstance(ids, Bags):
+            return gather_bags(self.weights, unique_ids, inverse, ids)
         return gather_rows(self.weights, unique_ids, inverse)
 
     def apply_gradients(self, lookup: "Lookup") -> None:
@@ -82,6 +85,67 @@ def gather_rows(weights: torch.Tensor, index: torch.Tensor, inverse: torch.Tenso
     # index_select's backward is an index_add, much cheaper than embedding's sort-based one.
     embeddings = rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, weights.shape[1])
     return embeddings, Lookup(index, rows)
+
+
+POOLING = ("sum", "mean")
+
+
+@dataclass(frozen=True)
+class Bags:
+    """A variable-length bag of ids per sample and table, pooled as ``nn.EmbeddingBag`` does.
+
+    ``values`` holds the ids (within their tables) sample-major, then table by table;
+    ``lengths[b, t]`` how many belong to sample b's bag for table t (0: an empty bag, pooled to 0).
+    One-hot batches are plain [B, T] id tensors; everything downstream of the ids (planner keys,
+    cache lookups, gradient sync) works on flat keys and so takes either.
+    """
+
+    values: torch.Tensor  # int64 [N]
+    lengths: torch.Tensor  # int64 [B, T]
+    mode: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.mode not in POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {self.mode!r}")
+        if self.lengths.dim() != 2 or (self.lengths < 0).any():
+            raise ValueError("bag lengths must be a [batch, tables] tensor of non-negative counts")
+        if int(self.lengths.sum()) != self.values.numel():
+            raise ValueError(f"bag lengths add up to {int(self.lengths.sum())}, but there are "
+                             f"{self.values.numel()} ids")
+
+    def __len__(self) -> int:
+        return self.lengths.shape[0]
+
+    def keys(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Flat keys [N] (table offset + id) of every id, in order."""
+        tables = torch.arange(self.lengths.shape[1]).repeat(len(self))
+        return self.values.to(torch.int64) + offsets[tables].repeat_interleave(self.lengths.flatten())
+
+    def slice(self, samples: slice) -> "Bags":
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths.sum(1).cumsum(0)])
+        first, last = int(starts[samples.start]), int(starts[samples.stop])
+        return Bags(self.values[first:last], self.lengths[samples], self.mode)
+
+
+def flat_keys(ids: "torch.Tensor | Bags", offsets: torch.Tensor) -> torch.Tensor:
+    """Flat keys of a batch's ids: [B, T] for one-hot ids, [N] for bags (what the planner plans)."""
+    if isinstance(ids, Bags):
+        return ids.keys(offsets)
+    return ids.to(torch.int64) + offsets
+
+
+def gather_bags(weights: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
+                bags: Bags) -> tuple[torch.Tensor, Lookup]:
+    """Pooled embeddings [B, T, D] of ``bags``, built from the distinct rows ``weights[index]``."""
+    batch, tables = bags.lengths.shape
+    rows = weights.index_select(0, index).requires_grad_(True)
+    per_id = rows.index_select(0, inverse.reshape(-1))
+    lengths = bags.lengths.flatten().to(weights.device)
+    segments = torch.arange(batch * tables, device=weights.device).repeat_interleave(lengths)
+    pooled = torch.zeros(batch * tables, weights.shape[1], device=weights.device).index_add(0, segments, per_id)
+    if bags.mode == "mean":
+        pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+    return pooled.view(batch, tables, weights.shape[1]), Lookup(index, rows)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
-from bagpipe.embeddings import EmbeddingTables, table_offsets
+from bagpipe.embeddings import Bags, EmbeddingTables, flat_keys, table_offsets
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner import PlannerConfig, plan
 from bagpipe.reference import build_model, check_data, evaluate
@@ -79,7 +79,7 @@ class Oracle:
 
     def _produce(self) -> None:
         config, split = self.config, self.dataset.train
-        offsets = table_offsets(self.dataset.table_sizes)
+        offsets = torch.from_numpy(table_offsets(self.dataset.table_sizes))
         pending: deque = deque()
 
         def key_stream():
@@ -87,7 +87,7 @@ class Oracle:
                                    shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
                 batch = read_batch(split, rows)
                 pending.append(batch)
-                yield (batch.ids.numpy() + offsets).ravel()
+                yield flat_keys(batch.ids, offsets).numpy().ravel()
 
         t = self.world.num_trainers
         b = self.job.slice_size
@@ -105,7 +105,7 @@ class Oracle:
                 part = slice(trainer * b, (trainer + 1) * b)
                 message = StepMessage(
                     dense_x=None if batch is None else batch.dense_x[part],
-                    ids=None if batch is None else batch.ids[part],
+                    ids=None if batch is None else _slice_ids(batch.ids, part),
                     target=None if batch is None else batch.target[part],
                     write_mask=torch.from_numpy(step.evict_writers == trainer), **common)
                 self.bytes_sent += message.nbytes()
@@ -179,6 +179,10 @@ class Oracle:
                         rpc.rpc_sync(name, server.rpc_ping, timeout=self.world.timeout)
                     last_ping = time.monotonic()
                 self.changed.wait(timeout=0.5)
+
+
+def _slice_ids(ids: torch.Tensor | Bags, part: slice) -> torch.Tensor | Bags:
+    return ids.slice(part) if isinstance(ids, Bags) else ids[part]
 
 
 _ORACLE: Oracle | None = None

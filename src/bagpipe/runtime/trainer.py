@@ -23,9 +23,9 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 
-from bagpipe.cache import RowCache
+from bagpipe.cache import CachedTables, RowCache
 from bagpipe.config import ModelConfig, TrainConfig
-from bagpipe.embeddings import Lookup, table_offsets
+from bagpipe.embeddings import Bags, Lookup
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model
 from bagpipe.rundir import RunDir
@@ -50,7 +50,7 @@ class TrainerRuntime:
         self.dim = config["model"]["emb_dim"]
         self.row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
         self.cache = RowCache(capacity=job.cache_rows, dim=self.dim, optimizer=self.row_optimizer, device=device)
-        self.offsets = torch.from_numpy(table_offsets(job.table_sizes))
+        self.tables = CachedTables(self.cache, job.table_sizes)
         self.group = trainer_group(world, store, self.index)
         self.stats = TrainerStats()
         self.step: StepMessage | None = None
@@ -177,9 +177,9 @@ class TrainerRuntime:
         self.stats.rows_written_back += len(keys)
         self.stats.bytes_sent += rows.numel() * 4 + state.numel() * 4 + keys.numel() * 8
 
-    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, Lookup]:
-        """Embeddings [B, T, D] of this iteration's ids [B, T] (ids within each table)."""
-        return self.cache.lookup(ids.to(torch.int64) + self.offsets)
+    def lookup(self, ids: torch.Tensor | Bags) -> tuple[torch.Tensor, Lookup]:
+        """Embeddings [B, T, D] of this iteration's ids [B, T] (ids within each table), or pooled bags."""
+        return self.tables.lookup(ids)
 
     def sync(self, lookup: Lookup, extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """Sum gradients over trainers (divided by their number) and update the cached rows.
