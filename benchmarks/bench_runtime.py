@@ -25,15 +25,16 @@ from bagpipe.data.preprocess import preprocess
 from bagpipe.runtime.launch import launch_local
 from bagpipe.synth import generate, resolve_table_sizes
 
-FIELDS = ("samples_per_s", "embedding_stall_fraction", "rows_moved_per_iteration", "bytes_sent",
-          "cache_hit_rate", "sync_fraction", "wall_s")
+FIELDS = ("samples_per_s", "embedding_stall_fraction", "plan_wait_fraction", "fetch_wait_fraction",
+          "lazy_sync_wait_fraction", "sync_fraction", "rows_moved_per_iteration", "bytes_sent", "cache_hit_rate",
+          "wall_s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=120)
+    parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--dims", default="16,128")
     parser.add_argument("--quick", action="store_true", help="30 iterations, dim 16, one repeat")
     args = parser.parse_args()
@@ -69,12 +70,15 @@ def report(results: dict, *, cache_rows: int, total_rows: int, iterations: int) 
     med = {key: {f: statistics.median(r[f] for r in runs) for f in FIELDS} for key, runs in results.items()}
     print(f"\ncache {cache_rows:,} of {total_rows:,} rows, {iterations} iterations, medians of "
           f"{len(next(iter(results.values())))} runs\n")
-    print("| dim | policy | samples/s | stall | rows moved / it | MB sent | hit rate | sync |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| dim | policy | samples/s | stall | of which plan / fetch / lazy sync | blocking sync "
+          "| rows moved / it | MB sent | hit rate |")
+    print("| ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     for (dim, policy), m in sorted(med.items()):
-        print(f"| {dim} | {policy} | {m['samples_per_s']:,.0f} | {100 * m['embedding_stall_fraction']:.1f}% | "
-              f"{m['rows_moved_per_iteration']:,.0f} | {m['bytes_sent'] / 1e6:,.0f} | {m['cache_hit_rate']:.3f} | "
-              f"{100 * m['sync_fraction']:.1f}% |")
+        print(f"| {dim} | {policy} | {m['samples_per_s']:,.0f} | {pct(m['embedding_stall_fraction'])} | "
+              f"{pct(m['plan_wait_fraction'])} / {pct(m['fetch_wait_fraction'])} / "
+              f"{pct(m['lazy_sync_wait_fraction'])} | {pct(m['sync_fraction'])} | "
+              f"{m['rows_moved_per_iteration']:,.0f} | {m['bytes_sent'] / 1e6:,.0f} | {m['cache_hit_rate']:.3f} |")
     print("\n| dim | samples/s lookahead / none | rows moved lookahead / none | bytes lookahead / none |")
     print("| ---: | ---: | ---: | ---: |")
     for dim in sorted({d for d, _ in med}):

@@ -29,12 +29,8 @@ class RowCache:
     def resident_rows(self) -> int:
         return len(self._index_keys)
 
-    def _reindex(self) -> None:
-        slots = np.flatnonzero(self.slot_key >= 0)
-        order = np.argsort(self.slot_key[slots], kind="stable")
-        self._index_keys, self._index_slots = self.slot_key[slots][order], slots[order]
-
-    def slots_of(self, keys: np.ndarray) -> np.ndarray:
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        """Where each (resident) key sits in the sorted index."""
         keys = np.asarray(keys, dtype=np.int64)
         pos = np.searchsorted(self._index_keys, keys)
         found = pos < len(self._index_keys)
@@ -42,27 +38,41 @@ class RowCache:
         if not found.all():
             raise KeyError(f"{int((~found).sum())} rows are not resident (first: key {int(keys[~found][0])}); "
                            "the plan and the cache disagree")
-        return self._index_slots[pos]
+        return pos
+
+    def slots_of(self, keys: np.ndarray) -> np.ndarray:
+        return self._index_slots[self._positions(keys)]
 
     def evict(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove ``keys``; return their rows and state for the write-back."""
-        slots = torch.from_numpy(self.slots_of(keys))
+        pos = self._positions(keys)
+        slots = torch.from_numpy(self._index_slots[pos])
         rows, state = self.weights.index_select(0, slots), self.state.index_select(0, slots)
         self.slot_key[slots.numpy()] = -1
-        self._reindex()
+        keep = np.ones(len(self._index_keys), dtype=bool)
+        keep[pos] = False  # the index stays sorted: no re-sort, one O(resident) pass
+        self._index_keys, self._index_slots = self._index_keys[keep], self._index_slots[keep]
         return rows, state
 
     def install(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
         free = np.flatnonzero(self.slot_key < 0)
         if len(keys) > len(free):
             raise ValueError(f"installing {len(keys)} rows into a cache with {len(free)} free slots")
+        keys = np.asarray(keys, dtype=np.int64)
+        if len(self._index_keys) and len(keys):
+            near = np.searchsorted(self._index_keys, keys).clip(max=len(self._index_keys) - 1)
+            if (self._index_keys[near] == keys).any():
+                raise ValueError("installing rows that are already resident: the plan and the cache disagree")
         slots = free[:len(keys)]
         self.slot_key[slots] = keys
         index = torch.from_numpy(slots)
         self.weights.index_copy_(0, index, rows.to(self.weights.device))
         if state.shape[1]:
             self.state.index_copy_(0, index, state.to(self.state.device))
-        self._reindex()
+        order = np.argsort(keys, kind="stable")  # merge the new keys into the sorted index
+        at = np.searchsorted(self._index_keys, keys[order])
+        self._index_keys = np.insert(self._index_keys, at, keys[order])
+        self._index_slots = np.insert(self._index_slots, at, slots[order])
 
     def lookup(self, keys: torch.Tensor, bags: Bags | None = None) -> tuple[torch.Tensor, Lookup]:
         """Embeddings [B, T, D] of flat keys [B, T], or pooled ``bags`` whose flat keys are ``keys`` [N].

@@ -290,7 +290,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         "cache_hit_rate": sum(s.batch_hits for s in all_stats) / batch_rows if batch_rows else float("nan"),
         "embedding_stall_fraction": float(np.mean([s.stall_s / s.loop_s if s.loop_s else 0.0
                                                    for s in all_stats])),
-        "sync_fraction": float(np.mean([s.sync_s / s.loop_s if s.loop_s else 0.0 for s in all_stats])),
+        **{f"{kind}_fraction": float(np.mean([getattr(s, f"{kind}_s") / s.loop_s if s.loop_s else 0.0
+                                               for s in all_stats]))
+           for kind in ("plan_wait", "fetch_wait", "lazy_sync_wait", "sync")},
         "bytes_sent": oracle.bytes_sent + sum(s.bytes_sent for s in all_stats)
         + sum(s["bytes_sent"] for s in shards),
         "server_fetches": sum(s["fetches"] for s in shards),

@@ -53,7 +53,10 @@ class TrainerStats:
     rows_written_back: int = 0
     batch_rows: int = 0  # distinct rows of the global batches, summed over iterations
     batch_hits: int = 0  # of those, rows already resident before the iteration's fetches
-    stall_s: float = 0.0  # waiting for plan messages, fetched rows or forced gradient syncs
+    stall_s: float = 0.0  # waiting for embeddings: the three waits below together
+    plan_wait_s: float = 0.0  # for the oracle's next plan message
+    fetch_wait_s: float = 0.0  # for fetched rows still in flight at their iteration
+    lazy_sync_wait_s: float = 0.0  # for a background gradient sync due before a row's use or eviction
     sync_s: float = 0.0  # waiting on the blocking gradient all-reduce
     loop_s: float = 0.0  # wall time from the first iteration to the end of the flush
     bytes_sent: int = 0  # payload this trainer sent: write-backs and gradient all-reduces

@@ -136,7 +136,7 @@ class TrainerRuntime:
                 if time.perf_counter() - waited > self.world.timeout:
                     raise TimeoutError(f"trainer {self.index}: no plan from the oracle for "
                                        f"{self.world.timeout:.0f} s") from None
-        self.stats.stall_s += time.perf_counter() - waited
+        self._stalled("plan_wait_s", waited)
         self._boundary(message, fetches)
         self.step = message
         if message.final:
@@ -161,12 +161,17 @@ class TrainerRuntime:
             waited = time.perf_counter()
             for shard, index, future in fetches:
                 rows[index], state[index] = _check(shard, future, what="fetch")
-            self.stats.stall_s += time.perf_counter() - waited
+            self._stalled("fetch_wait_s", waited)
             self.cache.install(fetch_keys, rows, state)
             self.stats.rows_fetched += len(fetch_keys)
         if not message.final:
             self.stats.batch_rows += len(message.batch_keys)
             self.stats.batch_hits += len(message.batch_keys) - len(fetch_keys)
+
+    def _stalled(self, kind: str, since: float) -> None:
+        waited = time.perf_counter() - since
+        setattr(self.stats, kind, getattr(self.stats, kind) + waited)
+        self.stats.stall_s += waited
 
     def _send_write_backs(self, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *, version: int):
         shards = keys % self.world.num_servers
@@ -223,7 +228,7 @@ class TrainerRuntime:
             if work is not None:
                 waited = time.perf_counter()
                 work.wait()
-                self.stats.stall_s += time.perf_counter() - waited
+                self._stalled("lazy_sync_wait_s", waited)
                 grads /= self.world.num_trainers
             self.cache.apply_to(keys, grads)
 
