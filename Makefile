@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-runtime clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ test: $(BIN)/bagpipe
 
 bench: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_reference.py
+
+bench-runtime: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_runtime.py
 
 clean:
 	rm -rf $(VENV) runs

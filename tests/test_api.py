@@ -80,3 +80,19 @@ def test_example_script_with_separate_roles_equals_reference(small_binary, tmp_p
                                        for i, c in enumerate(codes) if c)
     ours = export(config.run_dir, tmp_path / "ours.pt")
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"), rel=1e-5 if trainers > 1 else 0.0)
+
+
+def test_torchrun_starts_every_role_from_one_command_line(small_binary, tmp_path):
+    """torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT and serves its own store; `bagpipe role` uses them."""
+    config = job_config(small_binary, tmp_path / "run", iterations=40, trainers=1, servers=1)
+    job = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "bagpipe.cli",
+         "role", "--world-size-trainers", "1", "--data", str(small_binary), "--run-dir", config.run_dir,
+         "--iterations", "40", "--mini-batch-size", str(BATCH), "--cache-size", str(CACHE), "--lookahead", "20",
+         "--optimizer", "adagrad", "--lr", str(config.lr), "--seed", str(config.seed), "--emb-size", "8",
+         "--arch-mlp-bot", config.model.arch_mlp_bot, "--arch-mlp-top", config.model.arch_mlp_top,
+         "--max-eval-rows", "2000", "--timeout", "60"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert job.returncode == 0, job.stderr[-3000:]
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, reference_of(config, tmp_path / "reference"), rel=0.0)

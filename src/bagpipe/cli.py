@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+from pathlib import Path
 
 from bagpipe.progress import setup_logging
 
@@ -95,7 +96,18 @@ def _add_world_flags(p) -> None:
 
 
 def _add_roles(sub) -> None:
-    p = sub.add_parser("oracle", help="the job's oracle: reads the data, plans, feeds the trainers (rank 0)")
+    for name, text in (("oracle", "the job's oracle: reads the data, plans, feeds the trainers (rank 0)"),
+                       ("role", "the role this rank plays (0: oracle, 1..S: servers, then trainers): one "
+                                "command line for every process, as torchrun launches them")):
+        _add_oracle_flags(sub.add_parser(name, help=text))
+    for role, text in (("server", "an embedding server: one shard of every table (ranks 1..S)"),
+                       ("trainer", "a trainer running the DLRM loop of --mode bagpipe (the last ranks)")):
+        p = sub.add_parser(role, help=text)
+        _add_world_flags(p)
+        p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+
+
+def _add_oracle_flags(p) -> None:
     p.add_argument("--config", default=None, help="a TOML file of train settings; flags override it")
     p.add_argument("--data", "--processed-csv", dest="data", default=None, help="the data directory")
     p.add_argument("--run-dir", default=None)
@@ -116,11 +128,7 @@ def _add_roles(sub) -> None:
                    default=None)
     g.add_argument("--prefetch-depth", type=int, default=None)
     _add_world_flags(p)
-    for role, text in (("server", "an embedding server: one shard of every table (ranks 1..S)"),
-                       ("trainer", "a trainer running the DLRM loop of --mode bagpipe (the last ranks)")):
-        p = sub.add_parser(role, help=text)
-        _add_world_flags(p)
-        p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+    p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
 
 
 def _add_export(sub) -> None:
@@ -285,19 +293,33 @@ def run_trainer(args) -> None:
     trainer_main(world, writeback_delay=args.writeback_delay)
 
 
+def run_role(args) -> None:
+    role, _ = _world(args).role
+    {"oracle": run_oracle, "server": run_server, "trainer": run_trainer, "role": run_role}[role](args)
+
+
 COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train, "export": run_export,
-            "plan-stats": run_plan_stats, "oracle": run_oracle, "server": run_server, "trainer": run_trainer}
+            "plan-stats": run_plan_stats, "oracle": run_oracle, "server": run_server, "trainer": run_trainer, "role": run_role}
 
 
-ROLES = ("oracle", "server", "trainer")
+ROLES = ("oracle", "server", "trainer", "role")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(role=args.command)
     code = 0
+    profile_dir = os.environ.get("BAGPIPE_PROFILE_DIR") if args.command in ROLES else None
     try:
-        COMMANDS[args.command](args)
+        if profile_dir:  # a cProfile of this role, for finding where its time goes
+            import cProfile
+
+            Path(profile_dir).mkdir(parents=True, exist_ok=True)
+            name = f"{args.command}{args.rank if args.rank is not None else os.environ.get('RANK', '')}"
+            cProfile.runctx("COMMANDS[args.command](args)", globals(), {"args": args},
+                            str(Path(profile_dir) / f"{name}.prof"))
+        else:
+            COMMANDS[args.command](args)
     except ValueError as err:
         log.error("%s", err)
         code = 2

@@ -170,8 +170,10 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         missing = keys[slot_of[keys] < 0]
         overflow = len(missing) - num_free
         if overflow > 0:
-            occupied = np.flatnonzero(slot_key >= 0)
-            candidates = occupied[~_contains(keys, slot_key[occupied])]
+            in_batch = np.zeros(capacity, dtype=bool)  # slots of batch i's resident rows: not evictable
+            batch_slots = slot_of[keys]
+            in_batch[batch_slots[batch_slots >= 0]] = True
+            candidates = np.flatnonzero((slot_key >= 0) & ~in_batch)
             overflow = min(len(candidates), overflow + int(config.cleanup_fraction * capacity))
             score = _scores(config.policy, candidates, slot_next=slot_next, slot_last=slot_last,
                             freq=freq[slot_key[candidates]], i=i, lookahead=config.lookahead)
@@ -215,12 +217,6 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     # Sort-based: several times faster than np.unique's hash path on int64 batches.
     ordered = np.sort(values)
     return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
-
-
-def _contains(sorted_keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Whether each value is in ``sorted_keys`` (sorted, unique, non-empty)."""
-    pos = np.searchsorted(sorted_keys, values).clip(max=len(sorted_keys) - 1)
-    return sorted_keys[pos] == values
 
 
 def _scores(policy: str, slots: np.ndarray, *, slot_next, slot_last, freq, i: int, lookahead: int) -> np.ndarray:

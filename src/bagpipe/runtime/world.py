@@ -136,8 +136,11 @@ def check_in(world: World, role: str) -> dist.TCPStore:
     shape = json.dumps({"world_size": world.world_size, "trainers": world.num_trainers})
     wait = timedelta(seconds=world.timeout)
     where = f"{world.master_addr}:{world.master_port}"
+    # Under torchrun the agent already serves a store on MASTER_PORT: use it rather than host one.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if world.rank == 0:
-        store = dist.TCPStore(world.master_addr, world.master_port, None, True, wait, wait_for_workers=False)
+        store = dist.TCPStore(world.master_addr, world.master_port, None, not agent_store, wait,
+                              wait_for_workers=False)
         store.set("bagpipe/shape", shape)
         others = [f"bagpipe/hello/{r}" for r in range(1, world.world_size)]
         deadline = time.monotonic() + world.timeout
@@ -170,7 +173,14 @@ def init_rpc(world: World) -> None:
     options = rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://{world.master_addr}:{world.master_port + 1}",
         num_worker_threads=16, rpc_timeout=world.timeout)
-    rpc.init_rpc(world.name, rank=world.rank, world_size=world.world_size, rpc_backend_options=options)
+    # torchrun's agent serves a store on MASTER_PORT only; RPC's own store on P + 1 is hosted by
+    # rank 0, which torch's tcp:// rendezvous would skip under the agent-store flag.
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        rpc.init_rpc(world.name, rank=world.rank, world_size=world.world_size, rpc_backend_options=options)
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
 
 def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGroup | None:
