@@ -165,3 +165,22 @@ def test_missing_data_is_refused_before_any_role_starts(tmp_path):
     assert job.returncode == 2
     assert "nowhere" in err
     assert not (tmp_path / "run" / "pids.json").exists()
+
+
+def test_an_id_outside_its_table_is_refused_naming_the_row(small_binary, tmp_path):
+    import shutil
+
+    import numpy as np
+
+    data = tmp_path / "data"
+    shutil.copytree(small_binary, data)
+    split = data / "train"
+    ids_file = next(split.glob("ids.*"))
+    header = json.loads((split / "header.json").read_text())
+    ids = np.memmap(ids_file, dtype=ids_file.suffix[1:], mode="r+").reshape(header["rows"], -1)
+    ids[300, 2] = header["table_sizes"][2]  # one past the end of table 2: a row of table 3 if unchecked
+    ids.flush()
+    del ids
+    config = job_config(data, tmp_path / "run", iterations=10)
+    with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed.*row 300 has id \d+ for table 2, outside"):
+        launch_local(config, show_progress=False)

@@ -14,7 +14,7 @@ from bagpipe.data.binary import BinarySplit
 @dataclass(frozen=True)
 class Batch:
     dense_x: torch.Tensor  # float32 [B, num_dense]
-    ids: torch.Tensor  # int64 [B, num_tables]
+    ids: torch.Tensor  # int64 [B, num_tables], or multi-hot embeddings.Bags
     target: torch.Tensor  # float32 [B]
 
     def __len__(self) -> int:
@@ -46,9 +46,18 @@ def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle:
 
 
 def read_batch(split: BinarySplit, rows: slice | np.ndarray) -> Batch:
+    """The batch of ``rows``; an id outside its table is refused (it would read another table's row)."""
+    ids = np.array(split.ids[rows], dtype=np.int64)
+    sizes = np.asarray(split.table_sizes, dtype=np.int64)
+    bad = (ids < 0) | (ids >= sizes)
+    if bad.any():
+        row, table = np.argwhere(bad)[0]
+        first = (rows.start or 0) + row if isinstance(rows, slice) else rows[row]
+        raise ValueError(f"{split.directory}: row {int(first)} has id {int(ids[row, table])} for table {int(table)}, "
+                         f"outside [0, {int(sizes[table])}); {int(bad.sum())} such ids in this batch")
     return Batch(
         dense_x=torch.from_numpy(np.array(split.dense[rows], dtype=np.float32)),
-        ids=torch.from_numpy(np.array(split.ids[rows], dtype=np.int64)),
+        ids=torch.from_numpy(ids),
         target=torch.from_numpy(np.array(split.labels[rows], dtype=np.float32)),
     )
 
