@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--world-size-trainers", type=int, required=True)
     p.add_argument("--master-ip", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=29500, help="the oracle's port (it also uses +1)")
+    p.add_argument("--master-port", type=int, default=29500, help="the oracle's store port")
     p.add_argument("--dist-port", type=int, default=29600, help="this script's own process group")
     p.add_argument("--no-ddp", action="store_true", help="no default process group: one trainer only")
     p.add_argument("--emb-info-file", required=True, help="one table size per line")

@@ -184,3 +184,18 @@ def test_an_id_outside_its_table_is_refused_naming_the_row(small_binary, tmp_pat
     config = job_config(data, tmp_path / "run", iterations=10)
     with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed.*row 300 has id \d+ for table 2, outside"):
         launch_local(config, show_progress=False)
+
+
+def test_a_loopback_master_store_listens_on_loopback_only():
+    from datetime import timedelta
+
+    from bagpipe.runtime.world import World, _host_store
+
+    port = free_port()
+    store = _host_store(World(rank=0, world_size=3, num_trainers=1, master_port=port), timedelta(seconds=5))
+    hex_port = f":{port:04X}"
+    listening = [line.split()[1] for name in ("/proc/net/tcp", "/proc/net/tcp6") if Path(name).exists()
+                 for line in Path(name).read_text().splitlines()[1:]
+                 if line.split()[3] == "0A" and line.split()[1].endswith(hex_port)]  # 0A: LISTEN
+    assert listening == [f"0100007F{hex_port}"]  # 127.0.0.1, and no wildcard socket
+    del store

@@ -131,7 +131,7 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
         log.warning("device %s requested but CUDA is not available: caching on the CPU", device)
         device = "cpu"
     store = check_in(world, "trainer")
-    init_rpc(world)
+    init_rpc(world, store)
     job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(world.name,), timeout=world.timeout)
     _check_against_job(job, emb_size=emb_size, ln_emb=list(ln_emb), cache_size=cache_size,
                        lookahead_value=lookahead_value, cleanup=cleanup_batch_proportion, emb_optim=emb_optim,

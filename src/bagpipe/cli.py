@@ -77,7 +77,7 @@ def _add_job_flags(p) -> None:
                    default=None, help="when evicting, also free this share of the cache")
     g.add_argument("--prefetch-depth", type=int, default=None, help="iterations fetched ahead (default 8)")
     g.add_argument("--timeout", type=float, default=None, help="seconds any remote wait may take (default 60)")
-    g.add_argument("--master-port", type=int, default=None, help="the local job's ports P and P+1 (0: free)")
+    g.add_argument("--master-port", type=int, default=None, help="the local job's port (0: a free one)")
 
 
 def _add_world_flags(p) -> None:
@@ -90,7 +90,7 @@ def _add_world_flags(p) -> None:
     g.add_argument("--master-ip", dest="master_addr", default=None, help="the oracle's address ($MASTER_ADDR, "
                    "default 127.0.0.1; RPC is unauthenticated: use a trusted network)")
     g.add_argument("--master-port", dest="world_port", type=int, default=None,
-                   help="the oracle's store port P; RPC uses P+1 ($MASTER_PORT, default 29500)")
+                   help="the oracle's store port, the job's only fixed port ($MASTER_PORT, default 29500)")
     g.add_argument("--timeout", dest="world_timeout", type=float, default=None,
                    help="seconds any remote wait may take (default 60)")
 

@@ -220,7 +220,7 @@ def run_oracle(config: TrainConfig, world: World) -> dict:
              world.num_servers, oracle.job.cache_rows, oracle.planner_config.num_rows, config.lookahead,
              config.policy)
     store = check_in(world, "oracle")
-    init_rpc(world)
+    init_rpc(world, store)
     producer = threading.Thread(target=oracle.produce, name="planner", daemon=True)
     producer.start()
     try:

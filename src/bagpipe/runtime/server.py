@@ -85,7 +85,7 @@ def run_server(world: World) -> None:
     global _SERVER
     role, index = world.role
     store = check_in(world, "server")
-    init_rpc(world)
+    init_rpc(world, store)
     job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(f"server{index}",))
     config = job.config
     row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])

@@ -309,7 +309,7 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 def run_trainer(world: World, *, writeback_delay: float = 0.0) -> None:
     store = check_in(world, "trainer")
-    init_rpc(world)
+    init_rpc(world, store)
     job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(world.name,), timeout=world.timeout)
     runtime = TrainerRuntime(world, store, job=job, writeback_delay=writeback_delay)
     try:

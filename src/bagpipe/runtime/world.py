@@ -4,12 +4,13 @@ Rank 0 is the oracle, ranks 1..S the embedding servers, ranks S+1..S+T the train
 original system's ``worker_id`` numbering; ``world_size`` counts them all). Rank 0 hosts a
 TCPStore on ``master_port``: every process first checks in there (so a world-size mismatch or an
 unreachable master is a clear error within seconds, not a hang), then joins the RPC world over
-TensorPipe on ``master_port + 1``. Trainers build their gradient-sync gloo group on the same
-store, under their own prefix, so it never touches the default process group that a user script
-may create itself.
+TensorPipe, whose rendezvous uses the same store. Trainers build their gradient-sync gloo group on
+it too, under their own prefix, so it never touches the default process group that a user script
+may create itself. One port in all: under torchrun, the agent's store on MASTER_PORT.
 
 RPC and c10d have no authentication and unpickle what arrives: the default address is loopback,
-and a job spanning machines belongs on a trusted network.
+where the store, TensorPipe and gloo listen on 127.0.0.1 only; a job spanning machines belongs on
+a trusted network.
 """
 
 from __future__ import annotations
@@ -111,20 +112,30 @@ def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: in
 
 
 def free_port() -> int:
-    """A port pair (p, p + 1) free on loopback right now."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind((LOOPBACK, 0))
-            port = first.getsockname()[1]
-            if port + 1 >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind((LOOPBACK, port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free pair of ports on loopback")
+    """A port free on loopback right now."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+_LISTENERS: list[socket.socket] = []  # sockets the master store serves on, kept open for the process
+
+
+def _host_store(world: World, wait: timedelta) -> dist.TCPStore:
+    """Rank 0's store; on a loopback master it listens on 127.0.0.1 only (TCPStore alone binds all)."""
+    if not world.is_loopback:
+        return dist.TCPStore(world.master_addr, world.master_port, None, True, wait, wait_for_workers=False)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((LOOPBACK, world.master_port))
+    except OSError as err:
+        listener.close()
+        raise ConnectionError(f"cannot listen on {LOOPBACK}:{world.master_port}: {err}") from None
+    listener.listen(1024)
+    _LISTENERS.append(listener)
+    return dist.TCPStore(LOOPBACK, world.master_port, None, True, wait, wait_for_workers=False,
+                         master_listen_fd=listener.fileno())
 
 
 def check_in(world: World, role: str) -> dist.TCPStore:
@@ -139,8 +150,10 @@ def check_in(world: World, role: str) -> dist.TCPStore:
     # Under torchrun the agent already serves a store on MASTER_PORT: use it rather than host one.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if world.rank == 0:
-        store = dist.TCPStore(world.master_addr, world.master_port, None, not agent_store, wait,
-                              wait_for_workers=False)
+        if agent_store:
+            store = dist.TCPStore(world.master_addr, world.master_port, None, False, wait)
+        else:
+            store = _host_store(world, wait)
         store.set("bagpipe/shape", shape)
         others = [f"bagpipe/hello/{r}" for r in range(1, world.world_size)]
         deadline = time.monotonic() + world.timeout
@@ -166,21 +179,26 @@ def check_in(world: World, role: str) -> dist.TCPStore:
     return store
 
 
-def init_rpc(world: World) -> None:
-    """Join the RPC world (TensorPipe) on master_port + 1; loopback only when the master is."""
+_RENDEZVOUS: dict[str, tuple] = {}
+
+
+def _rendezvous(url: str, **kwargs):
+    """RPC's rendezvous on the store every rank already checked in at (no second port)."""
+    store, rank, world_size = _RENDEZVOUS["store"]
+    yield dist.PrefixStore("bagpipe/rpc", store), rank, world_size
+
+
+dist.register_rendezvous_handler("bagpipe", _rendezvous)
+
+
+def init_rpc(world: World, store: dist.Store) -> None:
+    """Join the RPC world (TensorPipe) through ``store``; loopback only when the master is."""
     if world.is_loopback:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{world.master_addr}:{world.master_port + 1}",
-        num_worker_threads=16, rpc_timeout=world.timeout)
-    # torchrun's agent serves a store on MASTER_PORT only; RPC's own store on P + 1 is hosted by
-    # rank 0, which torch's tcp:// rendezvous would skip under the agent-store flag.
-    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        rpc.init_rpc(world.name, rank=world.rank, world_size=world.world_size, rpc_backend_options=options)
-    finally:
-        if agent_store is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+    _RENDEZVOUS["store"] = (store, world.rank, world.world_size)
+    options = rpc.TensorPipeRpcBackendOptions(init_method="bagpipe://job", num_worker_threads=16,
+                                              rpc_timeout=world.timeout)
+    rpc.init_rpc(world.name, rank=world.rank, world_size=world.world_size, rpc_backend_options=options)
 
 
 def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGroup | None:
