@@ -137,6 +137,13 @@ def _add_export(sub) -> None:
     p.add_argument("--out", required=True)
 
 
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="print a summary of finished runs and write PNG plots")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one or more run dirs, drawn in the same plots")
+    p.add_argument("--out", default=None, help="where the PNGs go (default: FIRST_RUN_DIR/report)")
+    p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run dir")
+
+
 def _add_plan_stats(sub) -> None:
     p = sub.add_parser("plan-stats", help="plan a cache policy over a data set and print what it moves")
     p.add_argument("--data", required=True, help="a preprocessed data set (its train split is planned)")
@@ -153,7 +160,8 @@ def _add_plan_stats(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bagpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_synth, _add_preprocess, _add_train, _add_export, _add_plan_stats, _add_roles):
+    for add in (_add_synth, _add_preprocess, _add_train, _add_export, _add_report, _add_plan_stats,
+                _add_roles):
         add(sub)
     return parser
 
@@ -222,6 +230,15 @@ def run_export(args) -> None:
 
     exported = export(args.run_dir, args.out)
     log.info("wrote %s: %d dense tensors, %d tables", args.out, len(exported["dense"]), len(exported["embeddings"]))
+
+
+def run_report(args) -> None:
+    from bagpipe.report import report
+
+    labels = args.labels.split(",") if args.labels else None
+    text, files = report(args.run_dirs, out=args.out, labels=labels)
+    print(text)
+    print(f"\nplots: {', '.join(str(f) for f in files)}")
 
 
 def run_plan_stats(args) -> None:
@@ -299,7 +316,7 @@ def run_role(args) -> None:
 
 
 COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train, "export": run_export,
-            "plan-stats": run_plan_stats, "oracle": run_oracle, "server": run_server, "trainer": run_trainer, "role": run_role}
+            "report": run_report, "plan-stats": run_plan_stats, "oracle": run_oracle, "server": run_server, "trainer": run_trainer, "role": run_role}
 
 
 ROLES = ("oracle", "server", "trainer", "role")

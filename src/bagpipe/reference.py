@@ -25,6 +25,7 @@ from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir
+from bagpipe.timing import PhaseClock, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +81,28 @@ def evaluate(model: DLRM, tables: EmbeddingTables, split: BinarySplit, *, batch_
 
 
 def train_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
-               batch: Batch) -> float:
+               batch: Batch, clock: PhaseClock | None = None) -> float:
+    clock = clock or _NO_CLOCK
     embeddings, lookup = tables.lookup(batch.ids)
+    clock.lap("lookup")
     loss = F.binary_cross_entropy_with_logits(model(batch.dense_x, embeddings), batch.target)
+    clock.lap("forward")
     dense_optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    clock.lap("backward")
     dense_optimizer.step()
     tables.apply_gradients(lookup)
-    return loss.item()
+    value = loss.item()
+    clock.lap("optimizer")
+    return value
+
+
+class _NoClock:
+    def lap(self, phase: str) -> None:
+        pass
+
+
+_NO_CLOCK = _NoClock()
 
 
 def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
@@ -108,17 +123,24 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
              config.batch_size, len(dataset.table_sizes), sum(dataset.table_sizes))
 
     timer = Timer(warmup=min(config.warmup_iterations, max(iterations - 1, 0)))
+    clock = PhaseClock(warmup=timer.warmup)
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, desc="train", unit="it", enabled=show_progress)
     loss = float("nan")
     recent_losses: list[float] = []
     train_started = time.perf_counter()
-    tick = train_started
+    tick = window_start = train_started
+    first_iteration_s = float("nan")
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
                               shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
+    clock.restart()
     for iteration, batch in enumerate(batches):
-        loss = train_step(model, tables, dense_optimizer, batch)
+        clock.lap("data")
+        loss = train_step(model, tables, dense_optimizer, batch, clock)
+        clock.end_iteration()
         now = time.perf_counter()
+        if iteration == 0:
+            first_iteration_s = now - started
         timer.record(iteration, len(batch), now - tick)
         tick = now
         recent_losses.append(loss)
@@ -126,9 +148,12 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
             mean_loss = float(np.mean(recent_losses))
             run.log_metrics(iteration=iteration + 1, samples=(iteration + 1) * config.batch_size,
                             train_loss=mean_loss, elapsed_s=now - train_started,
-                            samples_per_s=timer.samples_per_s)
+                            samples_per_s=timer.samples_per_s,
+                            window_samples_per_s=len(recent_losses) * config.batch_size / (now - window_start),
+                            time_ms=clock.window())
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             recent_losses.clear()
+            window_start = now
         bar.update(1)
     bar.close()
     train_s = time.perf_counter() - train_started
@@ -157,6 +182,9 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
         **metrics,
         "best_auc": dataset.meta.get("best_auc"),
         "setup_s": setup_s,
+        "startup_s": first_iteration_s,
+        "time_breakdown_ms": clock.steady_ms(),
+        "peak_rss_bytes": {"reference": peak_rss_bytes()},
         "train_s": train_s,
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - started,

@@ -30,6 +30,7 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.world import World, check_in, init_rpc
 from bagpipe.storage import gather_flat
+from bagpipe.timing import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,13 @@ class Oracle:
                 self.changed.wait(timeout=0.5)
 
 
+def _mean_breakdown(breakdowns: list[dict]) -> dict:
+    """Milliseconds per iteration by phase, averaged over the trainers that reported one."""
+    breakdowns = [b for b in breakdowns if b]
+    phases = list(dict.fromkeys(p for b in breakdowns for p in b))
+    return {p: float(np.mean([b.get(p, 0.0) for b in breakdowns])) for p in phases}
+
+
 def _slice_ids(ids: torch.Tensor | Bags, part: slice) -> torch.Tensor | Bags:
     return ids.slice(part) if isinstance(ids, Bags) else ids[part]
 
@@ -211,6 +219,7 @@ def run_oracle(config: TrainConfig, world: World) -> dict:
 
     global _ORACLE
     started = time.perf_counter()
+    started_at = time.time()
     torch.use_deterministic_algorithms(True)
     _ORACLE = oracle = Oracle(config, world)
     run = RunDir(config.run_dir)
@@ -234,10 +243,11 @@ def run_oracle(config: TrainConfig, world: World) -> dict:
     rpc.shutdown(graceful=True, timeout=world.timeout)
     del store
     train_s = time.perf_counter() - started
-    return finish(oracle, run, shards, started=started, train_s=train_s)
+    return finish(oracle, run, shards, started=started, train_s=train_s, started_at=started_at)
 
 
-def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, train_s: float) -> dict:
+def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, train_s: float,
+           started_at: float) -> dict:
     """Evaluate the trained model, write checkpoint and summary (the reference's run-dir layout)."""
     config, dataset = oracle.config, oracle.dataset
     sizes = dataset.table_sizes
@@ -301,6 +311,12 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - started,
         "warmup_iterations": config.warmup_iterations,
+        # from the oracle's start to the end of trainer 0's first iteration
+        "startup_s": stats[0].extra.get("first_iteration_at", float("nan")) - started_at,
+        "time_breakdown_ms": _mean_breakdown([s.extra.get("time_breakdown_ms", {}) for s in all_stats]),
+        "peak_rss_bytes": {"oracle": peak_rss_bytes(),
+                           **{f"server{i}": s.get("peak_rss_bytes", 0) for i, s in enumerate(shards)},
+                           **{f"trainer{t}": s.extra.get("peak_rss_bytes", 0) for t, s in sorted(stats.items())}},
     }
     run.write_json("summary.json", summary)
     run.close()

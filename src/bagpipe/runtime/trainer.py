@@ -29,6 +29,7 @@ from bagpipe.embeddings import Bags, Lookup
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model
 from bagpipe.rundir import RunDir
+from bagpipe.timing import PhaseClock, peak_rss_bytes
 from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group
@@ -267,25 +268,45 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     leader = runtime.index == 0
     run = RunDir(config.run_dir, append=True) if leader else None
     timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - 1, 0)))
+    clock = PhaseClock(warmup=timer.warmup)
+    stats = runtime.stats
     losses: list[float] = []
     loss = float("nan")
-    tick = time.perf_counter()
+    tick = window_start = time.perf_counter()
     started = tick
-    while (message := runtime.advance()) is not None:
+    window = _CacheWindow(stats)
+    clock.restart()
+    while True:
+        waits = (stats.plan_wait_s, stats.fetch_wait_s, stats.lazy_sync_wait_s)
+        message = runtime.advance()
+        clock.lap("cache")
+        for kind, before in zip(("plan_wait", "fetch_wait", "lazy_sync_wait"), waits):
+            clock.carve("cache", kind, getattr(stats, f"{kind}_s") - before)
+        if message is None:
+            break
         embeddings, lookup = runtime.lookup(message.ids)
+        clock.lap("lookup")
         local_loss = F.binary_cross_entropy_with_logits(model(message.dense_x, embeddings), message.target)
+        clock.lap("forward")
         dense_optimizer.zero_grad(set_to_none=True)
         local_loss.backward()
+        clock.lap("backward")
         flat = torch.cat([p.grad.reshape(-1) for p in params] + [local_loss.detach().reshape(1)])
+        sync_before = stats.sync_s
         flat = runtime.sync(lookup, flat)
+        clock.lap("sync")
+        clock.carve("sync", "sync_wait", stats.sync_s - sync_before)
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         dense_optimizer.step()
         loss = float(flat[-1])
+        clock.lap("optimizer")
         iteration = message.iteration
         now = time.perf_counter()
+        if iteration == 0:
+            stats.extra["first_iteration_at"] = time.time()
         timer.record(iteration, config.batch_size, now - tick)
         tick = now
         losses.append(loss)
@@ -293,13 +314,40 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             run.log_metrics(iteration=iteration + 1, samples=(iteration + 1) * config.batch_size,
                             train_loss=float(np.mean(losses)), elapsed_s=now - started,
                             samples_per_s=timer.samples_per_s,
-                            stall_fraction=runtime.stats.stall_s / max(now - runtime._started, 1e-9))
+                            window_samples_per_s=len(losses) * config.batch_size / (now - window_start),
+                            stall_fraction=stats.stall_s / max(now - runtime._started, 1e-9),
+                            time_ms=clock.window(), **window.take())
             losses.clear()
+            window_start = now
+        clock.lap("other")
+        clock.end_iteration()
+    stats.extra["time_breakdown_ms"] = clock.steady_ms()
+    stats.extra["peak_rss_bytes"] = peak_rss_bytes()
     runtime.stats.samples_per_s = timer.samples_per_s
     runtime.stats.extra["final_train_loss"] = loss
     if run is not None:
         run.close()
     runtime.close(dense_state=model.state_dict() if leader else None)
+
+
+class _CacheWindow:
+    """Cache counters per iteration since the last ``take`` (for the metrics log)."""
+
+    FIELDS = ("iterations", "rows_fetched", "rows_written_back", "batch_rows", "batch_hits")
+
+    def __init__(self, stats: TrainerStats) -> None:
+        self.stats = stats
+        self.last = {f: 0 for f in self.FIELDS}
+
+    def take(self) -> dict:
+        now = {f: getattr(self.stats, f) for f in self.FIELDS}
+        delta = {f: now[f] - self.last[f] for f in self.FIELDS}
+        self.last = now
+        its = max(delta["iterations"], 1)
+        return {"cache_hit_rate": delta["batch_hits"] / delta["batch_rows"] if delta["batch_rows"] else None,
+                "rows_fetched_per_iteration": delta["rows_fetched"] / its,
+                # this trainer's share: evicted rows are written back by one trainer each
+                "rows_written_back_per_iteration": delta["rows_written_back"] / its}
 
 
 def config_from_dict(values: dict) -> TrainConfig:

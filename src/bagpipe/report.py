@@ -1,0 +1,204 @@
+"""``bagpipe report RUN_DIR [RUN_DIR ...]``: a printed summary and PNG plots of finished runs.
+
+Reads each run dir's ``metrics.jsonl`` and ``summary.json`` (both modes) and writes, with every
+run drawn in the same axes so that runs compare at a glance:
+
+    loss_auc.png         train loss over samples; eval AUC points
+    throughput.png       samples/s over time (per log window)
+    time_breakdown.png   steady-state milliseconds per iteration by phase, one bar per run
+    time_per_window.png  the same breakdown over the iterations of each run
+    cache.png            cache hit rate and rows fetched per iteration (bagpipe runs)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from bagpipe.timing import PHASES
+
+PLOTS = ("loss_auc.png", "throughput.png", "time_breakdown.png", "time_per_window.png", "cache.png")
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    summary: dict
+    train: list[dict]  # periodic training records
+    evals: list[dict]
+
+
+def load_run(path: str | Path, label: str | None = None) -> Run:
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{path}: no metrics.jsonl; is this a run dir?")
+    records = []
+    for number, line in enumerate(metrics.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{metrics}:{number}: not JSON ({err})") from None
+    summary_path = path / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iteration"])
+    evals = [r for r in records if r.get("event") == "eval"]
+    if not train:
+        raise ValueError(f"{metrics}: no training records yet")
+    return Run(path=path, label=label or _default_label(path, summary), summary=summary, train=train, evals=evals)
+
+
+def _default_label(path: Path, summary: dict) -> str:
+    mode = summary.get("mode")
+    if mode == "bagpipe":
+        return f"{path.name} (bagpipe, {summary.get('trainers')} trainers, {summary.get('policy')})"
+    return f"{path.name} ({mode})" if mode else path.name
+
+
+def summarize(run: Run) -> str:
+    s, last = run.summary, run.train[-1]
+    lines = [f"{run.label}: {s.get('mode', '?')} mode, {last['iteration']} iterations, {last['samples']:,} samples"]
+    if s:
+        lines.append(f"  throughput   {s['samples_per_s']:,.0f} samples/s steady state"
+                     + (f", start-up {s['startup_s']:.1f} s" if _finite(s.get("startup_s")) else "")
+                     + f", wall {s['wall_s']:.1f} s")
+        lines.append(f"  train loss   {s['final_train_loss']:.4f}   eval AUC {s['eval_auc']:.4f}   "
+                     f"log-loss {s['eval_logloss']:.4f}")
+    else:
+        lines.append(f"  (no summary.json: unfinished run) last train loss {last['train_loss']:.4f}")
+    if s.get("mode") == "bagpipe":
+        lines.append(f"  cache        {s['cache_rows']:,} of {s['total_rows']:,} rows, hit rate "
+                     f"{s['cache_hit_rate']:.3f}, {s['rows_moved_per_iteration']:,.0f} rows moved per iteration, "
+                     f"stall {100 * s['embedding_stall_fraction']:.1f}%, {s['bytes_sent'] / 2**20:,.1f} MiB sent")
+    breakdown = s.get("time_breakdown_ms") or {}
+    if breakdown:
+        total = sum(breakdown.values())
+        parts = ", ".join(f"{phase} {ms:.1f}" for phase, ms in sorted(breakdown.items(), key=lambda kv: -kv[1])
+                          if ms >= 0.05 * total)
+        lines.append(f"  iteration    {total:.1f} ms: {parts} (phases over 5%)")
+    peak = s.get("peak_rss_bytes") or {}
+    if peak:
+        lines.append("  peak memory  " + ", ".join(f"{role} {b / 2**20:,.0f} MiB" for role, b in peak.items()))
+    return "\n".join(lines)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
+    """Write the PNGs into ``out``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+
+    # Loss and AUC.
+    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        ax_loss.plot([r["samples"] for r in run.train], [r["train_loss"] for r in run.train], label=run.label)
+        if run.evals:
+            samples = [r.get("samples", run.train[-1]["samples"]) for r in run.evals]
+            ax_auc.plot(samples, [r["eval_auc"] for r in run.evals], "o-", label=run.label)
+        best = run.summary.get("best_auc")
+        if best is not None:
+            ax_auc.axhline(best, linestyle=":", color="gray")
+    ax_loss.set(title="train loss (mean per log window)", xlabel="samples", ylabel="BCE loss")
+    ax_auc.set(title="eval AUC (dotted: best achievable, synthetic data)", xlabel="samples", ylabel="AUC")
+    ax_loss.legend(fontsize="small")
+    if any(run.evals for run in runs):
+        ax_auc.legend(fontsize="small")
+    save(fig, "loss_auc.png")
+
+    # Throughput over time.
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for run in runs:
+        key = "window_samples_per_s" if "window_samples_per_s" in run.train[-1] else "samples_per_s"
+        points = [(r["elapsed_s"], r[key]) for r in run.train if _finite(r.get(key))]
+        if points:
+            ax.plot(*zip(*points), marker=".", label=run.label)
+    ax.set(title="training throughput per log window", xlabel="training time (s)", ylabel="samples/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+    save(fig, "throughput.png")
+
+    # Steady-state time breakdown: one stacked bar per run.
+    phases = _phases(run.summary.get("time_breakdown_ms") or {} for run in runs)
+    fig, ax = plt.subplots(figsize=(12, 2.2 + 0.6 * len(runs)))
+    left = [0.0] * len(runs)
+    for phase in phases:
+        widths = [(run.summary.get("time_breakdown_ms") or {}).get(phase, 0.0) for run in runs]
+        ax.barh(range(len(runs)), widths, left=left, label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(range(len(runs)), [run.label for run in runs], fontsize="small")
+    ax.set(title="where an iteration's time goes (steady state, per trainer)", xlabel="ms per iteration")
+    if phases:
+        ax.legend(fontsize="small", ncol=min(len(phases), 4), loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    save(fig, "time_breakdown.png")
+
+    # The breakdown over each run's iterations.
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        windows = [r for r in run.train if r.get("time_ms")]
+        run_phases = _phases(r["time_ms"] for r in windows)
+        if windows:
+            ax.stackplot([r["iteration"] for r in windows],
+                         *[[r["time_ms"].get(p, 0.0) for r in windows] for p in run_phases], labels=run_phases)
+            ax.legend(fontsize="x-small", ncol=4, loc="upper right")
+        else:
+            ax.text(0.5, 0.5, "no per-iteration timing in this run's metrics", ha="center", transform=ax.transAxes)
+        ax.set(title=run.label, xlabel="iteration", ylabel="ms per iteration")
+    save(fig, "time_per_window.png")
+
+    # Cache behaviour.
+    fig, (ax_hit, ax_rows) = plt.subplots(1, 2, figsize=(11, 4))
+    cached = [run for run in runs if any("cache_hit_rate" in r for r in run.train)]
+    for run in cached:
+        points = [(r["iteration"], r["cache_hit_rate"]) for r in run.train if r.get("cache_hit_rate") is not None]
+        if points:
+            ax_hit.plot(*zip(*points), label=run.label)
+        ax_rows.plot([r["iteration"] for r in run.train],
+                     [r.get("rows_fetched_per_iteration", float("nan")) for r in run.train], label=run.label)
+    if not cached:
+        for ax in (ax_hit, ax_rows):
+            ax.text(0.5, 0.5, "no cache in these runs (reference mode)", ha="center", transform=ax.transAxes)
+    else:
+        ax_hit.legend(fontsize="small")
+    ax_hit.set(title="cache hit rate (distinct rows of the batch already resident)", xlabel="iteration",
+               ylabel="hit rate")
+    ax_rows.set(title="rows fetched per iteration (per trainer)", xlabel="iteration", ylabel="rows")
+    save(fig, "cache.png")
+    return written
+
+
+def _phases(breakdowns) -> list[str]:
+    seen = set()
+    for breakdown in breakdowns:
+        seen.update(breakdown)
+    return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
+
+
+def report(run_dirs: list[str | Path], *, out: str | Path | None = None, labels: list[str] | None = None) -> tuple[str, list[Path]]:
+    """Summaries (one text block) and the plot files of ``run_dirs``."""
+    if not run_dirs:
+        raise ValueError("give at least one run dir")
+    if labels and len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} run dirs")
+    runs = [load_run(path, labels[i] if labels else None) for i, path in enumerate(run_dirs)]
+    out = Path(out) if out else Path(run_dirs[0]) / "report"
+    files = write_plots(runs, out)
+    return "\n\n".join(summarize(run) for run in runs), files

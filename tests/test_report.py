@@ -1,0 +1,97 @@
+"""Per-iteration timing in the metrics, and `bagpipe report` plots from a demo run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from bagpipe.cli import main
+from bagpipe.report import PLOTS, load_run
+from bagpipe.timing import PhaseClock
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_phase_clock_charges_each_lap_once_and_carves_waits():
+    clock = PhaseClock(warmup=1)
+    for iteration in range(3):
+        clock.restart()
+        time.sleep(0.01)
+        clock.lap("forward")
+        time.sleep(0.02)
+        clock.lap("sync")
+        clock.carve("sync", "sync_wait", 0.015)
+        clock.carve("sync", "sync_wait", 10.0)  # never more than the phase held
+        clock.end_iteration()
+    window = clock.window()
+    assert set(window) == {"forward", "sync", "sync_wait"}
+    assert window["sync"] == pytest.approx(0.0, abs=1e-6)  # all of it carved out
+    assert 19.0 <= window["sync_wait"] < 40.0 and 9.0 <= window["forward"] < 30.0
+    assert clock.window() == {}  # a new window is empty
+    steady = clock.steady_ms()  # iterations 1 and 2 only (warm-up 1)
+    assert set(steady) == set(window) and 9.0 <= steady["forward"] < 30.0
+
+
+@pytest.fixture(scope="module")
+def demo_runs(small_binary, tmp_path_factory):
+    """The demo config (--mode bagpipe) and the reference, shortened to 40 iterations."""
+    root = tmp_path_factory.mktemp("demo_runs")
+    runs = {}
+    for mode in ("bagpipe", "reference"):
+        run_dir = root / mode
+        code = main(["train", "--config", "configs/demo.toml", "--data", str(small_binary), "--run-dir",
+                     str(run_dir), "--mode", mode, "--iterations", "40", "--batch-size", "128", "--log-every", "10",
+                     "--max-eval-rows", "2000", "--no-progress", "--cache-rows", "700"])
+        assert code == 0
+        runs[mode] = run_dir
+    return runs
+
+
+def test_metrics_carry_the_breakdown_and_cache_counters(demo_runs):
+    bagpipe = load_run(demo_runs["bagpipe"])
+    assert len(bagpipe.train) == 4
+    for record in bagpipe.train:
+        phases = record["time_ms"]
+        assert {"forward", "backward", "sync", "cache", "lookup"} <= set(phases)
+        assert all(ms >= 0 for ms in phases.values())
+        assert 0.0 <= record["cache_hit_rate"] <= 1.0 and record["rows_fetched_per_iteration"] >= 0
+        assert record["window_samples_per_s"] > 0
+    summary = bagpipe.summary
+    # The phases of an iteration add up to its time: steady ms/iteration ~ 1000 * batch / samples/s.
+    total = sum(summary["time_breakdown_ms"].values())
+    assert total == pytest.approx(1000 * 128 / summary["samples_per_s"], rel=0.25)
+    assert set(summary["peak_rss_bytes"]) == {"oracle", "server0", "trainer0", "trainer1"}
+    assert all(b > 10 * 2**20 for b in summary["peak_rss_bytes"].values())
+    assert summary["startup_s"] > 0
+    reference = load_run(demo_runs["reference"]).summary
+    assert {"data", "forward", "backward", "optimizer"} <= set(reference["time_breakdown_ms"])
+    assert sum(reference["time_breakdown_ms"].values()) == pytest.approx(
+        1000 * 128 / reference["samples_per_s"], rel=0.25)
+
+
+def test_report_writes_every_plot_for_one_and_several_runs(demo_runs, tmp_path, capsys):
+    assert main(["report", str(demo_runs["bagpipe"])]) == 0
+    text = capsys.readouterr().out
+    assert "samples/s steady state" in text and "hit rate" in text and "peak memory" in text
+    for name in PLOTS:
+        data = (demo_runs["bagpipe"] / "report" / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
+    out = tmp_path / "compare"
+    assert main(["report", str(demo_runs["bagpipe"]), str(demo_runs["reference"]), "--out", str(out),
+                 "--labels", "ours,reference"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ours:") and "\n\nreference:" in text
+    sizes = {name: (out / name).stat().st_size for name in PLOTS}
+    assert all(size > 5000 for size in sizes.values()), sizes
+
+
+def test_report_refuses_what_is_not_a_run_dir(tmp_path, demo_runs):
+    assert main(["report", str(tmp_path)]) == 2  # a clear error, exit status 2
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "metrics.jsonl").write_text(json.dumps({"iteration": 1}) + "\n{not json\n")
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not JSON"):
+        load_run(broken)
+    assert main(["report", str(demo_runs["bagpipe"]), "--labels", "a,b"]) == 2
