@@ -72,13 +72,35 @@ def test_fetch_waits_for_a_delayed_write_back():
         store.fetch(np.array([2]), np.array([-1]), timeout=0.1)
 
 
-def test_cache_memory_is_bounded_by_its_slots():
+def test_cache_memory_is_bounded_by_its_slots_and_refuses_a_disagreeing_plan():
     cache = RowCache(capacity=4, dim=3, optimizer=make_row_optimizer("sgd", lr=1.0))
-    cache.install(np.array([10**12, 5]), torch.ones(2, 3), torch.zeros(2, 0))
-    assert cache.resident_rows == 2 and cache.slot_key.nbytes == 4 * 8
-    with pytest.raises(KeyError, match="not resident"):
-        cache.slots_of(np.array([6]))
-    with pytest.raises(ValueError, match="free slots"):
-        cache.install(np.array([1, 2, 3]), torch.ones(3, 3), torch.zeros(3, 0))
-    rows, _ = cache.evict(np.array([10**12]))
+    cache.install(np.array([2, 0]), np.array([10**12, 5]), torch.ones(2, 3), torch.zeros(2, 0))
+    assert cache.resident_rows == 2 and cache.slot_key.nbytes == 4 * 8  # no array over the 10**12 rows
+    with pytest.raises(KeyError, match="slot 0 is holding row 5, the plan expects row 6"):
+        cache.evict(np.array([0]), np.array([6]))
+    with pytest.raises(KeyError, match="slot 2 is holding row"):
+        cache.install(np.array([2]), np.array([7]), torch.ones(1, 3), torch.zeros(1, 0))
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.install(np.array([4]), np.array([7]), torch.ones(1, 3), torch.zeros(1, 0))
+    with pytest.raises(ValueError, match="named twice"):
+        cache.install(np.array([1, 1]), np.array([7, 8]), torch.ones(2, 3), torch.zeros(2, 0))
+    rows, _ = cache.evict(np.array([2]), np.array([10**12]))
     assert torch.equal(rows, torch.ones(1, 3)) and cache.resident_rows == 1
+    with pytest.raises(KeyError, match="slot 2 is free"):
+        cache.evict(np.array([2]), np.array([10**12]))
+
+
+def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
+    from bagpipe.cache import batch_view
+    from bagpipe.planner import PlannerConfig, plan
+
+    steps = list(plan([np.array([5, 3, 5, 9]), np.array([9, 7])],
+                      PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))
+    flat = np.array([[5, 3], [5, 9]])
+    view = batch_view(steps[0], flat)
+    assert view.keys.tolist() == [9, 3, 5] and view.num_now == 1  # 9 is used again at iteration 1
+    assert view.positions.tolist() == [[2, 1], [2, 0]]
+    assert (view.keys[view.positions] == flat).all()
+    slot_of = dict(zip(steps[0].batch_keys.tolist(), steps[0].batch_slots.tolist()))
+    assert view.slots.tolist() == [slot_of[k] for k in view.keys.tolist()]
+    assert view.at(np.array([9, 9, 3])).positions.tolist() == [0, 0, 1]

@@ -31,9 +31,15 @@ def simulate(batches, steps, *, cache_rows, num_trainers):
     server_version = {}  # key -> iteration after which it was last written back
     written_by = []
     fetched = 0
+    slot_key = np.full(cache_rows, -1)  # the slots every trainer's cache fills as the plan says
     for step in steps:
         evicted = step.evict_keys.tolist()
         assert len(set(evicted)) == len(evicted)
+        assert slot_key[step.evict_slots].tolist() == evicted, "an evicted row leaves the slot it was in"
+        slot_key[step.evict_slots] = -1
+        assert (slot_key[step.fetch_slots] == -1).all(), "a fetched row goes to a free slot"
+        assert len(np.unique(step.fetch_slots)) == len(step.fetch_slots)
+        slot_key[step.fetch_slots] = step.fetch_keys
         for key, writer in zip(evicted, step.evict_writers.tolist()):
             assert key in resident and key in dirty, "only resident, dirty rows are written back"
             assert 0 <= writer < num_trainers
@@ -52,6 +58,8 @@ def simulate(batches, steps, *, cache_rows, num_trainers):
             needed = set(np.unique(batches[step.iteration]).tolist())
             assert needed <= resident, "every row a batch needs is resident when it runs"
             assert set(step.sync_now_keys.tolist()) | set(step.sync_later_keys.tolist()) == needed
+            assert step.batch_keys.tolist() == sorted(needed)
+            assert slot_key[step.batch_slots].tolist() == step.batch_keys.tolist(), "batch slots hold the batch"
             dirty |= needed
     assert not resident and not dirty, "every dirty row is written back exactly once by the end"
     counts = np.bincount(written_by, minlength=num_trainers) if written_by else np.zeros(num_trainers)

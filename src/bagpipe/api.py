@@ -71,14 +71,14 @@ class TrainerCache:
         if isinstance(ls_i, Bags):
             if ls_i is not self.runtime.step.ids:
                 raise ValueError("get_emb must be given the bags of the current batch")
-            embeddings, self._lookup = self.runtime.lookup(ls_i)
+            embeddings, self._lookup = self.runtime.lookup()
             return list(embeddings.unbind(1))
         ids = torch.stack([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in ls_i], dim=1)
         if ids.shape[1] != len(self.runtime.job.table_sizes):
             raise ValueError(f"get_emb got {ids.shape[1]} tables, the job has {len(self.runtime.job.table_sizes)}")
         if not torch.equal(ids, self.runtime.step.ids):
             raise ValueError("get_emb must be given the ids of the current batch (next_batch()['sparse_vector'])")
-        embeddings, self._lookup = self.runtime.lookup(ids)
+        embeddings, self._lookup = self.runtime.lookup()
         return list(embeddings.unbind(1))
 
     def _finish_iteration(self) -> None:

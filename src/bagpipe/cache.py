@@ -1,20 +1,31 @@
 """Trainer-side row cache: a fixed number of slots holding rows and their optimizer state.
 
-Memory is O(cache rows x dim): the key -> slot map is a sorted array of the resident keys, never
-an array over all rows. The cache carries out a plan step (evict, then install fetched rows) and
-serves lookups whose gradients the row optimizer applies to the cached rows in place.
+Memory is O(cache rows x dim). The planner names the slot of every row it moves, so the cache
+needs no key -> slot map: it carries out a plan step (evict, then install fetched rows by slot)
+and serves lookups through a BatchView (each id's slot), whose gradients the row optimizer
+applies to the cached rows in place.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from bagpipe.embeddings import Bags, Lookup, flat_keys, gather_bags, gather_rows, table_offsets, update_rows
+from bagpipe.embeddings import Bags, Lookup, gather_bags, gather_rows, update_rows
 from bagpipe.optim import RowOptimizer
+from bagpipe.planner.plan import PlanStep
 
 
 class RowCache:
+    """Rows and optimizer state in ``capacity`` slots, addressed by the slots the plan names.
+
+    The planner assigns every row its slot (``PlanStep.fetch_slots`` and friends), so the cache
+    keeps no key -> slot index: each operation is a vectorised gather or scatter. ``slot_key``
+    (O(capacity)) records which row each slot holds, to refuse a step that disagrees with it.
+    """
+
     def __init__(self, *, capacity: int, dim: int, optimizer: RowOptimizer, device: str = "cpu") -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be positive, got {capacity}")
@@ -22,91 +33,105 @@ class RowCache:
         self.weights = torch.zeros(capacity, dim, device=device)
         self.state = torch.zeros(capacity, optimizer.state_width(dim), device=device)
         self.slot_key = np.full(capacity, -1, dtype=np.int64)
-        self._index_keys = np.zeros(0, dtype=np.int64)  # resident keys, sorted
-        self._index_slots = np.zeros(0, dtype=np.int64)
+        self.resident_rows = 0
 
-    @property
-    def resident_rows(self) -> int:
-        return len(self._index_keys)
+    def _check(self, slots: np.ndarray, keys: np.ndarray, *, what: str) -> np.ndarray:
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(slots) != len(keys):
+            raise ValueError(f"{what}: {len(slots)} slots for {len(keys)} rows")
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.capacity):
+            raise ValueError(f"{what}: a slot outside the cache's {self.capacity}")
+        held = self.slot_key[slots]
+        wrong = held != keys
+        if wrong.any():
+            first = int(np.flatnonzero(wrong)[0])
+            state = "free" if held[first] < 0 else f"holding row {int(held[first])}"
+            raise KeyError(f"{what}: slot {int(slots[first])} is {state}, the plan expects row "
+                           f"{int(keys[first])} ({int(wrong.sum())} such); the plan and the cache disagree")
+        return slots
 
-    def _positions(self, keys: np.ndarray) -> np.ndarray:
-        """Where each (resident) key sits in the sorted index."""
-        keys = np.asarray(keys, dtype=np.int64)
-        pos = np.searchsorted(self._index_keys, keys)
-        found = pos < len(self._index_keys)
-        found[found] = self._index_keys[pos[found]] == keys[found]
-        if not found.all():
-            raise KeyError(f"{int((~found).sum())} rows are not resident (first: key {int(keys[~found][0])}); "
-                           "the plan and the cache disagree")
-        return pos
-
-    def slots_of(self, keys: np.ndarray) -> np.ndarray:
-        return self._index_slots[self._positions(keys)]
-
-    def evict(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Remove ``keys``; return their rows and state for the write-back."""
-        pos = self._positions(keys)
-        slots = torch.from_numpy(self._index_slots[pos])
-        rows, state = self.weights.index_select(0, slots), self.state.index_select(0, slots)
-        self.slot_key[slots.numpy()] = -1
-        keep = np.ones(len(self._index_keys), dtype=bool)
-        keep[pos] = False  # the index stays sorted: no re-sort, one O(resident) pass
-        self._index_keys, self._index_slots = self._index_keys[keep], self._index_slots[keep]
+    def evict(self, slots: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Free the slots of ``keys``; return their rows and state for the write-back."""
+        slots = self._check(slots, np.asarray(keys, dtype=np.int64), what="evict")
+        index = torch.from_numpy(slots).to(self.weights.device)
+        rows, state = self.weights.index_select(0, index), self.state.index_select(0, index)
+        self.slot_key[slots] = -1
+        self.resident_rows -= len(slots)
         return rows, state
 
-    def install(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
-        free = np.flatnonzero(self.slot_key < 0)
-        if len(keys) > len(free):
-            raise ValueError(f"installing {len(keys)} rows into a cache with {len(free)} free slots")
+    def install(self, slots: np.ndarray, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Put fetched ``rows`` (and their state) of ``keys`` into the free ``slots``."""
         keys = np.asarray(keys, dtype=np.int64)
-        if len(self._index_keys) and len(keys):
-            near = np.searchsorted(self._index_keys, keys).clip(max=len(self._index_keys) - 1)
-            if (self._index_keys[near] == keys).any():
-                raise ValueError("installing rows that are already resident: the plan and the cache disagree")
-        slots = free[:len(keys)]
+        slots = self._check(slots, np.full(len(keys), -1, dtype=np.int64), what="install")
+        if len(np.unique(slots)) != len(slots):
+            raise ValueError("install: a slot named twice")
         self.slot_key[slots] = keys
-        index = torch.from_numpy(slots)
+        self.resident_rows += len(slots)
+        index = torch.from_numpy(slots).to(self.weights.device)
         self.weights.index_copy_(0, index, rows.to(self.weights.device))
         if state.shape[1]:
             self.state.index_copy_(0, index, state.to(self.state.device))
-        order = np.argsort(keys, kind="stable")  # merge the new keys into the sorted index
-        at = np.searchsorted(self._index_keys, keys[order])
-        self._index_keys = np.insert(self._index_keys, at, keys[order])
-        self._index_slots = np.insert(self._index_slots, at, slots[order])
 
-    def lookup(self, keys: torch.Tensor, bags: Bags | None = None) -> tuple[torch.Tensor, Lookup]:
-        """Embeddings [B, T, D] of flat keys [B, T], or pooled ``bags`` whose flat keys are ``keys`` [N].
+    def gather(self, view: "BatchView", bags: Bags | None = None) -> tuple[torch.Tensor, Lookup]:
+        """Embeddings of a batch: [B, T, D] for one-hot ids, pooled for ``bags``.
 
-        Every key must be resident.
+        The Lookup's leaf holds the view's rows in the view's order (``view.slots``), so after the
+        backward its gradient is the batch's per-row gradient, ready to sync or apply.
         """
-        unique_keys, inverse = torch.unique(keys, return_inverse=True)
-        slots = torch.from_numpy(self.slots_of(unique_keys.numpy())).to(self.weights.device)
-        inverse = inverse.to(self.weights.device)
+        slots = torch.from_numpy(self._check(view.slots, view.keys, what="lookup")).to(self.weights.device)
+        positions = torch.as_tensor(view.positions).to(self.weights.device)
         if bags is not None:
-            return gather_bags(self.weights, slots, inverse, bags)
-        return gather_rows(self.weights, slots, inverse)
+            return gather_bags(self.weights, slots, positions, bags)
+        return gather_rows(self.weights, slots, positions)
 
-    def apply_to(self, keys: np.ndarray, grads: torch.Tensor) -> None:
-        """Row-optimizer step on resident ``keys`` with the given (e.g. all-reduced) gradients."""
-        slots = torch.from_numpy(self.slots_of(keys)).to(self.weights.device)
-        update_rows(self.optimizer, self.weights, self.state, Lookup(slots, self.weights.index_select(0, slots)),
+    def apply(self, slots: np.ndarray | torch.Tensor, grads: torch.Tensor) -> None:
+        """Row-optimizer step on the rows in ``slots`` with the given (e.g. all-reduced) gradients."""
+        index = torch.as_tensor(slots, dtype=torch.int64).to(self.weights.device)
+        update_rows(self.optimizer, self.weights, self.state, Lookup(index, self.weights.index_select(0, index)),
                     grads.to(self.weights.device))
 
-    def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
-        """Row-optimizer step on the looked-up slots (``grads``: e.g. all-reduced ones)."""
-        update_rows(self.optimizer, self.weights, self.state, lookup, grads)
+
+@dataclass(frozen=True)
+class BatchView:
+    """A batch as the cache sees it: its distinct rows, their slots, and each id's row.
+
+    ``keys``/``slots`` list the distinct rows with the ``num_now`` rows that are used again next
+    iteration first (their gradients are synced at once, the others later), each group sorted.
+    ``positions`` has the shape of the batch's flat keys: the index into ``keys`` of every id.
+    """
+
+    keys: np.ndarray
+    slots: np.ndarray
+    num_now: int
+    positions: np.ndarray
+    sorted_keys: np.ndarray  # the plan's batch_keys (sorted)
+    rank: np.ndarray  # where each of them sits in ``keys``
+
+    def at(self, flat: np.ndarray) -> "BatchView":
+        """The same rows, with the positions of ids whose flat keys are ``flat`` (e.g. one trainer's slice)."""
+        positions = self.rank[np.searchsorted(self.sorted_keys, flat)]
+        return BatchView(self.keys, self.slots, self.num_now, positions, self.sorted_keys, self.rank)
 
 
-class CachedTables:
-    """A RowCache seen through per-table ids, with the reference tables' lookup interface."""
+def batch_view(step: PlanStep, flat: np.ndarray | None = None) -> BatchView:
+    """The BatchView of a plan step's batch whose ids have flat keys ``flat`` (any shape)."""
+    now = np.isin(step.batch_keys, step.sync_now_keys, assume_unique=True)
+    order = np.argsort(~now, kind="stable")  # the rows synced at once first, each group sorted
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    view = BatchView(step.batch_keys[order], step.batch_slots[order], int(now.sum()), np.zeros(0, dtype=np.int64),
+                     step.batch_keys, rank)
+    return view if flat is None else view.at(flat)
 
-    def __init__(self, cache: RowCache, table_sizes: list[int]) -> None:
-        self.cache = cache
-        self.offsets = torch.from_numpy(table_offsets(table_sizes))
+
+class StepTables:
+    """One plan step's batch seen through the reference tables' interface (``lookup``, ``apply_gradients``)."""
+
+    def __init__(self, cache: RowCache, view: BatchView) -> None:
+        self.cache, self.view = cache, view
 
     def lookup(self, ids: torch.Tensor | Bags) -> tuple[torch.Tensor, Lookup]:
-        """Embeddings [B, T, D] of one-hot ids [B, T], or pooled bags."""
-        return self.cache.lookup(flat_keys(ids, self.offsets), bags=ids if isinstance(ids, Bags) else None)
+        return self.cache.gather(self.view, ids if isinstance(ids, Bags) else None)
 
     def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
-        self.cache.apply_gradients(lookup, grads)
+        update_rows(self.cache.optimizer, self.cache.weights, self.cache.state, lookup, grads)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bagpipe.cache import CachedTables, RowCache
+from bagpipe.cache import RowCache, StepTables, batch_view
 from bagpipe.data.batches import Batch, iterate_batches
 from bagpipe.data.binary import BinarySplit
-from bagpipe.embeddings import flat_keys
+from bagpipe.embeddings import flat_keys, table_offsets
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlannerConfig, plan
@@ -36,11 +36,12 @@ def train_cached_batches(model: DLRM, dense_optimizer: torch.optim.Optimizer, ba
     stores = [RowStore(table_sizes=sizes, dim=model.emb_dim, optimizer=row_optimizer, seed=seed, shard=s,
                        num_shards=num_shards) for s in range(num_shards)]
     cache = RowCache(capacity=cache_rows, dim=model.emb_dim, optimizer=row_optimizer)
-    tables = CachedTables(cache, sizes)
+    offsets = torch.from_numpy(table_offsets(sizes))
+    keys = [flat_keys(b.ids, offsets).numpy() for b in batches]
     config = PlannerConfig(num_rows=int(sum(sizes)), cache_rows=cache_rows, lookahead=lookahead, policy=policy)
-    for step in plan((flat_keys(b.ids, tables.offsets).numpy().ravel() for b in batches), config):
+    for step in plan((k.ravel() for k in keys), config):
         if len(step.evict_keys):
-            rows, state = cache.evict(step.evict_keys)
+            rows, state = cache.evict(step.evict_slots, step.evict_keys)
             for store, mine, index in _by_shard(stores, step.evict_keys):
                 store.write_back(step.evict_keys[mine], rows[index], state[index], version=step.iteration - 1)
         if len(step.fetch_keys):
@@ -49,8 +50,9 @@ def train_cached_batches(model: DLRM, dense_optimizer: torch.optim.Optimizer, ba
             for store, mine, index in _by_shard(stores, step.fetch_keys):
                 rows[index], state[index] = store.fetch(step.fetch_keys[mine], step.fetch_versions[mine],
                                                         timeout=timeout)
-            cache.install(step.fetch_keys, rows, state)
+            cache.install(step.fetch_slots, step.fetch_keys, rows, state)
         if step.iteration < len(batches):
+            tables = StepTables(cache, batch_view(step, keys[step.iteration]))
             train_step(model, tables, dense_optimizer, batches[step.iteration])
     return stores
 

@@ -11,7 +11,7 @@ written; a later fetch must observe that version.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -41,6 +41,10 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+def _no_keys() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class PlanStep:
     """What happens around iteration ``iteration`` (the last step, with no batch, flushes)."""
@@ -55,6 +59,12 @@ class PlanStep:
     sync_later_deadlines: np.ndarray  # their next use, NEVER if none is in sight
     resident_rows: int  # residency after this step's evictions and fetches
     lookups: int  # ids in the batch, repeats included
+    # Where rows live: the planner assigns cache slots, so every trainer's cache (which carries out
+    # the same steps) holds a row in the slot named here, and needs no key -> slot index of its own.
+    fetch_slots: np.ndarray = field(default_factory=_no_keys)  # the slot each fetched row goes to
+    evict_slots: np.ndarray = field(default_factory=_no_keys)  # the slot each evicted row leaves
+    batch_keys: np.ndarray = field(default_factory=_no_keys)  # the batch's distinct rows, sorted
+    batch_slots: np.ndarray = field(default_factory=_no_keys)  # and their slots
 
 
 class _Stream:
@@ -141,7 +151,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
     empty = np.zeros(0, dtype=np.int64)
     previous_batch = empty  # policy "none" evicts the last batch's rows
 
-    def evict(keys: np.ndarray, *, after: int) -> np.ndarray:
+    def evict(keys: np.ndarray, *, after: int) -> tuple[np.ndarray, np.ndarray]:
         nonlocal writes, num_free
         slots = slot_of[keys]
         free[num_free:num_free + len(slots)] = slots
@@ -151,7 +161,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         version[keys] = after
         writers = (writes + np.arange(len(keys))) % config.num_trainers
         writes += len(keys)
-        return writers
+        return writers, slots
 
     i = 0
     while (current := stream.batch(i)) is not None:
@@ -164,9 +174,10 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         if i % _NEXT_USE_BLOCK == 0:  # a new block brings further uses of idle rows in sight
             unknown = np.flatnonzero((slot_key >= 0) & (slot_next == NEVER))
             slot_next[unknown] = stream.first_uses(slot_key[unknown])
-        evict_keys, writers = empty, empty
+        evict_keys, writers, evict_slots = empty, empty, empty
         if config.policy == "none" and len(previous_batch):
-            evict_keys, writers = previous_batch, evict(previous_batch, after=i - 1)
+            evict_keys = previous_batch
+            writers, evict_slots = evict(previous_batch, after=i - 1)
         missing = keys[slot_of[keys] < 0]
         overflow = len(missing) - num_free
         if overflow > 0:
@@ -179,7 +190,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
                             freq=freq[slot_key[candidates]], i=i, lookahead=config.lookahead)
             chosen = candidates[np.argpartition(-score, overflow - 1)[:overflow]]
             evict_keys = np.sort(slot_key[chosen])
-            writers = evict(evict_keys, after=i - 1)
+            writers, evict_slots = evict(evict_keys, after=i - 1)
         fetch_versions = version[missing]
         slots = free[num_free - len(missing):num_free][::-1].copy()
         num_free -= len(missing)
@@ -204,13 +215,17 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             sync_later_deadlines=np.where(visible, next_use, NEVER)[~soon],
             resident_rows=capacity - num_free,
             lookups=lookups,
+            fetch_slots=slots,
+            evict_slots=evict_slots,
+            batch_keys=keys,
+            batch_slots=batch_slots,
         )
         i += 1
     remaining = np.sort(slot_key[slot_key >= 0])
-    writers = evict(remaining, after=i - 1) if len(remaining) else empty
+    writers, evict_slots = evict(remaining, after=i - 1) if len(remaining) else (empty, empty)
     yield PlanStep(iteration=i, fetch_keys=empty, fetch_versions=empty, evict_keys=remaining,
                    evict_writers=writers, sync_now_keys=empty, sync_later_keys=empty,
-                   sync_later_deadlines=empty, resident_rows=0, lookups=0)
+                   sync_later_deadlines=empty, resident_rows=0, lookups=0, evict_slots=evict_slots)
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:

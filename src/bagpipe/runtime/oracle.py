@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed.rpc as rpc
 
+from bagpipe.cache import batch_view
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import open_dataset
@@ -90,25 +91,30 @@ class Oracle:
                 pending.append(batch)
                 yield flat_keys(batch.ids, offsets).numpy().ravel()
 
-        t = self.world.num_trainers
         b = self.job.slice_size
         for step in plan(key_stream(), self.planner_config):
             batch = pending.popleft() if step.iteration < self.iterations else None
-            batch_keys = np.union1d(step.sync_now_keys, step.sync_later_keys)
-            now_mask = np.isin(batch_keys, step.sync_now_keys, assume_unique=True)
+            view = batch_view(step)
             common = dict(iteration=step.iteration, final=batch is None,
                           fetch_keys=torch.from_numpy(step.fetch_keys),
                           fetch_versions=torch.from_numpy(step.fetch_versions),
+                          fetch_slots=torch.from_numpy(step.fetch_slots),
                           evict_keys=torch.from_numpy(step.evict_keys),
-                          batch_keys=torch.from_numpy(batch_keys), now_mask=torch.from_numpy(now_mask),
-                          lookups=step.lookups)
+                          evict_slots=torch.from_numpy(step.evict_slots),
+                          batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
+                          num_now=view.num_now, lookups=step.lookups)
             for trainer, out in enumerate(self.queues):
                 part = slice(trainer * b, (trainer + 1) * b)
+                ids = None if batch is None else _slice_ids(batch.ids, part)
+                positions = None
+                if ids is not None:
+                    # Each id's row in batch_keys (int32: half the bytes; the cache indexes with it).
+                    flat = flat_keys(ids, offsets).numpy()
+                    positions = torch.from_numpy(view.at(flat).positions.astype(np.int32))
                 message = StepMessage(
-                    dense_x=None if batch is None else batch.dense_x[part],
-                    ids=None if batch is None else _slice_ids(batch.ids, part),
+                    dense_x=None if batch is None else batch.dense_x[part], ids=ids,
                     target=None if batch is None else batch.target[part],
-                    write_mask=torch.from_numpy(step.evict_writers == trainer), **common)
+                    write_mask=torch.from_numpy(step.evict_writers == trainer), positions=positions, **common)
                 self.bytes_sent += message.nbytes()
                 while not self.stop.is_set():
                     try:

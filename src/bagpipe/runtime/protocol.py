@@ -30,10 +30,14 @@ class StepMessage:
     target: torch.Tensor | None
     fetch_keys: torch.Tensor  # flat keys to install before this iteration
     fetch_versions: torch.Tensor  # the write-back version each fetch must observe
+    fetch_slots: torch.Tensor  # the cache slot each fetched row goes to
     evict_keys: torch.Tensor  # flat keys to evict before the fetches (after iteration - 1)
+    evict_slots: torch.Tensor  # and the slots they leave
     write_mask: torch.Tensor  # bool per evicted key: this trainer writes it back
-    batch_keys: torch.Tensor  # the global batch's distinct flat keys, sorted
-    now_mask: torch.Tensor  # bool per batch key: used again next iteration, so synced right away
+    batch_keys: torch.Tensor  # the global batch's distinct flat keys: those synced at once first
+    batch_slots: torch.Tensor  # their cache slots
+    num_now: int  # batch rows used again next iteration, so synced right away (the first ones)
+    positions: torch.Tensor | None  # per id of this trainer's slice: its index in batch_keys
     lookups: int = 0  # ids in the global batch, repeats included
 
     def nbytes(self) -> int:
@@ -41,7 +45,8 @@ class StepMessage:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.dense_x, self.ids, self.target, self.fetch_keys, self.fetch_versions,
-                            self.evict_keys, self.write_mask, self.batch_keys, self.now_mask) if t is not None]
+                            self.fetch_slots, self.evict_keys, self.evict_slots, self.write_mask, self.batch_keys,
+                            self.batch_slots, self.positions) if t is not None]
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 
-from bagpipe.cache import CachedTables, RowCache
+from bagpipe.cache import BatchView, RowCache
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.embeddings import Bags, Lookup
 from bagpipe.optim import make_row_optimizer
@@ -51,7 +51,6 @@ class TrainerRuntime:
         self.dim = config["model"]["emb_dim"]
         self.row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
         self.cache = RowCache(capacity=job.cache_rows, dim=self.dim, optimizer=self.row_optimizer, device=device)
-        self.tables = CachedTables(self.cache, job.table_sizes)
         self.group = trainer_group(world, store, self.index)
         self.stats = TrainerStats()
         self.step: StepMessage | None = None
@@ -147,10 +146,10 @@ class TrainerRuntime:
         return message
 
     def _boundary(self, message: StepMessage, fetches: list) -> None:
-        evict_keys = message.evict_keys.numpy()
-        self._apply_pending(upto=message.iteration - 2, evicting=evict_keys)
-        if len(evict_keys):
-            rows, state = self.cache.evict(evict_keys)
+        evict_slots = message.evict_slots.numpy()
+        self._apply_pending(upto=message.iteration - 2, evicting=evict_slots)
+        if len(evict_slots):
+            rows, state = self.cache.evict(evict_slots, message.evict_keys.numpy())
             mine = message.write_mask
             if mine.any():
                 self._send_write_backs(message.evict_keys[mine], rows[mine], state[mine],
@@ -163,7 +162,7 @@ class TrainerRuntime:
             for shard, index, future in fetches:
                 rows[index], state[index] = _check(shard, future, what="fetch")
             self._stalled("fetch_wait_s", waited)
-            self.cache.install(fetch_keys, rows, state)
+            self.cache.install(message.fetch_slots.numpy(), fetch_keys, rows, state)
             self.stats.rows_fetched += len(fetch_keys)
         if not message.final:
             self.stats.batch_rows += len(message.batch_keys)
@@ -183,55 +182,69 @@ class TrainerRuntime:
         self.stats.rows_written_back += len(keys)
         self.stats.bytes_sent += rows.numel() * 4 + state.numel() * 4 + keys.numel() * 8
 
-    def lookup(self, ids: torch.Tensor | Bags) -> tuple[torch.Tensor, Lookup]:
-        """Embeddings [B, T, D] of this iteration's ids [B, T] (ids within each table), or pooled bags."""
-        return self.tables.lookup(ids)
+    def lookup(self) -> tuple[torch.Tensor, Lookup]:
+        """Embeddings of this iteration's slice: [B, T, D] for one-hot ids, pooled for bags.
+
+        The oracle sent each id's row (``positions``) and each row's slot: no search here.
+        """
+        message = self.step
+        view = BatchView(message.batch_keys.numpy(), message.batch_slots.numpy(), message.num_now,
+                         message.positions, message.batch_keys.numpy(), np.zeros(0, dtype=np.int64))
+        return self.cache.gather(view, message.ids if isinstance(message.ids, Bags) else None)
 
     def sync(self, lookup: Lookup, extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """Sum gradients over trainers (divided by their number) and update the cached rows.
 
         ``extra`` (e.g. the flattened dense gradients) rides along in the blocking all-reduce and
-        comes back averaged. Rows used next iteration are updated now; the rest when their sync
-        completes, before their next use or eviction.
+        comes back averaged. Rows used next iteration (the first ``num_now`` of the batch) are
+        updated now; the rest when their sync completes, before their next use or eviction.
         """
         message, trainers = self.step, self.world.num_trainers
-        batch_keys = message.batch_keys
-        local_keys = torch.from_numpy(self.cache.slot_key[lookup.index.cpu().numpy()])
-        grads = torch.zeros(len(batch_keys), self.dim)
-        grads.index_copy_(0, torch.searchsorted(batch_keys, local_keys), lookup.rows.grad.cpu())
-        now = message.now_mask
+        slots, now = message.batch_slots, message.num_now
+        grads = lookup.rows.grad  # [batch rows, D]: this slice's gradient of every batch row
+        if grads is None:
+            raise RuntimeError("backward() did not reach the embeddings of this batch")
+        grads = grads.cpu()
         extra_size = 0 if extra is None else extra.numel()
-        buffer = torch.cat([torch.zeros(0) if extra is None else extra.reshape(-1).cpu(), grads[now].reshape(-1)])
+        buffer = torch.cat([torch.zeros(0) if extra is None else extra.reshape(-1).cpu(), grads[:now].reshape(-1)])
         if self.group is not None and buffer.numel():
             waited = time.perf_counter()
             self.group.allreduce([buffer]).wait()
             self.stats.sync_s += time.perf_counter() - waited
             self.stats.bytes_sent += buffer.numel() * 4
             buffer /= trainers
-        self.cache.apply_to(batch_keys[now].numpy(), buffer[extra_size:].view(-1, self.dim))
-        later = ~now
-        if later.any():
-            later_grads = grads[later].contiguous()
+        self.cache.apply(slots[:now], buffer[extra_size:].view(-1, self.dim))
+        if now < len(slots):
+            later_grads = grads[now:]  # a contiguous view: no copy
             work = None
             if self.group is not None:
                 work = self.group.allreduce([later_grads])
                 self.stats.bytes_sent += later_grads.numel() * 4
-            self._pending.append((message.iteration, batch_keys[later].numpy(), later_grads, work))
+            self._pending.append((message.iteration, slots[now:].numpy(), later_grads, work))
         return None if extra is None else buffer[:extra_size]
 
     def _apply_pending(self, *, upto: int, evicting: np.ndarray) -> None:
         """Apply lazily synced updates from iterations <= upto, and any whose rows are evicted now."""
+        if not self._pending:
+            return
+        evicted = None
         while self._pending:
-            iteration, keys, grads, work = self._pending[0]
-            if iteration > upto and not np.isin(keys, evicting, assume_unique=True).any():
-                break
+            iteration, slots, grads, work = self._pending[0]
+            if iteration > upto:
+                if not len(evicting):
+                    break
+                if evicted is None:
+                    evicted = np.zeros(self.cache.capacity, dtype=bool)
+                    evicted[evicting] = True
+                if not evicted[slots].any():
+                    break
             self._pending.popleft()
             if work is not None:
                 waited = time.perf_counter()
                 work.wait()
                 self._stalled("lazy_sync_wait_s", waited)
                 grads /= self.world.num_trainers
-            self.cache.apply_to(keys, grads)
+            self.cache.apply(slots, grads)
 
     def _flush(self) -> None:
         self._writes.put(_END)
@@ -284,7 +297,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             clock.carve("cache", kind, getattr(stats, f"{kind}_s") - before)
         if message is None:
             break
-        embeddings, lookup = runtime.lookup(message.ids)
+        embeddings, lookup = runtime.lookup()
         clock.lap("lookup")
         local_loss = F.binary_cross_entropy_with_logits(model(message.dense_x, embeddings), message.target)
         clock.lap("forward")
