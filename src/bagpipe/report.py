@@ -83,6 +83,9 @@ def summarize(run: Run) -> str:
     peak = s.get("peak_rss_bytes") or {}
     if peak:
         lines.append("  peak memory  " + ", ".join(f"{role} {b / 2**20:,.0f} MiB" for role, b in peak.items()))
+    cpu = s.get("cpu_s") or {}
+    if cpu:
+        lines.append("  CPU time     " + ", ".join(f"{role} {sec:,.1f} s" for role, sec in cpu.items()))
     return "\n".join(lines)
 
 

@@ -83,3 +83,9 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size (ru_maxrss: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def cpu_seconds() -> float:
+    """CPU time this process has used so far (user + system, every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime

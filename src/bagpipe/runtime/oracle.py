@@ -31,7 +31,7 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.world import World, check_in, init_rpc
 from bagpipe.storage import gather_flat
-from bagpipe.timing import peak_rss_bytes
+from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
     """Evaluate the trained model, write checkpoint and summary (the reference's run-dir layout)."""
     config, dataset = oracle.config, oracle.dataset
     sizes = dataset.table_sizes
+    train_cpu_s = cpu_seconds()
     flat = gather_flat([s["weights"] for s in shards], int(sum(sizes)))
     row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
     tables = EmbeddingTables(table_sizes=sizes, dim=config.model.emb_dim, optimizer=row_optimizer,
@@ -323,6 +324,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         "peak_rss_bytes": {"oracle": peak_rss_bytes(),
                            **{f"server{i}": s.get("peak_rss_bytes", 0) for i, s in enumerate(shards)},
                            **{f"trainer{t}": s.extra.get("peak_rss_bytes", 0) for t, s in sorted(stats.items())}},
+        # CPU seconds per role up to the end of training (the oracle's: before evaluation)
+        "cpu_s": {"oracle": train_cpu_s, **{f"server{i}": s.get("cpu_s", 0.0) for i, s in enumerate(shards)},
+                  **{f"trainer{t}": s.extra.get("cpu_s", 0.0) for t, s in sorted(stats.items())}},
     }
     run.write_json("summary.json", summary)
     run.close()

@@ -18,7 +18,7 @@ import torch.distributed.rpc as rpc
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
 from bagpipe.runtime.world import World, check_in, init_rpc
-from bagpipe.timing import peak_rss_bytes
+from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Server:
         self.touch()
         return {"weights": self.store.weights, "bytes_sent": self.bytes_sent, "fetches": self.fetches,
                 "fetches_waited": self.store.fetches_waited, "rows_written": self.rows_written,
-                "peak_rss_bytes": peak_rss_bytes()}
+                "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds()}
 
 
 _SERVER: Server | None = None

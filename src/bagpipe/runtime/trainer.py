@@ -29,7 +29,7 @@ from bagpipe.embeddings import Bags, Lookup
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model
 from bagpipe.rundir import RunDir
-from bagpipe.timing import PhaseClock, peak_rss_bytes
+from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group
@@ -336,6 +336,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         clock.end_iteration()
     stats.extra["time_breakdown_ms"] = clock.steady_ms()
     stats.extra["peak_rss_bytes"] = peak_rss_bytes()
+    stats.extra["cpu_s"] = cpu_seconds()
     runtime.stats.samples_per_s = timer.samples_per_s
     runtime.stats.extra["final_train_loss"] = loss
     if run is not None:

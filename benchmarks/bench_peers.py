@@ -1,0 +1,155 @@
+"""bagpipe against TorchRec (and our reference trainer) on the same data, model and global batch.
+
+    .venv/bin/python benchmarks/bench_peers.py [--repeats 3] [--iterations 200] [--quick]
+        [--torchrec-sharding table_wise] [--optimizer sgd] [--cache-fraction 0.05]
+
+Data: synthetic Criteo-shaped, 26 tables of 100,000 rows (2.6M rows), Zipf ids. Model: DLRM,
+dim 16, bottom MLP 13-512-256-16, top MLP 512-256-1, global batch 2048. Systems, interleaved
+in every repeat so that machine noise hits all of them alike:
+
+- torchrec   TorchRec's DLRM in DistributedModelParallel over gloo on 2 processes, fused
+             embedding optimizer (benchmarks/peer/torchrec_dlrm.py, in its own environment
+             .venv-torchrec made by benchmarks/peer/setup_torchrec.sh)
+- bagpipe    `--mode bagpipe`: oracle, 1 server, 2 trainers, each trainer caching
+             --cache-fraction of all rows
+- reference  `--mode reference`: one process, every table in memory, torch's default threads
+
+Samples/s is steady state (the first --warmup iterations excluded), start-up is reported apart,
+and peak RSS is per process. Medians over --repeats and the ratios between the medians are
+printed as a markdown table for docs/benchmarks.md; raw runs go to WORK_DIR/peers.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.data.preprocess import preprocess
+from bagpipe.reference import train_reference
+from bagpipe.runtime.launch import launch_local
+from bagpipe.synth import generate
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHREC_PYTHON = ROOT / ".venv-torchrec" / "bin" / "python"
+TABLES, ROWS_PER_TABLE, DIM, BATCH = 26, 100_000, 16, 2048
+BOTTOM, TOP = f"13-512-256-{DIM}", "512-256-1"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--cache-fraction", type=float, default=0.05, help="rows each bagpipe trainer caches")
+    parser.add_argument("--torchrec-sharding", default="table_wise")
+    parser.add_argument("--systems", default="torchrec,bagpipe,reference")
+    parser.add_argument("--quick", action="store_true", help="60 iterations, one repeat")
+    args = parser.parse_args()
+    if args.quick:
+        args.iterations, args.repeats, args.warmup = 60, 1, 10
+    if not 0 < args.cache_fraction <= 0.10:
+        parser.error("--cache-fraction must be in (0, 0.10]: the target is at most 10% of the rows per trainer")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_peers_"))
+    data = make_data(work, iterations=args.iterations)
+    systems = args.systems.split(",")
+    if "torchrec" in systems:
+        subprocess.run(["bash", str(ROOT / "benchmarks" / "peer" / "setup_torchrec.sh")], check=True,
+                       stdout=sys.stderr)
+    cache_rows = int(args.cache_fraction * TABLES * ROWS_PER_TABLE)
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    log = open(work / "peers.jsonl", "a")
+    for repeat in range(args.repeats):
+        for system in systems:
+            started = time.perf_counter()
+            row = RUNNERS[system](args, data, work / f"run_{system}", cache_rows)
+            row.update(system=system, repeat=repeat, launch_s=time.perf_counter() - started)
+            results[system].append(row)
+            print(json.dumps(row), flush=True)
+            log.write(json.dumps(row) + "\n")
+    log.close()
+    print(table(results, args=args, cache_rows=cache_rows))
+
+
+def make_data(work: Path, *, iterations: int) -> Path:
+    data = work / "bin"
+    if not (data / "train" / "header.json").is_file():
+        generate(work / "tsv", rows=BATCH * (iterations + 10), test_rows=BATCH, seed=0,
+                 table_sizes=[ROWS_PER_TABLE] * TABLES)
+        preprocess(work / "tsv", data)
+    return data
+
+
+def config(args, data: Path, run_dir: Path, **values) -> TrainConfig:
+    return TrainConfig(data=str(data), run_dir=str(run_dir), iterations=args.iterations, batch_size=BATCH,
+                       optimizer=args.optimizer, lr=args.lr, seed=0, warmup_iterations=args.warmup, log_every=20,
+                       max_eval_rows=BATCH, model=ModelConfig(emb_dim=DIM, arch_mlp_bot=BOTTOM, arch_mlp_top=TOP),
+                       **values)
+
+
+def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+    summary = launch_local(config(args, data, run_dir, mode="bagpipe", trainers=2, servers=1, cache_rows=cache_rows,
+                                  lookahead=200, policy="lookahead", timeout=120.0), show_progress=False)
+    return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
+            "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],
+            "embedding_stall_fraction": summary["embedding_stall_fraction"],
+            "time_breakdown_ms": summary["time_breakdown_ms"]}
+
+
+def run_reference(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+    summary = train_reference(config(args, data, run_dir, mode="reference"), show_progress=False)
+    return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
+            "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],
+            "time_breakdown_ms": summary["time_breakdown_ms"]}
+
+
+def run_torchrec(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+    command = [str(TORCHREC_PYTHON), str(ROOT / "benchmarks" / "peer" / "torchrec_dlrm.py"), "--data", str(data),
+               "--processes", "2", "--sharding", args.torchrec_sharding, "--optimizer", args.optimizer,
+               "--lr", str(args.lr), "--dim", str(DIM), "--batch-size", str(BATCH),
+               "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"torchrec run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    peaks = result["peak_rss_bytes"]
+    return {"samples_per_s": result["samples_per_s"], "startup_s": result["startup_s"],
+            "peak_rss_bytes": {f"rank{i}": b for i, b in enumerate(peaks)}, "final_loss": result["final_loss"],
+            "sharding": result.get("sharding")}
+
+
+RUNNERS = {"bagpipe": run_bagpipe, "reference": run_reference, "torchrec": run_torchrec}
+
+
+def table(results: dict[str, list[dict]], *, args, cache_rows: int) -> str:
+    med = {s: statistics.median(r["samples_per_s"] for r in runs) for s, runs in results.items() if runs}
+    lines = [f"\n{TABLES} tables x {ROWS_PER_TABLE:,} rows, dim {DIM}, DLRM {BOTTOM} / {TOP}, global batch {BATCH}, "
+             f"{args.optimizer} lr {args.lr}, {args.iterations} iterations ({args.warmup} warm-up), medians of "
+             f"{args.repeats}; bagpipe caches {cache_rows:,} rows per trainer "
+             f"({100 * cache_rows / (TABLES * ROWS_PER_TABLE):.0f}%)\n",
+             "| system | samples/s (median) | runs | vs torchrec | start-up s | peak RSS per process (MiB) | final loss |",
+             "| --- | ---: | --- | ---: | ---: | --- | ---: |"]
+    for system, runs in results.items():
+        if not runs:
+            continue
+        ratio = f"{med[system] / med['torchrec']:.2f}x" if "torchrec" in med else "-"
+        peak = {k: max(r["peak_rss_bytes"][k] for r in runs) for k in runs[0]["peak_rss_bytes"]}
+        each = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs)
+        lines.append(f"| {system} | {med[system]:,.0f} | {each} | "
+                     f"{ratio} | {statistics.median(r['startup_s'] for r in runs):.1f} | "
+                     + ", ".join(f"{k} {v / 2**20:,.0f}" for k, v in peak.items())
+                     + f" | {statistics.median(r['final_loss'] for r in runs):.4f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
