@@ -154,6 +154,9 @@ def update_rows(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Ten
     """Row-optimizer step on the looked-up rows, in place (``grads``: default, the leaf's own)."""
     grads = lookup.rows.grad if grads is None else grads
     assert grads is not None, "backward() must run before the row update"
+    if optimizer.name == "sgd":  # fused: one scatter-add into the weights (the rows are distinct)
+        weights.index_add_(0, lookup.index, grads, alpha=-optimizer.lr)
+        return
     rows, row_state = lookup.rows.detach().clone(), state.index_select(0, lookup.index)
     optimizer.step(rows, row_state, grads)
     weights.index_copy_(0, lookup.index, rows)

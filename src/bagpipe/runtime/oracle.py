@@ -92,6 +92,9 @@ class Oracle:
                 yield flat_keys(batch.ids, offsets).numpy().ravel()
 
         b = self.job.slice_size
+        # Each batch row's index in the message's batch_keys, by flat key (dense scratch over all
+        # rows, like the planner's own arrays): one scatter per batch, one gather per slice.
+        row_of = np.zeros(self.planner_config.num_rows, dtype=np.int32)
         for step in plan(key_stream(), self.planner_config):
             batch = pending.popleft() if step.iteration < self.iterations else None
             view = batch_view(step)
@@ -103,14 +106,13 @@ class Oracle:
                           evict_slots=torch.from_numpy(step.evict_slots),
                           batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
                           num_now=view.num_now, lookups=step.lookups)
+            row_of[view.keys] = np.arange(len(view.keys), dtype=np.int32)
             for trainer, out in enumerate(self.queues):
                 part = slice(trainer * b, (trainer + 1) * b)
                 ids = None if batch is None else _slice_ids(batch.ids, part)
                 positions = None
-                if ids is not None:
-                    # Each id's row in batch_keys (int32: half the bytes; the cache indexes with it).
-                    flat = flat_keys(ids, offsets).numpy()
-                    positions = torch.from_numpy(view.at(flat).positions.astype(np.int32))
+                if ids is not None:  # each id's row in batch_keys (int32: half the bytes of int64)
+                    positions = torch.from_numpy(row_of[flat_keys(ids, offsets).numpy()])
                 message = StepMessage(
                     dense_x=None if batch is None else batch.dense_x[part], ids=ids,
                     target=None if batch is None else batch.target[part],
