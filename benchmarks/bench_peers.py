@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--cache-fraction", type=float, default=0.05, help="rows each bagpipe trainer caches")
     parser.add_argument("--torchrec-sharding", default="table_wise")
-    parser.add_argument("--systems", default="torchrec,bagpipe,reference")
+    parser.add_argument("--systems", default="torchrec,bagpipe,reference",
+                        help="any of torchrec, bagpipe, reference, and bagpipe-before (needs --before-src)")
+    parser.add_argument("--before-src", default=None,
+                        help="the src/ dir of another bagpipe checkout (e.g. `git worktree add ../before REV`), "
+                             "run as system bagpipe-before: before/after figures in one run")
     parser.add_argument("--quick", action="store_true", help="60 iterations, one repeat")
     args = parser.parse_args()
     if args.quick:
@@ -105,6 +109,26 @@ def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
             "time_breakdown_ms": summary["time_breakdown_ms"]}
 
 
+def run_bagpipe_before(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+    """The same job with another checkout's code (PYTHONPATH first), through its command line."""
+    import os
+
+    if not args.before_src:
+        raise SystemExit("system bagpipe-before needs --before-src")
+    command = [sys.executable, "-m", "bagpipe.cli", "train", "--mode", "bagpipe", "--data", str(data),
+               "--run-dir", str(run_dir), "--iterations", str(args.iterations), "--batch-size", str(BATCH),
+               "--optimizer", args.optimizer, "--lr", str(args.lr), "--seed", "0",
+               "--warmup-iterations", str(args.warmup), "--log-every", "20", "--max-eval-rows", str(BATCH),
+               "--trainers", "2", "--servers", "1", "--cache-rows", str(cache_rows), "--lookahead", "200",
+               "--timeout", "120", "--emb-dim", str(DIM), "--arch-mlp-bot", BOTTOM, "--arch-mlp-top", TOP,
+               "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(Path(args.before_src).resolve()))
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr, timeout=1800)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"samples_per_s": summary["samples_per_s"], "startup_s": summary.get("startup_s", float("nan")),
+            "peak_rss_bytes": summary.get("peak_rss_bytes", {}), "final_loss": summary["final_train_loss"]}
+
+
 def run_reference(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
     summary = train_reference(config(args, data, run_dir, mode="reference"), show_progress=False)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
@@ -127,7 +151,8 @@ def run_torchrec(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
             "sharding": result.get("sharding")}
 
 
-RUNNERS = {"bagpipe": run_bagpipe, "reference": run_reference, "torchrec": run_torchrec}
+RUNNERS = {"bagpipe": run_bagpipe, "reference": run_reference, "torchrec": run_torchrec,
+           "bagpipe-before": run_bagpipe_before}
 
 
 def table(results: dict[str, list[dict]], *, args, cache_rows: int) -> str:
@@ -136,17 +161,20 @@ def table(results: dict[str, list[dict]], *, args, cache_rows: int) -> str:
              f"{args.optimizer} lr {args.lr}, {args.iterations} iterations ({args.warmup} warm-up), medians of "
              f"{args.repeats}; bagpipe caches {cache_rows:,} rows per trainer "
              f"({100 * cache_rows / (TABLES * ROWS_PER_TABLE):.0f}%)\n",
-             "| system | samples/s (median) | runs | vs torchrec | start-up s | peak RSS per process (MiB) | final loss |",
+             "| system | samples/s (median) | runs | vs " + ("torchrec" if "torchrec" in med else "before")
+             + " | start-up s | peak RSS per process (MiB) | final loss |",
              "| --- | ---: | --- | ---: | ---: | --- | ---: |"]
     for system, runs in results.items():
         if not runs:
             continue
-        ratio = f"{med[system] / med['torchrec']:.2f}x" if "torchrec" in med else "-"
+        base = "torchrec" if "torchrec" in med else "bagpipe-before" if "bagpipe-before" in med else None
+        ratio = f"{med[system] / med[base]:.2f}x" if base else "-"
         peak = {k: max(r["peak_rss_bytes"][k] for r in runs) for k in runs[0]["peak_rss_bytes"]}
+        startup = statistics.median(r["startup_s"] for r in runs)
         each = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs)
         lines.append(f"| {system} | {med[system]:,.0f} | {each} | "
-                     f"{ratio} | {statistics.median(r['startup_s'] for r in runs):.1f} | "
-                     + ", ".join(f"{k} {v / 2**20:,.0f}" for k, v in peak.items())
+                     f"{ratio} | {startup:.1f} | "
+                     + (", ".join(f"{k} {v / 2**20:,.0f}" for k, v in peak.items()) or "not recorded")
                      + f" | {statistics.median(r['final_loss'] for r in runs):.4f} |")
     return "\n".join(lines)
 

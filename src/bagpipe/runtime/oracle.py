@@ -26,7 +26,7 @@ from bagpipe.data.preprocess import ensure_preprocessed
 from bagpipe.embeddings import Bags, EmbeddingTables, flat_keys, table_offsets
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner import PlannerConfig, plan
-from bagpipe.reference import build_model, check_data, evaluate
+from bagpipe.reference import build_model, check_data, deterministic, evaluate
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.world import World, check_in, init_rpc
@@ -228,7 +228,7 @@ def run_oracle(config: TrainConfig, world: World) -> dict:
     global _ORACLE
     started = time.perf_counter()
     started_at = time.time()
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     _ORACLE = oracle = Oracle(config, world)
     run = RunDir(config.run_dir)
     run.write_json("config.json", config_to_dict(config))
@@ -314,6 +314,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
            for kind in ("plan_wait", "fetch_wait", "lazy_sync_wait", "sync")},
         "bytes_sent": oracle.bytes_sent + sum(s.bytes_sent for s in all_stats)
         + sum(s["bytes_sent"] for s in shards),
+        # what one trainer puts through gradient all-reduces per iteration (dense + rows)
+        "allreduce_bytes_per_iteration": float(np.mean([s.allreduce_bytes for s in all_stats]))
+        / max(oracle.iterations, 1),
         "server_fetches": sum(s["fetches"] for s in shards),
         "server_fetches_waited": sum(s["fetches_waited"] for s in shards),
         "train_s": train_s,

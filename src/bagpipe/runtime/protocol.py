@@ -65,5 +65,6 @@ class TrainerStats:
     sync_s: float = 0.0  # waiting on the blocking gradient all-reduce
     loop_s: float = 0.0  # wall time from the first iteration to the end of the flush
     bytes_sent: int = 0  # payload this trainer sent: write-backs and gradient all-reduces
+    allreduce_bytes: int = 0  # of which gradient all-reduce buffers (blocking and background)
     samples_per_s: float = float("nan")  # steady state, as the reference counts it
     extra: dict = field(default_factory=dict)

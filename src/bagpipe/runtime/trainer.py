@@ -27,7 +27,7 @@ from bagpipe.cache import BatchView, RowCache
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.embeddings import Bags, Lookup
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import Timer, build_model
+from bagpipe.reference import Timer, build_model, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
@@ -212,6 +212,7 @@ class TrainerRuntime:
             self.group.allreduce([buffer]).wait()
             self.stats.sync_s += time.perf_counter() - waited
             self.stats.bytes_sent += buffer.numel() * 4
+            self.stats.allreduce_bytes += buffer.numel() * 4
             buffer /= trainers
         self.cache.apply(slots[:now], buffer[extra_size:].view(-1, self.dim))
         if now < len(slots):
@@ -220,6 +221,7 @@ class TrainerRuntime:
             if self.group is not None:
                 work = self.group.allreduce([later_grads])
                 self.stats.bytes_sent += later_grads.numel() * 4
+                self.stats.allreduce_bytes += later_grads.numel() * 4
             self._pending.append((message.iteration, slots[now:].numpy(), later_grads, work))
         return None if extra is None else buffer[:extra_size]
 
@@ -273,7 +275,7 @@ def _check(shard: int, future, *, what: str):
 
 def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     """The DLRM training loop of ``--mode bagpipe``: the reference step, with synced gradients."""
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     job = runtime.job
     model = build_model(config, len(job.table_sizes))
     dense_optimizer = runtime.row_optimizer.dense_optimizer(model.parameters())
