@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,5 +27,11 @@ bench: $(BIN)/bagpipe
 bench-runtime: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_runtime.py
 
+bench-peers: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_peers.py --repeats 5
+
+bench-scaling: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_scaling.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-torchrec runs
