@@ -155,7 +155,9 @@ def update_rows(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Ten
     grads = lookup.rows.grad if grads is None else grads
     assert grads is not None, "backward() must run before the row update"
     if optimizer.name == "sgd":  # fused: one scatter-add into the weights (the rows are distinct)
-        weights.index_add_(0, lookup.index, grads, alpha=-optimizer.lr)
+        # grads * -lr first: index_add_ with alpha= takes a slow path (2.3 ms against 0.28 ms for
+        # 12k rows of 16 into 130k, 1 thread).
+        weights.index_add_(0, lookup.index, grads.mul(-optimizer.lr))
         return
     rows, row_state = lookup.rows.detach().clone(), state.index_select(0, lookup.index)
     optimizer.step(rows, row_state, grads)
