@@ -145,7 +145,7 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
     left = [0.0] * len(runs)
     for phase in phases:
         widths = [(run.summary.get("time_breakdown_ms") or {}).get(phase, 0.0) for run in runs]
-        ax.barh(range(len(runs)), widths, left=left, label=phase)
+        ax.barh(range(len(runs)), widths, left=left, label=phase, color=_color(plt, phase))
         left = [a + b for a, b in zip(left, widths)]
     ax.set_yticks(range(len(runs)), [run.label for run in runs], fontsize="small")
     ax.set(title="where an iteration's time goes (steady state, per trainer)", xlabel="ms per iteration")
@@ -154,14 +154,15 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
     save(fig, "time_breakdown.png")
 
     # The breakdown over each run's iterations.
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 3 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3 * len(runs)), squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
         windows = [r for r in run.train if r.get("time_ms")]
         run_phases = _phases(r["time_ms"] for r in windows)
         if windows:
             ax.stackplot([r["iteration"] for r in windows],
-                         *[[r["time_ms"].get(p, 0.0) for r in windows] for p in run_phases], labels=run_phases)
-            ax.legend(fontsize="x-small", ncol=4, loc="upper right")
+                         *[[r["time_ms"].get(p, 0.0) for r in windows] for p in run_phases], labels=run_phases,
+                         colors=[_color(plt, p) for p in run_phases])
+            ax.legend(fontsize="x-small", ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         else:
             ax.text(0.5, 0.5, "no per-iteration timing in this run's metrics", ha="center", transform=ax.transAxes)
         ax.set(title=run.label, xlabel="iteration", ylabel="ms per iteration")
@@ -186,6 +187,12 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
     ax_rows.set(title="rows fetched per iteration (per trainer)", xlabel="iteration", ylabel="rows")
     save(fig, "cache.png")
     return written
+
+
+def _color(plt, phase: str):
+    """One fixed colour per phase in every figure (tab20 has enough for all of them)."""
+    index = PHASES.index(phase) if phase in PHASES else len(PHASES) + hash(phase) % 8
+    return plt.get_cmap("tab20")(index % 20)
 
 
 def _phases(breakdowns) -> list[str]:
