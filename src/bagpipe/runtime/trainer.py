@@ -192,6 +192,23 @@ class TrainerRuntime:
                          message.positions, message.batch_keys.numpy(), np.zeros(0, dtype=np.int64))
         return self.cache.gather(view, message.ids if isinstance(message.ids, Bags) else None)
 
+    def allreduce_start(self, buffer: torch.Tensor):
+        """Start summing ``buffer`` over trainers in the background (e.g. gradients ready early)."""
+        if self.group is None:
+            return None
+        self.stats.bytes_sent += buffer.numel() * 4
+        self.stats.allreduce_bytes += buffer.numel() * 4
+        return self.group.allreduce([buffer])
+
+    def allreduce_finish(self, work, buffer: torch.Tensor) -> torch.Tensor:
+        """Wait for ``allreduce_start``'s sum and turn it into the mean over trainers, in place."""
+        if work is not None:
+            waited = time.perf_counter()
+            work.wait()
+            self.stats.sync_s += time.perf_counter() - waited
+            buffer /= self.world.num_trainers
+        return buffer
+
     def sync(self, lookup: Lookup, extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """Sum gradients over trainers (divided by their number) and update the cached rows.
 
@@ -280,6 +297,10 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     model = build_model(config, len(job.table_sizes))
     dense_optimizer = runtime.row_optimizer.dense_optimizer(model.parameters())
     params = list(model.parameters())
+    # The top MLP's gradients are complete first in the backward: their all-reduce starts then
+    # and runs while the rest of the backward computes (as DDP's buckets do).
+    early = _EarlyBucket(runtime, list(model.top.parameters()))
+    late_params = [p for p in params if all(p is not q for q in early.params)]
     leader = runtime.index == 0
     run = RunDir(config.run_dir, append=True) if leader else None
     timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - 1, 0)))
@@ -304,17 +325,20 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         local_loss = F.binary_cross_entropy_with_logits(model(message.dense_x, embeddings), message.target)
         clock.lap("forward")
         dense_optimizer.zero_grad(set_to_none=True)
+        early.reset()
         local_loss.backward()
         clock.lap("backward")
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [local_loss.detach().reshape(1)])
+        flat = torch.cat([p.grad.reshape(-1) for p in late_params] + [local_loss.detach().reshape(1)])
         sync_before = stats.sync_s
         flat = runtime.sync(lookup, flat)
+        early_flat = early.finish()
         clock.lap("sync")
         clock.carve("sync", "sync_wait", stats.sync_s - sync_before)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for group, values in ((late_params, flat), (early.params, early_flat)):
+            offset = 0
+            for p in group:
+                p.grad.copy_(values[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
         dense_optimizer.step()
         loss = float(flat[-1])
         clock.lap("optimizer")
@@ -344,6 +368,34 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     if run is not None:
         run.close()
     runtime.close(dense_state=model.state_dict() if leader else None)
+
+
+class _EarlyBucket:
+    """Parameters whose gradients are summed over trainers as soon as the backward completes them."""
+
+    def __init__(self, runtime: TrainerRuntime, params: list[torch.nn.Parameter]) -> None:
+        self.runtime = runtime
+        self.params = params if runtime.group is not None else []
+        self.ready = 0
+        self.work = self.buffer = None
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_ready)
+
+    def reset(self) -> None:
+        self.ready, self.work, self.buffer = 0, None, None
+
+    def _on_ready(self, _param) -> None:
+        self.ready += 1
+        if self.ready == len(self.params):
+            self.buffer = torch.cat([p.grad.reshape(-1) for p in self.params])
+            self.work = self.runtime.allreduce_start(self.buffer)
+
+    def finish(self) -> torch.Tensor:
+        if not self.params:
+            return torch.zeros(0)
+        if self.buffer is None:
+            raise RuntimeError("the backward did not reach every parameter of the top MLP")
+        return self.runtime.allreduce_finish(self.work, self.buffer)
 
 
 class _CacheWindow:
