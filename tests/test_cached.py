@@ -91,16 +91,18 @@ def test_cache_memory_is_bounded_by_its_slots_and_refuses_a_disagreeing_plan():
 
 
 def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
-    from bagpipe.cache import batch_view
+    from bagpipe.cache import BatchRows, batch_view
     from bagpipe.planner import PlannerConfig, plan
 
     steps = list(plan([np.array([5, 3, 5, 9]), np.array([9, 7])],
                       PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))
     flat = np.array([[5, 3], [5, 9]])
-    view = batch_view(steps[0], flat)
+    rows = BatchRows(10)
+    rows.load(batch_view(steps[0]))
+    view = rows.at(flat)
     assert view.keys.tolist() == [9, 3, 5] and view.num_now == 1  # 9 is used again at iteration 1
     assert view.positions.tolist() == [[2, 1], [2, 0]]
     assert (view.keys[view.positions] == flat).all()
     slot_of = dict(zip(steps[0].batch_keys.tolist(), steps[0].batch_slots.tolist()))
     assert view.slots.tolist() == [slot_of[k] for k in view.keys.tolist()]
-    assert view.at(np.array([9, 9, 3])).positions.tolist() == [0, 0, 1]
+    assert rows.at(np.array([9, 9, 3])).positions.tolist() == [0, 0, 1]

@@ -97,31 +97,40 @@ class BatchView:
 
     ``keys``/``slots`` list the distinct rows with the ``num_now`` rows that are used again next
     iteration first (their gradients are synced at once, the others later), each group sorted.
-    ``positions`` has the shape of the batch's flat keys: the index into ``keys`` of every id.
+    ``positions`` has the shape of the batch's (or a slice's) flat keys: the index into ``keys``
+    of every id (see ``BatchRows``).
     """
 
     keys: np.ndarray
     slots: np.ndarray
     num_now: int
     positions: np.ndarray
-    sorted_keys: np.ndarray  # the plan's batch_keys (sorted)
-    rank: np.ndarray  # where each of them sits in ``keys``
-
-    def at(self, flat: np.ndarray) -> "BatchView":
-        """The same rows, with the positions of ids whose flat keys are ``flat`` (e.g. one trainer's slice)."""
-        positions = self.rank[np.searchsorted(self.sorted_keys, flat)]
-        return BatchView(self.keys, self.slots, self.num_now, positions, self.sorted_keys, self.rank)
 
 
-def batch_view(step: PlanStep, flat: np.ndarray | None = None) -> BatchView:
-    """The BatchView of a plan step's batch whose ids have flat keys ``flat`` (any shape)."""
+def batch_view(step: PlanStep) -> BatchView:
+    """The rows of a plan step's batch, in sync order (positions still empty: see ``BatchRows``)."""
     now = np.isin(step.batch_keys, step.sync_now_keys, assume_unique=True)
     order = np.argsort(~now, kind="stable")  # the rows synced at once first, each group sorted
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    view = BatchView(step.batch_keys[order], step.batch_slots[order], int(now.sum()), np.zeros(0, dtype=np.int64),
-                     step.batch_keys, rank)
-    return view if flat is None else view.at(flat)
+    return BatchView(step.batch_keys[order], step.batch_slots[order], int(now.sum()), np.zeros(0, dtype=np.int32))
+
+
+class BatchRows:
+    """Each batch row's index in its BatchView, by flat key: a dense scratch over all rows (like the
+    planner's own per-row arrays), so mapping ids to rows is one scatter per batch, one gather per slice."""
+
+    def __init__(self, num_rows: int) -> None:
+        self._row_of = np.zeros(num_rows, dtype=np.int32)  # int32: half the bytes in every message
+        self._view: BatchView | None = None
+
+    def load(self, view: BatchView) -> None:
+        """Make ``view`` the batch that ``at`` maps ids into."""
+        self._row_of[view.keys] = np.arange(len(view.keys), dtype=np.int32)
+        self._view = view
+
+    def at(self, flat: np.ndarray) -> BatchView:
+        """The loaded view with the positions of ids whose flat keys are ``flat`` (any shape)."""
+        view = self._view
+        return BatchView(view.keys, view.slots, view.num_now, self._row_of[flat])
 
 
 class StepTables:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bagpipe.cache import RowCache, StepTables, batch_view
+from bagpipe.cache import BatchRows, RowCache, StepTables, batch_view
 from bagpipe.data.batches import Batch, iterate_batches
 from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import flat_keys, table_offsets
@@ -39,6 +39,7 @@ def train_cached_batches(model: DLRM, dense_optimizer: torch.optim.Optimizer, ba
     offsets = torch.from_numpy(table_offsets(sizes))
     keys = [flat_keys(b.ids, offsets).numpy() for b in batches]
     config = PlannerConfig(num_rows=int(sum(sizes)), cache_rows=cache_rows, lookahead=lookahead, policy=policy)
+    rows_of = BatchRows(config.num_rows)
     for step in plan((k.ravel() for k in keys), config):
         if len(step.evict_keys):
             rows, state = cache.evict(step.evict_slots, step.evict_keys)
@@ -52,7 +53,8 @@ def train_cached_batches(model: DLRM, dense_optimizer: torch.optim.Optimizer, ba
                                                         timeout=timeout)
             cache.install(step.fetch_slots, step.fetch_keys, rows, state)
         if step.iteration < len(batches):
-            tables = StepTables(cache, batch_view(step, keys[step.iteration]))
+            rows_of.load(batch_view(step))
+            tables = StepTables(cache, rows_of.at(keys[step.iteration]))
             train_step(model, tables, dense_optimizer, batches[step.iteration])
     return stores
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed.rpc as rpc
 
-from bagpipe.cache import batch_view
+from bagpipe.cache import BatchRows, batch_view
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import open_dataset
@@ -92,9 +92,7 @@ class Oracle:
                 yield flat_keys(batch.ids, offsets).numpy().ravel()
 
         b = self.job.slice_size
-        # Each batch row's index in the message's batch_keys, by flat key (dense scratch over all
-        # rows, like the planner's own arrays): one scatter per batch, one gather per slice.
-        row_of = np.zeros(self.planner_config.num_rows, dtype=np.int32)
+        rows = BatchRows(self.planner_config.num_rows)
         for step in plan(key_stream(), self.planner_config):
             batch = pending.popleft() if step.iteration < self.iterations else None
             view = batch_view(step)
@@ -106,13 +104,13 @@ class Oracle:
                           evict_slots=torch.from_numpy(step.evict_slots),
                           batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
                           num_now=view.num_now, lookups=step.lookups)
-            row_of[view.keys] = np.arange(len(view.keys), dtype=np.int32)
+            rows.load(view)
             for trainer, out in enumerate(self.queues):
                 part = slice(trainer * b, (trainer + 1) * b)
                 ids = None if batch is None else _slice_ids(batch.ids, part)
                 positions = None
-                if ids is not None:  # each id's row in batch_keys (int32: half the bytes of int64)
-                    positions = torch.from_numpy(row_of[flat_keys(ids, offsets).numpy()])
+                if ids is not None:  # each id's row in batch_keys
+                    positions = torch.from_numpy(rows.at(flat_keys(ids, offsets).numpy()).positions)
                 message = StepMessage(
                     dense_x=None if batch is None else batch.dense_x[part], ids=ids,
                     target=None if batch is None else batch.target[part],
@@ -188,6 +186,12 @@ class Oracle:
                         rpc.rpc_sync(name, server.rpc_ping, timeout=self.world.timeout)
                     last_ping = time.monotonic()
                 self.changed.wait(timeout=0.5)
+
+
+def _per_role(key: str, oracle_value, shards: list[dict], stats: dict[int, TrainerStats]) -> dict:
+    """One process figure (``key``) for every role: the oracle's own, each server's, each trainer's."""
+    return {"oracle": oracle_value, **{f"server{i}": s.get(key, 0) for i, s in enumerate(shards)},
+            **{f"trainer{t}": s.extra.get(key, 0) for t, s in sorted(stats.items())}}
 
 
 def _mean_breakdown(breakdowns: list[dict]) -> dict:
@@ -326,12 +330,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         # from the oracle's start to the end of trainer 0's first iteration
         "startup_s": stats[0].extra.get("first_iteration_at", float("nan")) - started_at,
         "time_breakdown_ms": _mean_breakdown([s.extra.get("time_breakdown_ms", {}) for s in all_stats]),
-        "peak_rss_bytes": {"oracle": peak_rss_bytes(),
-                           **{f"server{i}": s.get("peak_rss_bytes", 0) for i, s in enumerate(shards)},
-                           **{f"trainer{t}": s.extra.get("peak_rss_bytes", 0) for t, s in sorted(stats.items())}},
+        "peak_rss_bytes": _per_role("peak_rss_bytes", peak_rss_bytes(), shards, stats),
         # CPU seconds per role up to the end of training (the oracle's: before evaluation)
-        "cpu_s": {"oracle": train_cpu_s, **{f"server{i}": s.get("cpu_s", 0.0) for i, s in enumerate(shards)},
-                  **{f"trainer{t}": s.extra.get("cpu_s", 0.0) for t, s in sorted(stats.items())}},
+        "cpu_s": _per_role("cpu_s", train_cpu_s, shards, stats),
     }
     run.write_json("summary.json", summary)
     run.close()

@@ -189,7 +189,7 @@ class TrainerRuntime:
         """
         message = self.step
         view = BatchView(message.batch_keys.numpy(), message.batch_slots.numpy(), message.num_now,
-                         message.positions, message.batch_keys.numpy(), np.zeros(0, dtype=np.int64))
+                         message.positions)
         return self.cache.gather(view, message.ids if isinstance(message.ids, Bags) else None)
 
     def allreduce_start(self, buffer: torch.Tensor):
@@ -216,7 +216,7 @@ class TrainerRuntime:
         comes back averaged. Rows used next iteration (the first ``num_now`` of the batch) are
         updated now; the rest when their sync completes, before their next use or eviction.
         """
-        message, trainers = self.step, self.world.num_trainers
+        message = self.step
         slots, now = message.batch_slots, message.num_now
         grads = lookup.rows.grad  # [batch rows, D]: this slice's gradient of every batch row
         if grads is None:
@@ -224,28 +224,17 @@ class TrainerRuntime:
         grads = grads.cpu()
         extra_size = 0 if extra is None else extra.numel()
         buffer = torch.cat([torch.zeros(0) if extra is None else extra.reshape(-1).cpu(), grads[:now].reshape(-1)])
-        if self.group is not None and buffer.numel():
-            waited = time.perf_counter()
-            self.group.allreduce([buffer]).wait()
-            self.stats.sync_s += time.perf_counter() - waited
-            self.stats.bytes_sent += buffer.numel() * 4
-            self.stats.allreduce_bytes += buffer.numel() * 4
-            buffer /= trainers
+        if buffer.numel():
+            buffer = self.allreduce_finish(self.allreduce_start(buffer), buffer)
         self.cache.apply(slots[:now], buffer[extra_size:].view(-1, self.dim))
         if now < len(slots):
             later_grads = grads[now:]  # a contiguous view: no copy
-            work = None
-            if self.group is not None:
-                work = self.group.allreduce([later_grads])
-                self.stats.bytes_sent += later_grads.numel() * 4
-                self.stats.allreduce_bytes += later_grads.numel() * 4
+            work = self.allreduce_start(later_grads)
             self._pending.append((message.iteration, slots[now:].numpy(), later_grads, work))
         return None if extra is None else buffer[:extra_size]
 
     def _apply_pending(self, *, upto: int, evicting: np.ndarray) -> None:
         """Apply lazily synced updates from iterations <= upto, and any whose rows are evicted now."""
-        if not self._pending:
-            return
         evicted = None
         while self._pending:
             iteration, slots, grads, work = self._pending[0]
