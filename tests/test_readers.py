@@ -1,11 +1,15 @@
+import gzip
 import json
+import re
 
 import numpy as np
 import pytest
 
+import bagpipe.data.preprocess as pre
 from bagpipe.data.binary import open_dataset
-from bagpipe.data.formats import DataError, dense_transform
+from bagpipe.data.formats import BadRows, DataError, decode_lines, dense_transform
 from bagpipe.data.preprocess import preprocess
+from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 
 SIZES = [5, 1000, 3]
 
@@ -139,3 +143,147 @@ def test_truncated_binary_file_is_detected(tmp_path):
     ids_file.write_bytes(ids_file.read_bytes()[:-4])
     with pytest.raises(ValueError, match="truncated"):
         open_dataset(tmp_path / "bin")
+
+
+def assert_same_arrays(a, b):
+    assert a.rows == b.rows
+    for name in ("labels", "dense", "ids"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def write_jsonl_splits(directory, suffix=""):
+    directory.mkdir()
+    rows = [jsonl_line(label=float(i % 2), sparse=[i % 5, (7 * i) % 1000, i % 3]) for i in range(40)]
+    for split in ("train", "test"):
+        write(directory / f"{split}.jsonl", rows)
+    return directory
+
+
+@pytest.mark.parametrize("name", ["{split}.tsv.gz", "{split}.tsv"])  # .gz, or gzip told by its content
+def test_gzip_splits_read_like_plain_ones(tmp_path, name):
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir(), packed.mkdir()
+    for split, lines in (("train", GOOD_TSV * 4), ("test", GOOD_TSV[::-1])):
+        text = write(plain / f"{split}.tsv", lines).read_bytes()
+        (packed / name.format(split=split)).write_bytes(gzip.compress(text))
+    preprocess(plain, tmp_path / "from_plain", table_sizes=SIZES, show_progress=False)
+    preprocess(packed, tmp_path / "from_gzip", table_sizes=SIZES, show_progress=False)
+    expected, actual = open_dataset(tmp_path / "from_plain"), open_dataset(tmp_path / "from_gzip")
+    assert actual.train.rows == 12 and actual.test.rows == 3
+    assert_same_arrays(actual.train, expected.train)
+    assert_same_arrays(actual.test, expected.test)
+
+
+def test_gzip_jsonl_format_comes_from_the_suffix_before_gz(tmp_path):
+    plain = write_jsonl_splits(tmp_path / "plain")
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for split in ("train", "test"):
+        (packed / f"{split}.jsonl.gz").write_bytes(gzip.compress((plain / f"{split}.jsonl").read_bytes()))
+    meta = preprocess(packed, tmp_path / "bin", table_sizes=SIZES, show_progress=False)
+    assert meta["source_format"] == "jsonl"
+    preprocess(plain, tmp_path / "expected", table_sizes=SIZES, show_progress=False)
+    assert_same_arrays(open_dataset(tmp_path / "bin").train, open_dataset(tmp_path / "expected").train)
+
+
+def test_progress_counts_compressed_bytes(tmp_path, monkeypatch):
+    bars = []
+
+    class Bar:
+        def __init__(self, *, total, **_):
+            self.total, self.counted = total, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.counted += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            pass
+
+    monkeypatch.setattr(pre, "progress", Bar)
+    monkeypatch.setattr(pre, "LINES_PER_CHUNK", 5)
+    path = tmp_path / "train.tsv.gz"
+    path.write_bytes(gzip.compress("".join(line + "\n" for line in GOOD_TSV * 20).encode()))
+    preprocess(path, tmp_path / "bin", table_sizes=SIZES, show_progress=False)
+    assert [(bar.total, bar.counted) for bar in bars] == [(path.stat().st_size, path.stat().st_size)]
+
+
+def test_truncated_gzip_names_the_file(tmp_path):
+    path = tmp_path / "train.tsv.gz"
+    packed = gzip.compress("".join(line + "\n" for line in GOOD_TSV * 50).encode())
+    path.write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(DataError, match="corrupt or truncated gzip data") as err:
+        preprocess(path, tmp_path / "bin", table_sizes=SIZES, show_progress=False)
+    assert err.value.path == str(path)
+
+
+def random_bytes_file(path):
+    data = np.random.default_rng(0).bytes(20_000)  # 81 lines, none of them UTF-8, not gzip
+    path.write_bytes(data)
+    return data.count(b"\n") + (not data.endswith(b"\n"))
+
+
+def test_binary_garbage_names_file_and_line(tmp_path):
+    path = tmp_path / "train.tsv"
+    random_bytes_file(path)
+    with pytest.raises(DataError, match=r"not UTF-8 text: byte 0x[0-9a-f]{2} at column [0-9]+ \(is this a binary"
+                                        r" or compressed file\?\)") as err:
+        preprocess(path, tmp_path / "bin", table_sizes=SIZES, show_progress=False)
+    assert err.value.path == str(path) and err.value.line == 1 and f"{path}:1:" in str(err.value)
+
+
+def test_binary_garbage_is_counted_under_skip(tmp_path):
+    path = tmp_path / "train.tsv"
+    lines = random_bytes_file(path)
+    meta = preprocess(path, tmp_path / "bin", table_sizes=SIZES, on_bad_row="skip", show_progress=False)
+    assert meta["skipped_rows"] == lines and meta["skipped_by_reason"] == {"not UTF-8 text": lines}
+    assert open_dataset(tmp_path / "bin").train.rows == 0
+
+
+def test_a_non_utf8_line_among_good_ones(tmp_path):
+    path = tmp_path / "train.tsv"
+    lines = [GOOD_TSV[0].encode(), b"1\t\x9a\xff", GOOD_TSV[1].encode(), BAD_TSV["bad label"].encode()]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match="byte 0x9a at column 3") as err:
+        preprocess(path, tmp_path / "bin", table_sizes=SIZES, show_progress=False)
+    assert err.value.line == 2
+    meta = preprocess(path, tmp_path / "bin", table_sizes=SIZES, on_bad_row="skip", show_progress=False)
+    assert meta["skipped_by_reason"] == {"not UTF-8 text": 1, "bad label": 1}
+    np.testing.assert_array_equal(open_dataset(tmp_path / "bin").train.labels, [1, 0])
+
+
+def test_skipped_non_utf8_lines_keep_the_line_numbers_of_the_rest():
+    bad = BadRows()
+    runs = decode_lines([b"a\n", b"b\xff\n", b"c\r\n", b"d"], path="f.tsv", first_line=10, bad=bad)
+    assert runs == [(10, ["a"]), (12, ["c\r", "d"])]
+    assert bad.examples == ["f.tsv:11: not UTF-8 text: byte 0xff at column 2 (is this a binary or compressed file?)"]
+    assert decode_lines([b"a\n", b"b\n"], path="f.tsv", first_line=1, bad=None) == [(1, ["a", "b"])]
+
+
+def test_inferred_table_sizes_no_role_could_plan_are_refused(tmp_path):
+    path = write(tmp_path / "train.jsonl", [jsonl_line(sparse=[0, 1, 2]), jsonl_line(sparse=[3, 2**40, 0])])
+    with pytest.raises(ValueError) as err:
+        preprocess(path, tmp_path / "bin", show_progress=False)
+    message = str(err.value)
+    assert message.startswith(f"{path}:2: table 1 (index 1 in 'sparse') has id {2**40}")
+    assert f"{2**40 + 1 + 4 + 3:,} rows" in message and "--table-sizes" in message and "meta.json" in message
+
+
+def test_inferred_table_sizes_are_refused_only_beyond_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(pre, "physical_memory_bytes", lambda: 1000 * PLANNER_BYTES_PER_ROW)
+    fits = write(tmp_path / "fits.jsonl", [jsonl_line(sparse=[0, 997, 0])])  # 1 + 998 + 1 rows
+    assert preprocess(fits, tmp_path / "bin", show_progress=False)["table_sizes"] == [1, 998, 1]
+    too_big = write(tmp_path / "too_big.jsonl", [jsonl_line(sparse=[0, 1, 0]), jsonl_line(sparse=[0, 998, 0])])
+    with pytest.raises(ValueError, match=re.escape(f"{too_big}:2: table 1 ") + ".* 1,001 rows"):
+        preprocess(too_big, tmp_path / "bin", show_progress=False)
+    assert preprocess(too_big, tmp_path / "bin", table_sizes=[1, 2000, 1], show_progress=False)["rows"]["train"] == 2
+
+
+def test_jsonl_id_beyond_int64_is_a_bad_row(tmp_path):
+    path = write(tmp_path / "train.jsonl", [jsonl_line(), jsonl_line(sparse=[0, 2**63, 0])])
+    with pytest.raises(DataError, match="id out of range: table 1") as err:
+        preprocess(path, tmp_path / "bin", show_progress=False)
+    assert err.value.line == 2

@@ -2,7 +2,8 @@
 
 Both parsers turn a chunk of lines into (labels, dense, ids) arrays. A fast path parses the
 whole chunk at once; if anything is off, the slow path walks the chunk line by line to name
-the first bad line (or to skip and count bad lines, when asked).
+the first bad line (or to skip and count bad lines, when asked). Lines arrive as bytes and are
+decoded the same way: the whole chunk at once, line by line only when it is not UTF-8.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 NUM_DENSE = 13
 _HEX_CHARS = frozenset("0123456789abcdefABCDEF")
+_INT64_LIMIT = 1 << 63  # ids are stored as int64 at most
 
 
 class DataError(ValueError):
@@ -45,6 +47,44 @@ class BadRows:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+def decode_lines(lines: list[bytes], *, path: str, first_line: int,
+                 bad: BadRows | None) -> list[tuple[int, list[str]]]:
+    """``lines`` as text, in runs of consecutive lines: (number of the run's first line, its lines).
+
+    A line that is not UTF-8 is a DataError, or under ``bad`` is counted and splits the run, so
+    that line numbers stay right for the parser.
+    """
+    try:
+        text = b"".join(lines).decode("utf-8")
+    except UnicodeDecodeError:
+        return _decode_line_by_line(lines, path=path, first_line=first_line, bad=bad)
+    # UTF-8 never puts 0x0a inside a character, so the chunk splits back exactly at its lines.
+    texts = text.split("\n")
+    if len(texts) > len(lines):
+        texts.pop()  # the empty tail after the chunk's last newline
+    assert len(texts) == len(lines)
+    return [(first_line, texts)]
+
+
+def _decode_line_by_line(lines, *, path, first_line, bad) -> list[tuple[int, list[str]]]:
+    runs: list[tuple[int, list[str]]] = []
+    for number, raw in enumerate(lines, start=first_line):
+        try:
+            text = raw.decode("utf-8").removesuffix("\n")
+        except UnicodeDecodeError as err:
+            error = DataError(path, number, f"not UTF-8 text: byte 0x{raw[err.start]:02x} at column "
+                                            f"{err.start + 1} (is this a binary or compressed file?)")
+            if bad is None:
+                raise error from None
+            bad.add(error)
+            continue
+        if runs and runs[-1][0] + len(runs[-1][1]) == number:
+            runs[-1][1].append(text)
+        else:
+            runs.append((number, [text]))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -146,10 +186,9 @@ class JsonlParser:
         for t, value in enumerate(sparse):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise DataError(path, number, f"non-integer id: table {t} has {value!r}")
-            limit = self.table_sizes[t] if self.table_sizes else None
-            if value < 0 or (limit is not None and value >= limit):
-                bound = f"[0, {limit})" if limit is not None else ">= 0"
-                raise DataError(path, number, f"id out of range: table {t} has {value}, expected {bound}")
+            limit = self.table_sizes[t] if self.table_sizes else _INT64_LIMIT
+            if not 0 <= value < limit:
+                raise DataError(path, number, f"id out of range: table {t} has {value}, expected [0, {limit})")
         return label, [float(x) for x in dense], sparse
 
 

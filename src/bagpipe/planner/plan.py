@@ -20,6 +20,10 @@ POLICIES = ("lookahead", "lru", "lfu", "none")
 NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
+# The least memory every row of the flat key space costs the oracle, however small the cache: the
+# planner's slot_of, freq, version and the stream's earliest (int64 each), plus cache.BatchRows'
+# scratch (int32). A data set whose tables need more than the machine has cannot be planned.
+PLANNER_BYTES_PER_ROW = 4 * 8 + 4
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,190 @@
+"""ensure_preprocessed: a data directory's converted copy is reused exactly when it is current."""
+
+import json
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import bagpipe.data.preprocess as pre
+from bagpipe.data.binary import open_dataset
+from bagpipe.data.formats import CriteoParser
+from bagpipe.data.preprocess import ensure_preprocessed, preprocess
+from bagpipe.synth import generate
+
+SIZES = [7, 30, 5]
+HOUR_NS = 3600 * 10**9
+
+
+def make_data(directory, *, seed=0, rows=200, test_rows=50, table_sizes=SIZES):
+    generate(directory, rows=rows, test_rows=test_rows, seed=seed, table_sizes=table_sizes, show_progress=False)
+    return directory
+
+
+def set_mtime(path, ns):
+    os.utime(path, ns=(ns, ns))
+
+
+def assert_same_split(a, b):
+    assert a.rows == b.rows
+    for name in ("labels", "dense", "ids"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def files_of(directory, *, skip=()):
+    return {p.relative_to(directory): (p.stat().st_ino, p.read_bytes()) for p in directory.rglob("*")
+            if p.is_file() and p.name not in skip}
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """The directories ``preprocess`` converted, in order."""
+    calls = []
+
+    def spy(input_path, out_dir, **kwargs):
+        calls.append(input_path)
+        return real(input_path, out_dir, **kwargs)
+
+    real = pre.preprocess
+    monkeypatch.setattr(pre, "preprocess", spy)
+    return calls
+
+
+@pytest.fixture
+def info_log(caplog):
+    caplog.set_level(logging.INFO, logger=pre.log.name)
+    return caplog
+
+
+def test_replaced_split_with_an_older_mtime_is_converted_again(tmp_path, conversions, info_log):
+    data = make_data(tmp_path / "data", seed=0)
+    cached = ensure_preprocessed(data, show_progress=False)
+    made = (cached / "meta.json").stat().st_mtime_ns
+    other = make_data(tmp_path / "other", seed=1)
+    shutil.copyfile(other / "train.tsv", data / "train.tsv")
+    set_mtime(data / "train.tsv", made - HOUR_NS)  # as cp -p, rsync -a or tar x leave it
+
+    assert ensure_preprocessed(data, show_progress=False) == cached
+    assert len(conversions) == 2
+    assert (f"{data / 'train.tsv'} changed since {cached} was made from it (content differs): converting again"
+            in info_log.text)
+    preprocess(other, tmp_path / "expected", show_progress=False)
+    assert_same_split(open_dataset(cached).train, open_dataset(tmp_path / "expected").train)
+
+
+@pytest.mark.parametrize("rewrite", ["touch", "copy back"])
+def test_same_content_rewrite_is_reused_and_the_next_start_does_not_hash(tmp_path, conversions, monkeypatch,
+                                                                         rewrite):
+    data = make_data(tmp_path / "data")
+    cached = ensure_preprocessed(data, show_progress=False)
+    before = files_of(cached / "train")
+    made = (cached / "meta.json").stat().st_mtime_ns
+    if rewrite == "touch":
+        set_mtime(data / "train.tsv", made + HOUR_NS)
+    else:  # a new inode and ctime with the old mtime
+        shutil.copy2(data / "train.tsv", tmp_path / "copy.tsv")
+        os.replace(tmp_path / "copy.tsv", data / "train.tsv")
+
+    assert ensure_preprocessed(data, show_progress=False) == cached
+    assert len(conversions) == 1 and files_of(cached / "train") == before
+
+    def no_hashing(path):
+        raise AssertionError(f"hashed {path} although its stat fields were recorded")
+
+    monkeypatch.setattr(pre, "_fingerprint", no_hashing)
+    assert ensure_preprocessed(data, show_progress=False) == cached
+    assert len(conversions) == 1
+
+
+def test_a_removed_or_added_split_means_converting_again(tmp_path, conversions, info_log):
+    data = make_data(tmp_path / "data")
+    cached = ensure_preprocessed(data, show_progress=False)
+    made = (cached / "meta.json").stat().st_mtime_ns
+    test_rows = (data / "test.tsv").read_bytes()
+
+    (data / "test.tsv").unlink()
+    ensure_preprocessed(data, show_progress=False)
+    assert len(conversions) == 2 and open_dataset(cached).test is None
+    assert f"{data / 'test.tsv'} is gone since {cached} was made from it" in info_log.text
+
+    (data / "test.tsv").write_bytes(test_rows)
+    set_mtime(data / "test.tsv", made - HOUR_NS)
+    ensure_preprocessed(data, show_progress=False)
+    assert len(conversions) == 3 and open_dataset(cached).test.rows == 50
+    assert f"{data / 'test.tsv'} is new since {cached} was made" in info_log.text
+
+
+def test_changed_table_sizes_in_the_source_meta_mean_converting_again(tmp_path, conversions):
+    data = make_data(tmp_path / "data")
+    cached = ensure_preprocessed(data, show_progress=False)
+    meta_path = data / "meta.json"
+    stat = meta_path.stat()
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "table_sizes": [3, 30, 5]}))
+    set_mtime(meta_path, stat.st_mtime_ns)
+
+    ensure_preprocessed(data, show_progress=False)
+    assert len(conversions) == 2 and open_dataset(cached).table_sizes == [3, 30, 5]
+
+
+def test_a_copy_made_with_other_settings_is_converted_again(tmp_path, conversions, info_log):
+    data = make_data(tmp_path / "data")
+    preprocess(data, data / "preprocessed", on_bad_row="skip", show_progress=False)  # not through the spy
+    ensure_preprocessed(data, show_progress=False)
+    assert len(conversions) == 1
+    assert "made with on_bad_row 'skip', not 'error'" in info_log.text
+
+
+def test_a_copy_without_records_from_an_older_version_is_converted_again(tmp_path, conversions, info_log):
+    data = make_data(tmp_path / "data")
+    cached = ensure_preprocessed(data, show_progress=False)
+    meta = json.loads((cached / "meta.json").read_text())
+    del meta["made_from"]
+    (cached / "meta.json").write_text(json.dumps(meta))
+
+    ensure_preprocessed(data, show_progress=False)
+    assert len(conversions) == 2 and "made by an older version of bagpipe" in info_log.text
+    assert "made_from" in open_dataset(cached).meta
+
+
+def test_a_crash_mid_conversion_leaves_the_earlier_copy_in_use(tmp_path, conversions, monkeypatch):
+    data = make_data(tmp_path / "data", rows=400)
+    cached = ensure_preprocessed(data, show_progress=False)
+    before = files_of(cached)
+    original = data / "train.original"
+    shutil.copy2(data / "train.tsv", original)
+    shutil.copyfile(make_data(tmp_path / "other", seed=1, rows=400) / "train.tsv", data / "train.tsv")
+
+    parse, parsed = CriteoParser.parse, []
+
+    def crash_on_the_third_chunk(self, lines, **kwargs):
+        parsed.append(len(lines))
+        if len(parsed) == 3:
+            raise RuntimeError("killed mid-conversion")
+        return parse(self, lines, **kwargs)
+
+    monkeypatch.setattr(pre, "LINES_PER_CHUNK", 100)
+    monkeypatch.setattr(CriteoParser, "parse", crash_on_the_third_chunk)
+    with pytest.raises(RuntimeError, match="killed mid-conversion"):
+        ensure_preprocessed(data, show_progress=False)
+    assert files_of(cached) == before
+    assert sorted(p.name for p in data.iterdir()) == ["meta.json", "preprocessed", "test.tsv", "train.original",
+                                                      "train.tsv"]
+
+    monkeypatch.setattr(CriteoParser, "parse", parse)
+    os.replace(original, data / "train.tsv")  # the data as the copy was made from it, under a new inode
+    assert ensure_preprocessed(data, show_progress=False) == cached
+    assert len(conversions) == 2  # the first, and the one that crashed
+    # The same arrays, untouched; meta.json is rewritten with the new inode's stat fields.
+    assert files_of(cached, skip={"meta.json"}) == {k: v for k, v in before.items() if k.name != "meta.json"}
+
+
+def test_data_must_be_a_directory_of_splits_or_a_preprocessed_one(tmp_path, conversions):
+    data = make_data(tmp_path / "data")
+    with pytest.raises(ValueError, match="is a file") as err:
+        ensure_preprocessed(data / "train.tsv", show_progress=False)
+    assert "bagpipe preprocess --input" in str(err.value) and "train.*" in str(err.value)
+    cached = ensure_preprocessed(data, show_progress=False)
+    assert ensure_preprocessed(cached, show_progress=False) == cached
+    assert len(conversions) == 1
