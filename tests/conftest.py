@@ -22,3 +22,13 @@ def small_binary(small_tsv, tmp_path_factory):
     out = tmp_path_factory.mktemp("small_bin")
     preprocess(small_tsv, out, show_progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def wide_tsv(tmp_path_factory):
+    """Criteo's 26 tables capped at 20k rows (~230k rows in all), 60k train rows: room for the default
+    model, cache (5% of rows) and optimizer at a small batch."""
+    out = tmp_path_factory.mktemp("wide_tsv")
+    sizes = resolve_table_sizes(tables=None, table_sizes=None, max_rows_per_table=20_000)
+    generate(out, rows=60_000, test_rows=6_000, seed=1, table_sizes=sizes, show_progress=False)
+    return out

@@ -77,3 +77,22 @@ def test_cli_refuses_impossible_settings_before_training(small_tsv, tmp_path, ca
                  "1000000", "--no-progress"]) == 2
     assert "exceeds the 40000 training rows" in capsys.readouterr().err
     assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_sliced_gradients_differ_from_one_pass_only_by_rounding(small_binary, tmp_path):
+    """--slices 2 computes the same gradient as two halves: with SGD (no sign-amplifying first step)
+    the result stays within float32 rounding of the one-pass reference."""
+    runs = {}
+    for slices in (1, 2):
+        train_reference(small_config(small_binary, tmp_path / str(slices), iterations=30, optimizer="sgd",
+                                     lr=0.1, slices=slices), show_progress=False)
+        runs[slices] = export(tmp_path / str(slices), tmp_path / f"{slices}.pt")
+    for name, want in runs[1]["dense"].items():
+        torch.testing.assert_close(runs[2]["dense"][name], want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(runs[2]["embeddings"], runs[1]["embeddings"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_slices_must_divide_the_batch(small_binary, tmp_path):
+    with pytest.raises(ValueError, match="multiple of slices"):
+        small_config(small_binary, tmp_path / "run", batch_size=256, slices=3)

@@ -56,6 +56,9 @@ def _add_train(sub) -> None:
     p.add_argument("--warmup-iterations", type=int, default=None)
     p.add_argument("--log-every", type=int, default=None)
     p.add_argument("--max-eval-rows", type=int, default=None)
+    p.add_argument("--slices", type=int, default=None,
+                   help="--mode reference: compute each batch's gradient as this many trainers do, so that "
+                        "--mode bagpipe with that many trainers gives the same result bit for bit (default 1)")
     p.add_argument("--arch-mlp-bot", default=None, help="e.g. 13-512-256-64-16 (ends in the embedding dim)")
     p.add_argument("--arch-mlp-top", default=None, help="e.g. 512-256-1 (sizes after the interaction)")
     p.add_argument("--threads", type=int, default=0,

@@ -75,6 +75,8 @@ class TrainConfig:
     warmup_iterations: int = 5  # excluded from the steady-state samples/s
     log_every: int = 10
     max_eval_rows: int = 0  # 0: the whole test split
+    # --mode reference: compute each batch's gradient as this many trainers do (bit for bit)
+    slices: int = 1
     # --mode bagpipe: the local job's shape and the cache plan
     trainers: int = 2
     servers: int = 1
@@ -106,7 +108,7 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("trainers", "servers", "lookahead", "prefetch_depth"):
+        for name in ("trainers", "servers", "lookahead", "prefetch_depth", "slices"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.cache_rows < 0:
@@ -115,6 +117,9 @@ class TrainConfig:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if not 0 <= self.master_port < 65535:
             raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
+        if self.mode == "reference" and self.batch_size % self.slices:
+            raise ValueError(f"batch_size {self.batch_size} must be a multiple of slices ({self.slices}): "
+                             "each slice is an equal part of the global batch")
         if self.mode == "bagpipe" and self.batch_size % self.trainers:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of trainers ({self.trainers}): "
                              "each trainer takes an equal slice of the global batch")

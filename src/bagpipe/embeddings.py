@@ -54,15 +54,27 @@ class EmbeddingTables:
         self.weights = weights
         self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(dim))
 
-    def lookup(self, ids: "torch.Tensor | Bags") -> tuple[torch.Tensor, "Lookup"]:
-        """Embeddings [B, T, D] of ids [B, T] (one id per sample and table), or of pooled bags."""
-        unique_ids, inverse = torch.unique(flat_keys(ids, self.offsets), return_inverse=True)
-        if isinstance(ids, Bags):
-            return gather_bags(self.weights, unique_ids, inverse, ids)
-        return gather_rows(self.weights, unique_ids, inverse)
+    def lookup(self, ids: "torch.Tensor | Bags", *, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, "Lookup"]:
+        """Embeddings [B, T, D] of ids [B, T] (one id per sample and table), or of pooled bags.
 
-    def apply_gradients(self, lookup: "Lookup") -> None:
-        update_rows(self.optimizer, self.weights, self.state, lookup)
+        The Lookup's leaf holds the distinct rows of ``ids``, or the sorted flat ``keys`` given
+        (e.g. a whole global batch's, of which ``ids`` is one trainer's slice).
+        """
+        flat = flat_keys(ids, self.offsets)
+        if keys is None:
+            keys, inverse = torch.unique(flat, return_inverse=True)
+        else:
+            inverse = torch.searchsorted(keys, flat)
+        if isinstance(ids, Bags):
+            return gather_bags(self.weights, keys, inverse, ids)
+        return gather_rows(self.weights, keys, inverse)
+
+    def distinct_keys(self, ids: "torch.Tensor | Bags") -> torch.Tensor:
+        """The sorted flat keys of the rows ``ids`` touch."""
+        return torch.unique(flat_keys(ids, self.offsets))
+
+    def apply_gradients(self, lookup: "Lookup", grads: torch.Tensor | None = None) -> None:
+        update_rows(self.optimizer, self.weights, self.state, lookup, grads)
 
     def table(self, index: int) -> torch.Tensor:
         start = int(self.offsets[index])

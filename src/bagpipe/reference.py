@@ -88,8 +88,18 @@ def evaluate(model: DLRM, tables: EmbeddingTables, split: BinarySplit, *, batch_
 
 
 def train_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
-               batch: Batch, clock: PhaseClock | None = None) -> float:
+               batch: Batch, clock: PhaseClock | None = None, *, slices: int = 1) -> float:
+    """One iteration on a global batch; returns its loss.
+
+    ``slices`` > 1 computes the gradient the way that many trainers of ``--mode bagpipe`` do:
+    each slice of the batch has its own forward and backward (mean loss over the slice), and the
+    slices' gradients are added in trainer order, then divided by their number. Floating-point
+    sums depend on their order, so this, not the one-pass gradient, is what a distributed run
+    equals bit for bit.
+    """
     clock = clock or _NO_CLOCK
+    if slices > 1:
+        return _sliced_step(model, tables, dense_optimizer, batch, clock, slices)
     embeddings, lookup = tables.lookup(batch.ids)
     clock.lap("lookup")
     loss = F.binary_cross_entropy_with_logits(model(batch.dense_x, embeddings), batch.target)
@@ -102,6 +112,34 @@ def train_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.opti
     value = loss.item()
     clock.lap("optimizer")
     return value
+
+
+def _sliced_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
+                 clock: PhaseClock | _NoClock, slices: int) -> float:
+    params = list(model.parameters())
+    keys = tables.distinct_keys(batch.ids)  # every slice's leaf holds all the batch's rows, as a trainer's does
+    sums: list[torch.Tensor] | None = None
+    for part in batch.slices(slices):
+        embeddings, lookup = tables.lookup(part.ids, keys=keys)
+        clock.lap("lookup")
+        loss = F.binary_cross_entropy_with_logits(model(part.dense_x, embeddings), part.target)
+        clock.lap("forward")
+        dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clock.lap("backward")
+        with torch.no_grad():
+            grads = [lookup.rows.grad, *(p.grad for p in params), loss.detach()]
+            sums = [g.clone() for g in grads] if sums is None else [s.add_(g) for s, g in zip(sums, grads)]
+        clock.lap("sync")
+    with torch.no_grad():
+        for total in sums:
+            total.div_(slices)  # the mean over trainers, as the trainers divide their all-reduced sum
+    for p, grad in zip(params, sums[1:-1]):
+        p.grad = grad
+    dense_optimizer.step()
+    tables.apply_gradients(lookup, sums[0])
+    clock.lap("optimizer")
+    return float(sums[-1])
 
 
 class _NoClock:
@@ -143,7 +181,7 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
     clock.restart()
     for iteration, batch in enumerate(batches):
         clock.lap("data")
-        loss = train_step(model, tables, dense_optimizer, batch, clock)
+        loss = train_step(model, tables, dense_optimizer, batch, clock, slices=config.slices)
         clock.end_iteration()
         now = time.perf_counter()
         if iteration == 0:

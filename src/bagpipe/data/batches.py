@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from bagpipe.data.binary import BinarySplit
+from bagpipe.embeddings import Bags
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,17 @@ class Batch:
 
     def __len__(self) -> int:
         return self.target.shape[0]
+
+    def slice(self, samples: slice) -> "Batch":
+        """Samples ``samples`` of this batch (a trainer's part of a global batch)."""
+        ids = self.ids.slice(samples) if isinstance(self.ids, Bags) else self.ids[samples]
+        return Batch(dense_x=self.dense_x[samples], ids=ids, target=self.target[samples])
+
+    def slices(self, count: int) -> list["Batch"]:
+        """The batch cut into ``count`` equal consecutive parts, as the trainers take it."""
+        size = len(self) // count
+        assert size * count == len(self), "the batch must divide evenly"
+        return [self.slice(slice(part * size, (part + 1) * size)) for part in range(count)]
 
 
 def batches_per_epoch(split: BinarySplit, batch_size: int) -> int:

@@ -23,7 +23,7 @@ from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
-from bagpipe.embeddings import Bags, EmbeddingTables, flat_keys, table_offsets
+from bagpipe.embeddings import EmbeddingTables, flat_keys, table_offsets
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner import PlannerConfig, plan
 from bagpipe.reference import build_model, check_data, deterministic, evaluate
@@ -91,7 +91,6 @@ class Oracle:
                 pending.append(batch)
                 yield flat_keys(batch.ids, offsets).numpy().ravel()
 
-        b = self.job.slice_size
         rows = BatchRows(self.planner_config.num_rows)
         for step in plan(key_stream(), self.planner_config):
             batch = pending.popleft() if step.iteration < self.iterations else None
@@ -105,15 +104,14 @@ class Oracle:
                           batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
                           num_now=view.num_now, lookups=step.lookups)
             rows.load(view)
-            for trainer, out in enumerate(self.queues):
-                part = slice(trainer * b, (trainer + 1) * b)
-                ids = None if batch is None else _slice_ids(batch.ids, part)
+            parts = [None] * len(self.queues) if batch is None else batch.slices(len(self.queues))
+            for trainer, (out, part) in enumerate(zip(self.queues, parts)):
                 positions = None
-                if ids is not None:  # each id's row in batch_keys
-                    positions = torch.from_numpy(rows.at(flat_keys(ids, offsets).numpy()).positions)
+                if part is not None:  # each id's row in batch_keys
+                    positions = torch.from_numpy(rows.at(flat_keys(part.ids, offsets).numpy()).positions)
                 message = StepMessage(
-                    dense_x=None if batch is None else batch.dense_x[part], ids=ids,
-                    target=None if batch is None else batch.target[part],
+                    dense_x=None if part is None else part.dense_x, ids=None if part is None else part.ids,
+                    target=None if part is None else part.target,
                     write_mask=torch.from_numpy(step.evict_writers == trainer), positions=positions, **common)
                 self.bytes_sent += message.nbytes()
                 while not self.stop.is_set():
@@ -199,10 +197,6 @@ def _mean_breakdown(breakdowns: list[dict]) -> dict:
     breakdowns = [b for b in breakdowns if b]
     phases = list(dict.fromkeys(p for b in breakdowns for p in b))
     return {p: float(np.mean([b.get(p, 0.0) for b in breakdowns])) for p in phases}
-
-
-def _slice_ids(ids: torch.Tensor | Bags, part: slice) -> torch.Tensor | Bags:
-    return ids.slice(part) if isinstance(ids, Bags) else ids[part]
 
 
 _ORACLE: Oracle | None = None

@@ -32,6 +32,7 @@ from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
+from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group
 
 log = logging.getLogger(__name__)
@@ -192,21 +193,18 @@ class TrainerRuntime:
                          message.positions)
         return self.cache.gather(view, message.ids if isinstance(message.ids, Bags) else None)
 
-    def allreduce_start(self, buffer: torch.Tensor):
-        """Start summing ``buffer`` over trainers in the background (e.g. gradients ready early)."""
-        if self.group is None:
-            return None
-        self.stats.bytes_sent += buffer.numel() * 4
-        self.stats.allreduce_bytes += buffer.numel() * 4
-        return self.group.allreduce([buffer])
+    def allreduce_start(self, buffer: torch.Tensor) -> Mean:
+        """Start averaging ``buffer`` over trainers in the background (e.g. gradients ready early)."""
+        if self.group is not None:
+            self.stats.bytes_sent += buffer.numel() * 4
+            self.stats.allreduce_bytes += buffer.numel() * 4
+        return Mean(self.group, buffer, timeout=self.world.timeout)
 
-    def allreduce_finish(self, work, buffer: torch.Tensor) -> torch.Tensor:
-        """Wait for ``allreduce_start``'s sum and turn it into the mean over trainers, in place."""
-        if work is not None:
-            waited = time.perf_counter()
-            work.wait()
-            self.stats.sync_s += time.perf_counter() - waited
-            buffer /= self.world.num_trainers
+    def allreduce_finish(self, mean: Mean) -> torch.Tensor:
+        """Wait for ``allreduce_start``'s mean over trainers, left in its buffer."""
+        waited = time.perf_counter()
+        buffer = mean.wait()
+        self.stats.sync_s += time.perf_counter() - waited
         return buffer
 
     def sync(self, lookup: Lookup, extra: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -224,8 +222,7 @@ class TrainerRuntime:
         grads = grads.cpu()
         extra_size = 0 if extra is None else extra.numel()
         buffer = torch.cat([torch.zeros(0) if extra is None else extra.reshape(-1).cpu(), grads[:now].reshape(-1)])
-        if buffer.numel():
-            buffer = self.allreduce_finish(self.allreduce_start(buffer), buffer)
+        buffer = self.allreduce_finish(self.allreduce_start(buffer))
         self.cache.apply(slots[:now], buffer[extra_size:].view(-1, self.dim))
         if now < len(slots):
             later_grads = grads[now:]  # a contiguous view: no copy
@@ -247,11 +244,9 @@ class TrainerRuntime:
                 if not evicted[slots].any():
                     break
             self._pending.popleft()
-            if work is not None:
-                waited = time.perf_counter()
-                work.wait()
-                self._stalled("lazy_sync_wait_s", waited)
-                grads /= self.world.num_trainers
+            waited = time.perf_counter()
+            work.wait()
+            self._stalled("lazy_sync_wait_s", waited)
             self.cache.apply(slots, grads)
 
     def _flush(self) -> None:
@@ -384,7 +379,7 @@ class _EarlyBucket:
             return torch.zeros(0)
         if self.buffer is None:
             raise RuntimeError("the backward did not reach every parameter of the top MLP")
-        return self.runtime.allreduce_finish(self.work, self.buffer)
+        return self.runtime.allreduce_finish(self.work)
 
 
 class _CacheWindow:
