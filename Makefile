@@ -16,7 +16,7 @@ $(BIN)/bagpipe: pyproject.toml
 
 demo: $(BIN)/bagpipe
 	$(BIN)/bagpipe synth --out $(DEMO_DIR)/data --rows 500000 --test-rows 50000 --seed 1 --max-rows-per-table 20000
-	$(BIN)/bagpipe train --config configs/demo.toml --data $(DEMO_DIR)/data --run-dir $(DEMO_DIR)/run
+	$(BIN)/bagpipe train --config configs/demo.toml --data $(DEMO_DIR)/data --run-dir $(DEMO_DIR)/run --overwrite
 
 test: $(BIN)/bagpipe
 	$(BIN)/python -m pytest

@@ -102,7 +102,8 @@ def config(args, data: Path, run_dir: Path, **values) -> TrainConfig:
 
 def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
     summary = launch_local(config(args, data, run_dir, mode="bagpipe", trainers=2, servers=1, cache_rows=cache_rows,
-                                  lookahead=200, policy="lookahead", timeout=120.0), show_progress=False)
+                                  lookahead=200, policy="lookahead", timeout=120.0), show_progress=False,
+                           overwrite=True)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
             "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],
             "embedding_stall_fraction": summary["embedding_stall_fraction"],
@@ -130,7 +131,7 @@ def run_bagpipe_before(args, data: Path, run_dir: Path, cache_rows: int) -> dict
 
 
 def run_reference(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
-    summary = train_reference(config(args, data, run_dir, mode="reference"), show_progress=False)
+    summary = train_reference(config(args, data, run_dir, mode="reference"), show_progress=False, overwrite=True)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
             "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],
             "time_breakdown_ms": summary["time_breakdown_ms"]}

@@ -258,7 +258,7 @@ def bench_trainer(data: Path, work: Path, *, archs, optimizers, threads_list, ar
             config = make_config(data, work / "runs" / "bench", arch=arch, optimizer=optimizer, args=args)
             watch: dict = {}
             with torch_threads(threads), cpu_watch(watch):
-                summary = train_reference(config, show_progress=False)
+                summary = train_reference(config, show_progress=False, overwrite=True)
             runs[(arch, optimizer, threads)].append({"samples_per_s": summary["samples_per_s"],
                                                      "foreign_cpu": watch["foreign_cpu"]})
     results = []

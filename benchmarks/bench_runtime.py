@@ -58,7 +58,7 @@ def main() -> None:
                     cache_rows=cache_rows, lookahead=200, policy=policy, timeout=120.0,
                     model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-512-256-{dim}", arch_mlp_top="512-256-1"))
                 started = time.perf_counter()
-                summary = launch_local(config, show_progress=False)
+                summary = launch_local(config, show_progress=False, overwrite=True)
                 row = {k: summary[k] for k in FIELDS}
                 results.setdefault((dim, policy), []).append(row)
                 print(json.dumps({"repeat": repeat, "dim": dim, "policy": policy, **row,

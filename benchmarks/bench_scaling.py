@@ -54,7 +54,7 @@ def run(work: Path, *, iterations: int, trainers: int, lookahead: int, cache_fra
                          max_eval_rows=BATCH, trainers=trainers, servers=1,
                          cache_rows=int(cache_fraction * total_rows), lookahead=lookahead, policy=policy,
                          timeout=120.0, model=MODEL)
-    s = launch_local(config, show_progress=False)
+    s = launch_local(config, show_progress=False, overwrite=True)
     breakdown = s["time_breakdown_ms"]
     return {"trainers": trainers, "lookahead": lookahead, "cache_fraction": cache_fraction, "zipf": zipf,
             "policy": policy, "iteration_ms": sum(breakdown.values()), "samples_per_s": s["samples_per_s"],

@@ -1,6 +1,6 @@
 import pytest
 
-from bagpipe.config import load_train_config
+from bagpipe.config import ModelConfig, TrainConfig, load_train_config
 
 
 def test_toml_then_flags(tmp_path):
@@ -15,7 +15,12 @@ def test_toml_then_flags(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"optimizer": "rmsprop"}, "optimizer must be one of"),
     ({"batch_size": 0}, "batch_size must be positive"),
-    ({"lr": -1.0}, "lr must be positive"),
+    ({"lr": -1.0}, "lr must be a positive, finite number"),
+    ({"lr": float("inf")}, "lr must be a positive, finite number, got inf"),
+    ({"lr": float("nan")}, "lr must be a positive, finite number, got nan"),
+    ({"timeout": float("inf")}, "timeout must be a positive, finite number"),
+    ({"cleanup_fraction": 2.0}, r"cleanup_fraction must be in \[0, 1\), got 2.0"),
+    ({"slices": 0}, "slices must be positive"),
     ({"iterations": -3}, "iterations must not be negative"),
     ({"arch_mlp_bot": "13-x-16"}, "arch_mlp_bot"),
     ({"arch_mlp_top": "64-2"}, "must end in 1"),
@@ -38,3 +43,67 @@ def test_unknown_keys_and_missing_files(tmp_path):
     path.write_text("data = \n")
     with pytest.raises(ValueError, match="not valid TOML"):
         load_train_config(str(path), {})
+
+
+# Each line once went through unchecked: shuffle = "false" shuffled, iterations = true ran one
+# iteration, the strings ended in tracebacks mid-run and 256.5 failed only after training started.
+@pytest.mark.parametrize("line, message", [
+    ('shuffle = "false"', "shuffle: expected true or false, got 'false' (a string)"),
+    ("iterations = true", "iterations: expected an integer, got true (a boolean)"),
+    ('iterations = "ten"', "iterations: expected an integer, got 'ten' (a string)"),
+    ('lr = "0.1"', "lr: expected a number, got '0.1' (a string)"),
+    ("batch_size = 256.5", "batch_size: expected an integer, got 256.5 (a number)"),
+    ("mode = 1", "mode: expected a string, got 1 (an integer)"),
+    ("model = 3", "model must be a table ([model])"),
+    ("[model]\nemb_dim = 2.0", "model.emb_dim: expected an integer, got 2.0"),
+    ("[model]\narch_mlp_top = [512, 1]", "model.arch_mlp_top: expected a string, got [512, 1] (an array)"),
+])
+def test_toml_values_of_the_wrong_type_are_refused_naming_file_and_key(tmp_path, line, message):
+    path = tmp_path / "job.toml"
+    path.write_text(f'data = "d"\nrun_dir = "r"\n{line}\n')
+    with pytest.raises(ValueError) as refused:
+        load_train_config(str(path), {})
+    assert str(refused.value).startswith(f"{path}: {message}")
+
+
+def test_types_are_checked_when_built_in_code_too():
+    with pytest.raises(ValueError, match="iterations: expected an integer, got true"):
+        TrainConfig(data="d", run_dir="r", iterations=True)
+    with pytest.raises(ValueError, match="emb_dim: expected an integer"):
+        ModelConfig(emb_dim="16")
+    config = TrainConfig(data="d", run_dir="r", lr=1, timeout=5)
+    assert isinstance(config.lr, float) and isinstance(config.timeout, float)  # an int is a fine float
+
+
+def test_settings_the_mode_does_not_read_get_a_warning():
+    from bagpipe.preflight import ignored_settings
+
+    reference = TrainConfig(data="d", run_dir="r", trainers=4, lookahead=50, shuffle_seed=3)
+    warnings = ignored_settings(reference)
+    assert any(w.startswith("--trainers does nothing in --mode reference") and "--slices" in w for w in warnings)
+    assert any(w.startswith("--lookahead does nothing in --mode reference") for w in warnings)
+    assert any(w.startswith("--shuffle-seed does nothing without --shuffle") for w in warnings)
+    assert ignored_settings(TrainConfig(data="d", run_dir="r", mode="bagpipe", slices=2))[0].startswith(
+        "--slices does nothing in --mode bagpipe")
+    assert ignored_settings(TrainConfig(data="d", run_dir="r", mode="bagpipe", trainers=4, lookahead=50)) == []
+    assert ignored_settings(TrainConfig(data="d", run_dir="r")) == []
+
+
+def test_every_flag_has_a_help_line_with_its_default():
+    import argparse
+
+    from bagpipe.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = []
+    for name, command in commands.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            flag = f"{name} {action.option_strings[0] if action.option_strings else action.dest}"
+            takes_value = action.nargs != 0 and action.option_strings
+            stated = "default" in (action.help or "") or "required" in (action.help or "")
+            if not action.help or (takes_value and not action.required and not stated):
+                missing.append(flag)
+    assert not missing, f"flags without a help line that gives their default (or says they are required): {missing}"

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.reference import train_reference
@@ -147,25 +146,76 @@ def test_killing_a_role_fails_the_job_fast_and_leaves_no_process(small_binary, t
     assert not [name for name, pid in pids.items() if alive(pid)]
 
 
-def test_cache_smaller_than_a_batch_is_refused_with_the_role_named(small_binary, tmp_path):
+def test_a_role_lost_after_training_ended_does_not_fail_the_run(small_binary, tmp_path):
+    """Trainer 1 is SIGKILLed right after reporting done (every row is back on the servers by then):
+    the run is finished and exact, with a warning, not a failure."""
+    config = job_config(small_binary, tmp_path / "bagpipe", iterations=30, timeout=8.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@done:kill"})
+    assert summary["iterations"] == 30
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
+
+
+def test_an_oracle_killed_while_writing_the_checkpoint_leaves_no_partial_file(small_binary, tmp_path):
+    config = job_config(small_binary, tmp_path / "bagpipe", iterations=10)
+    with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed \(killed by SIGKILL\): it logged no error"):
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@checkpoint written:kill"})
+    run_dir = Path(config.run_dir)
+    assert not list(run_dir.glob("*.tmp")) and not (run_dir / "checkpoint.pt").exists()
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_cache_smaller_than_a_batch_is_refused_before_any_role_starts(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "run", cache_rows=50)
     started = time.monotonic()
-    with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed.*more than the cache's 50"):
+    with pytest.raises(ValueError, match=r"batch 0 touches \d+ distinct rows, more than the cache's 50"):
         launch_local(config, show_progress=False)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 10
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"batch_size": 100_000}, "batch_size 100000 exceeds the 40000 training rows"),
+    ({"model": ModelConfig(emb_dim=8, arch_mlp_bot="7-16-8", arch_mlp_top="16-1")}, "arch_mlp_bot starts with 7 inputs"),
+])
+def test_a_job_that_cannot_run_is_refused_before_any_role_starts(small_binary, tmp_path, overrides, message):
+    config = job_config(small_binary, tmp_path / "run", **overrides)
+    with pytest.raises(ValueError, match=message):
+        launch_local(config, show_progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_cache_that_holds_every_row_gets_a_warning(small_binary):
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.preflight import cache_warnings
+
+    dataset = open_dataset(small_binary)
+    total = sum(dataset.table_sizes)
+    assert cache_warnings(job_config(small_binary, "r", cache_rows=total), dataset)[0].startswith(
+        f"--cache-rows {total} holds all {total} rows")
+    assert cache_warnings(job_config(small_binary, "r", cache_rows=total - 1), dataset) == []
+
+
+def test_a_hand_started_oracle_refuses_a_cache_smaller_than_a_batch(small_binary, tmp_path):
+    oracle = bagpipe_cli("oracle", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"),
+                         "--cache-size", "50", "--mini-batch-size", "128", "--worker-id", "0", "--world-size", "4",
+                         "--world-size-trainers", "2", "--master-port", str(free_port()), "--timeout", "30")
+    _, err = oracle.communicate(timeout=60)
+    assert oracle.returncode == 2
+    assert "more than the cache's 50" in err
 
 
 def test_world_size_mismatch_is_refused_within_seconds(small_binary, tmp_path):
     port = str(free_port())
     oracle = bagpipe_cli("oracle", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"),
-                         "--worker-id", "0", "--world-size", "4", "--world-size-trainers", "2",
-                         "--master-port", port, "--timeout", "30")
+                         "--cache-size", str(CACHE), "--mini-batch-size", str(BATCH), "--worker-id", "0",
+                         "--world-size", "4", "--world-size-trainers", "2", "--master-port", port, "--timeout", "30")
     try:
         started = time.monotonic()
         server = bagpipe_cli("server", "--worker-id", "1", "--world-size", "5", "--world-size-trainers", "2",
                              "--master-port", port, "--timeout", "30")
         _, err = server.communicate(timeout=60)
-        assert server.returncode == 2
+        assert server.returncode == 2, err
         assert "world mismatch: this server has world_size=5" in err and "the oracle has world_size=4" in err
         assert time.monotonic() - started < 20
     finally:
@@ -206,7 +256,12 @@ def test_an_id_outside_its_table_is_refused_naming_the_row(small_binary, tmp_pat
     ids[300, 2] = header["table_sizes"][2]  # one past the end of table 2: a row of table 3 if unchecked
     ids.flush()
     del ids
-    config = job_config(data, tmp_path / "run", iterations=10)
+    # A cache smaller than a batch's ids has the launcher scan the batches before starting anything;
+    # with a larger one the oracle meets the row while planning.
+    config = job_config(data, tmp_path / "before", iterations=10)
+    with pytest.raises(ValueError, match=r"row 300 has id \d+ for table 2, outside"):
+        launch_local(config, show_progress=False)
+    config = job_config(data, tmp_path / "during", iterations=30, batch_size=16)
     with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed.*row 300 has id \d+ for table 2, outside"):
         launch_local(config, show_progress=False)
 

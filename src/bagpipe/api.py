@@ -26,12 +26,10 @@ import math
 import os
 
 import torch
-import torch.distributed.rpc as rpc
 
 from bagpipe.embeddings import Bags, Lookup
-from bagpipe.runtime import oracle
-from bagpipe.runtime.trainer import TrainerRuntime
-from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World, check_in, init_rpc
+from bagpipe.runtime.trainer import TrainerRuntime, join_as_trainer
+from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +128,13 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         log.warning("device %s requested but CUDA is not available: caching on the CPU", device)
         device = "cpu"
-    store = check_in(world, "trainer")
-    init_rpc(world, store)
-    job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(world.name,), timeout=world.timeout)
+    # Inside the user's process a lost peer fails the cache's next step; it does not end the process.
+    store, liveness, job = join_as_trainer(world, on_lost=lambda message: log.error("%s", message))
     _check_against_job(job, emb_size=emb_size, ln_emb=list(ln_emb), cache_size=cache_size,
                        lookahead_value=lookahead_value, cleanup=cleanup_batch_proportion, emb_optim=emb_optim,
                        emb_optim_params=emb_optim_params or {})
-    runtime = TrainerRuntime(world, store, job=job, device=device, prefetch_depth=prefetch_depth)
+    runtime = TrainerRuntime(world, store, job=job, liveness=liveness, device=device, prefetch_depth=prefetch_depth)
+    liveness.on_lost = runtime.fail
     return TrainerCache(runtime)
 
 

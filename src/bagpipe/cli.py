@@ -7,7 +7,10 @@ import json
 import logging
 import math
 import os
+import signal
+import socket
 import sys
+import threading
 from pathlib import Path
 
 from bagpipe.progress import setup_logging
@@ -15,85 +18,118 @@ from bagpipe.progress import setup_logging
 log = logging.getLogger("bagpipe")
 
 
+def _default(name: str) -> str:
+    """" (default X)" for a train or model setting, from the config's own default."""
+    from bagpipe.config import TrainConfig
+
+    defaults = TrainConfig(data="-", run_dir="-")
+    value = getattr(defaults.model, name) if hasattr(defaults.model, name) else getattr(defaults, name)
+    return f" (default {value})"
+
+
 def _add_synth(sub) -> None:
     p = sub.add_parser("synth", help="write synthetic Criteo-format data with a known best AUC")
     p.add_argument("--out", required=True, help="output directory (train.tsv, test.tsv, meta.json)")
     p.add_argument("--rows", type=int, required=True, help="training rows")
     p.add_argument("--test-rows", type=int, default=None, help="test rows (default: rows / 10)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tables", default=None, help="a preset of table sizes (default: criteo-kaggle)")
-    p.add_argument("--table-sizes", default=None, help="comma-separated table sizes, instead of --tables")
-    p.add_argument("--max-rows-per-table", type=int, default=0, help="cap every table at this many rows")
+    p.add_argument("--seed", type=int, default=0, help="the data's seed (default 0)")
+    p.add_argument("--tables", default=None, help="a preset of table sizes (default criteo-kaggle)")
+    p.add_argument("--table-sizes", default=None, help="comma-separated table sizes, instead of --tables "
+                   "(default: the preset)")
+    p.add_argument("--max-rows-per-table", type=int, default=0,
+                   help="cap every table at this many rows (default 0: no cap)")
     p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of the ids (default 1.2)")
 
 
 def _add_preprocess(sub) -> None:
-    p = sub.add_parser("preprocess", help="convert Criteo TSV or JSON lines to the binary format")
-    p.add_argument("--input", required=True, help="a file, or a directory holding train.* and test.*")
-    p.add_argument("--format", choices=("criteo", "jsonl"), default=None, help="default: from the suffix")
-    p.add_argument("--out", required=True)
-    p.add_argument("--table-sizes", default=None, help="comma-separated table sizes")
-    p.add_argument("--meta", default=None, help="a meta.json holding table_sizes (as `bagpipe synth` writes)")
-    p.add_argument("--on-bad-row", choices=("error", "skip"), default="error")
+    p = sub.add_parser("preprocess", help="convert Criteo TSV or JSON lines (plain or gzip) to the binary format")
+    p.add_argument("--input", required=True, help="a file, or a directory holding train.* and test.* "
+                   "(.tsv, .txt, .csv, .jsonl, .json, each optionally .gz)")
+    p.add_argument("--format", choices=("criteo", "jsonl"), default=None,
+                   help="the text format (default: from the suffix)")
+    p.add_argument("--out", required=True, help="the directory to write")
+    p.add_argument("--table-sizes", default=None, help="comma-separated table sizes (default: from --meta or "
+                   "a meta.json beside the input; JSON lines only: the largest id + 1)")
+    p.add_argument("--meta", default=None, help="a meta.json holding table_sizes, as `bagpipe synth` writes "
+                   "(default: the one beside the input, if any)")
+    p.add_argument("--on-bad-row", choices=("error", "skip"), default="error",
+                   help="stop at a malformed row naming its file and line, or skip and count it (default error)")
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a DLRM")
-    p.add_argument("--config", default=None, help="a TOML file; flags override it")
-    p.add_argument("--data", default=None)
-    p.add_argument("--run-dir", default=None)
+    p = sub.add_parser("train", help="train a DLRM (in one process, or the whole system on this machine)")
+    p.add_argument("--config", default=None, help="a TOML file of settings; flags override it (default: none)")
+    p.add_argument("--data", default=None, help="a directory with train.* and test.* text splits (converted "
+                   "once into DIR/preprocessed), or a preprocessed one (required, here or in --config)")
+    p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
+                   "(required, here or in --config)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --run-dir (after every check has passed)")
     p.add_argument("--mode", default=None, help="reference (one process, all tables in memory) or bagpipe "
-                   "(oracle, servers and trainers started on this machine)")
-    p.add_argument("--iterations", type=int, default=None, help="0: one pass over the training split")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--eval-batch-size", type=int, default=None)
-    p.add_argument("--emb-dim", type=int, default=None)
-    p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--shuffle", action="store_true", default=None)
-    p.add_argument("--shuffle-seed", type=int, default=None)
-    p.add_argument("--warmup-iterations", type=int, default=None)
-    p.add_argument("--log-every", type=int, default=None)
-    p.add_argument("--max-eval-rows", type=int, default=None)
+                   "(oracle, servers and trainers started on this machine)" + _default("mode"))
+    p.add_argument("--iterations", type=int, default=None, help="global batches to train; 0: one pass over "
+                   "the training split" + _default("iterations"))
+    p.add_argument("--batch-size", type=int, default=None, help="the global batch" + _default("batch_size"))
+    p.add_argument("--eval-batch-size", type=int, default=None, help="samples per evaluation batch"
+                   + _default("eval_batch_size"))
+    p.add_argument("--emb-dim", type=int, default=None, help="embedding width" + _default("emb_dim"))
+    p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, for embeddings and dense weights"
+                   + _default("optimizer"))
+    p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr"))
+    p.add_argument("--seed", type=int, default=None, help="initialisation seed" + _default("seed"))
+    p.add_argument("--shuffle", action="store_true", default=None,
+                   help="shuffle the rows each epoch (default: consecutive rows in file order)")
+    p.add_argument("--shuffle-seed", type=int, default=None, help="seed of the shuffles" + _default("shuffle_seed"))
+    p.add_argument("--warmup-iterations", type=int, default=None,
+                   help="iterations left out of the steady-state samples/s" + _default("warmup_iterations"))
+    p.add_argument("--log-every", type=int, default=None, help="iterations per metrics record" + _default("log_every"))
+    p.add_argument("--max-eval-rows", type=int, default=None,
+                   help="evaluate on at most this many test rows; 0: all" + _default("max_eval_rows"))
     p.add_argument("--slices", type=int, default=None,
                    help="--mode reference: compute each batch's gradient as this many trainers do, so that "
-                        "--mode bagpipe with that many trainers gives the same result bit for bit (default 1)")
-    p.add_argument("--arch-mlp-bot", default=None, help="e.g. 13-512-256-64-16 (ends in the embedding dim)")
-    p.add_argument("--arch-mlp-top", default=None, help="e.g. 512-256-1 (sizes after the interaction)")
+                        "--mode bagpipe with that many trainers gives the same result bit for bit"
+                        + _default("slices"))
+    p.add_argument("--arch-mlp-bot", default=None, help="bottom MLP sizes, ending in the embedding width"
+                   + _default("arch_mlp_bot"))
+    p.add_argument("--arch-mlp-top", default=None, help="top MLP sizes after the interaction, ending in 1"
+                   + _default("arch_mlp_top"))
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads (0: torch's default; 1 per role in --mode bagpipe)")
-    p.add_argument("--no-progress", action="store_true")
+                   help="torch threads (default 0: torch's default in --mode reference, 1 per role in --mode bagpipe)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal)")
     _add_job_flags(p)
 
 
 def _add_job_flags(p) -> None:
     g = p.add_argument_group("--mode bagpipe")
-    g.add_argument("--trainers", type=int, default=None, help="trainer processes (default 2)")
-    g.add_argument("--servers", type=int, default=None, help="embedding server processes (default 1)")
+    g.add_argument("--trainers", type=int, default=None, help="trainer processes" + _default("trainers"))
+    g.add_argument("--servers", type=int, default=None, help="embedding server processes" + _default("servers"))
     g.add_argument("--cache-rows", "--cache-size", dest="cache_rows", type=int, default=None,
-                   help="rows each trainer caches (default: 5%% of all rows)")
+                   help="rows each trainer caches (default 0: 5%% of all rows)")
     g.add_argument("--lookahead", "--lookahead-value", dest="lookahead", type=int, default=None,
-                   help="batches the oracle plans ahead (default 200)")
-    g.add_argument("--policy", default=None, help="lookahead (default), lru, lfu or none (no cache)")
+                   help="batches the oracle plans ahead" + _default("lookahead"))
+    g.add_argument("--policy", default=None, help="lookahead, lru, lfu or none (no cache)" + _default("policy"))
     g.add_argument("--cleanup-fraction", "--cleanup-batch-proportion", dest="cleanup_fraction", type=float,
-                   default=None, help="when evicting, also free this share of the cache")
-    g.add_argument("--prefetch-depth", type=int, default=None, help="iterations fetched ahead (default 8)")
-    g.add_argument("--timeout", type=float, default=None, help="seconds any remote wait may take (default 60)")
-    g.add_argument("--master-port", type=int, default=None, help="the local job's port (0: a free one)")
+                   default=None, help="when evicting, also free this share of the cache, in [0, 1)"
+                   + _default("cleanup_fraction"))
+    g.add_argument("--prefetch-depth", type=int, default=None,
+                   help="iterations whose fetches a trainer has in flight" + _default("prefetch_depth"))
+    g.add_argument("--timeout", type=float, default=None,
+                   help="seconds any remote wait may take" + _default("timeout"))
+    g.add_argument("--master-port", type=int, default=None, help="the local job's one port (default 0: a free one)")
 
 
 def _add_world_flags(p) -> None:
     g = p.add_argument_group("the job's world (flags, else the variables torchrun sets)")
     g.add_argument("--worker-id", dest="rank", type=int, default=None,
-                   help="rank among all processes: 0 oracle, 1..S servers, then trainers ($RANK)")
-    g.add_argument("--world-size", type=int, default=None, help="oracle + servers + trainers ($WORLD_SIZE)")
+                   help="rank among all processes: 0 oracle, 1..S servers, then trainers (default $RANK)")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="oracle + servers + trainers (default $WORLD_SIZE)")
     g.add_argument("--world-size-trainers", dest="num_trainers", type=int, default=None,
-                   help="trainers in the job ($BAGPIPE_TRAINERS)")
-    g.add_argument("--master-ip", dest="master_addr", default=None, help="the oracle's address ($MASTER_ADDR, "
-                   "default 127.0.0.1; RPC is unauthenticated: use a trusted network)")
+                   help="trainers in the job (default $BAGPIPE_TRAINERS)")
+    g.add_argument("--master-ip", dest="master_addr", default=None, help="the oracle's address (default "
+                   "$MASTER_ADDR, else 127.0.0.1; RPC is unauthenticated: use a trusted network)")
     g.add_argument("--master-port", dest="world_port", type=int, default=None,
-                   help="the oracle's store port, the job's only fixed port ($MASTER_PORT, default 29500)")
+                   help="the oracle's store port, the job's only fixed port (default $MASTER_PORT, else 29500)")
     g.add_argument("--timeout", dest="world_timeout", type=float, default=None,
                    help="seconds any remote wait may take (default 60)")
 
@@ -111,53 +147,66 @@ def _add_roles(sub) -> None:
 
 
 def _add_oracle_flags(p) -> None:
-    p.add_argument("--config", default=None, help="a TOML file of train settings; flags override it")
-    p.add_argument("--data", "--processed-csv", dest="data", default=None, help="the data directory")
-    p.add_argument("--run-dir", default=None)
-    p.add_argument("--mini-batch-size", dest="batch_size", type=int, default=None, help="the global batch")
-    p.add_argument("--emb-size", dest="emb_dim", type=int, default=None)
-    p.add_argument("--emb-info-file", default=None, help="one table size per line, checked against the data")
-    for name in ("iterations", "seed", "log-every", "warmup-iterations", "max-eval-rows", "eval-batch-size"):
-        p.add_argument(f"--{name}", type=int, default=None)
-    p.add_argument("--optimizer", default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--arch-mlp-bot", default=None)
-    p.add_argument("--arch-mlp-top", default=None)
+    p.add_argument("--config", default=None, help="a TOML file of train settings; flags override it (default: none)")
+    p.add_argument("--data", "--processed-csv", dest="data", default=None,
+                   help="the data directory, as train --data takes it (required, here or in --config)")
+    p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
+                   "(required, here or in --config)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
+    p.add_argument("--run-dir-prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
+    p.add_argument("--mini-batch-size", dest="batch_size", type=int, default=None,
+                   help="the global batch, split evenly among the trainers" + _default("batch_size"))
+    p.add_argument("--emb-size", dest="emb_dim", type=int, default=None, help="embedding width" + _default("emb_dim"))
+    p.add_argument("--emb-info-file", default=None,
+                   help="one table size per line, checked against the data (default: not checked)")
+    for name, text in (("iterations", "global batches; 0: one pass"), ("seed", "initialisation seed"),
+                       ("log-every", "iterations per metrics record"),
+                       ("warmup-iterations", "iterations left out of the steady-state samples/s"),
+                       ("max-eval-rows", "test rows evaluated; 0: all"), ("eval-batch-size", "samples per eval batch")):
+        p.add_argument(f"--{name}", type=int, default=None, help=text + _default(name.replace("-", "_")))
+    p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam" + _default("optimizer"))
+    p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr"))
+    p.add_argument("--arch-mlp-bot", default=None, help="bottom MLP sizes" + _default("arch_mlp_bot"))
+    p.add_argument("--arch-mlp-top", default=None, help="top MLP sizes" + _default("arch_mlp_top"))
     g = p.add_argument_group("the plan")
-    g.add_argument("--cache-size", "--cache-rows", dest="cache_rows", type=int, default=None)
-    g.add_argument("--lookahead-value", "--lookahead", dest="lookahead", type=int, default=None)
-    g.add_argument("--policy", default=None)
+    g.add_argument("--cache-size", "--cache-rows", dest="cache_rows", type=int, default=None,
+                   help="rows each trainer caches (default 0: 5%% of all rows)")
+    g.add_argument("--lookahead-value", "--lookahead", dest="lookahead", type=int, default=None,
+                   help="batches planned ahead" + _default("lookahead"))
+    g.add_argument("--policy", default=None, help="lookahead, lru, lfu or none" + _default("policy"))
     g.add_argument("--cleanup-batch-proportion", "--cleanup-fraction", dest="cleanup_fraction", type=float,
-                   default=None)
-    g.add_argument("--prefetch-depth", type=int, default=None)
+                   default=None, help="when evicting, also free this share of the cache" + _default("cleanup_fraction"))
+    g.add_argument("--prefetch-depth", type=int, default=None,
+                   help="iterations whose fetches a trainer has in flight" + _default("prefetch_depth"))
     _add_world_flags(p)
     p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a run's parameters to one .pt file")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--out", required=True)
+    p = sub.add_parser("export", help="export a finished run's parameters to one .pt file")
+    p.add_argument("--run-dir", required=True, help="a finished run")
+    p.add_argument("--out", required=True, help="the .pt file to write")
 
 
 def _add_report(sub) -> None:
-    p = sub.add_parser("report", help="print a summary of finished runs and write PNG plots")
+    p = sub.add_parser("report", help="print a summary of runs and write PNG plots")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one or more run dirs, drawn in the same plots")
     p.add_argument("--out", default=None, help="where the PNGs go (default: FIRST_RUN_DIR/report)")
-    p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run dir")
+    p.add_argument("--labels", default=None, help="comma-separated legend labels, one per run dir "
+                   "(default: each run dir's name and mode)")
 
 
 def _add_plan_stats(sub) -> None:
     p = sub.add_parser("plan-stats", help="plan a cache policy over a data set and print what it moves")
     p.add_argument("--data", required=True, help="a preprocessed data set (its train split is planned)")
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--cache-rows", type=int, required=True)
-    p.add_argument("--lookahead", type=int, default=200)
-    p.add_argument("--policy", default="lookahead", help="lookahead, lru, lfu, none or belady")
-    p.add_argument("--iterations", type=int, default=0, help="0: one pass over the split")
-    p.add_argument("--trainers", type=int, default=1)
+    p.add_argument("--batch-size", type=int, required=True, help="the global batch")
+    p.add_argument("--cache-rows", type=int, required=True, help="rows the cache holds")
+    p.add_argument("--lookahead", type=int, default=200, help="batches planned ahead (default 200)")
+    p.add_argument("--policy", default="lookahead", help="lookahead, lru, lfu, none or belady (default lookahead)")
+    p.add_argument("--iterations", type=int, default=0, help="batches planned (default 0: one pass over the split)")
+    p.add_argument("--trainers", type=int, default=1, help="trainers sharing the write-backs (default 1)")
     p.add_argument("--cleanup-fraction", type=float, default=0.0,
-                   help="when evicting, also free this share of the cache (fewer, larger eviction rounds)")
+                   help="when evicting, also free this share of the cache (fewer, larger eviction rounds; default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,9 +254,10 @@ def run_train(args) -> None:
     if config.mode == "bagpipe":
         from bagpipe.runtime.launch import launch_local
 
-        summary = launch_local(config, show_progress=not args.no_progress, threads=args.threads or 1)
+        summary = launch_local(config, show_progress=not args.no_progress, threads=args.threads or 1,
+                               overwrite=args.overwrite)
     else:
-        summary = train_reference(config, show_progress=not args.no_progress)
+        summary = train_reference(config, show_progress=not args.no_progress, overwrite=args.overwrite)
     print(human_summary(summary))
 
 
@@ -276,25 +326,18 @@ def run_oracle(args) -> None:
                      timeout=args.world_timeout)
     config = load_train_config(args.config, overrides)
     world = dataclasses.replace(world, timeout=config.timeout)
-    if args.emb_info_file:
-        check_emb_info(args.emb_info_file, config.data)
-    summary = oracle_main(config, world)
+    sizes = read_emb_info(args.emb_info_file) if args.emb_info_file else None
+    summary = oracle_main(config, world, overwrite=args.overwrite, claim_run_dir=not args.run_dir_prepared,
+                          table_sizes=sizes)
     print(human_summary(summary))
 
 
-def check_emb_info(path: str, data: str) -> None:
-    """--emb-info-file (one table size per line) must match the data's table sizes."""
-    from bagpipe.data.binary import open_dataset
-    from bagpipe.data.preprocess import ensure_preprocessed
-
+def read_emb_info(path: str) -> list[int]:
+    """--emb-info-file: one table size per line (the oracle checks them against the data)."""
     try:
-        sizes = [int(line) for line in open(path).read().split()]
+        return [int(line) for line in open(path).read().split()]
     except (OSError, ValueError) as err:
         raise ValueError(f"--emb-info-file {path}: expected one table size per line ({err})") from None
-    actual = open_dataset(ensure_preprocessed(data, show_progress=False)).table_sizes
-    if list(sizes) != list(actual):
-        raise ValueError(f"--emb-info-file {path} lists {len(sizes)} tables {sizes[:4]}..., "
-                         f"but {data} has {len(actual)} tables {list(actual)[:4]}...")
 
 
 def run_server(args) -> None:
@@ -323,11 +366,33 @@ COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train
 
 
 ROLES = ("oracle", "server", "trainer", "role")
+_WAKEUP: list = []  # the socket pair Ctrl-C's wakeup byte travels through, kept for the process
+
+
+def _exit_on_interrupt() -> None:
+    """Ctrl-C ends a role at once, with one line, even while its main thread waits in native code
+    (Python raises KeyboardInterrupt only once such a wait returns): the signal's wakeup byte
+    reaches a thread that is not blocked."""
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    _WAKEUP.extend((reader, writer))
+
+    def watch() -> None:
+        while signal.SIGINT not in reader.recv(64):
+            pass
+        log.error("interrupted (Ctrl-C)")
+        logging.shutdown()
+        os._exit(130)
+
+    threading.Thread(target=watch, name="interrupt", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(role=args.command)
+    if args.command in ROLES:
+        _exit_on_interrupt()
     code = 0
     profile_dir = os.environ.get("BAGPIPE_PROFILE_DIR") if args.command in ROLES else None
     try:
@@ -340,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                             str(Path(profile_dir) / f"{name}.prof"))
         else:
             COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        log.error("interrupted (Ctrl-C)")
+        code = 130
     except ValueError as err:
         log.error("%s", err)
         code = 2

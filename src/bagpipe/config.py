@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,36 @@ def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
     return sizes
 
 
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def checked_value(cls, name: str, value: Any) -> Any:
+    """``value`` as field ``name`` of dataclass ``cls`` holds it, or a ValueError naming the type expected.
+
+    TOML and Python both let a bool pass for an int and an int for a float: a bool is refused
+    where a number is expected, and an int is accepted (as a float) where a float is.
+    """
+    kind = typing.get_type_hints(cls)[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in _KINDS and not (isinstance(value, kind) and (kind is bool or not isinstance(value, bool))):
+        shown = "true" if value is True else "false" if value is False else repr(value)
+        raise ValueError(f"{name}: expected {_KINDS[kind]}, got {shown} ({_type_name(value)})")
+    return value
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a table",
+            list: "an array"}.get(type(value), type(value).__name__)
+
+
+def _check_types(config) -> None:
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not dataclasses.is_dataclass(value):
+            object.__setattr__(config, f.name, checked_value(type(config), f.name, value))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     emb_dim: int = 16
@@ -37,6 +69,7 @@ class ModelConfig:
     arch_mlp_top: str = "512-256-1"  # sizes after the interaction; must end in 1
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.emb_dim <= 0:
             raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
         bot = parse_arch(self.arch_mlp_bot, name="arch_mlp_bot")
@@ -90,6 +123,9 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        if not isinstance(self.model, ModelConfig):
+            raise ValueError(f"model: expected a table of model settings, got {self.model!r}")
         if not self.data:
             raise ValueError("data: a data directory is required (--data)")
         if not self.run_dir:
@@ -104,8 +140,11 @@ class TrainConfig:
         for name in ("iterations", "warmup_iterations", "max_eval_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        for name in ("lr", "timeout"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
+        if not 0.0 <= self.cleanup_fraction < 1.0:
+            raise ValueError(f"cleanup_fraction must be in [0, 1), got {self.cleanup_fraction}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("trainers", "servers", "lookahead", "prefetch_depth", "slices"):
@@ -113,8 +152,6 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.cache_rows < 0:
             raise ValueError(f"cache_rows must not be negative, got {self.cache_rows}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
         if not 0 <= self.master_port < 65535:
             raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
         if self.mode == "reference" and self.batch_size % self.slices:
@@ -132,18 +169,10 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
     """
     values: dict[str, Any] = {}
     model_values: dict[str, Any] = {}
-    if path:
-        config_path = Path(path)
-        if not config_path.is_file():
-            raise ValueError(f"--config: no such file {path}")
-        try:
-            raw = tomllib.loads(config_path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{path}: not valid TOML: {err}") from None
-        model_values = dict(raw.pop("model", {}))
-        values = raw
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
     train_names = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
+    if path:
+        values, model_values = _read_toml(Path(path), train_names=train_names, model_names=model_names)
     for key, value in overrides.items():
         if value is None:
             continue
@@ -155,6 +184,29 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
     values.setdefault("data", "")
     values.setdefault("run_dir", "")
     return TrainConfig(model=ModelConfig(**model_values), **values)
+
+
+def _read_toml(path: Path, *, train_names: set[str], model_names: set[str]) -> tuple[dict, dict]:
+    """The train and ``[model]`` settings of a TOML file, each of the type its field holds."""
+    if not path.is_file():
+        raise ValueError(f"--config: no such file {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+    model = raw.pop("model", {})
+    if not isinstance(model, dict):
+        raise ValueError(f"{path}: model must be a table ([model]), got {model!r}")
+    checked = []
+    for cls, table, names, prefix in ((TrainConfig, raw, train_names, ""), (ModelConfig, model, model_names, "model.")):
+        for key, value in table.items():
+            if key in names:
+                try:
+                    table[key] = checked_value(cls, key, value)
+                except ValueError as err:
+                    raise ValueError(f"{path}: {prefix}{err}") from None
+        checked.append(table)
+    return checked[0], checked[1]
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:

@@ -8,6 +8,7 @@ optimizer step per iteration.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -17,12 +18,12 @@ import torch.nn.functional as F
 
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches, read_batch
-from bagpipe.data.binary import BinaryDataset, BinarySplit, open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import EmbeddingTables
 from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
+from bagpipe.preflight import prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, peak_rss_bytes
@@ -59,16 +60,6 @@ def build_model(config: TrainConfig, num_tables: int) -> DLRM:
     torch.manual_seed(config.seed)
     return DLRM(num_tables=num_tables, emb_dim=config.model.emb_dim,
                 bottom_sizes=config.model.bottom_sizes, top_sizes=config.model.top_sizes)
-
-
-def check_data(config: TrainConfig, dataset: BinaryDataset) -> None:
-    """Refuse a model/data mismatch before training starts."""
-    num_dense = dataset.train.dense.shape[1]
-    if config.model.bottom_sizes[0] != num_dense:
-        raise ValueError(f"arch_mlp_bot starts with {config.model.bottom_sizes[0]} inputs, "
-                         f"but {dataset.directory} has {num_dense} dense features")
-    if batches_per_epoch(dataset.train, config.batch_size) == 0:
-        raise ValueError(f"batch_size {config.batch_size} exceeds the {dataset.train.rows} training rows")
 
 
 @torch.no_grad()
@@ -150,11 +141,11 @@ class _NoClock:
 _NO_CLOCK = _NoClock()
 
 
-def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
+def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrite: bool = False) -> dict:
+    """Train in this process; write and return the run's summary (``overwrite``: replace a run in the run dir)."""
     started = time.perf_counter()
     deterministic()
-    dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress))
-    check_data(config, dataset)
+    dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
     iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
     run = RunDir(config.run_dir)
     run.write_json("config.json", config_to_dict(config))
@@ -183,6 +174,7 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
         clock.lap("data")
         loss = train_step(model, tables, dense_optimizer, batch, clock, slices=config.slices)
         clock.end_iteration()
+        check_loss(loss, iteration, config)
         now = time.perf_counter()
         if iteration == 0:
             first_iteration_s = now - started
@@ -236,6 +228,12 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True) -> dict:
         "warmup_iterations": timer.warmup,
         "torch_threads": torch.get_num_threads(),
     }
-    run.write_json("summary.json", summary)
-    run.close()
+    run.finish(summary)
     return summary
+
+
+def check_loss(loss: float, iteration: int, config: TrainConfig) -> None:
+    """Stop at the first non-finite loss (``iteration`` counts from 0): nothing after it is worth keeping."""
+    if not math.isfinite(loss):
+        raise RuntimeError(f"the training loss of iteration {iteration + 1} is {loss}: training diverged "
+                           f"(--optimizer {config.optimizer} --lr {config.lr}); try a lower --lr")

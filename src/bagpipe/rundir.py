@@ -1,14 +1,60 @@
-"""A run directory: config, metrics as JSON lines, summary.json, checkpoint and export."""
+"""A run directory: config, metrics as JSON lines, checkpoint, and summary.json written last.
+
+A run owns its directory. A new run refuses a directory that holds anything, unless asked to
+replace a run there (``overwrite``), and it clears the old run only after every check has passed.
+``summary.json`` is written last, atomically: a run dir with one holds a finished run; without
+one, an unfinished run whose other files are not to be presented as results.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from bagpipe.faults import inject_fault
+
 CHECKPOINT = "checkpoint.pt"
+SUMMARY = "summary.json"
+MARKER = ".bagpipe-run"  # written first into every run dir: --overwrite deletes only directories holding it
+
+
+def prepare_run_dir(path: str | Path, *, overwrite: bool) -> Path:
+    """Make ``path`` an empty run dir: refuse one that holds anything, unless ``overwrite`` replaces a run."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--run-dir {path} is a file, not a directory")
+    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if held:
+        what = "a finished run" if (path / SUMMARY).is_file() else "an unfinished run" if (path / MARKER).exists() \
+            else f"files that are not a bagpipe run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+        if not overwrite:
+            raise ValueError(f"--run-dir {path} already holds {what}: pass --overwrite to replace it, "
+                             f"or choose another --run-dir")
+        if not (path / MARKER).exists():
+            raise ValueError(f"--run-dir {path} holds {what}: --overwrite only replaces a bagpipe run; "
+                             f"choose an empty or new directory")
+        for child in path.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).write_text("")
+    return path
+
+
+def is_finished(path: str | Path) -> bool:
+    return (Path(path) / SUMMARY).is_file()
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    with open(tmp) as handle:
+        os.fsync(handle.fileno())
+    tmp.replace(path)
 
 
 class RunDir:
@@ -34,8 +80,20 @@ class RunDir:
     def save_checkpoint(self, *, dense: dict, embeddings: list[torch.Tensor], extra: dict) -> None:
         payload = {"dense": dense, "embeddings": embeddings, **extra}
         tmp = self.path / (CHECKPOINT + ".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(self.path / CHECKPOINT)
+        try:
+            with open(tmp, "wb") as handle:
+                torch.save(payload, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            inject_fault("checkpoint written")
+            tmp.replace(self.path / CHECKPOINT)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def finish(self, summary: dict) -> None:
+        """Write summary.json, the mark of a finished run: the last file a run writes."""
+        self._metrics.close()
+        write_json_atomic(self.path / SUMMARY, summary)
 
     def close(self) -> None:
         self._metrics.close()
@@ -44,8 +102,11 @@ class RunDir:
 def export(run_dir: str | Path, out: str | Path) -> dict:
     """Write ``{"dense": state_dict, "embeddings": [one tensor per table]}`` from a finished run."""
     path = Path(run_dir) / CHECKPOINT
+    if not is_finished(run_dir):
+        raise ValueError(f"{run_dir}: not a finished run (no {SUMMARY}): it was interrupted, failed or is "
+                         f"still running")
     if not path.is_file():
-        raise ValueError(f"{run_dir}: no {CHECKPOINT}; did the run finish?")
+        raise ValueError(f"{run_dir}: no {CHECKPOINT}")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     exported = {"dense": checkpoint["dense"], "embeddings": checkpoint["embeddings"]}
     Path(out).parent.mkdir(parents=True, exist_ok=True)

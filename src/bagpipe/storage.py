@@ -8,6 +8,7 @@ timeout, until that write-back has arrived: the ordering invariant, enforced whe
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import torch
@@ -33,7 +34,8 @@ class RowStore:
         self.versions = np.full(self.weights.shape[0], -1, dtype=np.int64)
         self._changed = threading.Condition()
         self.fetches_waited = 0  # fetches that arrived before the write-back they must observe
-        self._waiting: list[tuple[torch.Tensor, np.ndarray, torch.futures.Future]] = []
+        # parked fetches: (local rows, versions wanted, future, when parked)
+        self._waiting: list[tuple[torch.Tensor, np.ndarray, torch.futures.Future, float]] = []
 
     def _local(self, keys: np.ndarray) -> torch.Tensor:
         keys = np.asarray(keys, dtype=np.int64)
@@ -67,8 +69,21 @@ class RowStore:
                 future.set_result(self._read(local))
             else:
                 self.fetches_waited += 1
-                self._waiting.append((local, wanted, future))
+                self._waiting.append((local, wanted, future, time.monotonic()))
         return future
+
+    def expire_waiting(self, *, timeout: float) -> int:
+        """Fail the fetches parked for longer than ``timeout`` (their callers have given up); return how many."""
+        now = time.monotonic()
+        with self._changed:
+            expired = [w for w in self._waiting if now - w[3] > timeout]
+            self._waiting = [w for w in self._waiting if now - w[3] <= timeout]
+        for local, wanted, future, _ in expired:
+            behind = int(np.flatnonzero(self.versions[local.numpy()] < wanted)[0])
+            future.set_exception(TimeoutError(
+                f"shard {self.shard}: key {int(local[behind]) * self.num_shards + self.shard} still lacks write-back "
+                f"version {int(wanted[behind])} after {timeout:.0f} s (has {int(self.versions[local[behind]])})"))
+        return len(expired)
 
     def _read(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.weights.index_select(0, local), self.state.index_select(0, local)
@@ -83,11 +98,11 @@ class RowStore:
             self.versions[local.numpy()] = version
             self._changed.notify_all()
             still = []
-            for waiting_local, wanted, future in self._waiting:
-                if (self.versions[waiting_local.numpy()] >= wanted).all():
-                    ready.append((future, self._read(waiting_local)))
+            for waiting in self._waiting:
+                if (self.versions[waiting[0].numpy()] >= waiting[1]).all():
+                    ready.append((waiting[2], self._read(waiting[0])))
                 else:
-                    still.append((waiting_local, wanted, future))
+                    still.append(waiting)
             self._waiting = still
         for future, result in ready:  # outside the lock: completing runs the RPC's reply callbacks
             future.set_result(result)

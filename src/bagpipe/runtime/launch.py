@@ -13,6 +13,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,9 +23,11 @@ from pathlib import Path
 
 from bagpipe.config import TrainConfig, dump_toml
 from bagpipe.data.batches import batches_per_epoch
-from bagpipe.data.binary import open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.preflight import prepare_job
 from bagpipe.progress import progress
+from bagpipe.rundir import SUMMARY
+from bagpipe.runtime.liveness import LOST_EXIT_CODE
+from bagpipe.runtime.protocol import TRAINED
 from bagpipe.runtime.world import LOOPBACK, free_port
 
 log = logging.getLogger(__name__)
@@ -56,24 +59,25 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: int = 1,
-                 extra_trainer_args: list[str] | None = None) -> dict:
-    """Run a whole bagpipe job on this machine; return its summary.json."""
-    data = ensure_preprocessed(config.data, show_progress=show_progress)  # once, before any role reads it
-    dataset = open_dataset(data)
+def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: int = 1, overwrite: bool = False,
+                 extra_trainer_args: list[str] | None = None, env: dict[str, str] | None = None) -> dict:
+    """Run a whole bagpipe job on this machine; return its summary.json.
+
+    Everything is checked and the data converted before any role starts (so a refused job leaves
+    an earlier run in the run dir as it was); ``env`` adds variables for the roles (tests).
+    """
+    dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
     iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
     run_dir = Path(config.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "checkpoint.pt"):
-        (run_dir / stale).unlink(missing_ok=True)
+    (run_dir / "logs").mkdir()
     job_file = run_dir / "job.toml"
     job_file.write_text(dump_toml(config))
     port = config.master_port or free_port()
     world_size = 1 + config.servers + config.trainers
     world = ["--world-size", str(world_size), "--world-size-trainers", str(config.trainers),
-             "--master-ip", LOOPBACK, "--master-port", str(port)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    roles = [("oracle", 0, ["--config", str(job_file)])]
+             "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout)]
+    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+    roles = [("oracle", 0, ["--config", str(job_file), "--run-dir-prepared"])]
     roles += [("server", s, []) for s in range(config.servers)]
     roles += [("trainer", t, list(extra_trainer_args or [])) for t in range(config.trainers)]
     children: list[Child] = []
@@ -82,35 +86,93 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
             log_path = run_dir / "logs" / f"{role}{index}.log"
             with open(log_path, "w") as out:
                 command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
-                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env,
                                            preexec_fn=_die_with_parent)
             children.append(Child(role, index, rank, process, log_path))
         (run_dir / "pids.json").write_text(json.dumps({f"{c.role}{c.index}": c.process.pid for c in children}))
         _supervise(children, run_dir, total=iterations, show_progress=show_progress)
-    finally:
+    except BaseException:
         _stop_all(children)
-    return json.loads((run_dir / "summary.json").read_text())
+        for partial in run_dir.glob("*.tmp"):  # a file the oracle was writing when it was stopped
+            partial.unlink()
+        raise
+    _stop_all(children)
+    return json.loads((run_dir / SUMMARY).read_text())
+
+
+class _MetricsTail:
+    """What the roles have appended to metrics.jsonl so far: the iterations done, and whether
+    training has ended (every row gathered by the oracle), read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+        self.iteration, self.loss, self.trained = 0, None, False
+
+    def read(self) -> None:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except OSError:
+            return
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") == TRAINED:
+                self.trained = True
+            elif "train_loss" in record and record["iteration"] > self.iteration:
+                self.iteration, self.loss = record["iteration"], record["train_loss"]
 
 
 def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progress: bool) -> None:
+    """Until every role has exited: fail on the first that fails, except a non-oracle role lost after
+    training ended (the run no longer needs it: a warning)."""
     bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress)
-    metrics = run_dir / "metrics.jsonl"
-    seen = 0
+    metrics = _MetricsTail(run_dir / "metrics.jsonl")
+    excused: set[int] = set()
     try:
         while True:
-            codes = [c.process.poll() for c in children]
-            failed = [c for c, code in zip(children, codes) if code not in (None, 0)]
-            if failed:
-                first = min(failed, key=lambda c: _exit_time(c))
-                raise JobFailed(f"{first.label} failed ({_describe(first.process.returncode)}): "
-                                f"{_last_error(first.log_path)}; logs in {first.log_path.parent}")
-            if all(code == 0 for code in codes):
+            metrics.read()
+            if metrics.iteration > bar.n:
+                bar.update(metrics.iteration - bar.n)
+                bar.set_postfix(loss=f"{metrics.loss:.4f}")
+            codes = {c.rank: c.process.poll() for c in children}
+            failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
+            if failed and metrics.trained and all(c.role != "oracle" for c in failed):
+                for child in failed:
+                    log.warning("%s exited (%s) after training ended; the run does not need it",
+                                child.label, _describe(child.process.returncode))
+                excused.update(c.rank for c in failed)
+            elif failed:
+                raise JobFailed(_blame(children, failed) + f"; logs in {failed[0].log_path.parent}")
+            if all(code is not None for code in codes.values()):
                 break
-            seen = _advance_bar(bar, metrics, seen)
             time.sleep(0.1)
-        _advance_bar(bar, metrics, seen)
     finally:
         bar.close()
+
+
+def _blame(children: list[Child], failed: list[Child]) -> str:
+    """The failure to report: a role that failed by itself, before one that ended because it lost
+    that peer (and named it); a lost peer still running is stopped or hung."""
+    own = [c for c in failed if c.process.returncode != LOST_EXIT_CODE]
+    if own:
+        first = min(own, key=_exit_time)
+        return f"{first.label} failed ({_describe(first.process.returncode)}): {_last_error(first)}"
+    witness = min(failed, key=_exit_time)
+    error = _last_error(witness)
+    named = re.search(r"^lost .*?\(rank (\d+)\)", error)
+    culprit = next((c for c in children if named and c.rank == int(named.group(1))), None)
+    if culprit is None:
+        return f"{witness.label} failed: {error}"
+    if culprit.process.poll() is None:
+        return (f"{culprit.label} stopped responding (its process is still there: stopped, or hung); "
+                f"{witness.label} reported: {error}")
+    return f"{culprit.label} failed ({_describe(culprit.process.returncode)}): {_last_error(culprit)}"
 
 
 def _exit_time(child: Child) -> float:
@@ -119,23 +181,6 @@ def _exit_time(child: Child) -> float:
         return child.log_path.stat().st_mtime
     except OSError:
         return 0.0
-
-
-def _advance_bar(bar, metrics: Path, seen: int) -> int:
-    try:
-        lines = metrics.read_text().splitlines()
-    except OSError:
-        return seen
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "iteration" in record and "train_loss" in record and record["iteration"] > seen:
-            bar.update(record["iteration"] - seen)
-            bar.set_postfix(loss=f"{record['train_loss']:.4f}")
-            seen = record["iteration"]
-    return seen
 
 
 def _describe(code: int) -> str:
@@ -147,17 +192,20 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def _last_error(log_path: Path) -> str:
+def _last_error(child: Child) -> str:
+    """The error the role logged last (an ERROR line, else a traceback's exception line), never another line."""
     try:
-        lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        lines = child.log_path.read_text(errors="replace").splitlines()
     except OSError:
         return "no log"
-    for line in reversed(lines):
-        if " ERROR " in line:
-            return line.split(" ERROR ", 1)[1]
-        if "Error:" in line:
-            return line
-    return lines[-1] if lines else "empty log"
+    for number in range(len(lines) - 1, -1, -1):
+        if " ERROR " in lines[number]:
+            return lines[number].split(" ERROR ", 1)[1].strip()
+        if lines[number].startswith("Traceback (most recent call last)"):
+            exception = next((line for line in lines[number + 1:] if line and not line[0].isspace()), None)
+            if exception:
+                return exception.strip()
+    return "it logged no error" + ("" if child.process.returncode < 0 else "; see its log")
 
 
 def _stop_all(children: list[Child]) -> None:
@@ -165,6 +213,7 @@ def _stop_all(children: list[Child]) -> None:
     alive = [c for c in children if c.process.poll() is None]
     for child in alive:
         child.process.send_signal(signal.SIGTERM)
+        child.process.send_signal(signal.SIGCONT)  # a stopped process takes its SIGTERM once continued
     deadline = time.monotonic() + GRACE_S
     for child in alive:
         try:

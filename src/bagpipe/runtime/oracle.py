@@ -21,15 +21,18 @@ import torch.distributed.rpc as rpc
 from bagpipe.cache import BatchRows, batch_view
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
-from bagpipe.data.binary import open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.data.binary import BinaryDataset
 from bagpipe.embeddings import EmbeddingTables, flat_keys, table_offsets
+from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner import PlannerConfig, plan
-from bagpipe.reference import build_model, check_data, deterministic, evaluate
+from bagpipe.preflight import default_cache_rows, prepare_job
+from bagpipe.reference import build_model, deterministic, evaluate
 from bagpipe.rundir import RunDir
-from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
-from bagpipe.runtime.world import World, check_in, init_rpc
+from bagpipe.runtime.protocol import TRAINED, JobInfo, StepMessage, TrainerStats
+from bagpipe.runtime.liveness import Liveness
+from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status,
+                                    wait_for_ranks)
 from bagpipe.storage import gather_flat
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
@@ -38,15 +41,9 @@ log = logging.getLogger(__name__)
 PULL_MAX_STEPS = 8  # plan messages per pull
 
 
-def default_cache_rows(table_sizes: list[int]) -> int:
-    return max(1, int(0.05 * sum(table_sizes)))
-
-
 class Oracle:
-    def __init__(self, config: TrainConfig, world: World) -> None:
-        self.config, self.world = config, world
-        self.dataset = open_dataset(ensure_preprocessed(config.data, show_progress=False))
-        check_data(config, self.dataset)
+    def __init__(self, config: TrainConfig, world: World, dataset: BinaryDataset) -> None:
+        self.config, self.world, self.dataset = config, world, dataset
         split = self.dataset.train
         self.iterations = config.iterations or batches_per_epoch(split, config.batch_size)
         sizes = self.dataset.table_sizes
@@ -66,7 +63,6 @@ class Oracle:
         self.done: dict[int, tuple[TrainerStats, dict | None]] = {}
         self.changed = threading.Condition()
         self.failure: BaseException | None = None
-        self.last_heard = time.monotonic()
         self.bytes_sent = 0
         self.stop = threading.Event()
 
@@ -104,6 +100,7 @@ class Oracle:
                           batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
                           num_now=view.num_now, lookups=step.lookups)
             rows.load(view)
+            inject_fault(f"planned {step.iteration}")
             parts = [None] * len(self.queues) if batch is None else batch.slices(len(self.queues))
             for trainer, (out, part) in enumerate(zip(self.queues, parts)):
                 positions = None
@@ -124,11 +121,7 @@ class Oracle:
                     return
 
     # -- RPC handlers ------------------------------------------------------------------------
-    def heard(self) -> None:
-        self.last_heard = time.monotonic()
-
     def pull(self, trainer: int, max_steps: int) -> list[StepMessage]:
-        self.heard()
         deadline = time.monotonic() + self.world.timeout
         with self.changed:
             while len(self.servers_ready) < self.world.num_servers and self.failure is None:
@@ -151,7 +144,6 @@ class Oracle:
                 messages.append(out.get_nowait())
             except queue.Empty:
                 break
-        self.heard()
         return messages
 
     def server_ready(self, name: str) -> None:
@@ -160,29 +152,17 @@ class Oracle:
             self.changed.notify_all()
 
     def trainer_done(self, trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
-        self.heard()
         with self.changed:
             self.done[trainer] = (stats, dense_state)
             self.changed.notify_all()
 
     # -- the main thread ---------------------------------------------------------------------
     def wait_for_trainers(self) -> None:
-        """Until every trainer reported done; heartbeat the servers; fail on silence or a failure."""
-        last_ping = 0.0
+        """Until every trainer reported done, or planning failed (a lost trainer is the heartbeats' to tell)."""
         with self.changed:
             while len(self.done) < self.world.num_trainers:
                 if self.failure is not None:
                     raise RuntimeError(f"planning failed: {self.failure}") from self.failure
-                silent = time.monotonic() - self.last_heard
-                if silent > self.world.timeout:
-                    missing = sorted(set(range(self.world.num_trainers)) - set(self.done))
-                    raise TimeoutError(f"no trainer has been heard from for {silent:.0f} s "
-                                       f"(trainers not done: {missing})")
-                if time.monotonic() - last_ping > min(5.0, self.world.timeout / 4):
-                    from bagpipe.runtime import server
-                    for name in sorted(self.servers_ready):  # also surfaces a dead server within seconds
-                        rpc.rpc_sync(name, server.rpc_ping, timeout=self.world.timeout)
-                    last_ping = time.monotonic()
                 self.changed.wait(timeout=0.5)
 
 
@@ -202,11 +182,6 @@ def _mean_breakdown(breakdowns: list[dict]) -> dict:
 _ORACLE: Oracle | None = None
 
 
-def rpc_job_info(caller: str) -> JobInfo:
-    _ORACLE.heard()
-    return _ORACLE.job
-
-
 def rpc_ready(name: str) -> None:
     _ORACLE.server_ready(name)
 
@@ -219,22 +194,37 @@ def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None
     _ORACLE.trainer_done(trainer, stats, dense_state)
 
 
-def run_oracle(config: TrainConfig, world: World) -> dict:
-    """Plan and feed the whole job; return the summary it writes to the run dir."""
+def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, claim_run_dir: bool = True,
+               table_sizes: list[int] | None = None) -> dict:
+    """Plan and feed the whole job; return the summary it writes to the run dir.
+
+    ``claim_run_dir`` False: the local launcher has checked the job and prepared the run dir.
+    ``table_sizes``: sizes the command line gave (``--emb-info-file``), which the data must have.
+    """
     from bagpipe.runtime import server
 
     global _ORACLE
     started = time.perf_counter()
     started_at = time.time()
     deterministic()
-    _ORACLE = oracle = Oracle(config, world)
+    # The store first: the other roles check in, and wait while the data is converted and checked.
+    store = host_store(world)
+    liveness = Liveness(world, watch=list(range(1, world.world_size)))
+    publish_status(store, f"preparing the data in {config.data}")
+    dataset = prepare_job(config, overwrite=overwrite, claim_run_dir=claim_run_dir)
+    if table_sizes is not None and list(table_sizes) != list(dataset.table_sizes):
+        raise ValueError(f"--emb-info-file lists {len(table_sizes)} tables {list(table_sizes)[:4]}..., but "
+                         f"{config.data} has {len(dataset.table_sizes)} tables {list(dataset.table_sizes)[:4]}...")
+    _ORACLE = oracle = Oracle(config, world, dataset)
     run = RunDir(config.run_dir)
     run.write_json("config.json", config_to_dict(config))
     log.info("bagpipe job: %d iterations of %d samples over %d trainers, %d servers; cache %d of %d rows, "
              "lookahead %d, policy %s", oracle.iterations, config.batch_size, world.num_trainers,
              world.num_servers, oracle.job.cache_rows, oracle.planner_config.num_rows, config.lookahead,
              config.policy)
-    store = check_in(world, "oracle")
+    inject_fault("data ready")
+    store.set(JOB_KEY, oracle.job.to_json())
+    wait_for_ranks(world, store)
     init_rpc(world, store)
     producer = threading.Thread(target=oracle.produce, name="planner", daemon=True)
     producer.start()
@@ -242,12 +232,18 @@ def run_oracle(config: TrainConfig, world: World) -> dict:
         oracle.wait_for_trainers()
         shards = [rpc.rpc_sync(World.server_name(s), server.rpc_dump, timeout=world.timeout)
                   for s in range(world.num_servers)]
-        for s in range(world.num_servers):
-            rpc.rpc_sync(World.server_name(s), server.rpc_stop, timeout=world.timeout)
     finally:
         oracle.stop.set()
-    rpc.shutdown(graceful=True, timeout=world.timeout)
-    del store
+    # Everything the run needs is here now: a role lost from here on costs nothing (the launcher reads this).
+    run.log_metrics(event=TRAINED, iteration=oracle.iterations)
+    liveness.fatal = False
+    store.set(STOP_KEY, "1")
+    others = list(range(1, world.world_size))
+    staying = liveness.wait_until_gone(others, timeout=world.timeout)
+    if staying:
+        log.warning("%s still there %.0f s after the end", ", ".join(world.label(r) for r in staying), world.timeout)
+    liveness.stop()
+    rpc.shutdown(graceful=False)  # every role has left: no request is in flight
     train_s = time.perf_counter() - started
     return finish(oracle, run, shards, started=started, train_s=train_s, started_at=started_at)
 
@@ -328,6 +324,5 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         # CPU seconds per role up to the end of training (the oracle's: before evaluation)
         "cpu_s": _per_role("cpu_s", train_cpu_s, shards, stats),
     }
-    run.write_json("summary.json", summary)
-    run.close()
+    run.finish(summary)
     return summary

@@ -6,9 +6,13 @@ part; only the batch slice and which evicted rows it writes back differ.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import torch
+
+TRAINED = "trained"  # the metrics event after which every row is back on the servers and gathered
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,13 @@ class JobInfo:
     iterations: int
     cache_rows: int
     slice_size: int  # samples per trainer per iteration
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobInfo":
+        return cls(**json.loads(text))
 
 
 @dataclass

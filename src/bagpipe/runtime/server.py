@@ -1,8 +1,8 @@
 """The embedding server role: one RowStore shard behind RPC.
 
 Fetches that ask for a version not yet written back are parked (``async_execution``) rather
-than holding an RPC thread, so a server can never deadlock on its own write-back traffic; the
-caller's RPC deadline bounds the wait.
+than holding an RPC thread, so a server can never deadlock on its own write-back traffic; a
+parked fetch fails after the timeout, as its caller's RPC deadline does.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import torch.distributed.rpc as rpc
 
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
-from bagpipe.runtime.world import World, check_in, init_rpc
+from bagpipe.runtime.liveness import Liveness
+from bagpipe.runtime.protocol import JobInfo
+from bagpipe.runtime.world import STOP_KEY, World, check_in, init_rpc, wait_for_job
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore
 
@@ -27,18 +29,12 @@ log = logging.getLogger(__name__)
 class Server:
     def __init__(self, store: RowStore) -> None:
         self.store = store
-        self.stop = threading.Event()
-        self.last_request = time.monotonic()
         self.bytes_sent = 0
         self.fetches = 0
         self.rows_written = 0
         self._lock = threading.Lock()
 
-    def touch(self) -> None:
-        self.last_request = time.monotonic()
-
     def fetch(self, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
-        self.touch()
         future = self.store.fetch_async(keys.numpy(), versions.numpy())
         with self._lock:
             self.fetches += 1
@@ -46,13 +42,11 @@ class Server:
         return future
 
     def write_back(self, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, version: int) -> None:
-        self.touch()
         self.store.write_back(keys.numpy(), rows, state, version=version)
         with self._lock:
             self.rows_written += len(keys)
 
     def dump(self) -> dict:
-        self.touch()
         return {"weights": self.store.weights, "bytes_sent": self.bytes_sent, "fetches": self.fetches,
                 "fetches_waited": self.store.fetches_waited, "rows_written": self.rows_written,
                 "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds()}
@@ -74,21 +68,14 @@ def rpc_dump() -> dict:
     return _SERVER.dump()
 
 
-def rpc_ping() -> None:
-    _SERVER.touch()
-
-
-def rpc_stop() -> None:
-    _SERVER.stop.set()
-
-
 def run_server(world: World) -> None:
-    """Serve one shard until the oracle says stop; fail if not even the oracle's heartbeat arrives."""
+    """Serve one shard until the oracle says training has ended (a lost oracle is the heartbeats' to tell)."""
     global _SERVER
     role, index = world.role
     store = check_in(world, "server")
+    liveness = Liveness(world, watch=[0])
+    job = JobInfo.from_json(wait_for_job(world, store))
     init_rpc(world, store)
-    job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(f"server{index}",))
     config = job.config
     row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
     started = time.perf_counter()
@@ -97,10 +84,9 @@ def run_server(world: World) -> None:
                               num_shards=world.num_servers))
     log.info("server %d holds %d rows (of %d) in %.1f s", index, _SERVER.store.weights.shape[0],
              int(np.sum(job.table_sizes)), time.perf_counter() - started)
-    rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,))
-    _SERVER.touch()
-    while not _SERVER.stop.wait(0.2):
-        idle = time.monotonic() - _SERVER.last_request
-        if idle > world.timeout:
-            raise TimeoutError(f"server {index}: no request or heartbeat for {idle:.0f} s; is the oracle gone?")
-    rpc.shutdown(graceful=True, timeout=world.timeout)
+    rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,), timeout=world.timeout)
+    while not store.check([STOP_KEY]):
+        time.sleep(0.2)
+        _SERVER.store.expire_waiting(timeout=world.timeout)
+    liveness.stop()
+    rpc.shutdown(graceful=False)  # the oracle has all it needs: no request is in flight

@@ -27,13 +27,15 @@ from bagpipe.cache import BatchView, RowCache
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.embeddings import Bags, Lookup
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import Timer, build_model, deterministic
+from bagpipe.reference import Timer, build_model, check_loss, deterministic
+from bagpipe.faults import inject_fault
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group
+from bagpipe.runtime.liveness import Liveness, exit_on_lost
+from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group, wait_for_job
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,10 @@ _END = object()
 class TrainerRuntime:
     """One trainer's cache, prefetcher, writer and gradient sync (no model knowledge)."""
 
-    def __init__(self, world: World, store, *, job: JobInfo, device: str = "cpu", writeback_delay: float = 0.0,
-                 prefetch_depth: int | None = None) -> None:
+    def __init__(self, world: World, store, *, job: JobInfo, liveness: Liveness, device: str = "cpu",
+                 writeback_delay: float = 0.0, prefetch_depth: int | None = None) -> None:
         self.world = world
+        self.liveness = liveness
         self.index = world.role[1]
         self.job = job
         config = job.config
@@ -256,15 +259,23 @@ class TrainerRuntime:
         self.stats.loop_s = time.perf_counter() - self._started
 
     def close(self, *, dense_state: dict | None = None) -> None:
-        """Report to the oracle (after the final flush) and leave the RPC world."""
+        """Report to the oracle (after the final flush) and leave the job."""
         self._stopping.set()
         rpc.rpc_sync("oracle", oracle.rpc_trainer_done, args=(self.index, self.stats, dense_state),
                      timeout=self.world.timeout)
-        rpc.shutdown(graceful=True, timeout=self.world.timeout)
+        inject_fault("done")
+        self.liveness.stop()
+        rpc.shutdown(graceful=False)  # the oracle has this trainer's report: nothing is in flight
 
     def abort(self) -> None:
         self._stopping.set()
         self._writes.put(_END)
+
+    def fail(self, message: str) -> None:
+        """A peer this trainer needs is lost: the compute thread's next step raises ``message``."""
+        log.error("%s", message)
+        self._failure = self._failure or RuntimeError(message)
+        self._stopping.set()
 
 
 def _check(shard: int, future, *, what: str):
@@ -327,6 +338,8 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         loss = float(flat[-1])
         clock.lap("optimizer")
         iteration = message.iteration
+        check_loss(loss, iteration, config)
+        inject_fault(f"iteration {iteration}")
         now = time.perf_counter()
         if iteration == 0:
             stats.extra["first_iteration_at"] = time.time()
@@ -407,11 +420,19 @@ def config_from_dict(values: dict) -> TrainConfig:
     return TrainConfig(model=ModelConfig(**values.pop("model")), **values)
 
 
-def run_trainer(world: World, *, writeback_delay: float = 0.0) -> None:
+def join_as_trainer(world: World, *, on_lost=exit_on_lost) -> tuple:
+    """Check in, start the heartbeat (watching the oracle and the other trainers) and wait for the job."""
     store = check_in(world, "trainer")
+    liveness = Liveness(world, watch=[0, *(world.trainer_rank(t) for t in range(world.num_trainers))],
+                        on_lost=on_lost)
+    job = JobInfo.from_json(wait_for_job(world, store))
     init_rpc(world, store)
-    job = rpc.rpc_sync("oracle", oracle.rpc_job_info, args=(world.name,), timeout=world.timeout)
-    runtime = TrainerRuntime(world, store, job=job, writeback_delay=writeback_delay)
+    return store, liveness, job
+
+
+def run_trainer(world: World, *, writeback_delay: float = 0.0) -> None:
+    store, liveness, job = join_as_trainer(world)
+    runtime = TrainerRuntime(world, store, job=job, liveness=liveness, writeback_delay=writeback_delay)
     try:
         train_loop(runtime, config_from_dict(job.config))
     except BaseException:

@@ -20,12 +20,15 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+
+from bagpipe.faults import set_role
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,16 @@ class World:
 
     def trainer_rank(self, index: int) -> int:
         return 1 + self.num_servers + index
+
+    def label(self, rank: int) -> str:
+        """``trainer 1``: the role and index of ``rank``, as messages name it."""
+        role, index = World(rank=rank, world_size=self.world_size, num_trainers=self.num_trainers).role
+        return role if role == "oracle" else f"{role} {index}"
+
+    @property
+    def liveness_s(self) -> float:
+        """Silence after which a peer counts as lost: well inside the timeout of any wait on it."""
+        return max(3.0, min(10.0, self.timeout / 2))
 
     @property
     def name(self) -> str:
@@ -138,45 +151,141 @@ def _host_store(world: World, wait: timedelta) -> dist.TCPStore:
                          master_listen_fd=listener.fileno())
 
 
+def bounded(call, *, timeout: float, what: str):
+    """``call()``, given up after ``timeout`` s with a TimeoutError saying ``what`` did not happen.
+
+    For native calls that may block past their own timeout (a TCPStore client that reached a
+    listener which never answers waits forever): the call runs in a helper thread, so the caller
+    can give up, and Ctrl-C still reaches it.
+    """
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # handed to the caller
+            outcome["error"] = err
+
+    helper = threading.Thread(target=run, name="bounded", daemon=True)
+    helper.start()
+    helper.join(timeout)
+    if helper.is_alive():
+        raise TimeoutError(f"{what} within {timeout:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def uses_agent_store() -> bool:
+    """Under torchrun the agent already serves a store on MASTER_PORT: every rank uses that one."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def connect_store(world: World, *, timeout: float) -> dist.TCPStore:
+    """A client of the job's store, or a clear error within ``timeout`` seconds.
+
+    A plain connection first, retried until the store's host listens; then the store's handshake,
+    bounded, since a TCPStore client that reached another program waits forever for its answer.
+    """
+    where = f"{world.master_addr}:{world.master_port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((world.master_addr, world.master_port), timeout=1.0).close()
+            break
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"cannot reach the oracle's store at {where} within {timeout:.0f} s "
+                                      f"(is the oracle started, and the address right?): {err}") from None
+            time.sleep(0.2)
+    wait = max(deadline - time.monotonic(), 5.0)
+    return bounded(lambda: dist.TCPStore(world.master_addr, world.master_port, None, False, timedelta(seconds=wait)),
+                   timeout=wait, what=f"the program listening at {where} did not answer as the job's store "
+                                      f"(is another program using that port?)")
+
+
+def host_store(world: World) -> dist.TCPStore:
+    """The oracle's side of the check-in: serve the job's store (or join torchrun's), state the world's shape."""
+    set_role(world.name)
+    if uses_agent_store():
+        store = connect_store(world, timeout=world.timeout)
+    else:
+        store = _host_store(world, timedelta(seconds=world.timeout))
+    store.set(SHAPE_KEY, _shape(world))
+    _claim(world, store)
+    return store
+
+
 def check_in(world: World, role: str) -> dist.TCPStore:
     """Meet at the master's store; refuse a world that does not add up, before anything else runs."""
     expected, _ = world.role
+    set_role(world.name)
     if role != expected:
         raise ValueError(f"--worker-id {world.rank} is the {expected} in a world of {world.world_size} with "
                          f"{world.num_trainers} trainers, but this process was started as the {role}")
-    shape = json.dumps({"world_size": world.world_size, "trainers": world.num_trainers})
-    wait = timedelta(seconds=world.timeout)
+    deadline = time.monotonic() + world.timeout
+    store = connect_store(world, timeout=world.timeout)
     where = f"{world.master_addr}:{world.master_port}"
-    # Under torchrun the agent already serves a store on MASTER_PORT: use it rather than host one.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    if world.rank == 0:
-        if agent_store:
-            store = dist.TCPStore(world.master_addr, world.master_port, None, False, wait)
-        else:
-            store = _host_store(world, wait)
-        store.set("bagpipe/shape", shape)
-        others = [f"bagpipe/hello/{r}" for r in range(1, world.world_size)]
-        deadline = time.monotonic() + world.timeout
-        while not all(store.check([key]) for key in others):
-            if time.monotonic() > deadline:
-                missing = [r for r in range(1, world.world_size) if not store.check([f"bagpipe/hello/{r}"])]
-                raise TimeoutError(f"ranks {missing} of a world of {world.world_size} did not check in at {where} "
-                                   f"within {world.timeout:.0f} s: are all roles started, with the same --world-size?")
-            time.sleep(0.02)
-        return store
-    try:
-        store = dist.TCPStore(world.master_addr, world.master_port, None, False, wait)
-    except (RuntimeError, OSError) as err:
-        raise ConnectionError(f"cannot reach the oracle's store at {where} within {world.timeout:.0f} s "
-                              f"(is the oracle started, and the address right?): {err}") from None
-    theirs = json.loads(store.get("bagpipe/shape"))
-    mine = json.loads(shape)
+    theirs = json.loads(bounded(lambda: store.get(SHAPE_KEY), timeout=max(deadline - time.monotonic(), 1.0),
+                                what=f"the job's store at {where} gave no world shape"))
+    mine = json.loads(_shape(world))
     if theirs != mine:
         raise ValueError(f"world mismatch: this {role} has world_size={mine['world_size']}, "
                          f"trainers={mine['trainers']}, the oracle has world_size={theirs['world_size']}, "
                          f"trainers={theirs['trainers']}")
-    store.set(f"bagpipe/hello/{world.rank}", role)
+    _claim(world, store)
+    store.set(f"{HELLO_PREFIX}{world.rank}", role)
     return store
+
+
+SHAPE_KEY = "bagpipe/shape"
+JOB_KEY = "bagpipe/job"
+STOP_KEY = "bagpipe/stop"  # set by the oracle when training has ended: servers leave
+STATUS_KEY = "bagpipe/status"
+HELLO_PREFIX = "bagpipe/hello/"
+
+
+def _shape(world: World) -> str:
+    return json.dumps({"world_size": world.world_size, "trainers": world.num_trainers})
+
+
+def _claim(world: World, store: dist.Store) -> None:
+    """Refuse a second process that checks in with a rank another one already holds."""
+    if store.add(f"bagpipe/claim/{world.rank}", 1) > 1:
+        raise ValueError(f"--worker-id {world.rank} ({world.label(world.rank)}) is already taken by another "
+                         f"process of this job: give each process its own --worker-id")
+
+
+def wait_for_ranks(world: World, store: dist.Store) -> None:
+    """The oracle's wait, up to the timeout, for every other rank to check in."""
+    others = [f"{HELLO_PREFIX}{r}" for r in range(1, world.world_size)]
+    deadline = time.monotonic() + world.timeout
+    while not all(store.check([key]) for key in others):
+        if time.monotonic() > deadline:
+            missing = [world.label(r) + f" (rank {r})" for r in range(1, world.world_size)
+                       if not store.check([f"{HELLO_PREFIX}{r}"])]
+            raise TimeoutError(f"{', '.join(missing)} of a world of {world.world_size} did not check in at "
+                               f"{world.master_addr}:{world.master_port} within {world.timeout:.0f} s: are all "
+                               f"roles started, with the same --world-size?")
+        time.sleep(0.05)
+
+
+def publish_status(store: dist.Store, text: str) -> None:
+    """What the oracle is doing before the job starts, for the roles waiting on it."""
+    store.set(STATUS_KEY, text)
+
+
+def wait_for_job(world: World, store: dist.Store) -> str:
+    """The job the oracle publishes once its data is ready (converting a large data set may take a
+    while): waited for as long as the oracle is alive, which the heartbeats judge, not a timeout."""
+    noted = time.monotonic()
+    while not store.check([JOB_KEY]):
+        if time.monotonic() - noted > 15.0:
+            status = store.get(STATUS_KEY).decode() if store.check([STATUS_KEY]) else "starting"
+            log.info("waiting for the oracle: %s", status)
+            noted = time.monotonic()
+        time.sleep(0.1)
+    return store.get(JOB_KEY).decode()
 
 
 _RENDEZVOUS: dict[str, tuple] = {}
@@ -219,3 +328,4 @@ def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGr
         options._devices = [dist.ProcessGroupGloo.create_default_device()]
     prefixed = dist.PrefixStore("bagpipe/trainers", store)
     return dist.ProcessGroupGloo(prefixed, index, world.num_trainers, options)
+

@@ -1,0 +1,166 @@
+"""Checks of a job against its data before anything starts: what cannot run is refused with a
+ValueError naming the setting, what would do nothing gets a warning."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import numpy as np
+
+from bagpipe.config import TrainConfig
+from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
+from bagpipe.data.binary import BinaryDataset, open_dataset
+from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.embeddings import table_offsets
+from bagpipe.optim import make_row_optimizer
+from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
+from bagpipe.progress import progress
+from bagpipe.rundir import prepare_run_dir
+
+log = logging.getLogger(__name__)
+
+# Settings that only the distributed job reads, and the one only the reference reads.
+JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cleanup_fraction", "prefetch_depth",
+                "timeout", "master_port")
+REFERENCE_SETTINGS = ("slices",)
+
+
+def default_cache_rows(table_sizes: list[int]) -> int:
+    return max(1, int(0.05 * sum(table_sizes)))
+
+
+def prepare_job(config: TrainConfig, *, overwrite: bool = False, claim_run_dir: bool = True,
+                show_progress: bool = False) -> BinaryDataset:
+    """What comes before a run starts, in this order: the data (converted if its sources changed),
+    every check of the job against it, and only then the run dir (an earlier run there is cleared
+    only now, so a run refused at start loses nothing)."""
+    dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress))
+    for warning in check_job(config, dataset, show_progress=show_progress):
+        log.warning("%s", warning)
+    if claim_run_dir:
+        prepare_run_dir(config.run_dir, overwrite=overwrite)
+    return dataset
+
+
+def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: bool = False) -> list[str]:
+    """Refuse a job that cannot run on ``dataset``; return warnings about settings that do nothing."""
+    check_data(config, dataset)
+    check_memory(config, dataset)
+    if config.mode == "bagpipe":
+        check_cache(config, dataset, show_progress=show_progress)
+    return ignored_settings(config) + cache_warnings(config, dataset)
+
+
+def check_data(config: TrainConfig, dataset: BinaryDataset) -> None:
+    """The model takes the data's dense features, and the data holds at least one batch."""
+    num_dense = dataset.train.dense.shape[1]
+    if config.model.bottom_sizes[0] != num_dense:
+        raise ValueError(f"arch_mlp_bot starts with {config.model.bottom_sizes[0]} inputs, "
+                         f"but {dataset.directory} has {num_dense} dense features")
+    if batches_per_epoch(dataset.train, config.batch_size) == 0:
+        raise ValueError(f"batch_size {config.batch_size} exceeds the {dataset.train.rows} training rows "
+                         f"of {dataset.directory}")
+
+
+def table_bytes(config: TrainConfig, table_sizes: list[int]) -> int:
+    """Every table's rows and their optimizer state, in float32."""
+    dim = config.model.emb_dim
+    width = dim + make_row_optimizer(config.optimizer, lr=config.lr).state_width(dim)
+    return int(sum(table_sizes)) * width * 4
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
+    """Refuse a job whose tables cannot fit in this machine's memory at all.
+
+    The reference holds every table once; a local bagpipe job holds them on its servers, and its
+    oracle gathers them once more at the end (to evaluate and write the checkpoint) besides the
+    planner's per-row arrays.
+    """
+    sizes = dataset.table_sizes
+    tables = table_bytes(config, sizes)
+    parts = {"tables": tables}
+    if config.mode == "bagpipe":
+        parts.update({"the oracle's final gather": tables, "the planner": int(sum(sizes)) * PLANNER_BYTES_PER_ROW})
+    need, have = sum(parts.values()), physical_memory_bytes()
+    if need > have:
+        detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items())
+        raise ValueError(f"{dataset.directory}: {int(sum(sizes)):,} rows of dim {config.model.emb_dim} with "
+                         f"{config.optimizer} need {_gib(need)} ({detail}), more than this machine's {_gib(have)}; "
+                         f"lower emb_dim or the table sizes")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.1f} GiB"
+
+
+def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: bool = False) -> None:
+    """Refuse a cache smaller than some batch's distinct rows (before the oracle's planner meets it).
+
+    A batch touches at most batch_size x tables rows, so only a cache smaller than that needs the
+    batches scanned; the scan stops at the first batch that does not fit.
+    """
+    split = dataset.train
+    cache_rows = config.cache_rows or default_cache_rows(dataset.table_sizes)
+    if cache_rows >= config.batch_size * split.num_tables:
+        return
+    iterations = config.iterations or batches_per_epoch(split, config.batch_size)
+    offsets = table_offsets(dataset.table_sizes)
+    stamp = np.zeros(int(sum(dataset.table_sizes)), dtype=np.int64)
+    positions = np.arange(config.batch_size * split.num_tables, dtype=np.int64)
+    bar = progress(total=iterations, desc="check cache", unit="batch", enabled=show_progress)
+    rows = batch_rows(split, batch_size=config.batch_size, iterations=iterations, shuffle=config.shuffle,
+                      shuffle_seed=config.shuffle_seed)
+    sizes = np.asarray(dataset.table_sizes, dtype=np.int64)
+    for iteration, selector in enumerate(rows):
+        ids = np.asarray(split.ids[selector], dtype=np.int64)
+        if ((ids < 0) | (ids >= sizes)).any():
+            read_batch(split, selector)  # refuses the batch, naming the row, the id and its table
+        keys = (ids + offsets).ravel()
+        # Each distinct key keeps exactly one of its positions in stamp: count those.
+        stamp[keys] = positions
+        distinct = int(np.count_nonzero(stamp[keys] == positions))
+        if distinct > cache_rows:
+            bar.close()
+            raise ValueError(f"batch {iteration} touches {distinct} distinct rows, more than the cache's "
+                             f"{cache_rows} (--cache-rows): raise cache_rows or lower the batch size")
+        bar.update(1)
+    bar.close()
+
+
+def ignored_settings(config: TrainConfig) -> list[str]:
+    """Warnings for settings changed from their defaults that the chosen mode does not read."""
+    defaults = TrainConfig(data="-", run_dir="-")
+    changed = [f.name for f in dataclasses.fields(TrainConfig)
+               if f.name != "model" and getattr(config, f.name) != getattr(defaults, f.name)]
+    unread = REFERENCE_SETTINGS if config.mode == "bagpipe" else JOB_SETTINGS
+    warnings = [f"{_flag(name)} does nothing in --mode {config.mode}" + _hint(name, config.mode)
+                for name in changed if name in unread]
+    if "shuffle_seed" in changed and not config.shuffle:
+        warnings.append("--shuffle-seed does nothing without --shuffle (batches are consecutive rows)")
+    return warnings
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _hint(name: str, mode: str) -> str:
+    if mode == "bagpipe":
+        return " (its trainers are the slices: --trainers)"
+    if name == "trainers":
+        return " (one process trains; --slices T computes the gradients as T trainers do)"
+    return ""
+
+
+def cache_warnings(config: TrainConfig, dataset: BinaryDataset) -> list[str]:
+    total = int(sum(dataset.table_sizes))
+    if config.mode == "bagpipe" and config.cache_rows >= total:
+        return [f"--cache-rows {config.cache_rows} holds all {total} rows: every row stays cached after its "
+                f"first fetch, so the plan saves nothing over keeping the tables on the trainers"]
+    return []

@@ -1,0 +1,123 @@
+"""Heartbeats: every role beats in the job's store once a second and watches the peers it waits on.
+
+A peer whose beat stops for ``world.liveness_s`` is stopped, hung or gone, however long its
+iterations take; so is the oracle when the store it hosts stops answering. The watcher names it
+by role and rank (``lost trainer 1 (rank 3): ...``, the form the local launcher reads to blame the
+right process) and the role ends, or, once the job no longer needs that peer, only warns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from bagpipe.runtime.world import World, connect_store, uses_agent_store
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 1.0
+LOST_EXIT_CODE = 3  # a role that ends because a peer was lost: the peer, not this role, failed
+BEAT_PREFIX = "bagpipe/beat/"
+LEFT_PREFIX = "bagpipe/left/"
+
+
+def exit_on_lost(message: str) -> None:
+    """What a role process does when a peer it needs is lost: say so and end at once."""
+    log.error("%s", message)
+    logging.shutdown()
+    os._exit(LOST_EXIT_CODE)
+
+
+class Liveness:
+    """This role's heartbeat, and its watch over ``watch`` (ranks; each watched once it first beats).
+
+    Two threads: one beats and reads the peers' beats through a store client of its own (its calls
+    block while the store's host is stopped); the other judges, so it can tell that too.
+    """
+
+    def __init__(self, world: World, *, watch: list[int], on_lost: Callable[[str], None] = exit_on_lost) -> None:
+        self.world = world
+        self.watch = [rank for rank in watch if rank != world.rank]
+        self.on_lost = on_lost
+        self.fatal = True  # False once the job no longer needs its peers: a lost one is only a warning
+        self.lost: set[int] = set()
+        self.left: set[int] = set()
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed)
+        self._answered = time.monotonic()  # the store's last answer
+        self._asking_since: float | None = None
+        self._stop = threading.Event()
+        self._store = connect_store(world, timeout=world.timeout)
+        for target, name in ((self._beat, "heartbeat"), (self._judge, "liveness")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop beating and say so (peers stop watching this role), once its part of the job is done."""
+        self._stop.set()
+        self._store.set(f"{LEFT_PREFIX}{self.world.rank}", "1")
+
+    def wait_until_gone(self, ranks: list[int], *, timeout: float) -> list[int]:
+        """Wait until each of ``ranks`` has left or is lost; return those still there after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            waiting = [r for r in ranks if r not in self.left and r not in self.lost]
+            if not waiting:
+                return []
+            time.sleep(0.1)
+        return [r for r in ranks if r not in self.left and r not in self.lost]
+
+    def _beat(self) -> None:
+        try:
+            self._beat_until_stopped()
+        except (RuntimeError, OSError) as err:  # the store's connection broke
+            if not self._stop.is_set():
+                where = f"{self.world.master_addr}:{self.world.master_port}"
+                self._lose(0, f"lost the oracle (rank 0): the job's store at {where} failed: {err}")
+
+    def _beat_until_stopped(self) -> None:
+        key = f"{BEAT_PREFIX}{self.world.rank}"
+        while not self._stop.is_set():
+            self._asking_since = time.monotonic()
+            self._store.add(key, 1)
+            for rank in self.watch:
+                if rank in self.left or rank in self.lost:
+                    continue
+                if self._store.check([f"{LEFT_PREFIX}{rank}"]):
+                    self.left.add(rank)
+                    continue
+                count = self._store.add(f"{BEAT_PREFIX}{rank}", 0)
+                if count and count != self._seen.get(rank, (0, 0.0))[0]:
+                    self._seen[rank] = (count, time.monotonic())
+            self._answered, self._asking_since = time.monotonic(), None
+            self._stop.wait(BEAT_S)
+
+    def _judge(self) -> None:
+        limit = self.world.liveness_s
+        while not self._stop.wait(BEAT_S / 2):
+            now = time.monotonic()
+            asking = self._asking_since
+            if asking is not None and now - asking > limit:
+                self._lose(0, self._store_silent(now - asking))
+                return
+            if now - self._answered > 2 * BEAT_S + 1.0:
+                continue  # this process's own view is stale (starved or busy): judge no one on it
+            for rank, (_, changed) in list(self._seen.items()):
+                if rank not in self.left and rank not in self.lost and now - changed > limit:
+                    self._lose(rank, f"lost {self.world.label(rank)} (rank {rank}): no heartbeat for "
+                                     f"{now - changed:.0f} s: it is stopped, hung or gone")
+
+    def _store_silent(self, seconds: float) -> str:
+        where = f"{self.world.master_addr}:{self.world.master_port}"
+        if uses_agent_store():
+            return f"lost the job's store at {where} (torchrun's agent): no answer for {seconds:.0f} s"
+        return (f"lost the oracle (rank 0): the job's store it serves at {where} has not answered for "
+                f"{seconds:.0f} s: it is stopped, hung or gone")
+
+    def _lose(self, rank: int, message: str) -> None:
+        self.lost.add(rank)
+        if self.fatal:
+            self.on_lost(message)
+        else:
+            log.warning("%s (the job no longer needs it)", message)
