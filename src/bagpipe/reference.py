@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches, read_batch
 from bagpipe.data.binary import BinarySplit
-from bagpipe.embeddings import EmbeddingTables
+from bagpipe.embeddings import EmbeddingTables, Lookup
 from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
@@ -91,13 +91,7 @@ def train_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.opti
     clock = clock or _NO_CLOCK
     if slices > 1:
         return _sliced_step(model, tables, dense_optimizer, batch, clock, slices)
-    embeddings, lookup = tables.lookup(batch.ids)
-    clock.lap("lookup")
-    loss = F.binary_cross_entropy_with_logits(model(batch.dense_x, embeddings), batch.target)
-    clock.lap("forward")
-    dense_optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    clock.lap("backward")
+    loss, lookup = _forward_backward(model, tables, dense_optimizer, batch, clock)
     dense_optimizer.step()
     tables.apply_gradients(lookup)
     value = loss.item()
@@ -111,13 +105,7 @@ def _sliced_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.op
     keys = tables.distinct_keys(batch.ids)  # every slice's leaf holds all the batch's rows, as a trainer's does
     sums: list[torch.Tensor] | None = None
     for part in batch.slices(slices):
-        embeddings, lookup = tables.lookup(part.ids, keys=keys)
-        clock.lap("lookup")
-        loss = F.binary_cross_entropy_with_logits(model(part.dense_x, embeddings), part.target)
-        clock.lap("forward")
-        dense_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        clock.lap("backward")
+        loss, lookup = _forward_backward(model, tables, dense_optimizer, part, clock, keys=keys)
         with torch.no_grad():
             grads = [lookup.rows.grad, *(p.grad for p in params), loss.detach()]
             sums = [g.clone() for g in grads] if sums is None else [s.add_(g) for s, g in zip(sums, grads)]
@@ -131,6 +119,19 @@ def _sliced_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.op
     tables.apply_gradients(lookup, sums[0])
     clock.lap("optimizer")
     return float(sums[-1])
+
+
+def _forward_backward(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
+                      clock: PhaseClock | _NoClock, **lookup_options) -> tuple[torch.Tensor, Lookup]:
+    """The loss of ``batch`` (its mean), with every gradient of it in place: dense ``.grad`` and the leaf's."""
+    embeddings, lookup = tables.lookup(batch.ids, **lookup_options)
+    clock.lap("lookup")
+    loss = F.binary_cross_entropy_with_logits(model(batch.dense_x, embeddings), batch.target)
+    clock.lap("forward")
+    dense_optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    clock.lap("backward")
+    return loss, lookup
 
 
 class _NoClock:
