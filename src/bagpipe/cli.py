@@ -153,7 +153,7 @@ def _add_oracle_flags(p) -> None:
     p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
                    "(required, here or in --config)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
-    p.add_argument("--run-dir-prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
+    p.add_argument("--prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
     p.add_argument("--mini-batch-size", dest="batch_size", type=int, default=None,
                    help="the global batch, split evenly among the trainers" + _default("batch_size"))
     p.add_argument("--emb-size", dest="emb_dim", type=int, default=None, help="embedding width" + _default("emb_dim"))
@@ -327,7 +327,7 @@ def run_oracle(args) -> None:
     config = load_train_config(args.config, overrides)
     world = dataclasses.replace(world, timeout=config.timeout)
     sizes = read_emb_info(args.emb_info_file) if args.emb_info_file else None
-    summary = oracle_main(config, world, overwrite=args.overwrite, claim_run_dir=not args.run_dir_prepared,
+    summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared,
                           table_sizes=sizes)
     print(human_summary(summary))
 

@@ -31,16 +31,14 @@ def default_cache_rows(table_sizes: list[int]) -> int:
     return max(1, int(0.05 * sum(table_sizes)))
 
 
-def prepare_job(config: TrainConfig, *, overwrite: bool = False, claim_run_dir: bool = True,
-                show_progress: bool = False) -> BinaryDataset:
+def prepare_job(config: TrainConfig, *, overwrite: bool = False, show_progress: bool = False) -> BinaryDataset:
     """What comes before a run starts, in this order: the data (converted if its sources changed),
     every check of the job against it, and only then the run dir (an earlier run there is cleared
     only now, so a run refused at start loses nothing)."""
     dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress))
     for warning in check_job(config, dataset, show_progress=show_progress):
         log.warning("%s", warning)
-    if claim_run_dir:
-        prepare_run_dir(config.run_dir, overwrite=overwrite)
+    prepare_run_dir(config.run_dir, overwrite=overwrite)
     return dataset
 
 

@@ -77,7 +77,7 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     world = ["--world-size", str(world_size), "--world-size-trainers", str(config.trainers),
              "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout)]
     child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
-    roles = [("oracle", 0, ["--config", str(job_file), "--run-dir-prepared"])]
+    roles = [("oracle", 0, ["--config", str(job_file), "--prepared"])]
     roles += [("server", s, []) for s in range(config.servers)]
     roles += [("trainer", t, list(extra_trainer_args or [])) for t in range(config.trainers)]
     children: list[Child] = []

@@ -21,7 +21,8 @@ import torch.distributed.rpc as rpc
 from bagpipe.cache import BatchRows, batch_view
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
-from bagpipe.data.binary import BinaryDataset
+from bagpipe.data.binary import BinaryDataset, open_dataset
+from bagpipe.data.preprocess import ensure_preprocessed
 from bagpipe.embeddings import EmbeddingTables, flat_keys, table_offsets
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
@@ -194,11 +195,11 @@ def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None
     _ORACLE.trainer_done(trainer, stats, dense_state)
 
 
-def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, claim_run_dir: bool = True,
+def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, prepared: bool = False,
                table_sizes: list[int] | None = None) -> dict:
     """Plan and feed the whole job; return the summary it writes to the run dir.
 
-    ``claim_run_dir`` False: the local launcher has checked the job and prepared the run dir.
+    ``prepared``: the local launcher has converted the data, checked the job and claimed the run dir.
     ``table_sizes``: sizes the command line gave (``--emb-info-file``), which the data must have.
     """
     from bagpipe.runtime import server
@@ -211,7 +212,10 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, cl
     store = host_store(world)
     liveness = Liveness(world, watch=list(range(1, world.world_size)))
     publish_status(store, f"preparing the data in {config.data}")
-    dataset = prepare_job(config, overwrite=overwrite, claim_run_dir=claim_run_dir)
+    if prepared:
+        dataset = open_dataset(ensure_preprocessed(config.data, show_progress=False))
+    else:
+        dataset = prepare_job(config, overwrite=overwrite)
     if table_sizes is not None and list(table_sizes) != list(dataset.table_sizes):
         raise ValueError(f"--emb-info-file lists {len(table_sizes)} tables {list(table_sizes)[:4]}..., but "
                          f"{config.data} has {len(dataset.table_sizes)} tables {list(dataset.table_sizes)[:4]}...")
