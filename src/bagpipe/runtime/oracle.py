@@ -30,8 +30,8 @@ from bagpipe.planner import PlannerConfig, plan
 from bagpipe.preflight import default_cache_rows, prepare_job
 from bagpipe.reference import build_model, deterministic, evaluate
 from bagpipe.rundir import RunDir
-from bagpipe.runtime.protocol import TRAINED, JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness
+from bagpipe.runtime.protocol import TRAINED, JobInfo, StepMessage, TrainerStats
 from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status,
                                     wait_for_ranks)
 from bagpipe.storage import gather_flat

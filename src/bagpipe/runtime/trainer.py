@@ -26,15 +26,15 @@ import torch.nn.functional as F
 from bagpipe.cache import BatchView, RowCache
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.embeddings import Bags, Lookup
+from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
-from bagpipe.faults import inject_fault
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
-from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.liveness import Liveness, exit_on_lost
+from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group, wait_for_job
 
 log = logging.getLogger(__name__)
