@@ -5,11 +5,11 @@ Start the oracle and the servers, then one of these per trainer, e.g. for 2 serv
 
     bagpipe oracle --processed-csv DATA --run-dir RUN --mini-batch-size 2048 --cache-size 25000 \\
         --worker-id 0 --world-size 5 --world-size-trainers 2 --master-port 29500
-    bagpipe server --worker-id 1 --world-size 5 --world-size-trainers 2 --master-port 29500
-    bagpipe server --worker-id 2 --world-size 5 --world-size-trainers 2 --master-port 29500
-    python examples/dlrm_bagpipe.py --worker-id 3 --training-worker-id 0 --world-size 5 \\
+    bagpipe server --worker-id 3 --world-size 5 --world-size-trainers 2 --master-port 29500
+    bagpipe server --worker-id 4 --world-size 5 --world-size-trainers 2 --master-port 29500
+    python examples/dlrm_bagpipe.py --worker-id 1 --training-worker-id 0 --world-size 5 \\
         --world-size-trainers 2 --master-port 29500 --dist-port 29600 --emb-info-file SIZES ...
-    python examples/dlrm_bagpipe.py --worker-id 4 --training-worker-id 1 ...
+    python examples/dlrm_bagpipe.py --worker-id 2 --training-worker-id 1 ...
 
 The script creates the trainers' own process group after ``init_cache`` (as the original does)
 and wraps the dense MLPs in DDP; the cache syncs and updates the embeddings itself.

@@ -27,8 +27,10 @@ def test_compat_module_exports_init_cache():
 def test_init_cache_refuses_a_world_that_does_not_add_up():
     from bagpipe import init_cache
 
-    with pytest.raises(ValueError, match="worker_id 1 is the server 0"):
-        init_cache(worker_id=1, world_size=5, training_worker_id=0, trainer_world_size=2)
+    with pytest.raises(ValueError, match="worker_id 3 is the server 0"):
+        init_cache(worker_id=3, world_size=5, training_worker_id=0, trainer_world_size=2)
+    with pytest.raises(ValueError, match="worker_id 2 is the trainer 1 .* but training_worker_id is 0"):
+        init_cache(worker_id=2, world_size=5, training_worker_id=0, trainer_world_size=2)
     with pytest.raises(ValueError, match="needs world_size"):
         init_cache(worker_id=3)
 
@@ -53,11 +55,11 @@ def test_example_script_with_separate_roles_equals_reference(small_binary, tmp_p
                    "--lookahead-value", "20", "--iterations", str(ITERATIONS), "--optimizer", "adagrad",
                    "--lr", str(config.lr), "--seed", str(config.seed), "--emb-size", "8",
                    "--max-eval-rows", "2000", "--worker-id", "0", *world, *model],
-        bagpipe + ["server", "--worker-id", "1", *world],
-        bagpipe + ["server", "--worker-id", "2", *world],
+        bagpipe + ["server", "--worker-id", str(1 + trainers), *world],
+        bagpipe + ["server", "--worker-id", str(2 + trainers), *world],
     ]
     for trainer in range(trainers):
-        commands.append([sys.executable, str(ROOT / "examples" / "dlrm_bagpipe.py"), "--worker-id", str(3 + trainer),
+        commands.append([sys.executable, str(ROOT / "examples" / "dlrm_bagpipe.py"), "--worker-id", str(1 + trainer),
                          "--training-worker-id", str(trainer), "--world-size", str(size), "--world-size-trainers",
                          str(trainers), "--master-port", port, "--dist-port", dist_port, "--emb-info-file",
                          str(emb_info), "--emb-size", "8", "--cache-size", str(CACHE), "--lookahead-value", "20",

@@ -7,6 +7,7 @@ named point, and the test asserts which role the job names and how soon.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -45,7 +46,7 @@ def foreign_listener():
     listener.close()
 
 
-@pytest.mark.parametrize("role, rank", [("server", "1"), ("trainer", "2")])
+@pytest.mark.parametrize("role, rank", [("server", "3"), ("trainer", "2")])
 def test_a_foreign_listener_on_the_master_port_is_named_within_the_timeout(foreign_listener, role, rank):
     started = time.monotonic()
     process = bagpipe_cli(role, "--worker-id", rank, *WORLD, "--master-port", str(foreign_listener), "--timeout", "3")
@@ -56,7 +57,7 @@ def test_a_foreign_listener_on_the_master_port_is_named_within_the_timeout(forei
 
 
 def test_ctrl_c_ends_a_waiting_role_at_once_with_one_line(foreign_listener):
-    process = bagpipe_cli("server", "--worker-id", "1", *WORLD, "--master-port", str(foreign_listener),
+    process = bagpipe_cli("server", "--worker-id", "3", *WORLD, "--master-port", str(foreign_listener),
                           "--timeout", "60")
     time.sleep(4)  # well into the store's handshake, which never returns
     assert process.poll() is None
@@ -80,7 +81,7 @@ def test_a_trainer_with_no_oracle_fails_within_its_timeout():
 def test_a_stopped_trainer_is_named_not_the_healthy_one_that_waits_for_it(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0)
     started = time.monotonic()
-    with pytest.raises(JobFailed, match=r"^trainer 1 \(rank 4\) stopped responding .*no heartbeat"):
+    with pytest.raises(JobFailed, match=r"^trainer 1 \(rank 2\) stopped responding .*no heartbeat"):
         launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 20:stop"})
     assert time.monotonic() - started < 40
 
@@ -104,13 +105,13 @@ def test_two_processes_claiming_one_worker_id_are_told(small_binary, tmp_path):
     world = ["--world-size", "4", "--world-size-trainers", "2", "--master-port", port, "--timeout", "20"]
     oracle = bagpipe_cli("oracle", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"), "--cache-size",
                          str(CACHE), "--mini-batch-size", str(BATCH), "--worker-id", "0", *world)
-    first = bagpipe_cli("trainer", "--worker-id", "2", *world)
+    first = bagpipe_cli("trainer", "--worker-id", "1", *world)
     try:
         time.sleep(3)
-        second = bagpipe_cli("trainer", "--worker-id", "2", *world)
+        second = bagpipe_cli("trainer", "--worker-id", "1", *world)
         _, err = second.communicate(timeout=60)
         assert second.returncode == 2
-        assert "--worker-id 2 (trainer 0) is already taken by another process of this job" in err
+        assert "--worker-id 1 (trainer 0) is already taken by another process of this job" in err
         assert first.poll() is None  # the first claim stands
     finally:
         for process in (oracle, first):
@@ -122,7 +123,7 @@ def test_the_launcher_quotes_no_unrelated_line_for_a_killed_role(small_binary, t
     config = job_config(small_binary, tmp_path / "run", iterations=1000)
     with pytest.raises(JobFailed) as failed:
         launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer0@iteration 5:kill"})
-    assert str(failed.value).startswith("trainer 0 (rank 3) failed (killed by SIGKILL): it logged no error; logs in")
+    assert str(failed.value).startswith("trainer 0 (rank 1) failed (killed by SIGKILL): it logged no error; logs in")
 
 
 def test_ctrl_c_ends_a_local_job_with_one_line_and_no_process_left(small_binary, tmp_path):
@@ -154,3 +155,35 @@ def test_a_parked_fetch_whose_caller_gave_up_is_failed_not_kept():
         future.wait()
     store.write_back(np.array([3]), torch.zeros(1, 4), torch.zeros(1, 0), version=5)  # nothing left parked
     assert store.expire_waiting(timeout=0.0) == 0
+
+
+class _Exited:
+    def __init__(self, code):
+        self.returncode = code
+
+    def poll(self):
+        return self.returncode
+
+
+def test_the_launcher_follows_who_lost_whom_to_the_role_that_stopped(tmp_path):
+    """The server lost the oracle, which lost trainer 1, which is still there: trainer 1 is named,
+    whichever of the others ended first."""
+    from bagpipe.runtime.launch import Child, _blame
+
+    def child(role, index, rank, code, error):
+        log = tmp_path / f"{role}{index}.log"
+        log.write_text(f"12:00:00 {role}[{rank}] INFO started\n" + (f"12:00:01 {role}[{rank}] ERROR {error}\n" if error else ""))
+        return Child(role, index, rank, _Exited(code), log)
+
+    oracle = child("oracle", 0, 0, 3, "lost trainer 1 (rank 2): no heartbeat for 5 s: it is stopped, hung or gone")
+    trainer0 = child("trainer", 0, 1, 3, "lost trainer 1 (rank 2): no heartbeat for 5 s: it is stopped, hung or gone")
+    trainer1 = child("trainer", 1, 2, None, None)
+    server = child("server", 0, 3, 3, "lost the oracle (rank 0): the job's store at 127.0.0.1:1 failed: reset")
+    children = [oracle, trainer0, trainer1, server]
+    for first in (server, oracle, trainer0):  # whoever's log is oldest is the first witness
+        for c in children:
+            os.utime(c.log_path, (1000 if c is first else 2000,) * 2)
+        message = _blame(children, [oracle, trainer0, server])
+        assert message.startswith("trainer 1 (rank 2) stopped responding"), message
+    trainer1.process.returncode = -9  # gone rather than stopped: named with how it ended
+    assert _blame(children, [oracle, server]).startswith("trainer 1 (rank 2) failed (killed by SIGKILL)")

@@ -141,7 +141,7 @@ def test_killing_a_role_fails_the_job_fast_and_leaves_no_process(small_binary, t
             job.kill()
             job.wait()
     assert job.returncode == 1
-    assert "trainer 1 (rank 3) failed (killed by SIGKILL)" in err
+    assert "trainer 1 (rank 2) failed (killed by SIGKILL)" in err
     assert elapsed < 15
     assert not [name for name, pid in pids.items() if alive(pid)]
 
@@ -212,7 +212,7 @@ def test_world_size_mismatch_is_refused_within_seconds(small_binary, tmp_path):
                          "--world-size", "4", "--world-size-trainers", "2", "--master-port", port, "--timeout", "30")
     try:
         started = time.monotonic()
-        server = bagpipe_cli("server", "--worker-id", "1", "--world-size", "5", "--world-size-trainers", "2",
+        server = bagpipe_cli("server", "--worker-id", "3", "--world-size", "5", "--world-size-trainers", "2",
                              "--master-port", port, "--timeout", "30")
         _, err = server.communicate(timeout=60)
         assert server.returncode == 2, err

@@ -123,8 +123,8 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
                   master_port=int(master_port or os.environ.get("MASTER_PORT", DEFAULT_PORT)), timeout=timeout)
     role, index = world.role
     if role != "trainer" or index != training_worker_id:
-        raise ValueError(f"worker_id {worker_id} is the {role} {index} of this world (0: oracle, 1..{world.num_servers}"
-                         f": servers, then trainers), but training_worker_id is {training_worker_id}")
+        raise ValueError(f"worker_id {worker_id} is the {role} {index} of this world (0: oracle, 1..{world.num_trainers}"
+                         f": trainers, then servers), but training_worker_id is {training_worker_id}")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         log.warning("device %s requested but CUDA is not available: caching on the CPU", device)
         device = "cpu"

@@ -121,7 +121,7 @@ def _add_job_flags(p) -> None:
 def _add_world_flags(p) -> None:
     g = p.add_argument_group("the job's world (flags, else the variables torchrun sets)")
     g.add_argument("--worker-id", dest="rank", type=int, default=None,
-                   help="rank among all processes: 0 oracle, 1..S servers, then trainers (default $RANK)")
+                   help="rank among all processes: 0 oracle, 1..T trainers, then the servers (default $RANK)")
     g.add_argument("--world-size", type=int, default=None,
                    help="oracle + servers + trainers (default $WORLD_SIZE)")
     g.add_argument("--world-size-trainers", dest="num_trainers", type=int, default=None,
@@ -136,11 +136,11 @@ def _add_world_flags(p) -> None:
 
 def _add_roles(sub) -> None:
     for name, text in (("oracle", "the job's oracle: reads the data, plans, feeds the trainers (rank 0)"),
-                       ("role", "the role this rank plays (0: oracle, 1..S: servers, then trainers): one "
+                       ("role", "the role this rank plays (0: oracle, 1..T: trainers, then servers): one "
                                 "command line for every process, as torchrun launches them")):
         _add_oracle_flags(sub.add_parser(name, help=text))
-    for role, text in (("server", "an embedding server: one shard of every table (ranks 1..S)"),
-                       ("trainer", "a trainer running the DLRM loop of --mode bagpipe (the last ranks)")):
+    for role, text in (("server", "an embedding server: one shard of every table (the last ranks)"),
+                       ("trainer", "a trainer running the DLRM loop of --mode bagpipe (ranks 1..T)")):
         p = sub.add_parser(role, help=text)
         _add_world_flags(p)
         p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only

@@ -78,8 +78,8 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
              "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout)]
     child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
     roles = [("oracle", 0, ["--config", str(job_file), "--prepared"])]
-    roles += [("server", s, []) for s in range(config.servers)]
     roles += [("trainer", t, list(extra_trainer_args or [])) for t in range(config.trainers)]
+    roles += [("server", s, []) for s in range(config.servers)]
     children: list[Child] = []
     try:
         for rank, (role, index, args) in enumerate(roles):
@@ -158,21 +158,28 @@ def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progres
 
 def _blame(children: list[Child], failed: list[Child]) -> str:
     """The failure to report: a role that failed by itself, before one that ended because it lost
-    that peer (and named it); a lost peer still running is stopped or hung."""
+    a peer; that one names the peer, which may have ended the same way (the chain is followed) or
+    still be there: stopped, or hung."""
     own = [c for c in failed if c.process.returncode != LOST_EXIT_CODE]
     if own:
         first = min(own, key=_exit_time)
         return f"{first.label} failed ({_describe(first.process.returncode)}): {_last_error(first)}"
     witness = min(failed, key=_exit_time)
-    error = _last_error(witness)
-    named = re.search(r"^lost .*?\(rank (\d+)\)", error)
-    culprit = next((c for c in children if named and c.rank == int(named.group(1))), None)
-    if culprit is None:
-        return f"{witness.label} failed: {error}"
-    if culprit.process.poll() is None:
-        return (f"{culprit.label} stopped responding (its process is still there: stopped, or hung); "
-                f"{witness.label} reported: {error}")
-    return f"{culprit.label} failed ({_describe(culprit.process.returncode)}): {_last_error(culprit)}"
+    by_rank = {c.rank: c for c in children}
+    seen = {witness.rank}
+    while True:
+        error = _last_error(witness)
+        named = re.search(r"^lost .*?\(rank (\d+)\)", error)
+        culprit = by_rank.get(int(named.group(1))) if named else None
+        if culprit is None or culprit.rank in seen:
+            return f"{witness.label} failed: {error}"
+        if culprit.process.poll() is None:
+            return (f"{culprit.label} stopped responding (its process is still there: stopped, or hung); "
+                    f"{witness.label} reported: {error}")
+        if culprit.process.returncode != LOST_EXIT_CODE:
+            return f"{culprit.label} failed ({_describe(culprit.process.returncode)}): {_last_error(culprit)}"
+        seen.add(culprit.rank)
+        witness = culprit
 
 
 def _exit_time(child: Child) -> float:

@@ -2,7 +2,7 @@
 
 A peer whose beat stops for ``world.liveness_s`` is stopped, hung or gone, however long its
 iterations take; so is the oracle when the store it hosts stops answering. The watcher names it
-by role and rank (``lost trainer 1 (rank 3): ...``, the form the local launcher reads to blame the
+by role and rank (``lost trainer 1 (rank 2): ...``, the form the local launcher reads to blame the
 right process) and the role ends, or, once the job no longer needs that peer, only warns.
 """
 

@@ -1,6 +1,6 @@
 """The job's processes and how they meet: ranks, roles, the handshake and the RPC world.
 
-Rank 0 is the oracle, ranks 1..S the embedding servers, ranks S+1..S+T the trainers (the
+Rank 0 is the oracle, ranks 1..T the trainers, ranks T+1..T+S the embedding servers (the
 original system's ``worker_id`` numbering; ``world_size`` counts them all). Rank 0 hosts a
 TCPStore on ``master_port``: every process first checks in there (so a world-size mismatch or an
 unreachable master is a clear error within seconds, not a hang), then joins the RPC world over
@@ -66,9 +66,9 @@ class World:
         """(role, index within the role) of this rank."""
         if self.rank == 0:
             return "oracle", 0
-        if self.rank <= self.num_servers:
-            return "server", self.rank - 1
-        return "trainer", self.rank - 1 - self.num_servers
+        if self.rank <= self.num_trainers:
+            return "trainer", self.rank - 1
+        return "server", self.rank - 1 - self.num_trainers
 
     @staticmethod
     def server_name(index: int) -> str:
@@ -79,7 +79,10 @@ class World:
         return f"trainer{index}"
 
     def trainer_rank(self, index: int) -> int:
-        return 1 + self.num_servers + index
+        return 1 + index
+
+    def server_rank(self, index: int) -> int:
+        return 1 + self.num_trainers + index
 
     def label(self, rank: int) -> str:
         """``trainer 1``: the role and index of ``rank``, as messages name it."""
