@@ -52,9 +52,7 @@ from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.batches import batch_rows, batches_per_epoch, iterate_batches
 from bagpipe.data.binary import BinarySplit, is_preprocessed, open_dataset
 from bagpipe.data.preprocess import preprocess
-from bagpipe.embeddings import EmbeddingTables
-from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import build_model, train_reference
+from bagpipe.reference import build_model, build_tables, train_reference
 from bagpipe.synth import generate, resolve_table_sizes
 
 READER_TARGET_ROWS_PER_S = 1_000_000
@@ -292,11 +290,9 @@ def profile_phases(data: Path, *, arch: tuple[str, str], optimizer: str, threads
     torch.use_deterministic_algorithms(True)  # as train_reference does
     dataset = open_dataset(data)
     config = make_config(data, Path("unused"), arch=arch, optimizer=optimizer, args=args)
-    model = build_model(config, dataset.train.num_tables)
-    row_optimizer = make_row_optimizer(optimizer, lr=config.lr)
-    tables = EmbeddingTables(table_sizes=dataset.table_sizes, dim=args.emb_dim, optimizer=row_optimizer,
-                             seed=config.seed)
-    dense_optimizer = row_optimizer.dense_optimizer(model.parameters())
+    model = build_model(config, dataset.schema)
+    tables = build_tables(config, dataset.schema)
+    dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
     iterations = min(args.phase_iterations, batches_per_epoch(dataset.train, args.batch_size))
     warmup = min(args.warmup, iterations - 1)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -308,7 +304,7 @@ def profile_phases(data: Path, *, arch: tuple[str, str], optimizer: str, threads
             t0 = time.perf_counter()
             batch = next(batches)
             t1 = time.perf_counter()
-            embeddings, lookup = tables.lookup(batch.ids)
+            embeddings, lookups = tables.lookup(batch.ids)
             t2 = time.perf_counter()
             loss = F.binary_cross_entropy_with_logits(model(batch.dense_x, embeddings), batch.target)
             t3 = time.perf_counter()
@@ -317,13 +313,13 @@ def profile_phases(data: Path, *, arch: tuple[str, str], optimizer: str, threads
             t4 = time.perf_counter()
             dense_optimizer.step()
             t5 = time.perf_counter()
-            tables.apply_gradients(lookup)
+            tables.apply_gradients(lookups)
             loss.item()
             t6 = time.perf_counter()
             if iteration >= warmup:
                 for phase, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6))):
                     times[phase].append((b - a) * 1e3)
-                unique_rows.append(lookup.index.numel())
+                unique_rows.append(sum(lookup.index.numel() for lookup in lookups))
     phases = {p: round(median(v), 3) for p, v in times.items()}
     total = sum(phases.values())
     return {

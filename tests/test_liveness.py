@@ -21,6 +21,7 @@ from bagpipe.runtime.launch import JobFailed, launch_local
 from bagpipe.runtime.world import free_port
 from bagpipe.storage import RowStore
 from bagpipe.optim import make_row_optimizer
+from test_model_and_optim import layout_of
 from test_runtime import BATCH, CACHE, alive, bagpipe_cli, job_config
 
 WORLD = ["--world-size", "4", "--world-size-trainers", "2"]
@@ -146,7 +147,7 @@ def test_ctrl_c_ends_a_local_job_with_one_line_and_no_process_left(small_binary,
 
 
 def test_a_parked_fetch_whose_caller_gave_up_is_failed_not_kept():
-    store = RowStore(table_sizes=[10], dim=4, optimizer=make_row_optimizer("sgd", lr=0.1), seed=0)
+    store = RowStore(layout=layout_of([10], 4), space=0, optimizer=make_row_optimizer("sgd", lr=0.1), seed=0)
     future = store.fetch_async(np.array([3]), np.array([5]))  # version 5 is never written back
     assert store.expire_waiting(timeout=60.0) == 0 and not future.done()
     time.sleep(0.05)

@@ -1,7 +1,10 @@
+import numpy as np
 import pytest
 import torch
 
-from bagpipe.embeddings import EmbeddingTables, init_block, init_table, INIT_BLOCK_ROWS
+from bagpipe.data.schema import Feature, Schema
+from bagpipe.embeddings import (INIT_BLOCK_ROWS, EmbeddingLayout, EmbeddingTables, TableConfig, init_block,
+                                init_table, one_per_feature)
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
 
@@ -55,14 +58,40 @@ def test_initial_rows_do_not_depend_on_how_a_table_is_split():
     assert not torch.equal(whole, init_table(seed=2, table=2, num_rows=num_rows, dim=3))
 
 
+def layout_of(sizes: list[int], dim: int, *, widths: list[int] | None = None) -> EmbeddingLayout:
+    """One table per feature of ``sizes`` (feature i ``widths[i]`` columns wide, default one-hot)."""
+    widths = widths or [1] * len(sizes)
+    schema = Schema(num_dense=13, features=tuple(Feature(name=f"C{i}", cardinality=n, width=w)
+                                                 for i, (n, w) in enumerate(zip(sizes, widths))))
+    return EmbeddingLayout(one_per_feature(schema, dim), schema)
+
+
 def test_tables_update_only_looked_up_rows():
-    tables = EmbeddingTables(table_sizes=[4, 6], dim=2, optimizer=make_row_optimizer("sgd", lr=1.0), seed=0)
-    before = tables.weights.clone()
-    embeddings, lookup = tables.lookup(torch.tensor([[1, 5], [1, 0]]))
-    assert embeddings.shape == (2, 2, 2)
-    embeddings.sum().backward()
-    tables.apply_gradients(lookup)
-    changed = (tables.weights != before).any(dim=1).nonzero().flatten().tolist()
+    tables = EmbeddingTables(layout=layout_of([4, 6], 2), optimizer=make_row_optimizer("sgd", lr=1.0), seed=0)
+    before = tables.weights[0].clone()
+    embeddings, lookups = tables.lookup(torch.tensor([[1, 5], [1, 0]]))
+    assert embeddings.stack().shape == (2, 2, 2) and embeddings[1].shape == (2, 2)
+    embeddings.stack().sum().backward()
+    tables.apply_gradients(lookups)
+    changed = (tables.weights[0] != before).any(dim=1).nonzero().flatten().tolist()
     assert changed == [1, 4, 4 + 5]
     # Row 1 of table 0 appears twice: its gradient is the sum of both uses.
-    torch.testing.assert_close(tables.weights[1], before[1] - 2.0)
+    torch.testing.assert_close(tables.weights[0][1], before[1] - 2.0)
+
+
+def test_tables_of_several_widths_form_one_space_per_width():
+    schema = Schema.one_hot([5, 7], num_dense=0)
+    tables = [TableConfig(name="a", num_rows=5, dim=4, features=(0,)),
+              TableConfig(name="a1", num_rows=5, dim=1, features=(0,), init="zeros"),
+              TableConfig(name="b", num_rows=7, dim=4, features=(1,))]
+    layout = EmbeddingLayout(tables, schema)
+    assert [(s.dim, s.tables, s.num_rows) for s in layout.spaces] == [(4, (0, 2), 12), (1, (1,), 5)]
+    assert layout.place(2) == (0, 5) and layout.place(1) == (1, 0)
+    keys = layout.keys(np.array([[4, 6]]))
+    assert keys[0].tolist() == [[4, 11]] and keys[1].tolist() == [[4]]
+    memory = EmbeddingTables(layout=layout, optimizer=make_row_optimizer("sgd", lr=1.0), seed=0)
+    embeddings, _ = memory.lookup(torch.tensor([[4, 6]]))
+    assert [tuple(embeddings[i].shape) for i in range(3)] == [(1, 4), (1, 1), (1, 4)]
+    assert torch.equal(embeddings[2], memory.table(2)[6:7]) and (memory.table(1) == 0).all()
+    with pytest.raises(ValueError, match="fewer than feature"):
+        EmbeddingLayout([TableConfig(name="small", num_rows=3, dim=2, features=(0,))], schema)

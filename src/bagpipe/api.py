@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from bagpipe.embeddings import Bags, Lookup
+from bagpipe.embeddings import Lookup
 from bagpipe.runtime.trainer import TrainerRuntime, join_as_trainer
 from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
 
@@ -42,7 +42,7 @@ class TrainerCache:
     def __init__(self, runtime: TrainerRuntime) -> None:
         self.runtime = runtime
         self.num_iterations = runtime.job.iterations
-        self._lookup: Lookup | None = None
+        self._lookups: list[Lookup] | None = None
         self._closed = False
 
     def __len__(self) -> int:
@@ -51,44 +51,41 @@ class TrainerCache:
     def next_batch(self) -> dict | None:
         """The next slice of the global batch; None when the data is done (rows flushed to servers).
 
-        ``dense_x`` float [B, num_dense], ``sparse_vector`` one id tensor [B] per table, ``target``
-        float [B, 1].
+        ``dense_x`` float [B, num_dense], ``sparse_vector`` one id tensor per sparse feature ([B], or
+        [B, W] for a multi-valued one, -1 where empty), ``target`` float [B, 1].
         """
         self._finish_iteration()
         message = self.runtime.advance()
         if message is None:
             return None
-        ids = message.ids  # multi-hot batches pass their Bags through whole
-        return {"dense_x": message.dense_x, "sparse_vector": ids if isinstance(ids, Bags) else list(ids.unbind(1)),
-                "target": message.target.view(-1, 1)}
+        schema = self.runtime.layout.schema
+        features = []
+        for f in range(len(schema.features)):
+            start, stop = schema.columns(f)
+            features.append(message.ids[:, start] if stop - start == 1 else message.ids[:, start:stop])
+        return {"dense_x": message.dense_x, "sparse_vector": features, "target": message.target.view(-1, 1)}
 
     def get_emb(self, ls_i) -> list[torch.Tensor]:
-        """One [B, emb_size] tensor per table for the ids of ``next_batch()["sparse_vector"]``."""
-        if self._lookup is not None:
+        """One tensor per table for the ids of ``next_batch()["sparse_vector"]``: [B, emb_size] (or
+        [B, W, emb_size] for a multi-valued feature, zeros where empty)."""
+        if self._lookups is not None:
             raise RuntimeError("get_emb was already called for this batch: call it once per next_batch()")
-        if isinstance(ls_i, Bags):
-            if ls_i is not self.runtime.step.ids:
-                raise ValueError("get_emb must be given the bags of the current batch")
-            embeddings, self._lookup = self.runtime.lookup()
-            return list(embeddings.unbind(1))
-        ids = torch.stack([torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in ls_i], dim=1)
-        if ids.shape[1] != len(self.runtime.job.table_sizes):
-            raise ValueError(f"get_emb got {ids.shape[1]} tables, the job has {len(self.runtime.job.table_sizes)}")
+        ids = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(len(t), -1) for t in ls_i], dim=1)
         if not torch.equal(ids, self.runtime.step.ids):
             raise ValueError("get_emb must be given the ids of the current batch (next_batch()['sparse_vector'])")
-        embeddings, self._lookup = self.runtime.lookup()
-        return list(embeddings.unbind(1))
+        embeddings, self._lookups = self.runtime.lookup()
+        return [embeddings[i] for i in range(len(embeddings))]
 
     def _finish_iteration(self) -> None:
-        if self._lookup is None:
+        if self._lookups is None:
             if self.runtime.step is not None and not self.runtime.step.final:
                 raise RuntimeError("next_batch() called before get_emb() for the previous batch")
             return
-        if self._lookup.rows.grad is None:
+        if all(lookup.rows.grad is None for lookup in self._lookups):
             raise RuntimeError("backward() did not reach the embeddings of the previous batch; "
                                "call loss.backward() before next_batch()")
-        self.runtime.sync(self._lookup)
-        self._lookup = None
+        self.runtime.sync(self._lookups)
+        self._lookups = None
 
     def close(self, model: torch.nn.Module | None = None) -> None:
         """Finish (flushing every row to the servers if the data is not done) and leave the job.
@@ -140,14 +137,16 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
 
 def _check_against_job(job, *, emb_size, ln_emb, cache_size, lookahead_value, cleanup, emb_optim,
                        emb_optim_params) -> None:
-    config = job.config
+    config, layout = job.config, job.layout
     problems = []
-    if emb_size != config["model"]["emb_dim"]:
-        problems.append(f"emb_size {emb_size} != the oracle's {config['model']['emb_dim']} (--emb-size)")
-    if ln_emb and list(map(int, ln_emb)) != list(job.table_sizes):
-        problems.append(f"ln_emb ({len(ln_emb)} tables) differs from the data's table sizes ({len(job.table_sizes)})")
-    if cache_size != job.cache_rows:
-        problems.append(f"cache_size {cache_size} != the oracle's {job.cache_rows} (--cache-size)")
+    dims = sorted({space.dim for space in layout.spaces})
+    if dims != [emb_size]:
+        problems.append(f"emb_size {emb_size} != the oracle's tables' width {dims} (--emb-size)")
+    sizes = layout.schema.cardinalities
+    if ln_emb and list(map(int, ln_emb)) != sizes:
+        problems.append(f"ln_emb ({len(ln_emb)} tables) differs from the data's table sizes ({len(sizes)})")
+    if cache_size != sum(job.cache_rows):
+        problems.append(f"cache_size {cache_size} != the oracle's {sum(job.cache_rows)} (--cache-size)")
     if emb_optim is not None:
         name = _OPTIMIZERS.get(emb_optim)
         if name is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bagpipe.embeddings import Bags, Lookup, gather_bags, gather_rows, update_rows
+from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather, update_rows
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner.plan import PlanStep
 
@@ -72,17 +72,15 @@ class RowCache:
         if state.shape[1]:
             self.state.index_copy_(0, index, state.to(self.state.device))
 
-    def gather(self, view: "BatchView", bags: Bags | None = None) -> tuple[torch.Tensor, Lookup]:
-        """Embeddings of a batch: [B, T, D] for one-hot ids, pooled for ``bags``.
+    def gather(self, view: "BatchView", *, padded: bool) -> tuple[torch.Tensor, Lookup]:
+        """A batch's embeddings of this cache's space: ``[*view.positions.shape, D]``.
 
         The Lookup's leaf holds the view's rows in the view's order (``view.slots``), so after the
         backward its gradient is the batch's per-row gradient, ready to sync or apply.
         """
         slots = torch.from_numpy(self._check(view.slots, view.keys, what="lookup")).to(self.weights.device)
-        positions = torch.as_tensor(view.positions).to(self.weights.device)
-        if bags is not None:
-            return gather_bags(self.weights, slots, positions, bags)
-        return gather_rows(self.weights, slots, positions)
+        positions = torch.as_tensor(view.positions, dtype=torch.int64).to(self.weights.device)
+        return gather(self.weights, slots, positions, padded=padded)
 
     def apply(self, slots: np.ndarray | torch.Tensor, grads: torch.Tensor) -> None:
         """Row-optimizer step on the rows in ``slots`` with the given (e.g. all-reduced) gradients."""
@@ -97,8 +95,8 @@ class BatchView:
 
     ``keys``/``slots`` list the distinct rows with the ``num_now`` rows that are used again next
     iteration first (their gradients are synced at once, the others later), each group sorted.
-    ``positions`` has the shape of the batch's (or a slice's) flat keys: the index into ``keys``
-    of every id (see ``BatchRows``).
+    ``positions`` has the shape of the batch's (or a slice's) key matrix: the index into ``keys``
+    of every id, ``len(keys)`` where the ids hold PAD (see ``BatchRows``).
     """
 
     keys: np.ndarray
@@ -127,20 +125,30 @@ class BatchRows:
         self._row_of[view.keys] = np.arange(len(view.keys), dtype=np.int32)
         self._view = view
 
-    def at(self, flat: np.ndarray) -> BatchView:
-        """The loaded view with the positions of ids whose flat keys are ``flat`` (any shape)."""
+    def at(self, keys: np.ndarray) -> BatchView:
+        """The loaded view with the positions of ``keys`` (any shape; PAD maps to the empty place)."""
         view = self._view
-        return BatchView(view.keys, view.slots, view.num_now, self._row_of[flat])
+        if (keys < 0).any():
+            positions = np.where(keys >= 0, self._row_of[np.maximum(keys, 0)], len(view.keys)).astype(np.int32)
+        else:
+            positions = self._row_of[keys]
+        return BatchView(view.keys, view.slots, view.num_now, positions)
 
 
 class StepTables:
     """One plan step's batch seen through the reference tables' interface (``lookup``, ``apply_gradients``)."""
 
-    def __init__(self, cache: RowCache, view: BatchView) -> None:
-        self.cache, self.view = cache, view
+    def __init__(self, caches: list[RowCache], views: list[BatchView], layout: EmbeddingLayout) -> None:
+        self.caches, self.views, self.layout = caches, views, layout
 
-    def lookup(self, ids: torch.Tensor | Bags) -> tuple[torch.Tensor, Lookup]:
-        return self.cache.gather(self.view, ids if isinstance(ids, Bags) else None)
+    def lookup(self, ids: torch.Tensor) -> tuple[Embeddings, list[Lookup]]:
+        blocks, lookups = [], []
+        for cache, view, space in zip(self.caches, self.views, self.layout.spaces):
+            block, lookup = cache.gather(view, padded=space.padded)
+            blocks.append(block)
+            lookups.append(lookup)
+        return Embeddings(blocks, self.layout, ids), lookups
 
-    def apply_gradients(self, lookup: Lookup, grads: torch.Tensor | None = None) -> None:
-        update_rows(self.cache.optimizer, self.cache.weights, self.cache.state, lookup, grads)
+    def apply_gradients(self, lookups: list[Lookup], grads: list[torch.Tensor] | None = None) -> None:
+        for s, (cache, lookup) in enumerate(zip(self.caches, lookups)):
+            update_rows(cache.optimizer, cache.weights, cache.state, lookup, None if grads is None else grads[s])

@@ -1,4 +1,4 @@
-"""Single-process cached training: planner + row stores + one trainer cache, in one loop.
+"""Single-process cached training: planner + row stores + one trainer cache per space, in one loop.
 
 The distributed runtime's reference: the same plan steps carried out in order, synchronously.
 Its result must equal the reference trainer's (every row read reflects all earlier updates).
@@ -8,55 +8,66 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from bagpipe.cache import BatchRows, RowCache, StepTables, batch_view
 from bagpipe.data.batches import Batch, iterate_batches
 from bagpipe.data.binary import BinarySplit
-from bagpipe.embeddings import flat_keys, table_offsets
-from bagpipe.models.dlrm import DLRM
+from bagpipe.embeddings import EmbeddingLayout, valid_keys
 from bagpipe.optim import RowOptimizer
-from bagpipe.planner import PlannerConfig, plan
+from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.reference import train_step
 from bagpipe.storage import RowStore, gather_flat
 
 
-def train_cached(model: DLRM, dense_optimizer: torch.optim.Optimizer, split: BinarySplit, *,
-                 batch_size: int, iterations: int, **options) -> list[RowStore]:
-    """Train ``iterations`` batches of a split from a cache; return the row stores."""
+def train_cached(model: nn.Module, dense_optimizer: torch.optim.Optimizer, split: BinarySplit, *,
+                 batch_size: int, iterations: int, **options) -> list[list[RowStore]]:
+    """Train ``iterations`` batches of a split from a cache; return each space's row stores."""
     batches = list(iterate_batches(split, batch_size=batch_size, iterations=iterations))
-    return train_cached_batches(model, dense_optimizer, batches, table_sizes=split.table_sizes, **options)
+    return train_cached_batches(model, dense_optimizer, batches, **options)
 
 
-def train_cached_batches(model: DLRM, dense_optimizer: torch.optim.Optimizer, batches: list[Batch], *,
-                         table_sizes: list[int], row_optimizer: RowOptimizer, seed: int, cache_rows: int,
+def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimizer, batches: list[Batch], *,
+                         layout: EmbeddingLayout, row_optimizer: RowOptimizer, seed: int, cache_rows: int,
                          lookahead: int, policy: str = "lookahead", num_shards: int = 1,
-                         timeout: float = 30.0) -> list[RowStore]:
-    """Train on ``batches`` (one-hot ids or multi-hot bags) from a cache of ``cache_rows`` rows."""
-    sizes = list(table_sizes)
-    stores = [RowStore(table_sizes=sizes, dim=model.emb_dim, optimizer=row_optimizer, seed=seed, shard=s,
-                       num_shards=num_shards) for s in range(num_shards)]
-    cache = RowCache(capacity=cache_rows, dim=model.emb_dim, optimizer=row_optimizer)
-    offsets = torch.from_numpy(table_offsets(sizes))
-    keys = [flat_keys(b.ids, offsets).numpy() for b in batches]
-    config = PlannerConfig(num_rows=int(sum(sizes)), cache_rows=cache_rows, lookahead=lookahead, policy=policy)
-    rows_of = BatchRows(config.num_rows)
-    for step in plan((k.ravel() for k in keys), config):
-        if len(step.evict_keys):
-            rows, state = cache.evict(step.evict_slots, step.evict_keys)
-            for store, mine, index in _by_shard(stores, step.evict_keys):
-                store.write_back(step.evict_keys[mine], rows[index], state[index], version=step.iteration - 1)
-        if len(step.fetch_keys):
-            rows = torch.empty(len(step.fetch_keys), model.emb_dim)
-            state = torch.empty(len(step.fetch_keys), row_optimizer.state_width(model.emb_dim))
-            for store, mine, index in _by_shard(stores, step.fetch_keys):
-                rows[index], state[index] = store.fetch(step.fetch_keys[mine], step.fetch_versions[mine],
-                                                        timeout=timeout)
-            cache.install(step.fetch_slots, step.fetch_keys, rows, state)
-        if step.iteration < len(batches):
-            rows_of.load(batch_view(step))
-            tables = StepTables(cache, rows_of.at(keys[step.iteration]))
-            train_step(model, tables, dense_optimizer, batches[step.iteration])
+                         timeout: float = 30.0) -> list[list[RowStore]]:
+    """Train on ``batches`` from a cache of ``cache_rows`` rows (shared among the spaces)."""
+    spaces = range(len(layout.spaces))
+    stores = [[RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=seed, shard=shard,
+                        num_shards=num_shards) for shard in range(num_shards)] for s in spaces]
+    shares = layout.split_cache(cache_rows)
+    caches = [RowCache(capacity=shares[s], dim=layout.spaces[s].dim, optimizer=row_optimizer) for s in spaces]
+    keys = [layout.keys(b.ids.numpy()) for b in batches]
+    configs = [PlannerConfig(num_rows=layout.spaces[s].num_rows, cache_rows=shares[s], lookahead=lookahead,
+                             policy=policy) for s in spaces]
+    rows_of = [BatchRows(layout.spaces[s].num_rows) for s in spaces]
+    for steps in plan_spaces(([valid_keys(k) for k in batch_keys] for batch_keys in keys), configs):
+        for s, step in enumerate(steps):
+            carry_out(step, caches[s], stores[s], dim=layout.spaces[s].dim, row_optimizer=row_optimizer,
+                      timeout=timeout)
+        iteration = steps[0].iteration
+        if iteration < len(batches):
+            views = []
+            for s, step in enumerate(steps):
+                rows_of[s].load(batch_view(step))
+                views.append(rows_of[s].at(keys[iteration][s]))
+            train_step(model, StepTables(caches, views, layout), dense_optimizer, batches[iteration])
     return stores
+
+
+def carry_out(step, cache: RowCache, stores: list[RowStore], *, dim: int, row_optimizer: RowOptimizer,
+              timeout: float) -> None:
+    """A plan step's evictions (written back) and fetches (installed), in order."""
+    if len(step.evict_keys):
+        rows, state = cache.evict(step.evict_slots, step.evict_keys)
+        for store, mine, index in _by_shard(stores, step.evict_keys):
+            store.write_back(step.evict_keys[mine], rows[index], state[index], version=step.iteration - 1)
+    if len(step.fetch_keys):
+        rows = torch.empty(len(step.fetch_keys), dim)
+        state = torch.empty(len(step.fetch_keys), row_optimizer.state_width(dim))
+        for store, mine, index in _by_shard(stores, step.fetch_keys):
+            rows[index], state[index] = store.fetch(step.fetch_keys[mine], step.fetch_versions[mine], timeout=timeout)
+        cache.install(step.fetch_slots, step.fetch_keys, rows, state)
 
 
 def _by_shard(stores: list[RowStore], keys: np.ndarray):
@@ -66,7 +77,12 @@ def _by_shard(stores: list[RowStore], keys: np.ndarray):
         yield store, mine, torch.from_numpy(np.flatnonzero(mine))
 
 
-def gather_tables(stores: list[RowStore], table_sizes: list[int]) -> list[torch.Tensor]:
-    """Reassemble every table from its shards (for export and tests)."""
-    flat = gather_flat([store.weights for store in stores], int(sum(table_sizes)))
-    return list(torch.split(flat, list(table_sizes)))
+def gather_tables(stores: list[list[RowStore]], layout: EmbeddingLayout) -> list[torch.Tensor]:
+    """Reassemble every table from its space's shards (for export and tests)."""
+    spaces = [gather_flat([store.weights for store in shards], space.num_rows)
+              for shards, space in zip(stores, layout.spaces)]
+    tables = []
+    for t, table in enumerate(layout.tables):
+        space, offset = layout.place(t)
+        tables.append(spaces[space][offset:offset + table.num_rows])
+    return tables

@@ -19,6 +19,7 @@ from bagpipe.planner.plan import POLICIES
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 MODES = ("reference", "bagpipe")
+MODEL_NAMES = ("dlrm",)  # the registry in bagpipe.models, in its order
 
 
 def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
@@ -64,12 +65,15 @@ def _check_types(config) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    name: str = "dlrm"
     emb_dim: int = 16
     arch_mlp_bot: str = "13-512-256-16"  # last size must equal emb_dim
     arch_mlp_top: str = "512-256-1"  # sizes after the interaction; must end in 1
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.name not in MODEL_NAMES:
+            raise ValueError(f"model must be one of {', '.join(MODEL_NAMES)}, got {self.name!r}")
         if self.emb_dim <= 0:
             raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
         bot = parse_arch(self.arch_mlp_bot, name="arch_mlp_bot")

@@ -13,7 +13,8 @@ from bagpipe.config import TrainConfig
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
-from bagpipe.embeddings import table_offsets
+from bagpipe.embeddings import EmbeddingLayout, valid_keys
+from bagpipe.models import check_model, model_tables
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
@@ -52,21 +53,21 @@ def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: boo
 
 
 def check_data(config: TrainConfig, dataset: BinaryDataset) -> None:
-    """The model takes the data's dense features, and the data holds at least one batch."""
-    num_dense = dataset.train.dense.shape[1]
-    if config.model.bottom_sizes[0] != num_dense:
-        raise ValueError(f"arch_mlp_bot starts with {config.model.bottom_sizes[0]} inputs, "
-                         f"but {dataset.directory} has {num_dense} dense features")
+    """The model can take the data's features, and the data holds at least one batch."""
+    check_model(config.model, dataset.schema)
     if batches_per_epoch(dataset.train, config.batch_size) == 0:
         raise ValueError(f"batch_size {config.batch_size} exceeds the {dataset.train.rows} training rows "
                          f"of {dataset.directory}")
 
 
-def table_bytes(config: TrainConfig, table_sizes: list[int]) -> int:
+def job_layout(config: TrainConfig, dataset: BinaryDataset) -> EmbeddingLayout:
+    return EmbeddingLayout(model_tables(config.model, dataset.schema), dataset.schema)
+
+
+def table_bytes(config: TrainConfig, layout: EmbeddingLayout) -> int:
     """Every table's rows and their optimizer state, in float32."""
-    dim = config.model.emb_dim
-    width = dim + make_row_optimizer(config.optimizer, lr=config.lr).state_width(dim)
-    return int(sum(table_sizes)) * width * 4
+    optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
+    return sum(space.num_rows * (space.dim + optimizer.state_width(space.dim)) * 4 for space in layout.spaces)
 
 
 def physical_memory_bytes() -> int:
@@ -80,15 +81,15 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
     oracle gathers them once more at the end (to evaluate and write the checkpoint) besides the
     planner's per-row arrays.
     """
-    sizes = dataset.table_sizes
-    tables = table_bytes(config, sizes)
+    layout = job_layout(config, dataset)
+    tables = table_bytes(config, layout)
     parts = {"tables": tables}
     if config.mode == "bagpipe":
-        parts.update({"the oracle's final gather": tables, "the planner": int(sum(sizes)) * PLANNER_BYTES_PER_ROW})
+        parts.update({"the oracle's final gather": tables, "the planner": layout.num_rows * PLANNER_BYTES_PER_ROW})
     need, have = sum(parts.values()), physical_memory_bytes()
     if need > have:
         detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items())
-        raise ValueError(f"{dataset.directory}: {int(sum(sizes)):,} rows of dim {config.model.emb_dim} with "
+        raise ValueError(f"{dataset.directory}: the {config.model.name} tables ({layout.num_rows:,} rows) with "
                          f"{config.optimizer} need {_gib(need)} ({detail}), more than this machine's {_gib(have)}; "
                          f"lower emb_dim or the table sizes")
 
@@ -97,36 +98,44 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:,.1f} GiB"
 
 
+def cache_rows_of(config: TrainConfig, layout: EmbeddingLayout) -> list[int]:
+    """Each space's share of the cache (``cache_rows`` of all rows, default 5%)."""
+    return layout.split_cache(config.cache_rows or default_cache_rows([layout.num_rows]))
+
+
 def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: bool = False) -> None:
     """Refuse a cache smaller than some batch's distinct rows (before the oracle's planner meets it).
 
-    A batch touches at most batch_size x tables rows, so only a cache smaller than that needs the
-    batches scanned; the scan stops at the first batch that does not fit.
+    A batch touches at most its columns x batch_size rows of a space, so only a share smaller than
+    that needs the batches scanned; the scan stops at the first batch that does not fit.
     """
-    split = dataset.train
-    cache_rows = config.cache_rows or default_cache_rows(dataset.table_sizes)
-    if cache_rows >= config.batch_size * split.num_tables:
+    split, layout = dataset.train, job_layout(config, dataset)
+    shares = cache_rows_of(config, layout)
+    tight = [s for s, space in enumerate(layout.spaces) if shares[s] < config.batch_size * len(space.data_columns)]
+    if not tight:
         return
     iterations = config.iterations or batches_per_epoch(split, config.batch_size)
-    offsets = table_offsets(dataset.table_sizes)
-    stamp = np.zeros(int(sum(dataset.table_sizes)), dtype=np.int64)
-    positions = np.arange(config.batch_size * split.num_tables, dtype=np.int64)
+    stamps = {s: np.zeros(layout.spaces[s].num_rows, dtype=np.int64) for s in tight}
     bar = progress(total=iterations, desc="check cache", unit="batch", enabled=show_progress)
     rows = batch_rows(split, batch_size=config.batch_size, iterations=iterations, shuffle=config.shuffle,
                       shuffle_seed=config.shuffle_seed)
-    sizes = np.asarray(dataset.table_sizes, dtype=np.int64)
+    cardinalities = np.asarray(split.table_sizes, dtype=np.int64)
     for iteration, selector in enumerate(rows):
         ids = np.asarray(split.ids[selector], dtype=np.int64)
-        if ((ids < 0) | (ids >= sizes)).any():
+        if ((ids < 0) | (ids >= cardinalities)).any():
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table
-        keys = (ids + offsets).ravel()
-        # Each distinct key keeps exactly one of its positions in stamp: count those.
-        stamp[keys] = positions
-        distinct = int(np.count_nonzero(stamp[keys] == positions))
-        if distinct > cache_rows:
-            bar.close()
-            raise ValueError(f"batch {iteration} touches {distinct} distinct rows, more than the cache's "
-                             f"{cache_rows} (--cache-rows): raise cache_rows or lower the batch size")
+        keys = layout.keys(ids)
+        for s in tight:
+            flat = valid_keys(keys[s])
+            positions = np.arange(len(flat), dtype=np.int64)
+            # Each distinct key keeps exactly one of its positions in the stamps: count those.
+            stamps[s][flat] = positions
+            distinct = int(np.count_nonzero(stamps[s][flat] == positions))
+            if distinct > shares[s]:
+                bar.close()
+                where = "" if len(layout.spaces) == 1 else f" of the {layout.spaces[s].dim}-wide tables"
+                raise ValueError(f"batch {iteration} touches {distinct} distinct rows{where}, more than the cache's "
+                                 f"{shares[s]} for them (--cache-rows): raise cache_rows or lower the batch size")
         bar.update(1)
     bar.close()
 
@@ -157,7 +166,7 @@ def _hint(name: str, mode: str) -> str:
 
 
 def cache_warnings(config: TrainConfig, dataset: BinaryDataset) -> list[str]:
-    total = int(sum(dataset.table_sizes))
+    total = job_layout(config, dataset).num_rows
     if config.mode == "bagpipe" and config.cache_rows >= total:
         return [f"--cache-rows {config.cache_rows} holds all {total} rows: every row stays cached after its "
                 f"first fetch, so the plan saves nothing over keeping the tables on the trainers"]

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches, read_batch
 from bagpipe.data.binary import BinarySplit
-from bagpipe.embeddings import EmbeddingTables, Lookup
+from bagpipe import models
+from bagpipe.data.schema import Schema
+from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
 from bagpipe.metrics import log_loss, roc_auc
-from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
 from bagpipe.preflight import prepare_job
 from bagpipe.progress import progress
@@ -56,14 +58,20 @@ def deterministic() -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def build_model(config: TrainConfig, num_tables: int) -> DLRM:
-    torch.manual_seed(config.seed)
-    return DLRM(num_tables=num_tables, emb_dim=config.model.emb_dim,
-                bottom_sizes=config.model.bottom_sizes, top_sizes=config.model.top_sizes)
+def build_model(config: TrainConfig, schema: Schema) -> nn.Module:
+    """The configured model's dense part, from the run's seed."""
+    return models.build_model(config.model, schema, seed=config.seed)
+
+
+def build_tables(config: TrainConfig, schema: Schema, *, weights: list[torch.Tensor] | None = None) -> EmbeddingTables:
+    """The configured model's tables in memory: initial rows from the run's seed, or ``weights`` per space."""
+    layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
+    return EmbeddingTables(layout=layout, optimizer=make_row_optimizer(config.optimizer, lr=config.lr),
+                           seed=config.seed, weights=weights)
 
 
 @torch.no_grad()
-def evaluate(model: DLRM, tables: EmbeddingTables, split: BinarySplit, *, batch_size: int,
+def evaluate(model: nn.Module, tables: EmbeddingTables, split: BinarySplit, *, batch_size: int,
              max_rows: int = 0) -> dict:
     model.eval()
     rows = min(split.rows, max_rows) if max_rows else split.rows
@@ -71,14 +79,14 @@ def evaluate(model: DLRM, tables: EmbeddingTables, split: BinarySplit, *, batch_
     for start in range(0, rows, batch_size):
         batch = read_batch(split, slice(start, min(start + batch_size, rows)))
         embeddings, _ = tables.lookup(batch.ids)
-        probs.append(torch.sigmoid(model(batch.dense_x, embeddings.detach())).numpy())
+        probs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
     model.train()
     labels = np.asarray(split.labels[:rows])
     scores = np.concatenate(probs) if probs else np.zeros(0)
     return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores)}
 
 
-def train_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
+def train_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
                batch: Batch, clock: PhaseClock | None = None, *, slices: int = 1) -> float:
     """One iteration on a global batch; returns its loss.
 
@@ -99,30 +107,36 @@ def train_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.opti
     return value
 
 
-def _sliced_step(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
+def _sliced_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
                  clock: PhaseClock | _NoClock, slices: int) -> float:
     params = list(model.parameters())
     keys = tables.distinct_keys(batch.ids)  # every slice's leaf holds all the batch's rows, as a trainer's does
     sums: list[torch.Tensor] | None = None
     for part in batch.slices(slices):
-        loss, lookup = _forward_backward(model, tables, dense_optimizer, part, clock, keys=keys)
+        loss, lookups = _forward_backward(model, tables, dense_optimizer, part, clock, keys=keys)
         with torch.no_grad():
-            grads = [lookup.rows.grad, *(p.grad for p in params), loss.detach()]
+            grads = [*(_row_grads(lookup) for lookup in lookups), *(p.grad for p in params), loss.detach()]
             sums = [g.clone() for g in grads] if sums is None else [s.add_(g) for s, g in zip(sums, grads)]
         clock.lap("sync")
     with torch.no_grad():
         for total in sums:
             total.div_(slices)  # the mean over trainers, as the trainers divide their all-reduced sum
-    for p, grad in zip(params, sums[1:-1]):
+    spaces = len(lookups)
+    for p, grad in zip(params, sums[spaces:-1]):
         p.grad = grad
     dense_optimizer.step()
-    tables.apply_gradients(lookup, sums[0])
+    tables.apply_gradients(lookups, sums[:spaces])
     clock.lap("optimizer")
     return float(sums[-1])
 
 
-def _forward_backward(model: DLRM, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
-                      clock: PhaseClock | _NoClock, **lookup_options) -> tuple[torch.Tensor, Lookup]:
+def _row_grads(lookup: Lookup) -> torch.Tensor:
+    """A slice's gradient of every row of the leaf (zeros where the slice did not reach it)."""
+    return lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)
+
+
+def _forward_backward(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
+                      clock: PhaseClock | _NoClock, **lookup_options) -> tuple[torch.Tensor, list[Lookup]]:
     """The loss of ``batch`` (its mean), with every gradient of it in place: dense ``.grad`` and the leaf's."""
     embeddings, lookup = tables.lookup(batch.ids, **lookup_options)
     clock.lap("lookup")
@@ -151,11 +165,9 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     run = RunDir(config.run_dir)
     run.write_json("config.json", config_to_dict(config))
 
-    model = build_model(config, dataset.train.num_tables)
-    row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
-    tables = EmbeddingTables(table_sizes=dataset.table_sizes, dim=config.model.emb_dim,
-                             optimizer=row_optimizer, seed=config.seed)
-    dense_optimizer = row_optimizer.dense_optimizer(model.parameters())
+    model = build_model(config, dataset.schema)
+    tables = build_tables(config, dataset.schema)
+    dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
     log.info("reference training: %d iterations of %d samples, %d tables (%d rows)", iterations,
              config.batch_size, len(dataset.table_sizes), sum(dataset.table_sizes))
 
@@ -208,7 +220,7 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
 
     run.save_checkpoint(
         dense=model.state_dict(),
-        embeddings=[tables.table(t).clone() for t in range(len(dataset.table_sizes))],
+        embeddings=[tables.table(t).clone() for t in range(len(tables.layout.tables))],
         extra={"iteration": iterations, "mode": "reference"},
     )
     summary = {

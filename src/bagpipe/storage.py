@@ -1,4 +1,4 @@
-"""Server-side row storage: one shard of every table, with optimizer state and row versions.
+"""Server-side row storage: one shard of an embedding space, with optimizer state and row versions.
 
 A shard owns the flat keys ``k`` with ``k % num_shards == shard``. A fetch names the version it
 must observe (the iteration after which the row was last written back) and waits, up to a
@@ -13,24 +13,25 @@ import time
 import numpy as np
 import torch
 
-from bagpipe.embeddings import init_table, table_offsets
+from bagpipe.embeddings import EmbeddingLayout, init_rows
 from bagpipe.optim import RowOptimizer
 
 
 class RowStore:
-    def __init__(self, *, table_sizes: list[int], dim: int, optimizer: RowOptimizer, seed: int,
+    """One shard of one embedding space (the tables of one width), initialised as the reference's."""
+
+    def __init__(self, *, layout: EmbeddingLayout, space: int, optimizer: RowOptimizer, seed: int,
                  shard: int = 0, num_shards: int = 1) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside [0, {num_shards})")
-        self.shard, self.num_shards, self.dim = shard, num_shards, dim
-        offsets = table_offsets(table_sizes)
+        members = layout.spaces[space]
+        self.shard, self.num_shards, self.dim = shard, num_shards, members.dim
         parts = []
-        for table, (offset, size) in enumerate(zip(offsets.tolist(), table_sizes)):
+        for table, offset in zip(members.tables, members.offsets.tolist()):
             first = (shard - offset) % num_shards  # first id of this table that the shard owns
-            rows = init_table(seed=seed, table=table, num_rows=size, dim=dim)
-            parts.append(rows[first::num_shards])
+            parts.append(init_rows(table, layout.tables[table], seed=seed)[first::num_shards])
         self.weights = torch.cat(parts)
-        self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(dim))
+        self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(self.dim))
         self.versions = np.full(self.weights.shape[0], -1, dtype=np.int64)
         self._changed = threading.Condition()
         self.fetches_waited = 0  # fetches that arrived before the write-back they must observe

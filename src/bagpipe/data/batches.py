@@ -9,13 +9,12 @@ import numpy as np
 import torch
 
 from bagpipe.data.binary import BinarySplit
-from bagpipe.embeddings import Bags
 
 
 @dataclass(frozen=True)
 class Batch:
     dense_x: torch.Tensor  # float32 [B, num_dense]
-    ids: torch.Tensor  # int64 [B, num_tables], or multi-hot embeddings.Bags
+    ids: torch.Tensor  # int64 [B, columns]: each sparse feature's ids (data.schema), -1 where empty
     target: torch.Tensor  # float32 [B]
 
     def __len__(self) -> int:
@@ -23,8 +22,7 @@ class Batch:
 
     def slice(self, samples: slice) -> "Batch":
         """Samples ``samples`` of this batch (a trainer's part of a global batch)."""
-        ids = self.ids.slice(samples) if isinstance(self.ids, Bags) else self.ids[samples]
-        return Batch(dense_x=self.dense_x[samples], ids=ids, target=self.target[samples])
+        return Batch(dense_x=self.dense_x[samples], ids=self.ids[samples], target=self.target[samples])
 
     def slices(self, count: int) -> list["Batch"]:
         """The batch cut into ``count`` equal consecutive parts, as the trainers take it."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bagpipe.data.formats import NUM_DENSE, Chunk
+from bagpipe.data.schema import Schema
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
@@ -79,6 +80,10 @@ class BinarySplit:
     def num_tables(self) -> int:
         return len(self.table_sizes)
 
+    @property
+    def schema(self) -> Schema:
+        return Schema.one_hot(self.table_sizes, num_dense=self.dense.shape[1])
+
     @classmethod
     def open(cls, directory: str | Path) -> "BinarySplit":
         directory = Path(directory)
@@ -120,6 +125,10 @@ class BinaryDataset:
     @property
     def table_sizes(self) -> list[int]:
         return self.train.table_sizes
+
+    @property
+    def schema(self) -> Schema:
+        return self.train.schema
 
 
 def is_preprocessed(directory: str | Path) -> bool:

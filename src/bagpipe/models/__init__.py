@@ -1,0 +1,48 @@
+"""The models: each a dense part that takes its embeddings as input, with the tables it embeds.
+
+A model module provides ``tables(config, schema)`` (its TableConfigs), ``check(config, schema)``
+(a ValueError if the data cannot feed it) and a module class built ``from_config(config,
+schema)`` whose ``forward(dense_x, embeddings)`` gives logits and whose ``early_params()`` names
+the parameters the backward completes first (their all-reduce starts early), possibly none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bagpipe.config import MODEL_NAMES, ModelConfig
+from bagpipe.data.schema import Schema
+from bagpipe.embeddings import TableConfig
+from bagpipe.models import dlrm
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    tables: Callable[[ModelConfig, Schema], list[TableConfig]]
+    check: Callable[[ModelConfig, Schema], None]
+    build: Callable[[ModelConfig, Schema], nn.Module]
+
+
+MODELS: dict[str, ModelSpec] = {
+    "dlrm": ModelSpec(dlrm.tables, dlrm.check, dlrm.DLRM.from_config),
+}
+assert tuple(MODELS) == MODEL_NAMES, "config.MODEL_NAMES lists the registry's models"
+
+
+def model_tables(config: ModelConfig, schema: Schema) -> list[TableConfig]:
+    return MODELS[config.name].tables(config, schema)
+
+
+def check_model(config: ModelConfig, schema: Schema) -> None:
+    MODELS[config.name].check(config, schema)
+
+
+def build_model(config: ModelConfig, schema: Schema, *, seed: int) -> nn.Module:
+    """The model's dense part, initialised from ``seed`` (every trainer builds the same one)."""
+    check_model(config, schema)
+    torch.manual_seed(seed)
+    return MODELS[config.name].build(config, schema)

@@ -1,32 +1,35 @@
-"""DLRM's dense part: bottom MLP, pairwise dot interaction, top MLP.
+"""DLRM's dense part: bottom MLP, pairwise dot interaction, top MLP (Naumov et al. 2019).
 
 The embeddings are an input, not a member: the same module trains with local tables (the
-reference trainer) or with rows served by the cache.
+reference trainer) or with rows served by the cache. One table per sparse feature, all of the
+embedding width, which the bottom MLP's output must match (the dots need one width).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
+from bagpipe.data.schema import Schema
+from bagpipe.embeddings import Embeddings, TableConfig, one_per_feature
+from bagpipe.models.layers import mlp
 
-def mlp(sizes: tuple[int, ...], *, relu_last: bool) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for index, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        linear = nn.Linear(fan_in, fan_out)
-        # DLRM's initialisation: Glorot-like normal weights, 1/sqrt(fan_out) normal biases.
-        nn.init.normal_(linear.weight, 0.0, math.sqrt(2.0 / (fan_in + fan_out)))
-        nn.init.normal_(linear.bias, 0.0, math.sqrt(1.0 / fan_out))
-        layers.append(linear)
-        if relu_last or index < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+
+def tables(config, schema: Schema) -> list[TableConfig]:
+    """One table per sparse feature, ``emb_dim`` wide."""
+    return one_per_feature(schema, config.emb_dim)
+
+
+def check(config, schema: Schema) -> None:
+    if config.bottom_sizes[0] != schema.num_dense:
+        raise ValueError(f"arch_mlp_bot starts with {config.bottom_sizes[0]} inputs, but the data has "
+                         f"{schema.num_dense} dense features")
+    if not schema.one_hot_only:
+        raise ValueError("dlrm embeds one id per sparse feature; this data has multi-valued features")
 
 
 class DLRM(nn.Module):
-    """``forward(dense_x [B, num_dense], embeddings [B, T, D]) -> logits [B]``."""
+    """``forward(dense_x [B, num_dense], embeddings [B, T, D] or Embeddings) -> logits [B]``."""
 
     def __init__(self, *, num_tables: int, emb_dim: int, bottom_sizes: tuple[int, ...],
                  top_sizes: tuple[int, ...]) -> None:
@@ -44,7 +47,18 @@ class DLRM(nn.Module):
         self.bottom = mlp(bottom_sizes, relu_last=True)
         self.top = mlp((emb_dim + len(self.pair_index), *top_sizes), relu_last=False)
 
-    def forward(self, dense_x: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def from_config(cls, config, schema: Schema) -> "DLRM":
+        return cls(num_tables=len(schema.features), emb_dim=config.emb_dim, bottom_sizes=config.bottom_sizes,
+                   top_sizes=config.top_sizes)
+
+    def early_params(self) -> list[nn.Parameter]:
+        """The top MLP's: the backward completes their gradients first."""
+        return list(self.top.parameters())
+
+    def forward(self, dense_x: torch.Tensor, embeddings: torch.Tensor | Embeddings) -> torch.Tensor:
+        if isinstance(embeddings, Embeddings):
+            embeddings = embeddings.stack()
         if embeddings.dim() != 3 or embeddings.shape[1:] != (self.num_tables, self.emb_dim):
             raise ValueError(f"embeddings must be [B, {self.num_tables}, {self.emb_dim}], got {tuple(embeddings.shape)}")
         x = self.bottom(dense_x)

@@ -226,6 +226,25 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
                    sync_later_deadlines=empty, resident_rows=0, lookups=0, evict_slots=evict_slots)
 
 
+def plan_spaces(batches: Iterable[list[np.ndarray]], configs: list[PlannerConfig]) -> Iterator[tuple[PlanStep, ...]]:
+    """``plan`` for several embedding spaces at once: each batch gives one key array per space, and
+    each step is one PlanStep per space (every space's planner sees the same batches)."""
+    source = iter(batches)
+    waiting: list[deque] = [deque() for _ in configs]
+
+    def stream(space: int) -> Iterator[np.ndarray]:
+        while True:
+            if not waiting[space]:
+                keys = next(source, None)
+                if keys is None:
+                    return
+                for queue, space_keys in zip(waiting, keys, strict=True):
+                    queue.append(space_keys)
+            yield waiting[space].popleft()
+
+    yield from zip(*(plan(stream(space), config) for space, config in enumerate(configs)))
+
+
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
     # Sort-based: several times faster than np.unique's hash path on int64 batches.
     ordered = np.sort(values)

@@ -23,15 +23,14 @@ from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
-from bagpipe.embeddings import EmbeddingTables, flat_keys, table_offsets
+from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
-from bagpipe.optim import make_row_optimizer
-from bagpipe.planner import PlannerConfig, plan
-from bagpipe.preflight import default_cache_rows, prepare_job
-from bagpipe.reference import build_model, deterministic, evaluate
+from bagpipe.planner import PlannerConfig, plan_spaces
+from bagpipe.preflight import cache_rows_of, job_layout, prepare_job
+from bagpipe.reference import build_model, build_tables, deterministic, evaluate
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import TRAINED, JobInfo, StepMessage, TrainerStats
+from bagpipe.runtime.protocol import TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
 from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status,
                                     wait_for_ranks)
 from bagpipe.storage import gather_flat
@@ -47,17 +46,18 @@ class Oracle:
         self.config, self.world, self.dataset = config, world, dataset
         split = self.dataset.train
         self.iterations = config.iterations or batches_per_epoch(split, config.batch_size)
-        sizes = self.dataset.table_sizes
-        cache_rows = config.cache_rows or default_cache_rows(sizes)
         if config.batch_size % world.num_trainers:
             raise ValueError(f"batch_size {config.batch_size} is not a multiple of the "
                              f"{world.num_trainers} trainers")
-        self.job = JobInfo(config=config_to_dict(config), table_sizes=list(sizes),
-                           num_dense=int(split.dense.shape[1]), iterations=self.iterations,
-                           cache_rows=cache_rows, slice_size=config.batch_size // world.num_trainers)
-        self.planner_config = PlannerConfig(num_rows=int(sum(sizes)), cache_rows=cache_rows,
-                                            lookahead=config.lookahead, num_trainers=world.num_trainers,
-                                            policy=config.policy, cleanup_fraction=config.cleanup_fraction)
+        self.layout = job_layout(config, dataset)
+        shares = cache_rows_of(config, self.layout)
+        self.job = JobInfo(config=config_to_dict(config), schema=schema_dict(dataset.schema),
+                           tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
+                           cache_rows=shares, slice_size=config.batch_size // world.num_trainers)
+        self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
+                                              num_trainers=world.num_trainers, policy=config.policy,
+                                              cleanup_fraction=config.cleanup_fraction)
+                                for space, share in zip(self.layout.spaces, shares)]
         depth = max(2 * config.prefetch_depth, 2 * PULL_MAX_STEPS)
         self.queues = [queue.Queue(maxsize=depth) for _ in range(world.num_trainers)]
         self.servers_ready: set[str] = set()
@@ -77,8 +77,7 @@ class Oracle:
                 self.changed.notify_all()
 
     def _produce(self) -> None:
-        config, split = self.config, self.dataset.train
-        offsets = torch.from_numpy(table_offsets(self.dataset.table_sizes))
+        config, split, layout = self.config, self.dataset.train, self.layout
         pending: deque = deque()
 
         def key_stream():
@@ -86,31 +85,35 @@ class Oracle:
                                    shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
                 batch = read_batch(split, rows)
                 pending.append(batch)
-                yield flat_keys(batch.ids, offsets).numpy().ravel()
+                yield [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
 
-        rows = BatchRows(self.planner_config.num_rows)
-        for step in plan(key_stream(), self.planner_config):
-            batch = pending.popleft() if step.iteration < self.iterations else None
-            view = batch_view(step)
-            common = dict(iteration=step.iteration, final=batch is None,
-                          fetch_keys=torch.from_numpy(step.fetch_keys),
-                          fetch_versions=torch.from_numpy(step.fetch_versions),
-                          fetch_slots=torch.from_numpy(step.fetch_slots),
-                          evict_keys=torch.from_numpy(step.evict_keys),
-                          evict_slots=torch.from_numpy(step.evict_slots),
-                          batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
-                          num_now=view.num_now, lookups=step.lookups)
-            rows.load(view)
-            inject_fault(f"planned {step.iteration}")
+        rows = [BatchRows(space.num_rows) for space in layout.spaces]
+        for steps in plan_spaces(key_stream(), self.planner_configs):
+            iteration = steps[0].iteration
+            batch = pending.popleft() if iteration < self.iterations else None
+            views = [batch_view(step) for step in steps]
+            for space_rows, view in zip(rows, views):
+                space_rows.load(view)
+            inject_fault(f"planned {iteration}")
             parts = [None] * len(self.queues) if batch is None else batch.slices(len(self.queues))
             for trainer, (out, part) in enumerate(zip(self.queues, parts)):
-                positions = None
-                if part is not None:  # each id's row in batch_keys
-                    positions = torch.from_numpy(rows.at(flat_keys(part.ids, offsets).numpy()).positions)
-                message = StepMessage(
-                    dense_x=None if part is None else part.dense_x, ids=None if part is None else part.ids,
-                    target=None if part is None else part.target,
-                    write_mask=torch.from_numpy(step.evict_writers == trainer), positions=positions, **common)
+                slice_keys = None if part is None else layout.keys(part.ids.numpy())
+                spaces = [SpaceStep(fetch_keys=torch.from_numpy(step.fetch_keys),
+                                    fetch_versions=torch.from_numpy(step.fetch_versions),
+                                    fetch_slots=torch.from_numpy(step.fetch_slots),
+                                    evict_keys=torch.from_numpy(step.evict_keys),
+                                    evict_slots=torch.from_numpy(step.evict_slots),
+                                    write_mask=torch.from_numpy(step.evict_writers == trainer),
+                                    batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
+                                    num_now=view.num_now,
+                                    positions=None if part is None else torch.from_numpy(
+                                        rows[s].at(slice_keys[s]).positions))  # each place's row in batch_keys
+                          for s, (step, view) in enumerate(zip(steps, views))]
+                message = StepMessage(iteration=iteration, final=batch is None,
+                                      dense_x=None if part is None else part.dense_x,
+                                      ids=None if part is None else part.ids,
+                                      target=None if part is None else part.target, spaces=spaces,
+                                      lookups=sum(step.lookups for step in steps))
                 self.bytes_sent += message.nbytes()
                 while not self.stop.is_set():
                     try:
@@ -222,10 +225,9 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     _ORACLE = oracle = Oracle(config, world, dataset)
     run = RunDir(config.run_dir)
     run.write_json("config.json", config_to_dict(config))
-    log.info("bagpipe job: %d iterations of %d samples over %d trainers, %d servers; cache %d of %d rows, "
-             "lookahead %d, policy %s", oracle.iterations, config.batch_size, world.num_trainers,
-             world.num_servers, oracle.job.cache_rows, oracle.planner_config.num_rows, config.lookahead,
-             config.policy)
+    log.info("bagpipe job: %s, %d iterations of %d samples over %d trainers, %d servers; cache %d of %d rows, "
+             "lookahead %d, policy %s", config.model.name, oracle.iterations, config.batch_size, world.num_trainers,
+             world.num_servers, sum(oracle.job.cache_rows), oracle.layout.num_rows, config.lookahead, config.policy)
     inject_fault("data ready")
     store.set(JOB_KEY, oracle.job.to_json())
     wait_for_ranks(world, store)
@@ -255,14 +257,12 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
 def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, train_s: float,
            started_at: float) -> dict:
     """Evaluate the trained model, write checkpoint and summary (the reference's run-dir layout)."""
-    config, dataset = oracle.config, oracle.dataset
-    sizes = dataset.table_sizes
+    config, dataset, layout = oracle.config, oracle.dataset, oracle.layout
     train_cpu_s = cpu_seconds()
-    flat = gather_flat([s["weights"] for s in shards], int(sum(sizes)))
-    row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
-    tables = EmbeddingTables(table_sizes=sizes, dim=config.model.emb_dim, optimizer=row_optimizer,
-                             seed=config.seed, weights=flat)
-    model = build_model(config, len(sizes))
+    weights = [gather_flat([shard["weights"][s] for shard in shards], space.num_rows)
+               for s, space in enumerate(layout.spaces)]
+    tables = build_tables(config, dataset.schema, weights=weights)
+    model = build_model(config, dataset.schema)
     stats = {t: s for t, (s, _) in oracle.done.items()}
     dense_state = oracle.done[0][1]
     evaluable = dense_state is not None
@@ -270,7 +270,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         try:
             model.load_state_dict(dense_state)
         except RuntimeError as err:  # a user script's own model: keep its weights, skip our evaluation
-            log.warning("trainer 0's model is not the configured DLRM (%s); skipping evaluation", err)
+            log.warning("trainer 0's model is not the configured %s (%s); skipping evaluation", config.model.name, err)
             evaluable = False
     else:
         log.warning("trainer 0 reported no model: the checkpoint holds the embeddings only")
@@ -282,7 +282,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         run.log_metrics(event="eval", iteration=oracle.iterations, **metrics)
     eval_s = time.perf_counter() - eval_started
     run.save_checkpoint(dense=(model.state_dict() if evaluable else dense_state) or {},
-                        embeddings=[t.clone() for t in torch.split(flat, list(sizes))],
+                        embeddings=[tables.table(t).clone() for t in range(len(layout.tables))],
                         extra={"iteration": oracle.iterations, "mode": "bagpipe"})
     all_stats = list(stats.values())
     batch_rows = sum(s.batch_rows for s in all_stats)
@@ -296,8 +296,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         "best_auc": dataset.meta.get("best_auc"),
         "trainers": oracle.world.num_trainers,
         "servers": oracle.world.num_servers,
-        "cache_rows": oracle.job.cache_rows,
-        "total_rows": int(sum(sizes)),
+        "model": config.model.name,
+        "cache_rows": sum(oracle.job.cache_rows),
+        "total_rows": layout.num_rows,
         "lookahead": config.lookahead,
         "policy": config.policy,
         "rows_fetched": sum(s.rows_fetched for s in all_stats),

@@ -1,7 +1,7 @@
 """What the oracle tells the trainers: the job, then one message per iteration.
 
-Every trainer holds the same cache (the plan is global), so every trainer gets the same plan
-part; only the batch slice and which evicted rows it writes back differ.
+Every trainer holds the same caches, one per embedding space (the plan is global), so every trainer
+gets the same plan part; only the batch slice and which evicted rows it writes back differ.
 """
 
 from __future__ import annotations
@@ -12,16 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bagpipe.data.schema import Feature, Schema
+from bagpipe.embeddings import EmbeddingLayout, TableConfig
+
 TRAINED = "trained"  # the metrics event after which every row is back on the servers and gathered
 
 
 @dataclass(frozen=True)
 class JobInfo:
     config: dict  # TrainConfig as a dict (model under "model")
-    table_sizes: list[int]
-    num_dense: int
+    schema: dict  # the data's Schema: {"num_dense", "features": [{"name", "cardinality", "width"}]}
+    tables: list[dict]  # the model's TableConfigs, in order
     iterations: int
-    cache_rows: int
+    cache_rows: list[int]  # each space's share of a trainer's cache
     slice_size: int  # samples per trainer per iteration
 
     def to_json(self) -> str:
@@ -31,33 +34,52 @@ class JobInfo:
     def from_json(cls, text: str) -> "JobInfo":
         return cls(**json.loads(text))
 
+    @property
+    def layout(self) -> EmbeddingLayout:
+        schema = Schema(num_dense=self.schema["num_dense"],
+                        features=tuple(Feature(**f) for f in self.schema["features"]))
+        return EmbeddingLayout([TableConfig.from_dict(t) for t in self.tables], schema)
+
+
+def schema_dict(schema: Schema) -> dict:
+    return {"num_dense": schema.num_dense, "features": [dataclasses.asdict(f) for f in schema.features]}
+
 
 @dataclass
-class StepMessage:
-    iteration: int
-    final: bool  # the flush after the last iteration: no batch, every resident row is evicted
-    dense_x: torch.Tensor | None  # this trainer's slice of the global batch
-    ids: torch.Tensor | None  # [slice, tables], ids within each table
-    target: torch.Tensor | None
+class SpaceStep:
+    """One embedding space's part of a plan step (every trainer gets the same, but ``write_mask``)."""
+
     fetch_keys: torch.Tensor  # flat keys to install before this iteration
     fetch_versions: torch.Tensor  # the write-back version each fetch must observe
     fetch_slots: torch.Tensor  # the cache slot each fetched row goes to
     evict_keys: torch.Tensor  # flat keys to evict before the fetches (after iteration - 1)
     evict_slots: torch.Tensor  # and the slots they leave
     write_mask: torch.Tensor  # bool per evicted key: this trainer writes it back
-    batch_keys: torch.Tensor  # the global batch's distinct flat keys: those synced at once first
+    batch_keys: torch.Tensor  # the global batch's distinct keys of the space, those synced at once first
     batch_slots: torch.Tensor  # their cache slots
     num_now: int  # batch rows used again next iteration, so synced right away (the first ones)
-    positions: torch.Tensor | None  # per id of this trainer's slice: its index in batch_keys
+    positions: torch.Tensor | None  # per place of this trainer's slice's key matrix: its index in batch_keys
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.fetch_keys, self.fetch_versions, self.fetch_slots, self.evict_keys,
+                            self.evict_slots, self.write_mask, self.batch_keys, self.batch_slots,
+                            self.positions) if t is not None]
+
+
+@dataclass
+class StepMessage:
+    iteration: int
+    final: bool  # the flush after the last iteration: no batch, every resident row is evicted
+    dense_x: torch.Tensor | None  # this trainer's slice of the global batch
+    ids: torch.Tensor | None  # [slice, columns], each sparse feature's ids (PAD where empty)
+    target: torch.Tensor | None
+    spaces: list[SpaceStep]
     lookups: int = 0  # ids in the global batch, repeats included
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.dense_x, self.ids, self.target, self.fetch_keys, self.fetch_versions,
-                            self.fetch_slots, self.evict_keys, self.evict_slots, self.write_mask, self.batch_keys,
-                            self.batch_slots, self.positions) if t is not None]
+        tensors = [t for t in (self.dense_x, self.ids, self.target) if t is not None]
+        tensors += [t for space in self.spaces for t in space.tensors()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass

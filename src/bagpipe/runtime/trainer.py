@@ -23,16 +23,16 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 
-from bagpipe.cache import BatchView, RowCache
+from bagpipe.cache import BatchView, RowCache, StepTables
 from bagpipe.config import ModelConfig, TrainConfig
-from bagpipe.embeddings import Bags, Lookup
+from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
-from bagpipe.runtime.protocol import JobInfo, StepMessage, TrainerStats
+from bagpipe.runtime.protocol import JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group, wait_for_job
@@ -43,7 +43,7 @@ _END = object()
 
 
 class TrainerRuntime:
-    """One trainer's cache, prefetcher, writer and gradient sync (no model knowledge)."""
+    """One trainer's caches (one per embedding space), prefetcher, writer and gradient sync (no model knowledge)."""
 
     def __init__(self, world: World, store, *, job: JobInfo, liveness: Liveness, device: str = "cpu",
                  writeback_delay: float = 0.0, prefetch_depth: int | None = None) -> None:
@@ -51,17 +51,19 @@ class TrainerRuntime:
         self.liveness = liveness
         self.index = world.role[1]
         self.job = job
+        self.layout = job.layout
         config = job.config
-        self.dim = config["model"]["emb_dim"]
         self.row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
-        self.cache = RowCache(capacity=job.cache_rows, dim=self.dim, optimizer=self.row_optimizer, device=device)
+        self.caches = [RowCache(capacity=share, dim=space.dim, optimizer=self.row_optimizer, device=device)
+                       for space, share in zip(self.layout.spaces, job.cache_rows)]
         self.group = trainer_group(world, store, self.index)
         self.stats = TrainerStats()
         self.step: StepMessage | None = None
         self.writeback_delay = writeback_delay  # tests only: delays every write-back on purpose
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch_depth or config["prefetch_depth"])
         self._writes: queue.Queue = queue.Queue()
-        self._pending: deque = deque()  # lazily synced updates: (iteration, keys, grads, work)
+        # per space, lazily synced updates: (iteration, slots, grads, mean)
+        self._pending: list[deque] = [deque() for _ in self.layout.spaces]
         self._failure: BaseException | None = None
         self._stopping = threading.Event()
         self._started = None
@@ -93,16 +95,20 @@ class TrainerRuntime:
                 if message.final:
                     return
 
-    def _issue_fetches(self, message: StepMessage) -> list:
-        keys, versions = message.fetch_keys, message.fetch_versions
-        shards = keys % self.world.num_servers
+    def _issue_fetches(self, message: StepMessage) -> list[list]:
+        """Each space's fetches, sent to the shards that hold them: (shard, index, future) per request."""
         fetches = []
-        for shard in range(self.world.num_servers):
-            index = torch.nonzero(shards == shard).flatten()
-            if len(index):
-                future = rpc.rpc_async(World.server_name(shard), server.rpc_fetch,
-                                       args=(keys[index], versions[index]), timeout=self.world.timeout)
-                fetches.append((shard, index, future))
+        for space, step in enumerate(message.spaces):
+            keys, versions = step.fetch_keys, step.fetch_versions
+            shards = keys % self.world.num_servers
+            requests = []
+            for shard in range(self.world.num_servers):
+                index = torch.nonzero(shards == shard).flatten()
+                if len(index):
+                    future = rpc.rpc_async(World.server_name(shard), server.rpc_fetch,
+                                           args=(space, keys[index], versions[index]), timeout=self.world.timeout)
+                    requests.append((shard, index, future))
+            fetches.append(requests)
         return fetches
 
     def _write(self) -> None:
@@ -113,9 +119,9 @@ class TrainerRuntime:
                 break
             if self.writeback_delay:
                 time.sleep(self.writeback_delay)
-            shard, keys, rows, state, version = item
-            in_flight.append((shard, rpc.rpc_async(World.server_name(shard), server.rpc_write_back,
-                                                   args=(keys, rows, state, version), timeout=self.world.timeout)))
+            shard, args = item
+            in_flight.append((shard, rpc.rpc_async(World.server_name(shard), server.rpc_write_back, args=args,
+                                                   timeout=self.world.timeout)))
             while in_flight and in_flight[0][1].done():
                 _check(*in_flight.pop(0), what="write-back")
         for shard, future in in_flight:
@@ -141,7 +147,11 @@ class TrainerRuntime:
                     raise TimeoutError(f"trainer {self.index}: no plan from the oracle for "
                                        f"{self.world.timeout:.0f} s") from None
         self._stalled("plan_wait_s", waited)
-        self._boundary(message, fetches)
+        for space, (step, requests) in enumerate(zip(message.spaces, fetches)):
+            self._boundary(space, message.iteration, step, requests)
+            if not message.final:
+                self.stats.batch_rows += len(step.batch_keys)
+                self.stats.batch_hits += len(step.batch_keys) - len(step.fetch_keys)
         self.step = message
         if message.final:
             self._flush()
@@ -149,52 +159,51 @@ class TrainerRuntime:
         self.stats.iterations += 1
         return message
 
-    def _boundary(self, message: StepMessage, fetches: list) -> None:
-        evict_slots = message.evict_slots.numpy()
-        self._apply_pending(upto=message.iteration - 2, evicting=evict_slots)
+    def _boundary(self, space: int, iteration: int, step: SpaceStep, requests: list) -> None:
+        """One space's part of the boundary before ``iteration``: due updates, evictions, fetched rows."""
+        cache, dim = self.caches[space], self.layout.spaces[space].dim
+        evict_slots = step.evict_slots.numpy()
+        self._apply_pending(space, upto=iteration - 2, evicting=evict_slots)
         if len(evict_slots):
-            rows, state = self.cache.evict(evict_slots, message.evict_keys.numpy())
-            mine = message.write_mask
+            rows, state = cache.evict(evict_slots, step.evict_keys.numpy())
+            mine = step.write_mask
             if mine.any():
-                self._send_write_backs(message.evict_keys[mine], rows[mine], state[mine],
-                                       version=message.iteration - 1)
-        fetch_keys = message.fetch_keys.numpy()
+                self._send_write_backs(space, step.evict_keys[mine], rows[mine], state[mine], version=iteration - 1)
+        fetch_keys = step.fetch_keys.numpy()
         if len(fetch_keys):
-            rows = torch.empty(len(fetch_keys), self.dim)
-            state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(self.dim))
+            rows = torch.empty(len(fetch_keys), dim)
+            state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(dim))
             waited = time.perf_counter()
-            for shard, index, future in fetches:
+            for shard, index, future in requests:
                 rows[index], state[index] = _check(shard, future, what="fetch")
             self._stalled("fetch_wait_s", waited)
-            self.cache.install(message.fetch_slots.numpy(), fetch_keys, rows, state)
+            cache.install(step.fetch_slots.numpy(), fetch_keys, rows, state)
             self.stats.rows_fetched += len(fetch_keys)
-        if not message.final:
-            self.stats.batch_rows += len(message.batch_keys)
-            self.stats.batch_hits += len(message.batch_keys) - len(fetch_keys)
 
     def _stalled(self, kind: str, since: float) -> None:
         waited = time.perf_counter() - since
         setattr(self.stats, kind, getattr(self.stats, kind) + waited)
         self.stats.stall_s += waited
 
-    def _send_write_backs(self, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *, version: int):
+    def _send_write_backs(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *,
+                          version: int) -> None:
         shards = keys % self.world.num_servers
         for shard in range(self.world.num_servers):
             index = torch.nonzero(shards == shard).flatten()
             if len(index):
-                self._writes.put((shard, keys[index], rows[index], state[index], version))
+                self._writes.put((shard, (space, keys[index], rows[index], state[index], version)))
         self.stats.rows_written_back += len(keys)
         self.stats.bytes_sent += rows.numel() * 4 + state.numel() * 4 + keys.numel() * 8
 
-    def lookup(self) -> tuple[torch.Tensor, Lookup]:
-        """Embeddings of this iteration's slice: [B, T, D] for one-hot ids, pooled for bags.
+    def lookup(self) -> tuple[Embeddings, list[Lookup]]:
+        """This iteration's slice's embeddings, and each space's Lookup.
 
         The oracle sent each id's row (``positions``) and each row's slot: no search here.
         """
         message = self.step
-        view = BatchView(message.batch_keys.numpy(), message.batch_slots.numpy(), message.num_now,
-                         message.positions)
-        return self.cache.gather(view, message.ids if isinstance(message.ids, Bags) else None)
+        views = [BatchView(step.batch_keys.numpy(), step.batch_slots.numpy(), step.num_now, step.positions)
+                 for step in message.spaces]
+        return StepTables(self.caches, views, self.layout).lookup(message.ids)
 
     def allreduce_start(self, buffer: torch.Tensor) -> Mean:
         """Start averaging ``buffer`` over trainers in the background (e.g. gradients ready early)."""
@@ -210,47 +219,52 @@ class TrainerRuntime:
         self.stats.sync_s += time.perf_counter() - waited
         return buffer
 
-    def sync(self, lookup: Lookup, extra: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Sum gradients over trainers (divided by their number) and update the cached rows.
+    def sync(self, lookups: list[Lookup], extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Average the rows' gradients over trainers and update the cached rows, space by space.
 
         ``extra`` (e.g. the flattened dense gradients) rides along in the blocking all-reduce and
-        comes back averaged. Rows used next iteration (the first ``num_now`` of the batch) are
-        updated now; the rest when their sync completes, before their next use or eviction.
+        comes back averaged. Rows used next iteration (the first ``num_now`` of each space's batch)
+        are updated now; the rest when their sync completes, before their next use or eviction.
         """
         message = self.step
-        slots, now = message.batch_slots, message.num_now
-        grads = lookup.rows.grad  # [batch rows, D]: this slice's gradient of every batch row
-        if grads is None:
+        if all(lookup.rows.grad is None for lookup in lookups):
             raise RuntimeError("backward() did not reach the embeddings of this batch")
-        grads = grads.cpu()
-        extra_size = 0 if extra is None else extra.numel()
-        buffer = torch.cat([torch.zeros(0) if extra is None else extra.reshape(-1).cpu(), grads[:now].reshape(-1)])
-        buffer = self.allreduce_finish(self.allreduce_start(buffer))
-        self.cache.apply(slots[:now], buffer[extra_size:].view(-1, self.dim))
-        if now < len(slots):
-            later_grads = grads[now:]  # a contiguous view: no copy
-            work = self.allreduce_start(later_grads)
-            self._pending.append((message.iteration, slots[now:].numpy(), later_grads, work))
-        return None if extra is None else buffer[:extra_size]
+        # [batch rows, D] per space: this slice's gradient of every batch row
+        grads = [(lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)).cpu()
+                 for lookup in lookups]
+        parts = [torch.zeros(0) if extra is None else extra.reshape(-1).cpu()]
+        parts += [g[:step.num_now].reshape(-1) for g, step in zip(grads, message.spaces)]
+        buffer = self.allreduce_finish(self.allreduce_start(torch.cat(parts)))
+        offset = parts[0].numel()
+        for space, (g, step) in enumerate(zip(grads, message.spaces)):
+            now, dim = step.num_now, self.layout.spaces[space].dim
+            self.caches[space].apply(step.batch_slots[:now], buffer[offset:offset + now * dim].view(-1, dim))
+            offset += now * dim
+            if now < len(step.batch_slots):
+                later_grads = g[now:]  # a contiguous view: no copy
+                mean = self.allreduce_start(later_grads)
+                self._pending[space].append((message.iteration, step.batch_slots[now:].numpy(), later_grads, mean))
+        return None if extra is None else buffer[:parts[0].numel()]
 
-    def _apply_pending(self, *, upto: int, evicting: np.ndarray) -> None:
-        """Apply lazily synced updates from iterations <= upto, and any whose rows are evicted now."""
+    def _apply_pending(self, space: int, *, upto: int, evicting: np.ndarray) -> None:
+        """Apply a space's lazily synced updates from iterations <= upto, and any whose rows are evicted now."""
+        pending, cache = self._pending[space], self.caches[space]
         evicted = None
-        while self._pending:
-            iteration, slots, grads, work = self._pending[0]
+        while pending:
+            iteration, slots, grads, mean = pending[0]
             if iteration > upto:
                 if not len(evicting):
                     break
                 if evicted is None:
-                    evicted = np.zeros(self.cache.capacity, dtype=bool)
+                    evicted = np.zeros(cache.capacity, dtype=bool)
                     evicted[evicting] = True
                 if not evicted[slots].any():
                     break
-            self._pending.popleft()
+            pending.popleft()
             waited = time.perf_counter()
-            work.wait()
+            mean.wait()
             self._stalled("lazy_sync_wait_s", waited)
-            self.cache.apply(slots, grads)
+            cache.apply(slots, grads)
 
     def _flush(self) -> None:
         self._writes.put(_END)
@@ -286,15 +300,15 @@ def _check(shard: int, future, *, what: str):
 
 
 def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
-    """The DLRM training loop of ``--mode bagpipe``: the reference step, with synced gradients."""
+    """The training loop of ``--mode bagpipe``, for any model: the reference step, with synced gradients."""
     deterministic()
     job = runtime.job
-    model = build_model(config, len(job.table_sizes))
+    model = build_model(config, runtime.layout.schema)
     dense_optimizer = runtime.row_optimizer.dense_optimizer(model.parameters())
     params = list(model.parameters())
-    # The top MLP's gradients are complete first in the backward: their all-reduce starts then
-    # and runs while the rest of the backward computes (as DDP's buckets do).
-    early = _EarlyBucket(runtime, list(model.top.parameters()))
+    # The parameters the model names as complete first in the backward (DLRM: the top MLP): their
+    # all-reduce starts then and runs while the rest of the backward computes (as DDP's buckets do).
+    early = _EarlyBucket(runtime, model.early_params())
     late_params = [p for p in params if all(p is not q for q in early.params)]
     leader = runtime.index == 0
     run = RunDir(config.run_dir, append=True) if leader else None
@@ -315,7 +329,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             clock.carve("cache", kind, getattr(stats, f"{kind}_s") - before)
         if message is None:
             break
-        embeddings, lookup = runtime.lookup()
+        embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
         local_loss = F.binary_cross_entropy_with_logits(model(message.dense_x, embeddings), message.target)
         clock.lap("forward")
@@ -325,7 +339,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         clock.lap("backward")
         flat = torch.cat([p.grad.reshape(-1) for p in late_params] + [local_loss.detach().reshape(1)])
         sync_before = stats.sync_s
-        flat = runtime.sync(lookup, flat)
+        flat = runtime.sync(lookups, flat)
         early_flat = early.finish()
         clock.lap("sync")
         clock.carve("sync", "sync_wait", stats.sync_s - sync_before)
@@ -391,7 +405,7 @@ class _EarlyBucket:
         if not self.params:
             return torch.zeros(0)
         if self.buffer is None:
-            raise RuntimeError("the backward did not reach every parameter of the top MLP")
+            raise RuntimeError("the backward did not reach every one of the model's early parameters")
         return self.runtime.allreduce_finish(self.work)
 
 
