@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.reference import train_reference
@@ -31,11 +32,17 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
 
 
 def reference_of(config: TrainConfig, run_dir) -> dict:
-    """The reference's export for ``config``, its gradients computed as ``config.trainers`` trainers do."""
+    """The reference's export for ``config``, its gradients computed as ``config.trainers`` trainers do,
+    on one thread, as each role runs (`bagpipe train --slices` does the same)."""
     from dataclasses import replace
 
-    train_reference(replace(config, mode="reference", run_dir=str(run_dir), slices=config.trainers),
-                    show_progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_reference(replace(config, mode="reference", run_dir=str(run_dir), slices=config.trainers),
+                        show_progress=False)
+    finally:
+        torch.set_num_threads(threads)
     return export(run_dir, Path(run_dir) / "export.pt")
 
 

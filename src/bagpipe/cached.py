@@ -51,7 +51,8 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
             for s, step in enumerate(steps):
                 rows_of[s].load(batch_view(step))
                 views.append(rows_of[s].at(keys[iteration][s]))
-            train_step(model, StepTables(caches, views, layout), dense_optimizer, batches[iteration])
+            train_step(model, StepTables(caches, views, layout), dense_optimizer, batches[iteration], seed=seed,
+                       iteration=iteration)
     return stores
 
 

@@ -72,7 +72,6 @@ def _add_train(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="the global batch" + _default("batch_size"))
     p.add_argument("--eval-batch-size", type=int, default=None, help="samples per evaluation batch"
                    + _default("eval_batch_size"))
-    p.add_argument("--emb-dim", type=int, default=None, help="embedding width" + _default("emb_dim"))
     p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, for embeddings and dense weights"
                    + _default("optimizer"))
     p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr"))
@@ -89,14 +88,59 @@ def _add_train(sub) -> None:
                    help="--mode reference: compute each batch's gradient as this many trainers do, so that "
                         "--mode bagpipe with that many trainers gives the same result bit for bit"
                         + _default("slices"))
-    p.add_argument("--arch-mlp-bot", default=None, help="bottom MLP sizes, ending in the embedding width"
-                   + _default("arch_mlp_bot"))
-    p.add_argument("--arch-mlp-top", default=None, help="top MLP sizes after the interaction, ending in 1"
-                   + _default("arch_mlp_top"))
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads (default 0: torch's default in --mode reference, 1 per role in --mode bagpipe)")
+                   help="torch threads per process (default 0: 1 per role in --mode bagpipe and with --slices, "
+                        "else torch's default); bit-for-bit equality needs the same on both sides")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal)")
+    _add_model_flags(p, emb_flags=("--emb-dim", "--emb-size"))
     _add_job_flags(p)
+
+
+def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:
+    from bagpipe.config import CROSS_KINDS, MODEL_NAMES
+
+    g = p.add_argument_group("the model (each reads its own settings)")
+    g.add_argument("--model", dest="name", default=None, help=f"{', '.join(MODEL_NAMES)}" + _default("name"))
+    g.add_argument(*emb_flags, dest="emb_dim", type=int, default=None, help="embedding width" + _default("emb_dim"))
+    g.add_argument("--arch-mlp-bot", default=None, help="dlrm: bottom MLP sizes, from the dense features to the "
+                   "embedding width" + _default("arch_mlp_bot"))
+    g.add_argument("--arch-mlp-top", default=None, help="dlrm: top MLP sizes after the interaction, ending in 1"
+                   + _default("arch_mlp_top"))
+    g.add_argument("--deep-mlp", default=None, help="wide-deep, deepfm, dcn, fgcnn: the deep part's hidden sizes"
+                   + _default("deep_mlp"))
+    g.add_argument("--cross-layers", type=int, default=None, help="dcn: cross layers" + _default("cross_layers"))
+    g.add_argument("--cross-kind", default=None, help=f"dcn: {' or '.join(CROSS_KINDS)} (DCN-v2)"
+                   + _default("cross_kind"))
+    g.add_argument("--cross-rank", type=int, default=None, help="dcn matrix: 0 full, r a low-rank U V of rank r"
+                   + _default("cross_rank"))
+    g.add_argument("--conv-channels", default=None, help="fgcnn: channels of each convolution"
+                   + _default("conv_channels"))
+    g.add_argument("--filter-range", dest="conv_channels", type=_filter_range, default=None,
+                   help="fgcnn, as the original system takes it: A-B picks channels 10, 12, ..., 26 from index A "
+                        "to B (2-5: 14-16-18-20) (default: --conv-channels)")
+    g.add_argument("--conv-kernel", type=int, default=None, help="fgcnn: kernel height, odd" + _default("conv_kernel"))
+    g.add_argument("--conv-pool", type=int, default=None, help="fgcnn: pooling height" + _default("conv_pool"))
+    g.add_argument("--recombine", type=int, default=None, help="fgcnn: new feature maps per convolution"
+                   + _default("recombine"))
+    g.add_argument("--vertical-filters", type=int, default=None, help="caser: vertical filters (n_v)"
+                   + _default("vertical_filters"))
+    g.add_argument("--horizontal-filters", type=int, default=None, help="caser: horizontal filters per height (n_h)"
+                   + _default("horizontal_filters"))
+    g.add_argument("--dropout", type=float, default=None, help="dropout rate of the deep parts, and caser's"
+                   + _default("dropout"))
+
+
+ORIGINAL_CHANNELS = tuple(range(10, 28, 2))  # the original FGCNN trainer's channel list, indexed by --filter-range
+
+
+def _filter_range(text: str) -> str:
+    try:
+        first, last = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A-B, such as 2-5, got {text!r}") from None
+    if not 0 <= first <= last < len(ORIGINAL_CHANNELS):
+        raise argparse.ArgumentTypeError(f"A-B must lie in 0-{len(ORIGINAL_CHANNELS) - 1}, got {text!r}")
+    return "-".join(str(c) for c in ORIGINAL_CHANNELS[first:last + 1])
 
 
 def _add_job_flags(p) -> None:
@@ -156,7 +200,6 @@ def _add_oracle_flags(p) -> None:
     p.add_argument("--prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
     p.add_argument("--mini-batch-size", dest="batch_size", type=int, default=None,
                    help="the global batch, split evenly among the trainers" + _default("batch_size"))
-    p.add_argument("--emb-size", dest="emb_dim", type=int, default=None, help="embedding width" + _default("emb_dim"))
     p.add_argument("--emb-info-file", default=None,
                    help="one table size per line, checked against the data (default: not checked)")
     for name, text in (("iterations", "global batches; 0: one pass"), ("seed", "initialisation seed"),
@@ -166,8 +209,7 @@ def _add_oracle_flags(p) -> None:
         p.add_argument(f"--{name}", type=int, default=None, help=text + _default(name.replace("-", "_")))
     p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam" + _default("optimizer"))
     p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr"))
-    p.add_argument("--arch-mlp-bot", default=None, help="bottom MLP sizes" + _default("arch_mlp_bot"))
-    p.add_argument("--arch-mlp-top", default=None, help="top MLP sizes" + _default("arch_mlp_top"))
+    _add_model_flags(p, emb_flags=("--emb-size", "--emb-dim"))
     g = p.add_argument_group("the plan")
     g.add_argument("--cache-size", "--cache-rows", dest="cache_rows", type=int, default=None,
                    help="rows each trainer caches (default 0: 5%% of all rows)")
@@ -246,17 +288,19 @@ def run_train(args) -> None:
 
     if args.threads < 0:
         raise ValueError(f"--threads must not be negative, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     names = {f for f in TrainConfig.__dataclass_fields__ if f != "model"} | set(ModelConfig.__dataclass_fields__)
     overrides = {name: getattr(args, name) for name in names if hasattr(args, name)}
     config = load_train_config(args.config, overrides)
+    # A role runs one thread unless told otherwise, and a reference that computes as trainers do
+    # (--slices) runs as many as each of them: some kernels' sums depend on the thread count.
+    threads = args.threads or (SLICED_THREADS if config.mode == "bagpipe" or config.slices > 1 else 0)
     if config.mode == "bagpipe":
         from bagpipe.runtime.launch import launch_local
 
-        summary = launch_local(config, show_progress=not args.no_progress, threads=args.threads or 1,
-                               overwrite=args.overwrite)
+        summary = launch_local(config, show_progress=not args.no_progress, threads=threads, overwrite=args.overwrite)
     else:
+        if threads:
+            torch.set_num_threads(threads)
         summary = train_reference(config, show_progress=not args.no_progress, overwrite=args.overwrite)
     print(human_summary(summary))
 
@@ -366,6 +410,7 @@ COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train
 
 
 ROLES = ("oracle", "server", "trainer", "role")
+SLICED_THREADS = 1  # threads of each role of a local job, and of a reference that computes as its trainers do
 _WAKEUP: list = []  # the socket pair Ctrl-C's wakeup byte travels through, kept for the process
 
 

@@ -19,7 +19,8 @@ from bagpipe.planner.plan import POLICIES
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 MODES = ("reference", "bagpipe")
-MODEL_NAMES = ("dlrm",)  # the registry in bagpipe.models, in its order
+MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
+CROSS_KINDS = ("vector", "matrix")
 
 
 def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
@@ -65,10 +66,23 @@ def _check_types(config) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    name: str = "dlrm"
+    """The model and its shape. Each model reads its own fields (named in the comments)."""
+
+    name: str = "dlrm"  # dlrm, wide-deep, deepfm, dcn, fgcnn or caser
     emb_dim: int = 16
-    arch_mlp_bot: str = "13-512-256-16"  # last size must equal emb_dim
-    arch_mlp_top: str = "512-256-1"  # sizes after the interaction; must end in 1
+    arch_mlp_bot: str = "13-512-256-16"  # dlrm: dense features -> emb_dim (last size must equal it)
+    arch_mlp_top: str = "512-256-1"  # dlrm: sizes after the interaction; must end in 1
+    deep_mlp: str = "400-400-400"  # wide-deep, deepfm, dcn, fgcnn: the deep part's hidden layers
+    cross_layers: int = 3  # dcn
+    cross_kind: str = "vector"  # dcn: vector (DCN, Wang et al. 2017) or matrix (DCN-v2, 2021)
+    cross_rank: int = 0  # dcn matrix: 0 a full d x d matrix, r > 0 a low-rank U V^T of rank r
+    conv_channels: str = "14-16-18-20"  # fgcnn: channels of each convolution
+    conv_kernel: int = 7  # fgcnn: kernel height (fields)
+    conv_pool: int = 2  # fgcnn: max-pooling height
+    recombine: int = 2  # fgcnn: new feature maps per convolution
+    vertical_filters: int = 4  # caser: n_v
+    horizontal_filters: int = 16  # caser: n_h per height 1..L
+    dropout: float = 0.0  # wide-deep, deepfm, dcn, fgcnn (deep part), caser (before its dense layer)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -78,14 +92,26 @@ class ModelConfig:
             raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
         bot = parse_arch(self.arch_mlp_bot, name="arch_mlp_bot")
         top = parse_arch(self.arch_mlp_top, name="arch_mlp_top")
-        if len(bot) < 2:
-            raise ValueError(f"arch_mlp_bot needs an input and an output size, got {self.arch_mlp_bot!r}")
-        if bot[-1] != self.emb_dim:
-            raise ValueError(
-                f"arch_mlp_bot must end in the embedding dimension ({self.emb_dim}), got {self.arch_mlp_bot!r}"
-            )
-        if top[-1] != 1:
-            raise ValueError(f"arch_mlp_top must end in 1 (one logit), got {self.arch_mlp_top!r}")
+        parse_arch(self.deep_mlp, name="deep_mlp")
+        parse_arch(self.conv_channels, name="conv_channels")
+        if self.name == "dlrm":
+            if len(bot) < 2:
+                raise ValueError(f"arch_mlp_bot needs an input and an output size, got {self.arch_mlp_bot!r}")
+            if bot[-1] != self.emb_dim:
+                raise ValueError(f"arch_mlp_bot must end in the embedding dimension ({self.emb_dim}), "
+                                 f"got {self.arch_mlp_bot!r}")
+            if top[-1] != 1:
+                raise ValueError(f"arch_mlp_top must end in 1 (one logit), got {self.arch_mlp_top!r}")
+        if self.cross_kind not in CROSS_KINDS:
+            raise ValueError(f"cross_kind must be one of {', '.join(CROSS_KINDS)}, got {self.cross_kind!r}")
+        for name in ("cross_layers", "conv_kernel", "conv_pool", "recombine", "vertical_filters",
+                     "horizontal_filters"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.cross_rank < 0:
+            raise ValueError(f"cross_rank must not be negative, got {self.cross_rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def bottom_sizes(self) -> tuple[int, ...]:
@@ -94,6 +120,14 @@ class ModelConfig:
     @property
     def top_sizes(self) -> tuple[int, ...]:
         return parse_arch(self.arch_mlp_top, name="arch_mlp_top")
+
+    @property
+    def deep_sizes(self) -> tuple[int, ...]:
+        return parse_arch(self.deep_mlp, name="deep_mlp")
+
+    @property
+    def channels(self) -> tuple[int, ...]:
+        return parse_arch(self.conv_channels, name="conv_channels")
 
 
 @dataclass(frozen=True, kw_only=True)

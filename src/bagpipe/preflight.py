@@ -9,12 +9,12 @@ import os
 
 import numpy as np
 
-from bagpipe.config import TrainConfig
+from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
-from bagpipe.models import check_model, model_tables
+from bagpipe.models import MODELS, check_model, model_tables
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
@@ -150,6 +150,10 @@ def ignored_settings(config: TrainConfig) -> list[str]:
                 for name in changed if name in unread]
     if "shuffle_seed" in changed and not config.shuffle:
         warnings.append("--shuffle-seed does nothing without --shuffle (batches are consecutive rows)")
+    read = MODELS[config.model.name].settings
+    warnings += [f"{_flag(f.name)} does nothing with --model {config.model.name}"
+                 for f in dataclasses.fields(ModelConfig)
+                 if f.name not in ("name", *read) and getattr(config.model, f.name) != getattr(defaults.model, f.name)]
     return warnings
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bagpipe.config import TrainConfig, config_to_dict
@@ -24,6 +23,7 @@ from bagpipe import models
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
 from bagpipe.metrics import log_loss, roc_auc
+from bagpipe.models.layers import set_dropout_step
 from bagpipe.optim import make_row_optimizer
 from bagpipe.preflight import prepare_job
 from bagpipe.progress import progress
@@ -87,18 +87,20 @@ def evaluate(model: nn.Module, tables: EmbeddingTables, split: BinarySplit, *, b
 
 
 def train_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
-               batch: Batch, clock: PhaseClock | None = None, *, slices: int = 1) -> float:
+               batch: Batch, clock: PhaseClock | None = None, *, slices: int = 1, seed: int = 0,
+               iteration: int = 0) -> float:
     """One iteration on a global batch; returns its loss.
 
     ``slices`` > 1 computes the gradient the way that many trainers of ``--mode bagpipe`` do:
     each slice of the batch has its own forward and backward (mean loss over the slice), and the
     slices' gradients are added in trainer order, then divided by their number. Floating-point
     sums depend on their order, so this, not the one-pass gradient, is what a distributed run
-    equals bit for bit.
+    equals bit for bit. (``seed`` and ``iteration`` key the model's dropout, slice by slice.)
     """
     clock = clock or _NO_CLOCK
     if slices > 1:
-        return _sliced_step(model, tables, dense_optimizer, batch, clock, slices)
+        return _sliced_step(model, tables, dense_optimizer, batch, clock, slices, seed=seed, iteration=iteration)
+    set_dropout_step(model, seed=seed, iteration=iteration, part=0)
     loss, lookup = _forward_backward(model, tables, dense_optimizer, batch, clock)
     dense_optimizer.step()
     tables.apply_gradients(lookup)
@@ -108,11 +110,12 @@ def train_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch
 
 
 def _sliced_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
-                 clock: PhaseClock | _NoClock, slices: int) -> float:
+                 clock: PhaseClock | _NoClock, slices: int, *, seed: int, iteration: int) -> float:
     params = list(model.parameters())
     keys = tables.distinct_keys(batch.ids)  # every slice's leaf holds all the batch's rows, as a trainer's does
     sums: list[torch.Tensor] | None = None
-    for part in batch.slices(slices):
+    for index, part in enumerate(batch.slices(slices)):
+        set_dropout_step(model, seed=seed, iteration=iteration, part=index)  # as trainer ``index`` draws it
         loss, lookups = _forward_backward(model, tables, dense_optimizer, part, clock, keys=keys)
         with torch.no_grad():
             grads = [*(_row_grads(lookup) for lookup in lookups), *(p.grad for p in params), loss.detach()]
@@ -140,7 +143,7 @@ def _forward_backward(model: nn.Module, tables: EmbeddingTables, dense_optimizer
     """The loss of ``batch`` (its mean), with every gradient of it in place: dense ``.grad`` and the leaf's."""
     embeddings, lookup = tables.lookup(batch.ids, **lookup_options)
     clock.lap("lookup")
-    loss = F.binary_cross_entropy_with_logits(model(batch.dense_x, embeddings), batch.target)
+    loss = model.loss(model(batch.dense_x, embeddings), batch.target)
     clock.lap("forward")
     dense_optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -185,7 +188,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     clock.restart()
     for iteration, batch in enumerate(batches):
         clock.lap("data")
-        loss = train_step(model, tables, dense_optimizer, batch, clock, slices=config.slices)
+        loss = train_step(model, tables, dense_optimizer, batch, clock, slices=config.slices, seed=config.seed,
+                          iteration=iteration)
         clock.end_iteration()
         check_loss(loss, iteration, config)
         now = time.perf_counter()

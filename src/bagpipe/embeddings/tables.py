@@ -10,6 +10,7 @@ own and still equal the reference.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -96,15 +97,16 @@ class Embeddings:
         block = self.spaces[spec.space]
         return block[:, spec.start] if spec.stop - spec.start == 1 else block[:, spec.start:spec.stop]
 
-    def stack(self) -> torch.Tensor:
-        """Every lookup as ``[B, n, D]`` (one-column features of one width): a view when they are
-        one space's columns in order, as DLRM's are."""
-        specs = self.layout.lookups
+    def stack(self, lookups: Sequence[int] | None = None) -> torch.Tensor:
+        """Those lookups (default all; one-column features of one width) as ``[B, n, D]``: a view when
+        they are one space's consecutive columns, as DLRM's are."""
+        indices = range(len(self)) if lookups is None else lookups
+        specs = [self.layout.lookups[i] for i in indices]
         first = specs[0]
-        if (len(self.spaces) == 1 and all(s.stop - s.start == 1 for s in specs)
-                and [s.start for s in specs] == list(range(len(specs)))):
-            return self.spaces[first.space]
-        return torch.stack([self[i] for i in range(len(self))], dim=1)
+        if (all(s.space == first.space and s.stop - s.start == 1 for s in specs)
+                and [s.start for s in specs] == list(range(first.start, first.start + len(specs)))):
+            return self.spaces[first.space][:, first.start:first.start + len(specs)]
+        return torch.stack([self[i] for i in indices], dim=1)
 
     def pooled(self, index: int, mode: str = "sum") -> torch.Tensor:
         """Entry ``index`` pooled over its places: ``[B, D]`` (an empty bag pools to zeros)."""

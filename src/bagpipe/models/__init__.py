@@ -17,7 +17,7 @@ from torch import nn
 from bagpipe.config import MODEL_NAMES, ModelConfig
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import TableConfig
-from bagpipe.models import dlrm
+from bagpipe.models import dcn, deepfm, dlrm, fgcnn, wide_deep
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,20 @@ class ModelSpec:
     tables: Callable[[ModelConfig, Schema], list[TableConfig]]
     check: Callable[[ModelConfig, Schema], None]
     build: Callable[[ModelConfig, Schema], nn.Module]
+    settings: tuple[str, ...]  # the ModelConfig fields it reads
 
 
 MODELS: dict[str, ModelSpec] = {
-    "dlrm": ModelSpec(dlrm.tables, dlrm.check, dlrm.DLRM.from_config),
+    "dlrm": ModelSpec(dlrm.tables, dlrm.check, dlrm.DLRM.from_config, ("emb_dim", "arch_mlp_bot", "arch_mlp_top")),
+    "wide-deep": ModelSpec(wide_deep.tables, wide_deep.check, wide_deep.WideDeep.from_config,
+                           ("emb_dim", "deep_mlp", "dropout")),
+    "deepfm": ModelSpec(deepfm.tables, deepfm.check, deepfm.DeepFM.from_config, ("emb_dim", "deep_mlp", "dropout")),
+    "dcn": ModelSpec(dcn.tables, dcn.check, dcn.DCN.from_config,
+                     ("emb_dim", "deep_mlp", "cross_layers", "cross_kind", "cross_rank", "dropout")),
+    "fgcnn": ModelSpec(fgcnn.tables, fgcnn.check, fgcnn.FGCNN.from_config,
+                       ("emb_dim", "conv_channels", "conv_kernel", "conv_pool", "recombine", "deep_mlp", "dropout")),
 }
-assert tuple(MODELS) == MODEL_NAMES, "config.MODEL_NAMES lists the registry's models"
+assert set(MODELS) <= set(MODEL_NAMES), "config.MODEL_NAMES lists the registry's models"
 
 
 def model_tables(config: ModelConfig, schema: Schema) -> list[TableConfig]:

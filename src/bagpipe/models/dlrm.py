@@ -12,6 +12,7 @@ from torch import nn
 
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import Embeddings, TableConfig, one_per_feature
+from bagpipe.models.base import RecModel
 from bagpipe.models.layers import mlp
 
 
@@ -28,7 +29,7 @@ def check(config, schema: Schema) -> None:
         raise ValueError("dlrm embeds one id per sparse feature; this data has multi-valued features")
 
 
-class DLRM(nn.Module):
+class DLRM(RecModel):
     """``forward(dense_x [B, num_dense], embeddings [B, T, D] or Embeddings) -> logits [B]``."""
 
     def __init__(self, *, num_tables: int, emb_dim: int, bottom_sizes: tuple[int, ...],

@@ -21,12 +21,12 @@ from collections import deque
 import numpy as np
 import torch
 import torch.distributed.rpc as rpc
-import torch.nn.functional as F
 
 from bagpipe.cache import BatchView, RowCache, StepTables
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
+from bagpipe.models.layers import set_dropout_step
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
@@ -331,7 +331,8 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             break
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
-        local_loss = F.binary_cross_entropy_with_logits(model(message.dense_x, embeddings), message.target)
+        set_dropout_step(model, seed=config.seed, iteration=message.iteration, part=runtime.index)
+        local_loss = model.loss(model(message.dense_x, embeddings), message.target)
         clock.lap("forward")
         dense_optimizer.zero_grad(set_to_none=True)
         early.reset()

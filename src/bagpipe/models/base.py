@@ -1,0 +1,37 @@
+"""What every model has: a loss over its output, the parameters its backward completes first, and
+helpers to read its embeddings as fields."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bagpipe.data.schema import Schema
+from bagpipe.embeddings import Embeddings
+
+
+class RecModel(nn.Module):
+    """A click-through-rate model by default: ``forward`` gives one logit per sample."""
+
+    task = "ctr"  # what evaluation measures: ctr (AUC, log-loss) or next-item (HR@10, NDCG@10)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch (or a trainer's slice of one)."""
+        return F.binary_cross_entropy_with_logits(output, target)
+
+    def early_params(self) -> list[nn.Parameter]:
+        """Parameters whose gradients the backward completes first (their all-reduce starts early)."""
+        return []
+
+
+def fields(embeddings: Embeddings, lookups: range) -> torch.Tensor:
+    """``[B, len(lookups), D]``: those lookups, each pooled by sum if it is multi-valued."""
+    if all(embeddings[i].dim() == 2 for i in lookups):
+        return embeddings.stack(lookups)
+    return torch.stack([embeddings.pooled(i, "sum") for i in lookups], dim=1)
+
+
+def check_ctr_data(name: str, schema: Schema) -> None:
+    if not schema.features:
+        raise ValueError(f"{name} needs sparse features; the data has none")
