@@ -35,7 +35,7 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
     spaces = range(len(layout.spaces))
     stores = [[RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=seed, shard=shard,
                         num_shards=num_shards) for shard in range(num_shards)] for s in spaces]
-    shares = layout.split_cache(cache_rows)
+    shares = layout.split_cache(cache_rows, batch_size=len(batches[0]))
     caches = [RowCache(capacity=shares[s], dim=layout.spaces[s].dim, optimizer=row_optimizer) for s in spaces]
     keys = [layout.keys(b.ids.numpy()) for b in batches]
     configs = [PlannerConfig(num_rows=layout.spaces[s].num_rows, cache_rows=shares[s], lookahead=lookahead,

@@ -28,25 +28,44 @@ def _default(name: str) -> str:
 
 
 def _add_synth(sub) -> None:
-    p = sub.add_parser("synth", help="write synthetic Criteo-format data with a known best AUC")
-    p.add_argument("--out", required=True, help="output directory (train.tsv, test.tsv, meta.json)")
-    p.add_argument("--rows", type=int, required=True, help="training rows")
-    p.add_argument("--test-rows", type=int, default=None, help="test rows (default: rows / 10)")
+    p = sub.add_parser("synth", help="write synthetic data with a known best metric: Criteo-format click logs "
+                                     "(--kind ctr) or an interaction log of next-item sequences (--kind sequences)")
+    p.add_argument("--out", required=True, help="output directory (train.tsv, test.tsv, meta.json; or ratings.csv)")
+    p.add_argument("--kind", choices=("ctr", "sequences"), default="ctr", help="what to write (default ctr)")
     p.add_argument("--seed", type=int, default=0, help="the data's seed (default 0)")
-    p.add_argument("--tables", default=None, help="a preset of table sizes (default criteo-kaggle)")
-    p.add_argument("--table-sizes", default=None, help="comma-separated table sizes, instead of --tables "
+    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of the ids or the items' popularity "
+                   "(default 1.2 for ctr, 1.0 for sequences)")
+    g = p.add_argument_group("--kind ctr")
+    g.add_argument("--rows", type=int, default=None, help="training rows (required)")
+    g.add_argument("--test-rows", type=int, default=None, help="test rows (default: rows / 10)")
+    g.add_argument("--tables", default=None, help="a preset of table sizes (default criteo-kaggle)")
+    g.add_argument("--table-sizes", default=None, help="comma-separated table sizes, instead of --tables "
                    "(default: the preset)")
-    p.add_argument("--max-rows-per-table", type=int, default=0,
+    g.add_argument("--max-rows-per-table", type=int, default=0,
                    help="cap every table at this many rows (default 0: no cap)")
-    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of the ids (default 1.2)")
+    g = p.add_argument_group("--kind sequences")
+    g.add_argument("--users", type=int, default=8000, help="users (default 8000)")
+    g.add_argument("--items", type=int, default=300, help="items (default 300)")
+    g.add_argument("--interactions", type=int, default=20, help="interactions per user (default 20)")
+    g.add_argument("--genres", type=int, default=8, help="item genres: the next item often shares the last one's "
+                   "(default 8)")
+    g.add_argument("--follow", type=float, default=0.7, help="how often it does (default 0.7)")
+    _add_sequence_flags(g)
+
+
+def _add_sequence_flags(g) -> None:
+    g.add_argument("--history", type=int, default=None, help="items a sample sees, L (default 5)")
+    g.add_argument("--targets", type=int, default=None, help="items predicted after them, T (default 3)")
+    g.add_argument("--negatives", type=int, default=None, help="sampled negative items per sample (default 3)")
 
 
 def _add_preprocess(sub) -> None:
     p = sub.add_parser("preprocess", help="convert Criteo TSV or JSON lines (plain or gzip) to the binary format")
     p.add_argument("--input", required=True, help="a file, or a directory holding train.* and test.* "
                    "(.tsv, .txt, .csv, .jsonl, .json, each optionally .gz)")
-    p.add_argument("--format", choices=("criteo", "jsonl"), default=None,
-                   help="the text format (default: from the suffix)")
+    p.add_argument("--format", choices=("criteo", "jsonl", "movielens"), default=None,
+                   help="the text format (default: from the name: an interaction log (u.data, ratings.dat, "
+                        "ratings.csv) is movielens, else the suffix)")
     p.add_argument("--out", required=True, help="the directory to write")
     p.add_argument("--table-sizes", default=None, help="comma-separated table sizes (default: from --meta or "
                    "a meta.json beside the input; JSON lines only: the largest id + 1)")
@@ -54,6 +73,7 @@ def _add_preprocess(sub) -> None:
                    "(default: the one beside the input, if any)")
     p.add_argument("--on-bad-row", choices=("error", "skip"), default="error",
                    help="stop at a malformed row naming its file and line, or skip and count it (default error)")
+    _add_sequence_flags(p.add_argument_group("an interaction log's samples (default: its meta.json's, else these)"))
 
 
 def _add_train(sub) -> None:
@@ -263,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
 def run_synth(args) -> None:
     from bagpipe.synth import DEFAULT_ZIPF, generate, resolve_table_sizes
 
+    if args.kind == "sequences":
+        from bagpipe.synth_sequences import generate_sequences
+
+        meta = generate_sequences(args.out, users=args.users, items=args.items, interactions=args.interactions,
+                                  seed=args.seed, zipf=args.zipf if args.zipf is not None else 1.0,
+                                  follow=args.follow, genres=args.genres, settings=_sequence_settings(args))
+        log.info("wrote %d users' %d interactions to %s (best achievable HR@10 %.4f, NDCG@10 %.4f)", meta["users"],
+                 meta["interactions"], args.out, meta["best_hr10"], meta["best_ndcg10"])
+        return
+    if args.rows is None:
+        raise ValueError("--rows is required with --kind ctr")
     sizes = resolve_table_sizes(tables=args.tables, table_sizes=args.table_sizes,
                                 max_rows_per_table=args.max_rows_per_table)
     test_rows = args.test_rows if args.test_rows is not None else max(args.rows // 10, 1)
@@ -272,11 +303,20 @@ def run_synth(args) -> None:
              meta["test_rows"], args.out, meta.get("best_auc", math.nan))
 
 
+def _sequence_settings(args):
+    from bagpipe.data.sequences import SequenceSettings
+
+    given = {name: getattr(args, name) for name in ("history", "targets", "negatives") if getattr(args, name)}
+    return SequenceSettings(**given)
+
+
 def run_preprocess(args) -> None:
     from bagpipe.data.preprocess import preprocess
 
+    given = any(getattr(args, name) for name in ("history", "targets", "negatives"))
     meta = preprocess(args.input, args.out, fmt=args.format, table_sizes=args.table_sizes,
-                      meta_file=args.meta, on_bad_row=args.on_bad_row)
+                      meta_file=args.meta, on_bad_row=args.on_bad_row,
+                      sequence=_sequence_settings(args) if given else None)
     print(json.dumps({k: meta[k] for k in ("rows", "table_sizes", "skipped_rows", "skipped_by_reason")}))
 
 
@@ -307,18 +347,23 @@ def run_train(args) -> None:
 
 def human_summary(summary: dict) -> str:
     lines = [
-        f"mode {summary['mode']}: {summary['iterations']} iterations, {summary['samples']} samples",
+        f"mode {summary['mode']} ({summary.get('model', 'dlrm')}): {summary['iterations']} iterations, "
+        f"{summary['samples']} samples",
         f"  throughput  {summary['samples_per_s']:,.0f} samples/s (steady state; wall {summary['wall_s']:.1f} s)",
         f"  train loss  {summary['final_train_loss']:.4f}",
-        f"  eval AUC    {summary['eval_auc']:.4f}   log-loss {summary['eval_logloss']:.4f}",
     ]
+    if "eval_auc" in summary:
+        lines.append(f"  eval AUC    {summary['eval_auc']:.4f}   log-loss {summary['eval_logloss']:.4f}")
+    if "eval_hr10" in summary:
+        lines.append(f"  eval HR@10  {summary['eval_hr10']:.4f}   NDCG@10 {summary['eval_ndcg10']:.4f}")
     if summary["mode"] == "bagpipe":
         lines.append(f"  cache       {summary['cache_rows']:,} of {summary['total_rows']:,} rows, hit rate "
                      f"{summary['cache_hit_rate']:.3f}, {summary['rows_moved_per_iteration']:.0f} rows moved "
                      f"per iteration, stall {100 * summary['embedding_stall_fraction']:.1f}% of trainer time")
-    if summary.get("best_auc") is not None:
-        gap = summary["best_auc"] - summary["eval_auc"]
-        lines.append(f"  best AUC    {summary['best_auc']:.4f} (planted model; gap {gap:+.4f})")
+    for metric, name in (("auc", "AUC"), ("hr10", "HR@10")):
+        if summary.get(f"best_{metric}") is not None and f"eval_{metric}" in summary:
+            gap = summary[f"best_{metric}"] - summary[f"eval_{metric}"]
+            lines.append(f"  best {name:<7}{summary[f'best_{metric}']:.4f} (planted model; gap {gap:+.4f})")
     return "\n".join(lines)
 
 

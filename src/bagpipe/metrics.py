@@ -1,4 +1,4 @@
-"""Evaluation metrics: ROC AUC (ties averaged) and binary log-loss, on numpy arrays."""
+"""Evaluation metrics: ROC AUC (ties averaged) and binary log-loss; HR@k and NDCG@k of ranks."""
 
 from __future__ import annotations
 
@@ -31,3 +31,12 @@ def log_loss(labels: np.ndarray, probabilities: np.ndarray, *, eps: float = 1e-7
     labels = np.asarray(labels, dtype=np.float64).ravel()
     p = np.clip(np.asarray(probabilities, dtype=np.float64).ravel(), eps, 1.0 - eps)
     return float(-np.mean(labels * np.log(p) + (1.0 - labels) * np.log(1.0 - p)))
+
+
+def ranking_metrics(ranks: np.ndarray, *, k: int = 10) -> tuple[float, float]:
+    """HR@k and NDCG@k of the true items' 0-based ranks (one relevant item per sample)."""
+    ranks = np.asarray(ranks)
+    if not len(ranks):
+        return float("nan"), float("nan")
+    hit = ranks < k
+    return float(hit.mean()), float(np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0).mean())

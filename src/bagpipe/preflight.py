@@ -100,7 +100,7 @@ def _gib(num_bytes: int) -> str:
 
 def cache_rows_of(config: TrainConfig, layout: EmbeddingLayout) -> list[int]:
     """Each space's share of the cache (``cache_rows`` of all rows, default 5%)."""
-    return layout.split_cache(config.cache_rows or default_cache_rows([layout.num_rows]))
+    return layout.split_cache(config.cache_rows or default_cache_rows([layout.num_rows]), batch_size=config.batch_size)
 
 
 def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: bool = False) -> None:
@@ -119,10 +119,10 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
     bar = progress(total=iterations, desc="check cache", unit="batch", enabled=show_progress)
     rows = batch_rows(split, batch_size=config.batch_size, iterations=iterations, shuffle=config.shuffle,
                       shuffle_seed=config.shuffle_seed)
-    cardinalities = np.asarray(split.table_sizes, dtype=np.int64)
+    cardinalities, lowest = split.column_bounds()
     for iteration, selector in enumerate(rows):
         ids = np.asarray(split.ids[selector], dtype=np.int64)
-        if ((ids < 0) | (ids >= cardinalities)).any():
+        if ((ids < lowest) | (ids >= cardinalities)).any():
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table
         keys = layout.keys(ids)
         for s in tight:

@@ -22,7 +22,7 @@ from bagpipe.data.binary import BinarySplit
 from bagpipe import models
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.metrics import log_loss, roc_auc
+from bagpipe.metrics import log_loss, ranking_metrics, roc_auc
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.optim import make_row_optimizer
 from bagpipe.preflight import prepare_job
@@ -70,20 +70,56 @@ def build_tables(config: TrainConfig, schema: Schema, *, weights: list[torch.Ten
                            seed=config.seed, weights=weights)
 
 
+METRICS = {"ctr": ("eval_auc", "eval_logloss"), "next-item": ("eval_hr10", "eval_ndcg10")}  # by model.task
+BEST = ("best_auc", "best_logloss", "best_hr10", "best_ndcg10")  # the planted model's, from synthetic data
+
+
+def no_evaluation(model: nn.Module) -> dict:
+    return {"eval_rows": 0, **{name: float("nan") for name in METRICS[model.task]}}
+
+
+def best_metrics(meta: dict) -> dict:
+    """The best achievable metrics a synthetic data set's meta.json states, if any."""
+    return {name: meta[name] for name in BEST if meta.get(name) is not None}
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, tables: EmbeddingTables, split: BinarySplit, *, batch_size: int,
              max_rows: int = 0) -> dict:
+    """AUC and log-loss of a CTR model; HR@10 and NDCG@10 of a next-item model, every item ranked
+    (except the sample's own history, which it would not be recommended)."""
     model.eval()
     rows = min(split.rows, max_rows) if max_rows else split.rows
-    probs = []
+    outputs, ranks = [], []
     for start in range(0, rows, batch_size):
         batch = read_batch(split, slice(start, min(start + batch_size, rows)))
         embeddings, _ = tables.lookup(batch.ids)
-        probs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
+        if model.task == "next-item":
+            ranks.append(_next_item_ranks(model, tables, embeddings, batch.ids))
+        else:
+            outputs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
     model.train()
+    if model.task == "next-item":
+        hr, ndcg = ranking_metrics(np.concatenate(ranks) if ranks else np.zeros(0), k=10)
+        return {"eval_rows": rows, "eval_hr10": hr, "eval_ndcg10": ndcg}
     labels = np.asarray(split.labels[:rows])
-    scores = np.concatenate(probs) if probs else np.zeros(0)
+    scores = np.concatenate(outputs) if outputs else np.zeros(0)
     return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores)}
+
+
+def _next_item_ranks(model: nn.Module, tables: EmbeddingTables, embeddings, ids: torch.Tensor) -> np.ndarray:
+    """The 0-based rank of each sample's first target among every item not in its history."""
+    names = [t.name for t in tables.layout.tables]
+    scores = model.score_all(embeddings, tables.table(names.index("item.out")), tables.table(names.index("item.bias")))
+    schema = tables.layout.schema
+    history = ids[:, slice(*schema.columns(1))]
+    target = ids[:, schema.columns(2)[0]]
+    seen = torch.zeros_like(scores, dtype=torch.bool)
+    rows = torch.arange(len(ids)).unsqueeze(1).expand_as(history)
+    seen[rows[history >= 0], history[history >= 0]] = True
+    scores = scores.masked_fill(seen, float("-inf"))
+    target_scores = scores.gather(1, target.unsqueeze(1))
+    return (scores > target_scores).sum(dim=1).numpy()
 
 
 def train_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
@@ -171,8 +207,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     model = build_model(config, dataset.schema)
     tables = build_tables(config, dataset.schema)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
-    log.info("reference training: %d iterations of %d samples, %d tables (%d rows)", iterations,
-             config.batch_size, len(dataset.table_sizes), sum(dataset.table_sizes))
+    log.info("reference training: %s, %d iterations of %d samples, %d tables (%d rows)", config.model.name,
+             iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows)
 
     timer = Timer(warmup=min(config.warmup_iterations, max(iterations - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
@@ -213,7 +249,7 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     train_s = time.perf_counter() - train_started
 
     eval_started = time.perf_counter()
-    metrics = {"eval_auc": float("nan"), "eval_logloss": float("nan"), "eval_rows": 0}
+    metrics = no_evaluation(model)
     if dataset.test is not None and dataset.test.rows:
         metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
                            max_rows=config.max_eval_rows)
@@ -229,12 +265,13 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     )
     summary = {
         "mode": "reference",
+        "model": config.model.name,
         "iterations": iterations,
         "samples": iterations * config.batch_size,
         "samples_per_s": timer.samples_per_s,
         "final_train_loss": loss,
         **metrics,
-        "best_auc": dataset.meta.get("best_auc"),
+        **best_metrics(dataset.meta),
         "setup_s": setup_s,
         "startup_s": first_iteration_s,
         "time_breakdown_ms": clock.steady_ms(),

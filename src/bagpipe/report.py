@@ -59,6 +59,11 @@ def _default_label(path: Path, summary: dict) -> str:
     return f"{path.name} ({mode})" if mode else path.name
 
 
+def headline(record: dict) -> tuple[str, str]:
+    """The evaluation metric a run reports first: AUC for CTR models, HR@10 for next-item ones."""
+    return ("hr10", "HR@10") if "eval_hr10" in record else ("auc", "AUC")
+
+
 def summarize(run: Run) -> str:
     s, last = run.summary, run.train[-1]
     lines = [f"{run.label}: {s.get('mode', '?')} mode, {last['iteration']} iterations, {last['samples']:,} samples"]
@@ -66,8 +71,9 @@ def summarize(run: Run) -> str:
         lines.append(f"  throughput   {s['samples_per_s']:,.0f} samples/s steady state"
                      + (f", start-up {s['startup_s']:.1f} s" if _finite(s.get("startup_s")) else "")
                      + f", wall {s['wall_s']:.1f} s")
-        lines.append(f"  train loss   {s['final_train_loss']:.4f}   eval AUC {s['eval_auc']:.4f}   "
-                     f"log-loss {s['eval_logloss']:.4f}")
+        metric, name = headline(s)
+        other = (f"log-loss {s['eval_logloss']:.4f}" if metric == "auc" else f"NDCG@10 {s['eval_ndcg10']:.4f}")
+        lines.append(f"  train loss   {s['final_train_loss']:.4f}   eval {name} {s['eval_' + metric]:.4f}   {other}")
     else:
         lines.append(f"  (no summary.json: unfinished run) last train loss {last['train_loss']:.4f}")
     if s.get("mode") == "bagpipe":
@@ -115,13 +121,15 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
     for run in runs:
         ax_loss.plot([r["samples"] for r in run.train], [r["train_loss"] for r in run.train], label=run.label)
         if run.evals:
+            metric, name = headline(run.evals[0])
             samples = [r.get("samples", run.train[-1]["samples"]) for r in run.evals]
-            ax_auc.plot(samples, [r["eval_auc"] for r in run.evals], "o-", label=run.label)
-        best = run.summary.get("best_auc")
-        if best is not None:
-            ax_auc.axhline(best, linestyle=":", color="gray")
-    ax_loss.set(title="train loss (mean per log window)", xlabel="samples", ylabel="BCE loss")
-    ax_auc.set(title="eval AUC (dotted: best achievable, synthetic data)", xlabel="samples", ylabel="AUC")
+            ax_auc.plot(samples, [r[f"eval_{metric}"] for r in run.evals], "o-", label=f"{run.label} ({name})")
+            best = run.summary.get(f"best_{metric}")
+            if best is not None:
+                ax_auc.axhline(best, linestyle=":", color="gray")
+    ax_loss.set(title="train loss (mean per log window)", xlabel="samples", ylabel="loss")
+    ax_auc.set(title="eval AUC or HR@10 (dotted: best achievable, synthetic data)", xlabel="samples",
+               ylabel="AUC / HR@10")
     ax_loss.legend(fontsize="small")
     if any(run.evals for run in runs):
         ax_auc.legend(fontsize="small")

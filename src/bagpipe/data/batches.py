@@ -58,13 +58,14 @@ def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle:
 def read_batch(split: BinarySplit, rows: slice | np.ndarray) -> Batch:
     """The batch of ``rows``; an id outside its table is refused (it would read another table's row)."""
     ids = np.array(split.ids[rows], dtype=np.int64)
-    sizes = np.asarray(split.table_sizes, dtype=np.int64)
-    bad = (ids < 0) | (ids >= sizes)
+    cardinalities, lowest = split.column_bounds()
+    bad = (ids < lowest) | (ids >= cardinalities)
     if bad.any():
-        row, table = np.argwhere(bad)[0]
+        row, column = np.argwhere(bad)[0]
+        feature = next(f for f in range(split.num_tables) if column < split.schema.columns(f)[1])
         first = (rows.start or 0) + row if isinstance(rows, slice) else rows[row]
-        raise ValueError(f"{split.directory}: row {int(first)} has id {int(ids[row, table])} for table {int(table)}, "
-                         f"outside [0, {int(sizes[table])}); {int(bad.sum())} such ids in this batch")
+        raise ValueError(f"{split.directory}: row {int(first)} has id {int(ids[row, column])} for table {feature}, "
+                         f"outside [0, {int(cardinalities[column])}); {int(bad.sum())} such ids in this batch")
     return Batch(
         dense_x=torch.from_numpy(np.array(split.dense[rows], dtype=np.float32)),
         ids=torch.from_numpy(ids),

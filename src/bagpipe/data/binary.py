@@ -3,25 +3,30 @@
 Layout of a data set directory::
 
     meta.json                  table sizes, source, skipped rows, and the synth metadata if any
-    train/header.json          {"rows", "num_dense", "table_sizes", "id_dtype", ...}
+    train/header.json          {"rows", "num_dense", "features", "table_sizes", "id_dtype", ...}
     train/labels.f32           float32 [rows]
     train/dense.f32            float32 [rows, num_dense], already log(1 + max(x, 0))
-    train/ids.<dtype>          int32 or int64 [rows, num_tables], row-major
+    train/ids.<dtype>          int32 or int64 [rows, columns], row-major: each sparse feature's
+                               columns (data.schema), -1 where a multi-valued one is empty
     test/...                   the same
+
+``features`` lists each sparse feature's name, cardinality and width; a header without it (the
+first version) has one one-hot feature per entry of ``table_sizes``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from bagpipe.data.formats import NUM_DENSE, Chunk
-from bagpipe.data.schema import Schema
+from bagpipe.data.formats import Chunk
+from bagpipe.data.schema import PAD, Feature, Schema
 
-FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1, 2)  # read; 2 is written
 SPLITS = ("train", "test")
 
 
@@ -32,10 +37,9 @@ def id_dtype_for(table_sizes: list[int]) -> np.dtype:
 class SplitWriter:
     """Appends parsed chunks to one split's files; ``close`` writes the header last."""
 
-    def __init__(self, directory: Path, *, num_tables: int, id_dtype: np.dtype) -> None:
+    def __init__(self, directory: Path, *, id_dtype: np.dtype) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
-        self.num_tables = num_tables
         self.id_dtype = np.dtype(id_dtype)
         (directory / "header.json").unlink(missing_ok=True)  # a split without header is incomplete
         self.files = {
@@ -51,14 +55,15 @@ class SplitWriter:
         self.files["ids"].write(np.ascontiguousarray(chunk.ids, dtype=self.id_dtype).tobytes())
         self.rows += len(chunk.labels)
 
-    def close(self, *, table_sizes: list[int], extra: dict | None = None) -> None:
+    def close(self, *, schema: Schema, extra: dict | None = None) -> None:
         for handle in self.files.values():
             handle.close()
         header = {
-            "version": FORMAT_VERSION,
+            "version": FORMAT_VERSIONS[-1],
             "rows": self.rows,
-            "num_dense": NUM_DENSE,
-            "table_sizes": list(table_sizes),
+            "num_dense": schema.num_dense,
+            "features": [dataclasses.asdict(f) for f in schema.features],
+            "table_sizes": schema.cardinalities,
             "id_dtype": self.id_dtype.name,
             **(extra or {}),
         }
@@ -71,18 +76,26 @@ class BinarySplit:
 
     directory: Path
     rows: int
-    table_sizes: list[int]
+    schema: Schema
     labels: np.ndarray
     dense: np.ndarray
     ids: np.ndarray
 
     @property
-    def num_tables(self) -> int:
-        return len(self.table_sizes)
+    def table_sizes(self) -> list[int]:
+        """Each sparse feature's cardinality."""
+        return self.schema.cardinalities
 
     @property
-    def schema(self) -> Schema:
-        return Schema.one_hot(self.table_sizes, num_dense=self.dense.shape[1])
+    def num_tables(self) -> int:
+        return len(self.schema.features)
+
+    def column_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per column of the id matrix: the cardinality its ids lie below, and the smallest id allowed
+        (PAD in a multi-valued feature's columns, else 0)."""
+        cardinalities = [f.cardinality for f in self.schema.features for _ in range(f.width)]
+        lowest = [PAD if f.width > 1 else 0 for f in self.schema.features for _ in range(f.width)]
+        return np.asarray(cardinalities, dtype=np.int64), np.asarray(lowest, dtype=np.int64)
 
     @classmethod
     def open(cls, directory: str | Path) -> "BinarySplit":
@@ -91,27 +104,31 @@ class BinarySplit:
         if not header_path.is_file():
             raise ValueError(f"{directory}: not a preprocessed split (no header.json); run `bagpipe preprocess`")
         header = json.loads(header_path.read_text())
-        if header.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{header_path}: format version {header.get('version')}, expected {FORMAT_VERSION}")
-        rows, sizes = int(header["rows"]), list(header["table_sizes"])
-        num_dense, id_dtype = int(header["num_dense"]), np.dtype(header["id_dtype"])
+        if header.get("version") not in FORMAT_VERSIONS:
+            raise ValueError(f"{header_path}: format version {header.get('version')}, expected one of "
+                             f"{FORMAT_VERSIONS}")
+        rows, num_dense, id_dtype = int(header["rows"]), int(header["num_dense"]), np.dtype(header["id_dtype"])
+        if "features" in header:
+            schema = Schema(num_dense=num_dense, features=tuple(Feature(**f) for f in header["features"]))
+        else:
+            schema = Schema.one_hot(list(header["table_sizes"]), num_dense=num_dense)
 
         def mapped(name: str, dtype, shape):
             path = directory / name
             expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
             if not path.is_file() or path.stat().st_size != expected:
                 raise ValueError(f"{path}: missing or truncated (expected {expected} bytes)")
-            if rows == 0:
+            if rows == 0 or expected == 0:
                 return np.zeros(shape, dtype=dtype)
             return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
         return cls(
             directory=directory,
             rows=rows,
-            table_sizes=sizes,
+            schema=schema,
             labels=mapped("labels.f32", np.float32, (rows,)),
             dense=mapped("dense.f32", np.float32, (rows, num_dense)),
-            ids=mapped(f"ids.{id_dtype.name}", id_dtype, (rows, len(sizes))),
+            ids=mapped(f"ids.{id_dtype.name}", id_dtype, (rows, schema.num_columns)),
         )
 
 
@@ -141,6 +158,6 @@ def open_dataset(directory: str | Path) -> BinaryDataset:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     train = BinarySplit.open(directory / "train")
     test = BinarySplit.open(directory / "test") if (directory / "test" / "header.json").is_file() else None
-    if test is not None and test.table_sizes != train.table_sizes:
-        raise ValueError(f"{directory}: train and test splits disagree on table sizes")
+    if test is not None and test.schema != train.schema:
+        raise ValueError(f"{directory}: train and test splits disagree on their features")
     return BinaryDataset(directory=directory, meta=meta, train=train, test=test)

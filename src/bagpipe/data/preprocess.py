@@ -20,13 +20,15 @@ from typing import Iterator
 import numpy as np
 
 from bagpipe.data.binary import SPLITS, SplitWriter, id_dtype_for, is_preprocessed, open_dataset
-from bagpipe.data.formats import BadRows, CriteoParser, DataError, JsonlParser, decode_lines
+from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, decode_lines
+from bagpipe.data.schema import Schema
+from bagpipe.data.sequences import INTERACTION_FILES, SequenceSettings, convert_interactions, is_interaction_log
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("criteo", "jsonl")
+FORMATS = ("criteo", "jsonl", "movielens")
 SUFFIX_FORMATS = {".tsv": "criteo", ".txt": "criteo", ".csv": "criteo", ".jsonl": "jsonl", ".json": "jsonl"}
 LINES_PER_CHUNK = 65_536
 BAD_ROW_POLICIES = ("error", "skip")
@@ -50,8 +52,12 @@ def find_splits(path: Path) -> dict[str, Path]:
             raise ValueError(f"{path}: several {split} files ({', '.join(m.name for m in matches)}); keep one")
         if matches:
             splits[split] = matches[0]
+    logs = [path / name for name in INTERACTION_FILES if (path / name).is_file()]
+    if "train" not in splits and len(logs) == 1:
+        return {"train": logs[0]}  # an interaction log: the test split is each user's last item
     if "train" not in splits:
-        raise ValueError(f"{path}: no train split (expected a file such as train.tsv, train.tsv.gz or train.jsonl)")
+        raise ValueError(f"{path}: no train split (expected a file such as train.tsv, train.tsv.gz or train.jsonl, "
+                         f"or an interaction log: {', '.join(INTERACTION_FILES)})")
     return splits
 
 
@@ -61,6 +67,8 @@ def _text_suffix(path: Path) -> str:
 
 
 def guess_format(path: Path) -> str:
+    if is_interaction_log(path):
+        return "movielens"
     fmt = SUFFIX_FORMATS.get(_text_suffix(path))
     if fmt is None:
         raise ValueError(f"{path}: cannot tell the format from the suffix; pass --format criteo|jsonl")
@@ -204,6 +212,7 @@ def preprocess(
     meta_file: str | Path | None = None,
     on_bad_row: str = "error",
     show_progress: bool = True,
+    sequence: SequenceSettings | None = None,
 ) -> dict:
     """Preprocess every split under ``input_path`` into ``out_dir``; return the written meta."""
     input_path, out = Path(input_path), Path(out_dir)
@@ -213,6 +222,8 @@ def preprocess(
     fmt = fmt or guess_format(splits["train"])
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "movielens":
+        return _preprocess_interactions(input_path, splits, out, meta_file=meta_file, sequence=sequence)
     sizes, sizes_from = table_sizes_from(table_sizes=table_sizes, meta_file=meta_file, input_path=input_path)
     if sizes is not None and (not sizes or any(s <= 0 for s in sizes)):
         raise ValueError(f"table sizes must be positive integers, got {sizes}")
@@ -229,7 +240,7 @@ def preprocess(
     inferred = _InferredSizes() if sizes is None else None
     writers = {}
     for split, path in splits.items():
-        writers[split] = SplitWriter(out / split, num_tables=len(sizes) if sizes else 0, id_dtype=id_dtype)
+        writers[split] = SplitWriter(out / split, id_dtype=id_dtype)
         _convert_split(path, writers[split], parser=parser, bad=bad, inferred=inferred,
                        show_progress=show_progress, desc=f"preprocess {split}")
     if inferred is not None:
@@ -238,7 +249,7 @@ def preprocess(
         sizes = inferred.sizes()
         log.warning("no table sizes given: inferred %s from the largest ids", sizes)
     for writer in writers.values():
-        writer.close(table_sizes=sizes)
+        writer.close(schema=Schema.one_hot(sizes, num_dense=NUM_DENSE))
 
     source_meta_path = _source_meta_path(input_path)
     source_meta = json.loads(source_meta_path.read_text()) if source_meta_path.is_file() else {}
@@ -267,6 +278,37 @@ def _settings(*, fmt: str, on_bad_row: str, table_sizes_from: str) -> dict:
     """The settings besides the sources that shape a conversion's output."""
     return {"converter_version": CONVERTER_VERSION, "format": fmt, "on_bad_row": on_bad_row,
             "table_sizes_from": table_sizes_from}
+
+
+def sequence_settings(meta_path: Path | None) -> SequenceSettings:
+    """A log's sample shape: the ``sequence`` entry of its meta.json (as ``bagpipe synth`` writes), else defaults."""
+    if meta_path is None or not meta_path.is_file():
+        return SequenceSettings()
+    return SequenceSettings(**json.loads(meta_path.read_text()).get("sequence", {}))
+
+
+def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Path, *,
+                             meta_file: str | Path | None, sequence: SequenceSettings | None) -> dict:
+    """An interaction log into next-item samples (data.sequences), with the same records as the text formats."""
+    if set(splits) != {"train"}:
+        raise ValueError(f"{input_path}: an interaction log is one file; its test split is each user's last item")
+    meta_path = Path(meta_file) if meta_file else _source_meta_path(input_path)
+    settings = sequence or sequence_settings(meta_path)
+    sources = {name: _fingerprint(path) for name, path in _sources(input_path, splits).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
+    converted = convert_interactions(splits["train"], out, settings)
+    source_meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if source_meta.get("sequence", settings.to_dict()) != settings.to_dict():
+        # The planted best was ranked over the synthesised history; other samples have another.
+        source_meta = {k: v for k, v in source_meta.items() if not k.startswith("best_")}
+    meta = {**{k: v for k, v in source_meta.items() if k not in ("format", "table_sizes")}, **converted,
+            "format": "bagpipe-binary", "source": {"log": str(splits["train"])}, "source_format": "movielens",
+            "skipped_rows": 0, "skipped_by_reason": {},
+            "made_from": {**_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log"),
+                          "table_sizes": converted["table_sizes"], "sources": sources}}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
 
 
 def _convert_split(path: Path, writer: SplitWriter, *, parser, bad: BadRows | None,
@@ -321,8 +363,9 @@ def _why_stale(cached: Path, data_dir: Path, splits: dict[str, Path]) -> str | N
     made_from = meta.get("made_from")
     if made_from is None:
         return f"{cached} was made by an older version of bagpipe that kept no record of its sources"
-    current = _settings(fmt=guess_format(splits["train"]), on_bad_row="error",
-                        table_sizes_from="meta.json" if (data_dir / "meta.json").is_file() else "inferred")
+    fmt = guess_format(splits["train"])
+    sizes_from = "the log" if fmt == "movielens" else "meta.json" if (data_dir / "meta.json").is_file() else "inferred"
+    current = _settings(fmt=fmt, on_bad_row="error", table_sizes_from=sizes_from)
     for key, value in current.items():
         if made_from.get(key) != value:
             return f"{cached} was made with {key} {made_from.get(key)!r}, not {value!r}"

@@ -16,7 +16,7 @@ import numpy as np
 
 from bagpipe.data.schema import PAD, Schema
 
-INITS = ("uniform", "zeros")
+INITS = ("uniform", "normal", "zeros")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +25,7 @@ class TableConfig:
     num_rows: int
     dim: int
     features: tuple[int, ...]  # the data's sparse features this table embeds, one lookup each
-    init: str = "uniform"  # uniform: +-1/sqrt(num_rows), as DLRM initialises; zeros (e.g. linear weights)
+    init: str = "uniform"  # uniform: +-1/sqrt(num_rows), as DLRM; normal: N(0, (1/dim)^2), as Caser; zeros
 
     def __post_init__(self) -> None:
         if self.num_rows <= 0 or self.dim <= 0:
@@ -136,7 +136,17 @@ class EmbeddingLayout:
                 return space_index, int(space.offsets[space.tables.index(table)])
         raise AssertionError(f"table {table} is in no space")
 
-    def split_cache(self, cache_rows: int) -> list[int]:
-        """A cache of ``cache_rows`` rows shared among the spaces in proportion to their rows."""
-        total = self.num_rows
-        return [max(1, round(cache_rows * space.num_rows / total)) for space in self.spaces]
+    def split_cache(self, cache_rows: int, *, batch_size: int) -> list[int]:
+        """A cache of ``cache_rows`` rows shared among the spaces.
+
+        Each space first gets what a batch of ``batch_size`` samples can touch of it (its rows, or its
+        columns x batch_size if fewer), or a share of the cache in proportion to that if they do not
+        all fit; the rest goes to the spaces in proportion to the rows they have beyond that. A small
+        table read by every sample (an item table) is so cached whole, a large one (users) in part.
+        """
+        need = [min(space.num_rows, batch_size * len(space.data_columns)) for space in self.spaces]
+        if sum(need) >= cache_rows:
+            return [max(1, cache_rows * n // sum(need)) for n in need]
+        spare = [space.num_rows - n for space, n in zip(self.spaces, need)]
+        extra = cache_rows - sum(need)
+        return [n + (extra * r // sum(spare) if sum(spare) else 0) for n, r in zip(need, spare)]

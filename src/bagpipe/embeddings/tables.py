@@ -29,12 +29,15 @@ def table_offsets(table_sizes: list[int]) -> np.ndarray:
 
 
 def init_block(*, seed: int, table: int, block: int, num_rows: int, dim: int, init: str = "uniform") -> torch.Tensor:
-    """Rows [block * INIT_BLOCK_ROWS, ...) of a table: uniform in +-1/sqrt(num_rows), as DLRM does, or zeros."""
+    """Rows [block * INIT_BLOCK_ROWS, ...) of a table: uniform in +-1/sqrt(num_rows), as DLRM does; normal
+    with standard deviation 1/dim, as Caser does; or zeros."""
     start = block * INIT_BLOCK_ROWS
     count = min(INIT_BLOCK_ROWS, num_rows - start)
     if init == "zeros":
         return torch.zeros(count, dim)
     generator = torch.Generator().manual_seed((seed * 1_000_003 + table) * 1_000_003 + block)
+    if init == "normal":
+        return torch.randn(count, dim, generator=generator) / dim
     bound = math.sqrt(1.0 / num_rows)
     return (torch.rand(count, dim, generator=generator) * 2.0 - 1.0) * bound
 

@@ -17,7 +17,7 @@ from torch import nn
 from bagpipe.config import MODEL_NAMES, ModelConfig
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import TableConfig
-from bagpipe.models import dcn, deepfm, dlrm, fgcnn, wide_deep
+from bagpipe.models import caser, dcn, deepfm, dlrm, fgcnn, wide_deep
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,10 @@ MODELS: dict[str, ModelSpec] = {
                      ("emb_dim", "deep_mlp", "cross_layers", "cross_kind", "cross_rank", "dropout")),
     "fgcnn": ModelSpec(fgcnn.tables, fgcnn.check, fgcnn.FGCNN.from_config,
                        ("emb_dim", "conv_channels", "conv_kernel", "conv_pool", "recombine", "deep_mlp", "dropout")),
+    "caser": ModelSpec(caser.tables, caser.check, caser.Caser.from_config,
+                       ("emb_dim", "vertical_filters", "horizontal_filters", "dropout")),
 }
-assert set(MODELS) <= set(MODEL_NAMES), "config.MODEL_NAMES lists the registry's models"
+assert tuple(MODELS) == MODEL_NAMES, "config.MODEL_NAMES lists the registry's models"
 
 
 def model_tables(config: ModelConfig, schema: Schema) -> list[TableConfig]:

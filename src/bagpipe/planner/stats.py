@@ -8,7 +8,7 @@ import numpy as np
 
 from bagpipe.data.batches import batch_rows, batches_per_epoch
 from bagpipe.data.binary import BinarySplit
-from bagpipe.embeddings import table_offsets
+from bagpipe.embeddings import EmbeddingLayout, one_per_feature, valid_keys
 from bagpipe.planner.plan import PlannerConfig, plan
 from bagpipe.planner.reference import belady
 
@@ -16,10 +16,11 @@ STATS_POLICIES = ("lookahead", "lru", "lfu", "none", "belady")
 
 
 def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list[np.ndarray]:
-    """Each global batch's rows as flat keys (table offset + id), in training order."""
-    offsets = table_offsets(split.table_sizes)
+    """Each global batch's rows as flat keys (one table per feature: its offset + id), in training order."""
+    layout = EmbeddingLayout(one_per_feature(split.schema, 1), split.schema)
+    assert len(layout.spaces) == 1  # one width: one key space
     iterations = iterations or batches_per_epoch(split, batch_size)
-    return [(np.asarray(split.ids[rows], dtype=np.int64) + offsets).ravel()
+    return [valid_keys(layout.keys(np.asarray(split.ids[rows], dtype=np.int64))[0])
             for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=False,
                                    shuffle_seed=0)]
 

@@ -27,7 +27,7 @@ from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
 from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.preflight import cache_rows_of, job_layout, prepare_job
-from bagpipe.reference import build_model, build_tables, deterministic, evaluate
+from bagpipe.reference import best_metrics, build_model, build_tables, deterministic, evaluate, no_evaluation
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
@@ -275,7 +275,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
     else:
         log.warning("trainer 0 reported no model: the checkpoint holds the embeddings only")
     eval_started = time.perf_counter()
-    metrics = {"eval_auc": float("nan"), "eval_logloss": float("nan"), "eval_rows": 0}
+    metrics = no_evaluation(model)
     if evaluable and dataset.test is not None and dataset.test.rows:
         metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
                            max_rows=config.max_eval_rows)
@@ -293,7 +293,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         "samples_per_s": stats[0].samples_per_s,
         "final_train_loss": stats[0].extra.get("final_train_loss", float("nan")),
         **metrics,
-        "best_auc": dataset.meta.get("best_auc"),
+        **best_metrics(dataset.meta),
         "trainers": oracle.world.num_trainers,
         "servers": oracle.world.num_servers,
         "model": config.model.name,

@@ -1,0 +1,162 @@
+"""Interaction logs (MovieLens and the like) into next-item samples: a user's last items, the items
+that follow, and sampled negatives; each user's last item is held out for the test split.
+
+A log is one line per interaction, ``user item rating timestamp``, as MovieLens ships it:
+``u.data`` (tab-separated), ``ratings.dat`` (``::``-separated), ``ratings.csv`` (a header, then
+comma-separated). Users and items are numbered densely by descending interaction count (hot rows
+get small ids) and the raw ids are kept in ``vocab/``. Each user's interactions are ordered by
+time; a training sample is ``history`` items (left-padded with PAD) and the ``targets`` items
+after them, the test sample the last ``history`` items and the last one. Training samples are
+ordered by the time of their first target (the log's time order), each with ``negatives`` items
+drawn from those the user never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bagpipe.data.binary import SplitWriter, id_dtype_for
+from bagpipe.data.formats import Chunk, DataError
+from bagpipe.data.schema import PAD, Feature, Schema
+
+log = logging.getLogger(__name__)
+
+INTERACTION_FILES = ("u.data", "ratings.dat", "ratings.csv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceSettings:
+    history: int = 5  # L: the items a sample sees
+    targets: int = 3  # T: the items that follow, predicted at once (Caser's T)
+    negatives: int = 3  # sampled items the user never touched
+    seed: int = 0  # of the negatives
+
+    def __post_init__(self) -> None:
+        for name in ("history", "targets", "negatives"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"sequence {name} must be positive, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_interaction_log(path: Path) -> bool:
+    return path.name in INTERACTION_FILES
+
+
+def read_interactions(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw user ids, item ids and timestamps of a log, in file order."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    first = 0
+    if path.name.endswith(".csv"):
+        first = 1  # the header: userId,movieId,rating,timestamp
+    separator = {"u.data": None, "ratings.dat": "::", "ratings.csv": ","}.get(path.name, None)
+    users, items, times = [], [], []
+    for number, line in enumerate(lines[first:], start=first + 1):
+        if not line.strip():
+            continue
+        fields = line.split(separator)
+        if len(fields) != 4:
+            raise DataError(str(path), number, f"wrong column count: expected user, item, rating and timestamp, "
+                                               f"got {len(fields)} fields")
+        try:
+            users.append(int(fields[0]))
+            items.append(int(fields[1]))
+            times.append(int(float(fields[3])))
+        except ValueError:
+            raise DataError(str(path), number, f"non-integer user, item or timestamp in {line!r}") from None
+    if not users:
+        raise ValueError(f"{path}: no interactions")
+    return np.asarray(users, dtype=np.int64), np.asarray(items, dtype=np.int64), np.asarray(times, dtype=np.int64)
+
+
+def dense_ids(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw ids renumbered 0.. by descending count (ties by raw id); and the raw id of each new id."""
+    values, inverse, counts = np.unique(raw, return_inverse=True, return_counts=True)
+    order = np.lexsort((values, -counts))  # most frequent first
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return rank[inverse], values[order]
+
+
+def schema_of(*, num_users: int, num_items: int, settings: SequenceSettings) -> Schema:
+    return Schema(num_dense=0, features=(
+        Feature(name="user", cardinality=num_users),
+        Feature(name="history", cardinality=num_items, width=settings.history),
+        Feature(name="targets", cardinality=num_items, width=settings.targets),
+        Feature(name="negatives", cardinality=num_items, width=settings.negatives),
+    ))
+
+
+def build_samples(users: np.ndarray, items: np.ndarray, times: np.ndarray,
+                  settings: SequenceSettings) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Train and test id matrices ``[n, 1 + L + T + N]`` of dense ids, and the user and item counts."""
+    num_users, num_items = int(users.max()) + 1, int(items.max()) + 1
+    L, T, N = settings.history, settings.targets, settings.negatives
+    order = np.lexsort((np.arange(len(users)), times, users))  # by user, then time, then file order
+    users, items, times = users[order], items[order], times[order]
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    ends = np.r_[starts[1:], len(users)]
+    rng = np.random.default_rng([settings.seed, 7])
+    train, train_times, test = [], [], []
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        user, sequence = int(users[start]), items[start:end]
+        if len(sequence) < 2:
+            continue  # nothing to learn from and nothing to test on
+        padded = np.r_[np.full(L, PAD, dtype=np.int64), sequence]
+        touched = np.unique(sequence)
+        prefix = len(sequence) - 1  # the last item is the test target
+        positions = np.arange(1, prefix - T + 1)  # a window's first target
+        if len(positions):
+            history = np.stack([padded[p:p + L] for p in positions])  # items before p (padded index p + L)
+            targets = np.stack([sequence[p:p + T] for p in positions])
+            negatives = _negatives(rng, touched, num_items, (len(positions), N))
+            train.append(np.concatenate([np.full((len(positions), 1), user), history, targets, negatives], axis=1))
+            train_times.append(times[start + positions])
+        history = padded[prefix:prefix + L]
+        target = np.r_[sequence[-1], np.full(T - 1, PAD, dtype=np.int64)]
+        test.append(np.concatenate([[user], history, target, _negatives(rng, touched, num_items, (1, N))[0]]))
+    width = 1 + L + T + N
+    train_ids = np.concatenate(train) if train else np.zeros((0, width), dtype=np.int64)
+    if train:
+        train_ids = train_ids[np.argsort(np.concatenate(train_times), kind="stable")]
+    return train_ids, np.asarray(test, dtype=np.int64).reshape(-1, width), num_users, num_items
+
+
+def _negatives(rng: np.random.Generator, touched: np.ndarray, num_items: int, shape: tuple[int, int]) -> np.ndarray:
+    """Items drawn uniformly, redrawn (a few times) where the user touched them."""
+    drawn = rng.integers(0, num_items, shape)
+    if len(touched) >= num_items:
+        return drawn
+    for _ in range(10):
+        clash = np.isin(drawn, touched)
+        if not clash.any():
+            break
+        drawn[clash] = rng.integers(0, num_items, int(clash.sum()))
+    return drawn
+
+
+def convert_interactions(path: Path, out: Path, settings: SequenceSettings) -> dict:
+    """Write ``out/train``, ``out/test`` and ``out/vocab`` from a log; return what the meta records."""
+    raw_users, raw_items, times = read_interactions(path)
+    users, user_vocab = dense_ids(raw_users)
+    items, item_vocab = dense_ids(raw_items)
+    train, test, num_users, num_items = build_samples(users, items, times, settings)
+    schema = schema_of(num_users=num_users, num_items=num_items, settings=settings)
+    id_dtype = id_dtype_for([num_users, num_items])
+    for split, ids in (("train", train), ("test", test)):
+        writer = SplitWriter(out / split, id_dtype=id_dtype)
+        writer.append(Chunk(labels=np.ones(len(ids), dtype=np.float32), dense=np.zeros((len(ids), 0), np.float32),
+                            ids=ids))
+        writer.close(schema=schema)
+    (out / "vocab").mkdir(parents=True, exist_ok=True)
+    np.save(out / "vocab" / "user.npy", user_vocab)
+    np.save(out / "vocab" / "item.npy", item_vocab)
+    log.info("%s: %d interactions of %d users and %d items -> %d train and %d test samples", path,
+             len(raw_users), num_users, num_items, len(train), len(test))
+    return {"rows": {"train": len(train), "test": len(test)}, "table_sizes": schema.cardinalities,
+            "users": num_users, "items": num_items, "interactions": len(raw_users), "sequence": settings.to_dict()}
