@@ -106,7 +106,9 @@ def test_a_removed_or_added_split_means_converting_again(tmp_path, conversions, 
 
     (data / "test.tsv").unlink()
     ensure_preprocessed(data, show_progress=False)
-    assert len(conversions) == 2 and open_dataset(cached).test is None
+    held = round(200 * pre.DEFAULT_HOLDOUT)  # no test split: the train file's last lines are one
+    assert len(conversions) == 2 and open_dataset(cached).test.rows == held
+    assert open_dataset(cached).train.rows == 200 - held
     assert f"{data / 'test.tsv'} is gone since {cached} was made from it" in info_log.text
 
     (data / "test.tsv").write_bytes(test_rows)
@@ -180,11 +182,15 @@ def test_a_crash_mid_conversion_leaves_the_earlier_copy_in_use(tmp_path, convers
     assert files_of(cached, skip={"meta.json"}) == {k: v for k, v in before.items() if k.name != "meta.json"}
 
 
-def test_data_must_be_a_directory_of_splits_or_a_preprocessed_one(tmp_path, conversions):
+def test_a_lone_file_is_converted_beside_it_and_a_preprocessed_directory_is_used_as_is(tmp_path, conversions):
     data = make_data(tmp_path / "data")
-    with pytest.raises(ValueError, match="is a file") as err:
-        ensure_preprocessed(data / "train.tsv", show_progress=False)
-    assert "bagpipe preprocess --input" in str(err.value) and "train.*" in str(err.value)
-    cached = ensure_preprocessed(data, show_progress=False)
+    cached = ensure_preprocessed(data / "train.tsv", show_progress=False)
+    assert cached == data / "train.tsv.preprocessed"
+    assert ensure_preprocessed(data / "train.tsv", show_progress=False) == cached  # reused
     assert ensure_preprocessed(cached, show_progress=False) == cached
     assert len(conversions) == 1
+    converted = ensure_preprocessed(data, show_progress=False)
+    assert converted == data / "preprocessed" and ensure_preprocessed(converted, show_progress=False) == converted
+    assert len(conversions) == 2
+    with pytest.raises(ValueError, match="no such file or directory"):
+        ensure_preprocessed(data / "nothing.tsv", show_progress=False)

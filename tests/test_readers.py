@@ -122,7 +122,7 @@ def test_skip_counts_and_reports_bad_rows(tmp_path):
     lines = [GOOD_TSV[0], *BAD_TSV.values(), GOOD_TSV[1], GOOD_TSV[2]]
     write(tmp_path / "train.tsv", lines)
     meta = preprocess(tmp_path / "train.tsv", tmp_path / "bin", table_sizes=SIZES, on_bad_row="skip",
-                      show_progress=False)
+                      show_progress=False, holdout=0)
     assert meta["skipped_rows"] == len(BAD_TSV)
     assert sorted(meta["skipped_by_reason"]) == sorted(BAD_TSV)
     split = open_dataset(tmp_path / "bin").train

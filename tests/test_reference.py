@@ -71,7 +71,8 @@ def test_cli_trains_from_tsv_and_exports(small_tsv, tmp_path, capsys):
 
 
 def test_cli_refuses_impossible_settings_before_training(small_tsv, tmp_path, capsys):
-    assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "r"), "--emb-dim", "8"]) == 2
+    assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "r"), "--emb-dim", "8",
+                 "--arch-mlp-bot", "13-512-256-16"]) == 2
     assert "arch_mlp_bot must end in the embedding dimension" in capsys.readouterr().err
     assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "r"), "--batch-size",
                  "1000000", "--no-progress"]) == 2

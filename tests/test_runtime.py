@@ -204,12 +204,28 @@ def test_a_cache_that_holds_every_row_gets_a_warning(small_binary):
 
 
 def test_a_hand_started_oracle_refuses_a_cache_smaller_than_a_batch(small_binary, tmp_path):
+    """The oracle judges the job once every role has stated its settings (a trainer's model decides the
+    tables), then refuses it, and the roles waiting on it are told why."""
+    world = ["--world-size", "4", "--master-port", str(free_port()), "--timeout", "30"]
     oracle = bagpipe_cli("oracle", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"),
-                         "--cache-size", "50", "--mini-batch-size", "128", "--worker-id", "0", "--world-size", "4",
-                         "--world-size-trainers", "2", "--master-port", str(free_port()), "--timeout", "30")
-    _, err = oracle.communicate(timeout=60)
-    assert oracle.returncode == 2
-    assert "more than the cache's 50" in err
+                         "--cache-size", "50", "--mini-batch-size", "128", "--worker-id", "0",
+                         "--world-size-trainers", "2", *world)
+    others = [bagpipe_cli(role, "--worker-id", str(rank), *world)
+              for role, rank in (("trainer", 1), ("trainer", 2), ("server", 3))]
+    try:
+        _, err = oracle.communicate(timeout=60)
+        assert oracle.returncode == 2, err
+        assert "more than the cache's 50" in err
+        for process in others:
+            _, other_err = process.communicate(timeout=30)
+            assert process.returncode == 2 and "the oracle refused the job" in other_err
+            assert "more than the cache's 50" in other_err
+    finally:
+        for process in (oracle, *others):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert not (tmp_path / "run" / "summary.json").exists()
 
 
 def test_world_size_mismatch_is_refused_within_seconds(small_binary, tmp_path):

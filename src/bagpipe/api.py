@@ -22,13 +22,14 @@ it works whether or not the script creates a default process group, before or af
 from __future__ import annotations
 
 import logging
-import math
 import os
+import time
 
 import torch
 
 from bagpipe.embeddings import Lookup
-from bagpipe.runtime.trainer import TrainerRuntime, join_as_trainer
+from bagpipe.reference import Timer
+from bagpipe.runtime.trainer import TrainerRuntime, cache_device, join_as_trainer
 from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ class TrainerCache:
         self.num_iterations = runtime.job.iterations
         self._lookups: list[Lookup] | None = None
         self._closed = False
+        # Steady-state samples/s as the bagpipe trainer counts it: the time from one next_batch() to the next.
+        warmup = runtime.job.config["warmup_iterations"]
+        self._timer = Timer(warmup=min(warmup, max(self.num_iterations - 1, 0)))
+        self._tick: float | None = None
 
     def __len__(self) -> int:
         return self.num_iterations
@@ -55,6 +60,13 @@ class TrainerCache:
         [B, W] for a multi-valued one, -1 where empty), ``target`` float [B, 1].
         """
         self._finish_iteration()
+        now = time.perf_counter()
+        if self._tick is not None:  # the iteration the script just finished
+            done = self.runtime.stats.iterations - 1
+            self._timer.record(done, self.runtime.job.config["batch_size"], now - self._tick)
+            if done == 0:
+                self.runtime.stats.extra["first_iteration_at"] = time.time()
+        self._tick = now
         message = self.runtime.advance()
         if message is None:
             return None
@@ -100,6 +112,7 @@ class TrainerCache:
                                f"{self.num_iterations} iterations, and every one must run")
         module = getattr(model, "module", model)
         state = module.state_dict() if module is not None and self.runtime.index == 0 else None
+        self.runtime.stats.samples_per_s = self._timer.samples_per_s
         self.runtime.close(dense_state=state)
         self._closed = True
 
@@ -122,42 +135,22 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
     if role != "trainer" or index != training_worker_id:
         raise ValueError(f"worker_id {worker_id} is the {role} {index} of this world (0: oracle, 1..{world.num_trainers}"
                          f": trainers, then servers), but training_worker_id is {training_worker_id}")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        log.warning("device %s requested but CUDA is not available: caching on the CPU", device)
-        device = "cpu"
+    device = cache_device(device)
+    given = {"kind": "script", "emb_dim": int(emb_size), "cache_rows": int(cache_size)}
+    if len(ln_emb):
+        given["table_sizes"] = [int(n) for n in ln_emb]
+    if emb_optim is not None:
+        if emb_optim not in _OPTIMIZERS:
+            raise ValueError(f"emb_optim {emb_optim!r} is not supported: torch.optim.SGD, Adagrad or Adam")
+        given["optimizer"] = _OPTIMIZERS[emb_optim]
+    if (emb_optim_params or {}).get("lr") is not None:
+        given["lr"] = float(emb_optim_params["lr"])
     # Inside the user's process a lost peer fails the cache's next step; it does not end the process.
-    store, liveness, job = join_as_trainer(world, on_lost=lambda message: log.error("%s", message))
-    _check_against_job(job, emb_size=emb_size, ln_emb=list(ln_emb), cache_size=cache_size,
-                       lookahead_value=lookahead_value, cleanup=cleanup_batch_proportion, emb_optim=emb_optim,
-                       emb_optim_params=emb_optim_params or {})
+    world, store, liveness, job = join_as_trainer(world, given=given, on_lost=lambda message: log.error("%s", message))
+    config = job.config
+    if lookahead_value != config["lookahead"] or cleanup_batch_proportion != config["cleanup_fraction"]:
+        log.info("the oracle plans with lookahead %d and cleanup %.2f (init_cache asked %d and %.2f)",
+                 config["lookahead"], config["cleanup_fraction"], lookahead_value, cleanup_batch_proportion)
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, device=device, prefetch_depth=prefetch_depth)
     liveness.on_lost = runtime.fail
     return TrainerCache(runtime)
-
-
-def _check_against_job(job, *, emb_size, ln_emb, cache_size, lookahead_value, cleanup, emb_optim,
-                       emb_optim_params) -> None:
-    config, layout = job.config, job.layout
-    problems = []
-    dims = sorted({space.dim for space in layout.spaces})
-    if dims != [emb_size]:
-        problems.append(f"emb_size {emb_size} != the oracle's tables' width {dims} (--emb-size)")
-    sizes = layout.schema.cardinalities
-    if ln_emb and list(map(int, ln_emb)) != sizes:
-        problems.append(f"ln_emb ({len(ln_emb)} tables) differs from the data's table sizes ({len(sizes)})")
-    if cache_size != sum(job.cache_rows):
-        problems.append(f"cache_size {cache_size} != the oracle's {sum(job.cache_rows)} (--cache-size)")
-    if emb_optim is not None:
-        name = _OPTIMIZERS.get(emb_optim)
-        if name is None:
-            problems.append(f"emb_optim {emb_optim!r} is not supported (SGD, Adagrad or Adam)")
-        elif name != config["optimizer"]:
-            problems.append(f"emb_optim {emb_optim.__name__} != the oracle's optimizer {config['optimizer']}")
-    lr = emb_optim_params.get("lr")
-    if lr is not None and not math.isclose(lr, config["lr"], rel_tol=1e-9):
-        problems.append(f"emb_optim_params lr {lr} != the oracle's lr {config['lr']}")
-    if problems:
-        raise ValueError("init_cache disagrees with the oracle: " + "; ".join(problems))
-    if lookahead_value != config["lookahead"] or cleanup != config["cleanup_fraction"]:
-        log.info("the oracle plans with lookahead %d and cleanup %.2f (init_cache asked %d and %.2f)",
-                 config["lookahead"], config["cleanup_fraction"], lookahead_value, cleanup)

@@ -189,11 +189,12 @@ def _add_world_flags(p) -> None:
     g.add_argument("--world-size", type=int, default=None,
                    help="oracle + servers + trainers (default $WORLD_SIZE)")
     g.add_argument("--world-size-trainers", dest="num_trainers", type=int, default=None,
-                   help="trainers in the job (default $BAGPIPE_TRAINERS)")
+                   help="trainers in the job (default $BAGPIPE_TRAINERS; servers and trainers: else the oracle's)")
     g.add_argument("--master-ip", dest="master_addr", default=None, help="the oracle's address (default "
                    "$MASTER_ADDR, else 127.0.0.1; RPC is unauthenticated: use a trusted network)")
     g.add_argument("--master-port", dest="world_port", type=int, default=None,
-                   help="the oracle's store port, the job's only fixed port (default $MASTER_PORT, else 29500)")
+                   help="the oracle's store port, the job's only fixed port (default $MASTER_PORT, else 18000, "
+                        "the original system's)")
     g.add_argument("--timeout", dest="world_timeout", type=float, default=None,
                    help="seconds any remote wait may take (default 60)")
 
@@ -202,33 +203,83 @@ def _add_roles(sub) -> None:
     for name, text in (("oracle", "the job's oracle: reads the data, plans, feeds the trainers (rank 0)"),
                        ("role", "the role this rank plays (0: oracle, 1..T: trainers, then servers): one "
                                 "command line for every process, as torchrun launches them")):
-        _add_oracle_flags(sub.add_parser(name, help=text))
-    for role, text in (("server", "an embedding server: one shard of every table (the last ranks)"),
-                       ("trainer", "a trainer running the DLRM loop of --mode bagpipe (ranks 1..T)")):
-        p = sub.add_parser(role, help=text)
-        _add_world_flags(p)
-        p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+        _add_oracle_flags(sub.add_parser(name, help=text, allow_abbrev=False))
+    p = sub.add_parser("server", help="an embedding server: one shard of every table (the last ranks)",
+                       allow_abbrev=False)
+    _add_world_flags(p)
+    p.add_argument("--emb-size", "--emb-dim", dest="emb_dim", type=int, default=None,
+                   help="the embedding width, agreed with the other roles' (default: theirs)")
+    p.add_argument("--emb-info-file", default=None, help="one table size per line, agreed with the other roles' "
+                   "and the data's (default: theirs)")
+    _add_ignored_flags(p, "--logging-prefix")
+    p = sub.add_parser("trainer", help="a trainer of the job's model (ranks 1..T): the --mode bagpipe loop",
+                       allow_abbrev=False)
+    _add_world_flags(p)
+    _add_model_flags(p, emb_flags=("--emb-size", "--emb-dim"))
+    p.add_argument("--emb-info-file", default=None, help="one table size per line, agreed with the other roles' "
+                   "and the data's (default: theirs)")
+    p.add_argument("--cache-size", "--cache-rows", dest="cache_rows", type=int, default=None,
+                   help="rows each trainer caches, agreed with the oracle's (default: the oracle's)")
+    p.add_argument("--lookahead-val", "--lookahead-value", dest="lookahead", type=int, default=None,
+                   help="batches planned ahead, agreed with the oracle's (default: the oracle's)")
+    p.add_argument("--dist-worker-id", type=int, default=None,
+                   help="this trainer's index among the trainers; must be --worker-id - 1 (default: that)")
+    p.add_argument("--dist-backend", choices=("gloo", "nccl"), default="gloo",
+                   help="the trainers' gradient-sync backend (default gloo; nccl is not available yet)")
+    p.add_argument("--device", default="cpu", help="where the trainer's cache and model live; cuda:N falls back "
+                   "to the CPU, with a warning, when there is no GPU (default cpu)")
+    _add_ignored_flags(p, "--dist-master-ip", "--master-port-ccom", "--logging-prefix", "--cleanup-batch-proportion")
+    p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+
+
+IGNORED_HELP = {
+    "--prefetch": "accepted for the original's command lines: the oracle always prefetches",
+    "--cache": "accepted for the original's command lines: the trainers always cache",
+    "--dataset-multiprocessing": "accepted for the original's command lines: the data is converted once",
+    "--ragged": "accepted for the original's command lines: multi-valued features are read as they come",
+    "--logging-prefix": "accepted for the original's command lines: logs go to stderr (the local launcher: "
+                        "RUN_DIR/logs)",
+    "--dist-master-ip": "accepted for the original's command lines: the trainers' group meets at the oracle's "
+                        "store, so trainer 0's own address is not needed",
+    "--master-port-ccom": "accepted for the original's command lines: the trainers' group needs no port of its own",
+    "--cleanup-batch-proportion": "accepted for the original's command lines: the oracle's plan decides evictions",
+}
+
+
+def _add_ignored_flags(p, *flags: str) -> None:
+    g = p.add_argument_group("the original system's flags that mean nothing here (accepted, ignored)")
+    for flag in flags:
+        takes_value = flag in ("--logging-prefix", "--dist-master-ip", "--master-port-ccom",
+                               "--cleanup-batch-proportion")
+        g.add_argument(flag, dest=f"ignored_{flag.strip('-').replace('-', '_')}", default=None,
+                       action=None if takes_value else "store_true", help=IGNORED_HELP[flag] + " (default: none)")
 
 
 def _add_oracle_flags(p) -> None:
     p.add_argument("--config", default=None, help="a TOML file of train settings; flags override it (default: none)")
     p.add_argument("--data", "--processed-csv", dest="data", default=None,
-                   help="the data directory, as train --data takes it (required, here or in --config)")
+                   help="the data: a directory, or a single file (JSON lines, Criteo TSV or an interaction log, "
+                        "told by its content; see --format and --holdout) (required, here or in --config)")
+    p.add_argument("--format", dest="data_format", default=None,
+                   help="criteo, jsonl or movielens (default: from the data's name or content)")
+    p.add_argument("--holdout", type=float, default=None, help="data with no test split: the share of its end held "
+                   "out for evaluation; 0: none, no evaluation" + _default("holdout"))
     p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
-                   "(required, here or in --config)")
+                   "(default: a new runs/oracle-DATE-TIME, printed at start)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
     p.add_argument("--prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
     p.add_argument("--mini-batch-size", dest="batch_size", type=int, default=None,
                    help="the global batch, split evenly among the trainers" + _default("batch_size"))
-    p.add_argument("--emb-info-file", default=None,
-                   help="one table size per line, checked against the data (default: not checked)")
+    p.add_argument("--emb-info-file", default=None, help="one table size per line, agreed with the other roles' "
+                   "and the data's (default: the data's)")
     for name, text in (("iterations", "global batches; 0: one pass"), ("seed", "initialisation seed"),
                        ("log-every", "iterations per metrics record"),
                        ("warmup-iterations", "iterations left out of the steady-state samples/s"),
                        ("max-eval-rows", "test rows evaluated; 0: all"), ("eval-batch-size", "samples per eval batch")):
         p.add_argument(f"--{name}", type=int, default=None, help=text + _default(name.replace("-", "_")))
-    p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam" + _default("optimizer"))
-    p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr"))
+    p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, agreed with the trainers'"
+                   + _default("optimizer"))
+    p.add_argument("--lr", type=float, default=None, help="learning rate, agreed with the trainers'" + _default("lr"))
     _add_model_flags(p, emb_flags=("--emb-size", "--emb-dim"))
     g = p.add_argument_group("the plan")
     g.add_argument("--cache-size", "--cache-rows", dest="cache_rows", type=int, default=None,
@@ -241,6 +292,7 @@ def _add_oracle_flags(p) -> None:
     g.add_argument("--prefetch-depth", type=int, default=None,
                    help="iterations whose fetches a trainer has in flight" + _default("prefetch_depth"))
     _add_world_flags(p)
+    _add_ignored_flags(p, "--prefetch", "--cache", "--dataset-multiprocessing", "--ragged", "--logging-prefix")
     p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
 
 
@@ -393,36 +445,49 @@ def run_plan_stats(args) -> None:
                                 num_trainers=args.trainers, cleanup_fraction=args.cleanup_fraction)))
 
 
-def _world(args):
+def _world(args, *, trainers_from_oracle: bool = False):
     from bagpipe.runtime.world import world_from_env
 
     return world_from_env(rank=args.rank, world_size=args.world_size, num_trainers=args.num_trainers,
                           master_addr=args.master_addr, master_port=args.world_port,
-                          timeout=args.world_timeout or 60.0)
+                          timeout=args.world_timeout or 60.0, trainers_from_oracle=trainers_from_oracle)
+
+
+def _given(args) -> tuple[dict, dict]:
+    """The train and model settings this role's command line (and --config) gave explicitly."""
+    from bagpipe.config import ModelConfig, TrainConfig, given_settings
+
+    names = {f for f in TrainConfig.__dataclass_fields__ if f != "model"} | set(ModelConfig.__dataclass_fields__)
+    return given_settings(getattr(args, "config", None),
+                          {name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def run_oracle(args) -> None:
     import dataclasses
+    import time
 
-    from bagpipe.config import ModelConfig, TrainConfig, load_train_config
+    from bagpipe.config import load_train_config
+    from bagpipe.runtime.agree import stated
     from bagpipe.runtime.oracle import run_oracle as oracle_main
 
     setup_logging(role="oracle", rank=0)
     world = _world(args)
-    names = {f for f in TrainConfig.__dataclass_fields__ if f != "model"} | set(ModelConfig.__dataclass_fields__)
-    overrides = {name: getattr(args, name) for name in names if hasattr(args, name)}
-    overrides.update(mode="bagpipe", trainers=world.num_trainers, servers=world.num_servers,
-                     timeout=args.world_timeout)
+    train, model = _given(args)
+    sizes = read_emb_info(args.emb_info_file) if args.emb_info_file else None
+    given = stated(train, model, table_sizes=sizes)
+    overrides = {**train, **model, "mode": "bagpipe", "trainers": world.num_trainers, "servers": world.num_servers,
+                 "timeout": args.world_timeout}
+    if not train.get("run_dir"):
+        overrides["run_dir"] = f"runs/oracle-{time.strftime('%Y%m%d-%H%M%S')}"
+        log.info("the run goes to %s (--run-dir)", overrides["run_dir"])
     config = load_train_config(args.config, overrides)
     world = dataclasses.replace(world, timeout=config.timeout)
-    sizes = read_emb_info(args.emb_info_file) if args.emb_info_file else None
-    summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared,
-                          table_sizes=sizes)
+    summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared, given=given)
     print(human_summary(summary))
 
 
 def read_emb_info(path: str) -> list[int]:
-    """--emb-info-file: one table size per line (the oracle checks them against the data)."""
+    """--emb-info-file: one table size per line (agreed with the other roles' and the data's)."""
     try:
         return [int(line) for line in open(path).read().split()]
     except (OSError, ValueError) as err:
@@ -432,17 +497,32 @@ def read_emb_info(path: str) -> list[int]:
 def run_server(args) -> None:
     from bagpipe.runtime.server import run_server as server_main
 
-    world = _world(args)
+    world = _world(args, trainers_from_oracle=True)
     setup_logging(role="server", rank=world.rank)
-    server_main(world)
+    given = {}
+    if getattr(args, "emb_dim", None) is not None:
+        given["emb_dim"] = args.emb_dim
+    if getattr(args, "emb_info_file", None):
+        given["table_sizes"] = read_emb_info(args.emb_info_file)
+    server_main(world, given=given)
 
 
 def run_trainer(args) -> None:
+    from bagpipe.config import complete_model
+    from bagpipe.runtime.agree import stated
     from bagpipe.runtime.trainer import run_trainer as trainer_main
 
-    world = _world(args)
+    world = _world(args, trainers_from_oracle=True)
     setup_logging(role="trainer", rank=world.rank)
-    trainer_main(world, writeback_delay=args.writeback_delay)
+    if getattr(args, "dist_worker_id", None) is not None and args.dist_worker_id != world.rank - 1:
+        raise ValueError(f"--dist-worker-id {args.dist_worker_id} is not trainer {world.rank - 1}, which "
+                         f"--worker-id {world.rank} is (trainers are ranks 1..T)")
+    if getattr(args, "dist_backend", "gloo") != "gloo":
+        raise ValueError("--dist-backend nccl: the trainers' gradient sync runs on gloo only so far")
+    train, model = _given(args)
+    sizes = read_emb_info(args.emb_info_file) if getattr(args, "emb_info_file", None) else None
+    given = stated(train, complete_model(model), table_sizes=sizes, kind="model")
+    trainer_main(world, given=given, device=getattr(args, "device", "cpu"), writeback_delay=args.writeback_delay)
 
 
 def run_role(args) -> None:

@@ -20,7 +20,9 @@ from bagpipe.planner.plan import POLICIES
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 MODES = ("reference", "bagpipe")
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
+EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
 CROSS_KINDS = ("vector", "matrix")
+DATA_FORMATS = ("criteo", "jsonl", "movielens")  # the readers in bagpipe.data
 
 
 def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
@@ -86,7 +88,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if self.name not in MODEL_NAMES:
+        if self.name not in (*MODEL_NAMES, EXTERNAL):
             raise ValueError(f"model must be one of {', '.join(MODEL_NAMES)}, got {self.name!r}")
         if self.emb_dim <= 0:
             raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
@@ -146,6 +148,8 @@ class TrainConfig:
     warmup_iterations: int = 5  # excluded from the steady-state samples/s
     log_every: int = 10
     max_eval_rows: int = 0  # 0: the whole test split
+    holdout: float = 1 / 7  # data with no test split: its last share is the test split (Criteo Kaggle's last day)
+    data_format: str = ""  # criteo, jsonl or movielens; "": from the file's name or content
     # --mode reference: compute each batch's gradient as this many trainers do (bit for bit)
     slices: int = 1
     # --mode bagpipe: the local job's shape and the cache plan
@@ -181,8 +185,12 @@ class TrainConfig:
         for name in ("lr", "timeout"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
-        if not 0.0 <= self.cleanup_fraction < 1.0:
-            raise ValueError(f"cleanup_fraction must be in [0, 1), got {self.cleanup_fraction}")
+        for name in ("cleanup_fraction", "holdout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.data_format not in ("", *DATA_FORMATS):
+            raise ValueError(f"data_format must be one of {', '.join(DATA_FORMATS)} (or empty: detected), "
+                             f"got {self.data_format!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("trainers", "servers", "lookahead", "prefetch_depth", "slices"):
@@ -205,6 +213,15 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 
     The TOML file may hold the train fields at top level and the model fields under ``[model]``.
     """
+    values, model_values = given_settings(path, overrides)
+    values.setdefault("data", "")
+    values.setdefault("run_dir", "")
+    return TrainConfig(model=ModelConfig(**complete_model(model_values)), **values)
+
+
+def given_settings(path: str | None, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The train and model settings given explicitly (in the TOML file or as flags, flags winning),
+    each checked for its type; a setting neither gives keeps its default."""
     values: dict[str, Any] = {}
     model_values: dict[str, Any] = {}
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -219,9 +236,20 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
     if unknown:
         where = f" in {path}" if path else ""
         raise ValueError(f"unknown setting(s){where}: {', '.join(unknown)}")
-    values.setdefault("data", "")
-    values.setdefault("run_dir", "")
-    return TrainConfig(model=ModelConfig(**model_values), **values)
+    return values, model_values
+
+
+def complete_model(values: dict[str, Any]) -> dict[str, Any]:
+    """DLRM's embedding width and bottom MLP name each other: one given alone implies the other
+    (``--arch-mlp-bot 13-512-48`` means ``--emb-dim 48``; ``--emb-dim 48`` means a bottom MLP of
+    13-512-256-48)."""
+    values = dict(values)
+    if "arch_mlp_bot" in values and "emb_dim" not in values:
+        values["emb_dim"] = parse_arch(values["arch_mlp_bot"], name="arch_mlp_bot")[-1]
+    elif "emb_dim" in values and "arch_mlp_bot" not in values:
+        default = parse_arch(ModelConfig.arch_mlp_bot, name="arch_mlp_bot")
+        values["arch_mlp_bot"] = "-".join(str(size) for size in (*default[:-1], values["emb_dim"]))
+    return values
 
 
 def _read_toml(path: Path, *, train_names: set[str], model_names: set[str]) -> tuple[dict, dict]:

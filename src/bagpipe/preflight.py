@@ -36,11 +36,22 @@ def prepare_job(config: TrainConfig, *, overwrite: bool = False, show_progress: 
     """What comes before a run starts, in this order: the data (converted if its sources changed),
     every check of the job against it, and only then the run dir (an earlier run there is cleared
     only now, so a run refused at start loses nothing)."""
-    dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress))
+    dataset = prepare_data(config, show_progress=show_progress)
+    claim(config, dataset, overwrite=overwrite, show_progress=show_progress)
+    return dataset
+
+
+def prepare_data(config: TrainConfig, *, show_progress: bool = False) -> BinaryDataset:
+    """The job's data set, converted first if its sources changed."""
+    return open_dataset(ensure_preprocessed(config.data, show_progress=show_progress, fmt=config.data_format or None,
+                                            holdout=config.holdout))
+
+
+def claim(config: TrainConfig, dataset: BinaryDataset, *, overwrite: bool, show_progress: bool = False) -> None:
+    """Check the job against its data (warning about what does nothing), then claim the run dir."""
     for warning in check_job(config, dataset, show_progress=show_progress):
         log.warning("%s", warning)
     prepare_run_dir(config.run_dir, overwrite=overwrite)
-    return dataset
 
 
 def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: bool = False) -> list[str]:

@@ -147,6 +147,14 @@ class BinaryDataset:
     def schema(self) -> Schema:
         return self.train.schema
 
+    def with_schema(self, schema: Schema) -> "BinaryDataset":
+        """The same rows under ``schema`` (e.g. larger table sizes a job agreed on): its features must
+        have the same widths, and the data's ids must fit its cardinalities."""
+        assert [f.width for f in schema.features] == [f.width for f in self.schema.features]
+        assert all(a.cardinality >= b.cardinality for a, b in zip(schema.features, self.schema.features))
+        splits = [None if s is None else dataclasses.replace(s, schema=schema) for s in (self.train, self.test)]
+        return dataclasses.replace(self, train=splits[0], test=splits[1])
+
 
 def is_preprocessed(directory: str | Path) -> bool:
     return (Path(directory) / "train" / "header.json").is_file()

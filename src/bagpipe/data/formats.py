@@ -1,7 +1,7 @@
 """Text formats we read: Criteo TSV and the original system's JSON lines.
 
-Both parsers turn a chunk of lines into (labels, dense, ids) arrays. A fast path parses the
-whole chunk at once; if anything is off, the slow path walks the chunk line by line to name
+Both parsers turn a chunk of lines into (labels, dense, ids) arrays. Criteo's fast path parses
+the whole chunk at once; if anything is off, the slow path walks the chunk line by line to name
 the first bad line (or to skip and count bad lines, when asked). Lines arrive as bytes and are
 decoded the same way: the whole chunk at once, line by line only when it is not UTF-8.
 """
@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-NUM_DENSE = 13
+from bagpipe.data.schema import NEXT_ITEM_FEATURES, PAD, Feature, Schema
+
+NUM_DENSE = 13  # Criteo TSV's dense columns
 _HEX_CHARS = frozenset("0123456789abcdefABCDEF")
 _INT64_LIMIT = 1 << 63  # ids are stored as int64 at most
 
@@ -90,8 +92,8 @@ def _decode_line_by_line(lines, *, path, first_line, bad) -> list[tuple[int, lis
 @dataclass(frozen=True)
 class Chunk:
     labels: np.ndarray  # float32 [n]
-    dense: np.ndarray  # float32 [n, NUM_DENSE], already transformed
-    ids: np.ndarray  # int64 [n, num_tables]
+    dense: np.ndarray  # float32 [n, num_dense], already transformed
+    ids: np.ndarray  # int64 [n, columns]: each sparse feature's columns (data.schema)
 
 
 class CriteoParser:
@@ -100,6 +102,9 @@ class CriteoParser:
     def __init__(self, table_sizes: list[int]) -> None:
         self.table_sizes = np.asarray(table_sizes, dtype=np.int64)
         self.num_columns = 1 + NUM_DENSE + len(table_sizes)
+
+    def schema(self, sizes: list[int]) -> Schema:
+        return Schema.one_hot(sizes, num_dense=NUM_DENSE)
 
     def parse(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
         try:
@@ -151,45 +156,203 @@ class CriteoParser:
                         num_tables=len(self.table_sizes))
 
 
-class JsonlParser:
-    """The original system's format: {"label": float, "dense": [13 floats], "sparse": [ints]}.
+class NeedsWidths(Exception):
+    """Raised by a JsonlParser without a shape at its first multi-valued or next-item row: the caller
+    measures the input first (``JsonlParser.measure``) and converts again with the shape it learned."""
 
-    Ids must already lie in [0, table size). With no table sizes given, any id >= 0 is accepted
-    and the sizes are inferred afterwards as the largest id + 1.
+
+@dataclass(frozen=True)
+class JsonlShape:
+    """What a first pass over JSON lines learns before anything is written: the layout, the dense count,
+    and each sparse feature's width (next-item samples: user, history, targets, negatives)."""
+
+    next_item: bool
+    num_dense: int
+    widths: tuple[int, ...]
+
+
+class JsonlParser:
+    """The original system's format, one JSON object a line: {"label": 0 or 1, "dense": [floats], "sparse": [ids]}.
+
+    Every row has as many dense values as the first valid one (none is allowed). A ``sparse`` entry is an
+    id or a list of ids (a multi-valued feature, padded with PAD to its longest list in the input). A row
+    whose label is a list is the original's CASER layout, a next-item sample (data.sequences):
+    {"label": [target items], "dense": [negative items], "sparse": [user, [history items]]}.
+
+    Ids must already lie in [0, table size); the sizes of next-item samples are [users, items]. With no
+    sizes given any id >= 0 is accepted and the sizes are inferred afterwards as the largest id + 1.
+
+    Padding needs the widths before a row is written: without ``shape`` every feature is taken as one-hot
+    and the first row that is not raises NeedsWidths; ``measure`` (a first pass) learns the shape.
     """
 
-    def __init__(self, table_sizes: list[int] | None, *, num_tables: int | None = None) -> None:
+    def __init__(self, table_sizes: list[int] | None, *, num_tables: int | None = None,
+                 shape: JsonlShape | None = None) -> None:
         self.table_sizes = list(table_sizes) if table_sizes else None
         self.num_tables = len(table_sizes) if table_sizes else num_tables
+        self.shape = shape
+        self.measuring = False
+        # Learned from the first valid row, unless the shape says.
+        self.next_item: bool | None = shape.next_item if shape else None
+        self.num_dense: int | None = shape.num_dense if shape else None
+        if shape is not None:
+            self.num_tables = 2 if shape.next_item else len(shape.widths)
+        self.longest: list[int] | None = None  # while measuring: each feature's longest entry
+        self.has_empty: list[bool] | None = None  # and whether any entry of it is empty
 
     def parse(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
-        return _collect(self._row, lines, path=path, first_line=first_line, bad=bad,
-                        num_tables=self.num_tables)
+        rows = _valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
+        dense = np.asarray([row[1] for row in rows], dtype=np.float64).reshape(len(rows), self.num_dense or 0)
+        return Chunk(np.asarray([row[0] for row in rows], dtype=np.float32), dense_transform(dense),
+                     self._id_matrix([row[2] for row in rows]))
 
-    def _row(self, line: str, *, path: str, number: int) -> tuple[float, list[float], list[int]]:
+    def measure(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> None:
+        """The first pass: check ``lines`` as ``parse`` does, noting each feature's longest entry."""
+        self.measuring = True
+        _valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
+
+    def learned_shape(self) -> JsonlShape | None:
+        """The shape the rows measured so far have; None before the first valid row."""
+        if self.next_item is None:
+            return None
+        # A feature that is sometimes empty needs a place for PAD: one column is a one-hot feature's.
+        widths = [max(longest, 2 if empty else 1) for longest, empty in zip(self.longest, self.has_empty)]
+        return JsonlShape(next_item=self.next_item, num_dense=self.num_dense, widths=tuple(widths))
+
+    def schema(self, sizes: list[int]) -> Schema:
+        """The converted rows' schema, given each table's size (next-item samples: users and items)."""
+        if self.shape is None:
+            return Schema.one_hot(sizes, num_dense=self.num_dense or 0)
+        if self.shape.next_item:
+            users, items = sizes
+            return Schema(num_dense=0, features=tuple(
+                Feature(name=name, cardinality=users if name == "user" else items, width=width)
+                for name, width in zip(NEXT_ITEM_FEATURES, self.shape.widths, strict=True)))
+        return Schema(num_dense=self.shape.num_dense, features=tuple(
+            Feature(name=f"C{i + 1}", cardinality=int(n), width=width)
+            for i, (n, width) in enumerate(zip(sizes, self.shape.widths, strict=True))))
+
+    def table_starts(self) -> list[int]:
+        """The first column of each table's features in the id matrix (next-item: the user's, the items')."""
+        if self.shape is None:
+            return list(range(self.num_tables or 0))
+        if self.shape.next_item:
+            return [0, 1]
+        return np.cumsum([0, *self.shape.widths[:-1]]).tolist()
+
+    def table_names(self) -> list[str]:
+        """How an error names each table."""
+        if self.next_item:
+            return ["the users (index 0 in 'sparse')", "the items ('label', 'dense' and index 1 in 'sparse')"]
+        return [f"table {t} (index {t} in 'sparse')" for t in range(self.num_tables or 0)]
+
+    def _row(self, line: str, *, path: str, number: int) -> tuple[float, list[float], list]:
+        """(label, dense values, each feature's id or list of ids) of a valid row, else a DataError."""
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(path, number, f"not valid JSON: {err.msg}") from None
         if not isinstance(record, dict) or not {"label", "dense", "sparse"} <= record.keys():
             raise DataError(path, number, "missing field: a row needs 'label', 'dense' and 'sparse'")
+        next_item = isinstance(record["label"], list) if self.next_item is None else self.next_item
+        if next_item:
+            row = self._next_item_row(record, path=path, number=number)
+        else:
+            row = self._feature_row(record, path=path, number=number)
+        self._fit(row[2], next_item=next_item, path=path, number=number)
+        if self.next_item is None:  # the first valid row sets the layout and the counts for the rest
+            self.next_item, self.num_dense = next_item, len(row[1])
+            self.num_tables = 2 if next_item else len(row[2])
+        return row
+
+    def _feature_row(self, record: dict, *, path: str, number: int) -> tuple[float, list[float], list]:
         label = _parse_label(record["label"], path=path, number=number)
         dense, sparse = record["dense"], record["sparse"]
-        if not isinstance(dense, list) or len(dense) != NUM_DENSE:
-            raise DataError(path, number, f"wrong column count: 'dense' must hold {NUM_DENSE} numbers")
+        if not isinstance(dense, list):
+            raise DataError(path, number, f"wrong column count: 'dense' must be a list of numbers, got {dense!r}")
+        if self.num_dense is not None and len(dense) != self.num_dense:
+            raise DataError(path, number, f"wrong column count: 'dense' holds {len(dense)} values, not "
+                                          f"{self.num_dense} as the first valid row")
         if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not np.isfinite(x) for x in dense):
             raise DataError(path, number, f"non-numeric dense value in {dense!r}")
-        if self.num_tables is None:
-            self.num_tables = len(sparse) if isinstance(sparse, list) else None
-        if not isinstance(sparse, list) or len(sparse) != self.num_tables:
-            raise DataError(path, number, f"wrong column count: 'sparse' must hold {self.num_tables} ids")
+        if not isinstance(sparse, list) or (self.num_tables is not None and len(sparse) != self.num_tables):
+            expected = "a list of ids" if self.num_tables is None else f"{self.num_tables} ids"
+            raise DataError(path, number, f"wrong column count: 'sparse' must hold {expected}")
         for t, value in enumerate(sparse):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise DataError(path, number, f"non-integer id: table {t} has {value!r}")
             limit = self.table_sizes[t] if self.table_sizes else _INT64_LIMIT
-            if not 0 <= value < limit:
-                raise DataError(path, number, f"id out of range: table {t} has {value}, expected [0, {limit})")
+            for item in value if isinstance(value, list) else [value]:
+                _check_id(item, limit, what=f"table {t}", path=path, number=number)
         return label, [float(x) for x in dense], sparse
+
+    def _next_item_row(self, record: dict, *, path: str, number: int) -> tuple[float, list[float], list]:
+        targets, negatives, sparse = record["label"], record["dense"], record["sparse"]
+        if not isinstance(targets, list) or not targets:
+            raise DataError(path, number, f"bad label: {targets!r} is not a list of target items, as a next-item "
+                                          f"sample's (the rows before are such samples)")
+        if not isinstance(negatives, list):
+            raise DataError(path, number, f"wrong column count: a next-item sample's 'dense' is a list of negative "
+                                          f"items, got {negatives!r}")
+        if not isinstance(sparse, list) or len(sparse) != 2:
+            raise DataError(path, number, "wrong column count: a next-item sample's 'sparse' is "
+                                          "[user, [history items]]")
+        if self.table_sizes is not None and len(self.table_sizes) != 2:
+            raise ValueError(f"{path}:{number}: next-item samples (a list in 'label') take two table sizes, the users' "
+                             f"and the items', got {self.table_sizes}")
+        users, items = self.table_sizes or (_INT64_LIMIT, _INT64_LIMIT)
+        user, history = sparse
+        history = history if isinstance(history, list) else [history]
+        _check_id(user, users, what="the user", path=path, number=number)
+        for item in history:
+            _check_id(item, items, what="a history item", path=path, number=number)
+        # The original reads 'label' and 'dense' as floats: 12.0 is item 12.
+        targets = [_check_id(_integral(x), items, what="a target item", path=path, number=number) for x in targets]
+        negatives = [_check_id(_integral(x), items, what="a negative item", path=path, number=number)
+                     for x in negatives]
+        return 1.0, [], [user, history, targets, negatives]
+
+    def _fit(self, entries: list, *, next_item: bool, path: str, number: int) -> None:
+        """Note the entries' widths while measuring; else check that they fit the columns there are."""
+        widths = [len(e) if isinstance(e, list) else 1 for e in entries]
+        if self.measuring:
+            empty = [isinstance(e, list) and not e for e in entries]
+            self.longest = widths if self.longest is None else [max(a, b) for a, b in zip(self.longest, widths)]
+            self.has_empty = empty if self.has_empty is None else [a or b for a, b in zip(self.has_empty, empty)]
+        elif self.shape is None:
+            if next_item or any(isinstance(e, list) for e in entries):
+                raise NeedsWidths(f"{path}:{number}")
+        elif any(w > limit for w, limit in zip(widths, self.shape.widths)):
+            raise DataError(path, number, f"wrong column count: lists of {widths} ids, longer than the "
+                                          f"{list(self.shape.widths)} the first pass found (did the file change "
+                                          f"while it was read?)")
+
+    def _id_matrix(self, rows: list[list]) -> np.ndarray:
+        """Each row's ids in its features' columns: a list left-aligned, a history right-aligned (as
+        data.sequences pads it), PAD in the places left."""
+        if self.shape is None:
+            return np.asarray(rows, dtype=np.int64).reshape(len(rows), self.num_tables or 0)
+        widths = self.shape.widths
+        starts = np.cumsum([0, *widths[:-1]]).tolist()
+        pad_left = [self.shape.next_item and f == 1 for f in range(len(widths))]
+        ids = np.full((len(rows), sum(widths)), PAD, dtype=np.int64)
+        for r, row in enumerate(rows):
+            for f, value in enumerate(row):
+                values = value if isinstance(value, list) else [value]
+                start = starts[f] + widths[f] - len(values) if pad_left[f] else starts[f]
+                ids[r, start:start + len(values)] = values
+        return ids
+
+
+def _integral(value):
+    """An integral float as the int it stands for; anything else as it is (and refused as an id)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _check_id(value, limit: int, *, what: str, path: str, number: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DataError(path, number, f"non-integer id: {what} has {value!r}")
+    if not 0 <= value < limit:
+        raise DataError(path, number, f"id out of range: {what} has {value}, expected [0, {limit})")
+    return value
 
 
 def _parse_label(token, *, path: str, number: int) -> float:
@@ -202,21 +365,23 @@ def _parse_label(token, *, path: str, number: int) -> float:
     return label
 
 
-def _collect(parse_row, lines, *, path, first_line, bad, num_tables) -> Chunk:
-    labels, dense, ids = [], [], []
+def _valid_rows(parse_row, lines, *, path, first_line, bad) -> list:
+    """Each line parsed; a bad one raises its DataError, or under ``bad`` is counted and left out."""
+    rows = []
     for offset, line in enumerate(lines):
         try:
-            label, row_dense, row_ids = parse_row(line, path=path, number=first_line + offset)
+            rows.append(parse_row(line, path=path, number=first_line + offset))
         except DataError as err:
             if bad is None:
                 raise
             bad.add(err)
-            continue
-        labels.append(label)
-        dense.append(row_dense)
-        ids.append(row_ids)
+    return rows
+
+
+def _collect(parse_row, lines, *, path, first_line, bad, num_tables) -> Chunk:
+    rows = _valid_rows(parse_row, lines, path=path, first_line=first_line, bad=bad)
     return Chunk(
-        np.asarray(labels, dtype=np.float32),
-        dense_transform(np.asarray(dense, dtype=np.float64).reshape(-1, NUM_DENSE)),
-        np.asarray(ids, dtype=np.int64).reshape(-1, len(ids[0]) if ids else (num_tables or 0)),
+        np.asarray([row[0] for row in rows], dtype=np.float32),
+        dense_transform(np.asarray([row[1] for row in rows], dtype=np.float64).reshape(-1, NUM_DENSE)),
+        np.asarray([row[2] for row in rows], dtype=np.int64).reshape(len(rows), num_tables),
     )

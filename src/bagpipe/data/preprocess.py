@@ -1,5 +1,6 @@
 """Turn Criteo TSV or JSON-lines files (plain or gzip) into the binary format, with clear errors;
-``ensure_preprocessed`` converts a data directory once and again only when its sources change."""
+``ensure_preprocessed`` converts a data file or directory once, and again only when its sources or
+the settings change. Data without a test split has its last lines held out as one."""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from bagpipe.data.binary import SPLITS, SplitWriter, id_dtype_for, is_preprocessed, open_dataset
-from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, decode_lines
-from bagpipe.data.schema import Schema
+from bagpipe.data.formats import BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, decode_lines
 from bagpipe.data.sequences import INTERACTION_FILES, SequenceSettings, convert_interactions, is_interaction_log
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
@@ -34,6 +34,11 @@ LINES_PER_CHUNK = 65_536
 BAD_ROW_POLICIES = ("error", "skip")
 GZIP_MAGIC = b"\x1f\x8b"
 GZIP_READ_BYTES = 1 << 20
+COUNT_READ_BYTES = 1 << 20
+SNIFF_LINE_BYTES = 1 << 16  # enough of a first line to tell its format
+# Data without a test split: its last share of lines is held out as one. Criteo Kaggle's convention:
+# the last 1/7 of its rows is the last of its seven days.
+DEFAULT_HOLDOUT = 1 / 7
 # Bump when the same input and settings would convert to different output: older conversions
 # then no longer count as current.
 CONVERTER_VERSION = 2
@@ -67,12 +72,67 @@ def _text_suffix(path: Path) -> str:
 
 
 def guess_format(path: Path) -> str:
+    """An interaction log by its name; else what its first non-empty line shows; else its suffix."""
     if is_interaction_log(path):
         return "movielens"
-    fmt = SUFFIX_FORMATS.get(_text_suffix(path))
+    # Content first: the original system's JSON-lines files are named .txt.
+    fmt = _sniff(path) or SUFFIX_FORMATS.get(_text_suffix(path))
     if fmt is None:
-        raise ValueError(f"{path}: cannot tell the format from the suffix; pass --format criteo|jsonl")
+        raise ValueError(f"{path}: cannot tell the format: its first line is neither a JSON object nor tab-separated, "
+                         f"and its suffix names no format; pass --format criteo|jsonl")
     return fmt
+
+
+def _sniff(path: Path) -> str | None:
+    """``jsonl`` if the first non-empty line starts with ``{``, ``criteo`` if it holds a tab, else None."""
+    try:
+        with ExitStack() as stack:
+            _, lines_in = _open_decompressed(path, stack)
+            while line := lines_in.readline(SNIFF_LINE_BYTES):
+                if line.strip():
+                    return "jsonl" if line.lstrip().startswith(b"{") else "criteo" if b"\t" in line else None
+    except (OSError, EOFError, zlib.error):
+        pass  # unreadable here: the suffix decides, and reading the file names the trouble
+    return None
+
+
+def check_format(fmt: str | None) -> None:
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def check_holdout(holdout: float) -> None:
+    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
+        raise ValueError(f"--holdout must lie in [0, 1) (the share of lines held out as the test split of data "
+                         f"without one), got {holdout!r}")
+
+
+def count_lines(path: Path) -> int:
+    """The lines of a plain or gzip file, in one binary pass; a last line without a newline counts."""
+    with ExitStack() as stack:
+        _, data = _open_decompressed(path, stack)
+        lines, last = 0, b"\n"
+        try:
+            while block := data.read(COUNT_READ_BYTES):
+                lines, last = lines + block.count(b"\n"), block[-1:]
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise DataError(str(path), lines + 1, f"corrupt or truncated gzip data ({err})") from None
+    return lines + (last != b"\n")
+
+
+def _held_out_lines(splits: dict[str, Path], fmt: str, holdout: float) -> int | None:
+    """The first line of the train file that goes to the test split instead, or None if none does."""
+    if not _effective_holdout(splits, fmt, holdout):
+        return None
+    lines = count_lines(splits["train"])
+    held = round(lines * holdout)
+    return lines - held + 1 if held else None
+
+
+def _effective_holdout(splits: dict[str, Path], fmt: str, holdout: float) -> float | None:
+    """The holdout that shapes the output: none for data with a test split, or for an interaction log
+    (which holds out each user's last item)."""
+    return None if "test" in splits or fmt == "movielens" else holdout
 
 
 def table_sizes_from(*, table_sizes: str | list[int] | None, meta_file: str | Path | None,
@@ -121,7 +181,8 @@ class _InferredSizes:
         self.seen_at: list[str] = []
 
     def update(self, ids: np.ndarray, *, path: Path, first_line: int | None) -> None:
-        """``first_line`` is the line of ``ids[0]`` if row i is line first_line + i, else None."""
+        """``ids`` holds each row's largest id per table; ``first_line`` is the line of ``ids[0]`` if
+        row i is line first_line + i, else None."""
         chunk_max = ids.max(axis=0)
         if self.max_ids is None:
             self.max_ids = np.full_like(chunk_max, -1)
@@ -132,9 +193,9 @@ class _InferredSizes:
         self.max_ids = np.maximum(self.max_ids, chunk_max)
 
     def sizes(self) -> list[int]:
-        return [int(m) + 1 for m in self.max_ids]
+        return [max(int(m) + 1, 1) for m in self.max_ids]  # a multi-valued feature may be all PAD
 
-    def refuse_if_unplannable(self) -> None:
+    def refuse_if_unplannable(self, names: list[str]) -> None:
         """Ids no role could plan for (the oracle holds a few arrays over every row) are an error."""
         rows = sum(self.sizes())
         need, have = rows * PLANNER_BYTES_PER_ROW, physical_memory_bytes()
@@ -142,7 +203,7 @@ class _InferredSizes:
             return
         table = int(np.argmax(self.max_ids))
         raise ValueError(
-            f"{self.seen_at[table]}: table {table} (index {table} in 'sparse') has id {int(self.max_ids[table])}, "
+            f"{self.seen_at[table]}: {names[table]} has id {int(self.max_ids[table])}, "
             f"so with no table sizes given the tables would hold {rows:,} rows; planning them needs "
             f"{PLANNER_BYTES_PER_ROW} bytes a row, {_gib(need)}, but this machine has {_gib(have)}. Give "
             f"--table-sizes or a meta.json with table_sizes beside the data, or map the ids into a dense range "
@@ -153,18 +214,23 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:,.1f} GiB"
 
 
+def _open_decompressed(path: Path, stack: ExitStack) -> tuple[io.BufferedReader, io.BufferedReader]:
+    """The file as stored, and its content: gzip is told by its magic bytes, whatever the name."""
+    raw = stack.enter_context(open(path, "rb"))
+    compressed = raw.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    raw.seek(0)
+    # A buffered reader over the gzip stream splits lines in C, as it does for a plain file.
+    return raw, (stack.enter_context(io.BufferedReader(gzip.GzipFile(fileobj=raw), GZIP_READ_BYTES))
+                 if compressed else raw)
+
+
 def _read_chunks(path: Path, *, bad: BadRows | None, show_progress: bool, desc: str) -> Iterator[tuple[int, list[str]]]:
     """Runs of decoded lines, LINES_PER_CHUNK lines at a time, from a plain or a gzip file.
 
-    Gzip is told by its magic bytes, whatever the name; the progress bar counts bytes as stored.
+    The progress bar counts bytes as stored.
     """
     with ExitStack() as stack:
-        raw = stack.enter_context(open(path, "rb"))
-        compressed = raw.read(len(GZIP_MAGIC)) == GZIP_MAGIC
-        raw.seek(0)
-        # A buffered reader over the gzip stream splits lines in C, as it does for a plain file.
-        lines_in = (stack.enter_context(io.BufferedReader(gzip.GzipFile(fileobj=raw), GZIP_READ_BYTES))
-                    if compressed else raw)
+        raw, lines_in = _open_decompressed(path, stack)
         bar = stack.enter_context(progress(total=path.stat().st_size, desc=desc, unit="B", enabled=show_progress))
         first_line, stored_bytes_read = 1, 0
         while lines := _next_lines(lines_in, path=path, first_line=first_line):
@@ -213,15 +279,20 @@ def preprocess(
     on_bad_row: str = "error",
     show_progress: bool = True,
     sequence: SequenceSettings | None = None,
+    holdout: float = DEFAULT_HOLDOUT,
 ) -> dict:
-    """Preprocess every split under ``input_path`` into ``out_dir``; return the written meta."""
+    """Preprocess every split under ``input_path`` into ``out_dir``; return the written meta.
+
+    Without a test split (a lone file, or no ``test.*``) the last ``round(lines * holdout)`` lines of
+    the train file are the test split; an interaction log holds out each user's last item instead.
+    """
     input_path, out = Path(input_path), Path(out_dir)
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"--on-bad-row must be one of {', '.join(BAD_ROW_POLICIES)}, got {on_bad_row!r}")
+    check_format(fmt)
+    check_holdout(holdout)
     splits = find_splits(input_path)
     fmt = fmt or guess_format(splits["train"])
-    if fmt not in FORMATS:
-        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "movielens":
         return _preprocess_interactions(input_path, splits, out, meta_file=meta_file, sequence=sequence)
     sizes, sizes_from = table_sizes_from(table_sizes=table_sizes, meta_file=meta_file, input_path=input_path)
@@ -230,26 +301,23 @@ def preprocess(
     if fmt == "criteo" and sizes is None:
         raise ValueError(f"{input_path}: Criteo ids are hashed; give --table-sizes or --meta FILE (a meta.json)")
     sources = {name: _fingerprint(path) for name, path in _sources(input_path, splits).items()}
-    parser = CriteoParser(sizes) if fmt == "criteo" else JsonlParser(sizes)
-    # With inferred sizes (JSON lines only) ids may exceed int32 only if the data says so: use int64.
-    id_dtype = id_dtype_for(sizes) if sizes else np.dtype(np.int64)
+    test_from = _held_out_lines(splits, fmt, holdout)
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
-    bad = BadRows() if on_bad_row == "skip" else None
-    inferred = _InferredSizes() if sizes is None else None
-    writers = {}
-    for split, path in splits.items():
-        writers[split] = SplitWriter(out / split, id_dtype=id_dtype)
-        _convert_split(path, writers[split], parser=parser, bad=bad, inferred=inferred,
-                       show_progress=show_progress, desc=f"preprocess {split}")
-    if inferred is not None:
-        if inferred.max_ids is None:
-            raise ValueError(f"{input_path}: no valid rows, so table sizes cannot be inferred")
-        sizes = inferred.sizes()
-        log.warning("no table sizes given: inferred %s from the largest ids", sizes)
+    convert = {"sizes": sizes, "test_from": test_from, "on_bad_row": on_bad_row, "show_progress": show_progress}
+    try:
+        parser = CriteoParser(sizes) if fmt == "criteo" else JsonlParser(sizes)
+        writers, bad, sizes = _convert_splits(splits, out, parser, **convert)
+    except NeedsWidths as first:
+        # Lists need their widths before anything is written: a first pass over every split finds them.
+        log.info("%s: multi-valued rows (first at %s): measuring the input first", input_path, first)
+        parser = JsonlParser(sizes, shape=_measure(splits, sizes=sizes, on_bad_row=on_bad_row,
+                                                   show_progress=show_progress))
+        writers, bad, sizes = _convert_splits(splits, out, parser, **convert)
+    schema = parser.schema(sizes)
     for writer in writers.values():
-        writer.close(schema=Schema.one_hot(sizes, num_dense=NUM_DENSE))
+        writer.close(schema=schema)
 
     source_meta_path = _source_meta_path(input_path)
     source_meta = json.loads(source_meta_path.read_text()) if source_meta_path.is_file() else {}
@@ -258,13 +326,17 @@ def preprocess(
         "format": "bagpipe-binary",
         "source": {split: str(path) for split, path in splits.items()},
         "source_format": fmt,
-        "table_sizes": sizes,
+        "table_sizes": schema.cardinalities,
         "rows": {split: writer.rows for split, writer in writers.items()},
+        "held_out": None if test_from is None else {
+            "holdout": holdout, "from_line": test_from, "rows": writers["test"].rows,
+            "note": f"the test split is lines {test_from}.. of {splits['train']}"},
         "skipped_rows": bad.total if bad else 0,
         "skipped_by_reason": dict(bad.counts) if bad else {},
         "made_from": {
-            **_settings(fmt=fmt, on_bad_row=on_bad_row, table_sizes_from=sizes_from),
-            "table_sizes": sizes,
+            **_settings(fmt=fmt, on_bad_row=on_bad_row, table_sizes_from=sizes_from,
+                        holdout=_effective_holdout(splits, fmt, holdout)),
+            "table_sizes": schema.cardinalities,
             "sources": sources,
         },
     }
@@ -274,10 +346,65 @@ def preprocess(
     return meta
 
 
-def _settings(*, fmt: str, on_bad_row: str, table_sizes_from: str) -> dict:
-    """The settings besides the sources that shape a conversion's output."""
+def _convert_splits(splits: dict[str, Path], out: Path, parser, *, sizes: list[int] | None, test_from: int | None,
+                    on_bad_row: str, show_progress: bool) -> tuple[dict[str, SplitWriter], BadRows | None, list[int]]:
+    """Write every split (and the train file's held-out lines from ``test_from`` on as the test split);
+    return the writers, the bad rows skipped and the table sizes (inferred if not given)."""
+    # With inferred sizes (JSON lines only) ids may exceed int32 only if the data says so: use int64.
+    id_dtype = id_dtype_for(sizes) if sizes else np.dtype(np.int64)
+    bad = BadRows() if on_bad_row == "skip" else None
+    inferred = _InferredSizes() if sizes is None else None
+    writers = {split: SplitWriter(out / split, id_dtype=id_dtype) for split in splits}
+    if test_from is not None:
+        writers["test"] = SplitWriter(out / "test", id_dtype=id_dtype)
+    for split, path in splits.items():
+        runs = _read_chunks(path, bad=bad, show_progress=show_progress, desc=f"preprocess {split}")
+        for part, first_line, lines in _routed(runs, split=split, test_from=test_from if split == "train" else None):
+            skipped_before = bad.total if bad else 0
+            chunk = parser.parse(lines, path=str(path), first_line=first_line, bad=bad)
+            if inferred is not None and len(chunk.labels):
+                rows_are_lines = (bad.total if bad else 0) == skipped_before
+                per_table = np.maximum.reduceat(chunk.ids, parser.table_starts(), axis=1)
+                inferred.update(per_table, path=path, first_line=first_line if rows_are_lines else None)
+                inferred.refuse_if_unplannable(parser.table_names())  # as soon as it shows, not at the end
+            writers[part].append(chunk)
+    if inferred is not None:
+        if inferred.max_ids is None:
+            raise ValueError(f"{', '.join(map(str, splits.values()))}: no valid rows, so table sizes cannot be "
+                             f"inferred")
+        sizes = inferred.sizes()
+        log.warning("no table sizes given: inferred %s from the largest ids", sizes)
+    return writers, bad, sizes
+
+
+def _routed(runs: Iterator[tuple[int, list[str]]], *, split: str,
+            test_from: int | None) -> Iterator[tuple[str, int, list[str]]]:
+    """Each run of lines with the split it goes to: lines ``test_from`` on to the test split. By line
+    number, before parsing, so that skipped bad rows do not move the boundary."""
+    for first_line, lines in runs:
+        cut = len(lines) if test_from is None else min(max(test_from - first_line, 0), len(lines))
+        if cut:
+            yield split, first_line, lines[:cut]
+        if cut < len(lines):
+            yield "test", first_line + cut, lines[cut:]
+
+
+def _measure(splits: dict[str, Path], *, sizes: list[int] | None, on_bad_row: str, show_progress: bool):
+    """JSON lines' shape (each feature's longest list) over every split, held-out lines too."""
+    parser = JsonlParser(sizes)
+    scratch = BadRows() if on_bad_row == "skip" else None  # the conversion counts them
+    for split, path in splits.items():
+        for first_line, lines in _read_chunks(path, bad=scratch, show_progress=show_progress, desc=f"measure {split}"):
+            parser.measure(lines, path=str(path), first_line=first_line, bad=scratch)
+    shape = parser.learned_shape()
+    assert shape is not None, "measured because a valid row needed it"
+    return shape
+
+
+def _settings(*, fmt: str, on_bad_row: str, table_sizes_from: str, holdout: float | None) -> dict:
+    """The settings besides the sources that shape a conversion's output (``holdout``: the one that applies)."""
     return {"converter_version": CONVERTER_VERSION, "format": fmt, "on_bad_row": on_bad_row,
-            "table_sizes_from": table_sizes_from}
+            "table_sizes_from": table_sizes_from, "holdout": holdout}
 
 
 def sequence_settings(meta_path: Path | None) -> SequenceSettings:
@@ -305,55 +432,54 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
     meta = {**{k: v for k, v in source_meta.items() if k not in ("format", "table_sizes")}, **converted,
             "format": "bagpipe-binary", "source": {"log": str(splits["train"])}, "source_format": "movielens",
             "skipped_rows": 0, "skipped_by_reason": {},
-            "made_from": {**_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log"),
+            "made_from": {**_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log",
+                                      holdout=None),
                           "table_sizes": converted["table_sizes"], "sources": sources}}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
-def _convert_split(path: Path, writer: SplitWriter, *, parser, bad: BadRows | None,
-                   inferred: _InferredSizes | None, show_progress: bool, desc: str) -> None:
-    for first_line, lines in _read_chunks(path, bad=bad, show_progress=show_progress, desc=desc):
-        skipped_before = bad.total if bad else 0
-        chunk = parser.parse(lines, path=str(path), first_line=first_line, bad=bad)
-        if inferred is not None and len(chunk.labels):
-            rows_are_lines = (bad.total if bad else 0) == skipped_before
-            inferred.update(chunk.ids, path=path, first_line=first_line if rows_are_lines else None)
-            inferred.refuse_if_unplannable()  # as soon as it shows, not after reading everything
-        writer.append(chunk)
+def converted_path(input_path: Path) -> Path:
+    """Where ``ensure_preprocessed`` keeps the converted copy: ``DIR/preprocessed``, or beside a lone
+    file as ``FILE.preprocessed``."""
+    if input_path.is_dir():
+        return input_path / "preprocessed"
+    return input_path.with_name(f"{input_path.name}.preprocessed")
 
 
-def ensure_preprocessed(data_dir: str | Path, *, show_progress: bool = True) -> Path:
-    """Return a preprocessed data directory for ``data_dir``, converting text splits once.
+def ensure_preprocessed(path: str | Path, *, show_progress: bool = True, fmt: str | None = None,
+                        holdout: float = DEFAULT_HOLDOUT) -> Path:
+    """Return a preprocessed data directory for ``path`` (a data directory, a lone data file, or a
+    preprocessed directory, returned as is), converting the text once.
 
-    A text data set is converted into ``data_dir/preprocessed``; later runs reuse it as long as it
-    was made, with the settings used here, from the files now there (same stat fields, or else same
-    content hash). Otherwise it is converted again, into a sibling swapped in only when complete.
+    The converted copy (``converted_path``) is reused as long as it was made, with the settings used
+    here (``fmt``: the format, None to detect it; ``holdout``: the share of lines held out as the test
+    split of data without one), from the files now there (same stat fields, or else same content hash).
+    Otherwise it is converted again, into a sibling swapped in only when complete.
     """
-    data_dir = Path(data_dir)
-    if data_dir.is_file():
-        raise ValueError(f"--data {data_dir} is a file; pass a directory holding train.* and test.* "
-                         f"(or a preprocessed one), or convert the file first with "
-                         f"`bagpipe preprocess --input {data_dir} --out DIR` and pass --data DIR")
-    if not data_dir.exists():
-        raise ValueError(f"--data: no such directory {data_dir}")
-    if is_preprocessed(data_dir):
-        return data_dir
-    splits = find_splits(data_dir)
-    cached = data_dir / "preprocessed"
+    path = Path(path)
+    check_format(fmt)
+    check_holdout(holdout)
+    if not path.exists():
+        raise ValueError(f"--data: no such file or directory {path}")
+    if is_preprocessed(path):
+        return path
+    splits = find_splits(path)
+    cached = converted_path(path)
     if is_preprocessed(cached):
-        reason = _why_stale(cached, data_dir, splits)
+        reason = _why_stale(cached, path, splits, fmt=fmt, holdout=holdout)
         if reason is None:
             return cached
         log.info("%s: converting again", reason)
     else:
-        log.info("preprocessing %s into %s (once)", data_dir, cached)
-    _convert_and_swap(data_dir, cached, show_progress=show_progress)
+        log.info("preprocessing %s into %s (once)", path, cached)
+    _convert_and_swap(path, cached, show_progress=show_progress, fmt=fmt, holdout=holdout)
     return cached
 
 
-def _why_stale(cached: Path, data_dir: Path, splits: dict[str, Path]) -> str | None:
-    """Why ``cached`` is not the conversion of ``data_dir`` as it is now, or None if it is.
+def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: str | None,
+               holdout: float) -> str | None:
+    """Why ``cached`` is not the conversion of ``input_path`` as it is now, with these settings, or None if it is.
 
     Files whose stat fields changed are hashed; if their content did not, the new fields are
     recorded, so that the next start takes the fast path again.
@@ -363,17 +489,21 @@ def _why_stale(cached: Path, data_dir: Path, splits: dict[str, Path]) -> str | N
     made_from = meta.get("made_from")
     if made_from is None:
         return f"{cached} was made by an older version of bagpipe that kept no record of its sources"
-    fmt = guess_format(splits["train"])
-    sizes_from = "the log" if fmt == "movielens" else "meta.json" if (data_dir / "meta.json").is_file() else "inferred"
-    current = _settings(fmt=fmt, on_bad_row="error", table_sizes_from=sizes_from)
+    sources, recorded = _sources(input_path, splits), made_from["sources"]
+    # Files gone or new first: they also change the holdout that applies.
+    for name in sorted(recorded.keys() - sources.keys()):
+        gone = _source_meta_path(input_path).parent / recorded[name]["file"]
+        return f"{gone} is gone since {cached} was made from it"
+    for name in sorted(sources.keys() - recorded.keys()):
+        return f"{sources[name]} is new since {cached} was made"
+    fmt = fmt or guess_format(splits["train"])
+    sizes_from = ("the log" if fmt == "movielens" else "meta.json" if _source_meta_path(input_path).is_file()
+                  else "inferred")
+    current = _settings(fmt=fmt, on_bad_row="error", table_sizes_from=sizes_from,
+                        holdout=_effective_holdout(splits, fmt, holdout))
     for key, value in current.items():
         if made_from.get(key) != value:
             return f"{cached} was made with {key} {made_from.get(key)!r}, not {value!r}"
-    sources, recorded = _sources(data_dir, splits), made_from["sources"]
-    for name in sorted(recorded.keys() - sources.keys()):
-        return f"{data_dir / recorded[name]['file']} is gone since {cached} was made from it"
-    for name in sorted(sources.keys() - recorded.keys()):
-        return f"{sources[name]} is new since {cached} was made"
     for name, path in sources.items():
         if path.name != recorded[name]["file"]:
             return f"{cached} was made from {recorded[name]['file']}, not {path.name}"
@@ -398,11 +528,12 @@ def _refresh_meta(meta_path: Path, meta: dict) -> None:
         log.info("could not record the new stat fields in %s (%s)", meta_path, err)
 
 
-def _convert_and_swap(data_dir: Path, cached: Path, *, show_progress: bool) -> None:
+def _convert_and_swap(input_path: Path, cached: Path, *, show_progress: bool, fmt: str | None,
+                      holdout: float) -> None:
     """Convert into a sibling of ``cached`` and swap it in only when complete and readable."""
     partial = cached.with_name(f".{cached.name}.partial-{secrets.token_hex(4)}")
     try:
-        preprocess(data_dir, partial, show_progress=show_progress)
+        preprocess(input_path, partial, show_progress=show_progress, fmt=fmt, holdout=holdout)
         open_dataset(partial)  # fail here, not mid-training, if anything is inconsistent
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

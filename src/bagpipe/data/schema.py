@@ -51,3 +51,28 @@ class Schema:
     @property
     def one_hot_only(self) -> bool:
         return all(f.width == 1 for f in self.features)
+
+
+NEXT_ITEM_FEATURES = ("user", "history", "targets", "negatives")  # next-item samples (data.sequences)
+
+
+def is_next_item(schema: Schema) -> bool:
+    return tuple(f.name for f in schema.features) == NEXT_ITEM_FEATURES
+
+
+def original_table_sizes(schema: Schema) -> list[int]:
+    """The table sizes as the original system lists them (``ln_emb``, ``emb_table_info.txt``): one per
+    sparse feature, or for next-item samples the users' and the items' (one item table for all three
+    item features)."""
+    if is_next_item(schema):
+        return [schema.features[0].cardinality, schema.features[1].cardinality]
+    return schema.cardinalities
+
+
+def with_table_sizes(schema: Schema, sizes: list[int]) -> Schema:
+    """``schema`` with the cardinalities of ``original_table_sizes`` replaced by ``sizes``."""
+    if is_next_item(schema):
+        sizes = [sizes[0], sizes[1], sizes[1], sizes[1]]
+    return Schema(num_dense=schema.num_dense,
+                  features=tuple(Feature(name=f.name, cardinality=int(n), width=f.width)
+                                 for f, n in zip(schema.features, sizes, strict=True)))

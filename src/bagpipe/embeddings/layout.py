@@ -142,11 +142,12 @@ class EmbeddingLayout:
         Each space first gets what a batch of ``batch_size`` samples can touch of it (its rows, or its
         columns x batch_size if fewer), or a share of the cache in proportion to that if they do not
         all fit; the rest goes to the spaces in proportion to the rows they have beyond that. A small
-        table read by every sample (an item table) is so cached whole, a large one (users) in part.
+        table read by every sample (an item table) is so cached whole, a large one (users) in part;
+        no space gets more slots than it has rows.
         """
         need = [min(space.num_rows, batch_size * len(space.data_columns)) for space in self.spaces]
         if sum(need) >= cache_rows:
             return [max(1, cache_rows * n // sum(need)) for n in need]
         spare = [space.num_rows - n for space, n in zip(self.spaces, need)]
-        extra = cache_rows - sum(need)
+        extra = min(cache_rows, self.num_rows) - sum(need)  # more than every row would stay empty
         return [n + (extra * r // sum(spare) if sum(spare) else 0) for n, r in zip(need, spare)]

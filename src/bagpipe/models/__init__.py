@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from bagpipe.config import MODEL_NAMES, ModelConfig
+from bagpipe.config import EXTERNAL, MODEL_NAMES, ModelConfig
 from bagpipe.data.schema import Schema
-from bagpipe.embeddings import TableConfig
+from bagpipe.embeddings import TableConfig, one_per_feature
 from bagpipe.models import caser, dcn, deepfm, dlrm, fgcnn, wide_deep
 
 
@@ -41,6 +41,20 @@ MODELS: dict[str, ModelSpec] = {
                        ("emb_dim", "vertical_filters", "horizontal_filters", "dropout")),
 }
 assert tuple(MODELS) == MODEL_NAMES, "config.MODEL_NAMES lists the registry's models"
+
+
+def _no_check(config: ModelConfig, schema: Schema) -> None:
+    pass
+
+
+def _not_ours(config: ModelConfig, schema: Schema) -> nn.Module:
+    raise ValueError("model external is the trainers' own (scripts using the original API, init_cache): the "
+                     "oracle serves their embeddings and neither builds nor evaluates the model")
+
+
+# A job whose trainers are user scripts: a table of emb_dim per sparse feature, the model their own.
+MODELS[EXTERNAL] = ModelSpec(lambda config, schema: one_per_feature(schema, config.emb_dim), _no_check, _not_ours,
+                             ("emb_dim",))
 
 
 def model_tables(config: ModelConfig, schema: Schema) -> list[TableConfig]:

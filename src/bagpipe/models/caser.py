@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bagpipe.data.schema import Schema
+from bagpipe.data.schema import NEXT_ITEM_FEATURES, Schema
 from bagpipe.embeddings import Embeddings, TableConfig
 from bagpipe.models.base import RecModel
 from bagpipe.models.layers import StepDropout
 
-FEATURES = ("user", "history", "targets", "negatives")  # the sequence data's features (data.sequences)
+FEATURES = NEXT_ITEM_FEATURES
 
 
 def tables(config, schema: Schema) -> list[TableConfig]:

@@ -8,6 +8,7 @@ servers, stops them, evaluates the model and writes the run dir as the reference
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -19,20 +20,21 @@ import torch
 import torch.distributed.rpc as rpc
 
 from bagpipe.cache import BatchRows, batch_view
-from bagpipe.config import TrainConfig, config_to_dict
+from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, complete_model, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
-from bagpipe.data.binary import BinaryDataset, open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.data.binary import BinaryDataset
+from bagpipe.data.schema import original_table_sizes, with_table_sizes
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
 from bagpipe.planner import PlannerConfig, plan_spaces
-from bagpipe.preflight import cache_rows_of, job_layout, prepare_job
+from bagpipe.preflight import cache_rows_of, claim, job_layout, prepare_data
 from bagpipe.reference import best_metrics, build_model, build_tables, deterministic, evaluate, no_evaluation
 from bagpipe.rundir import RunDir
+from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
-from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status,
-                                    wait_for_ranks)
+from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status, read_hellos,
+                                    refuse_job, wait_for_ranks)
 from bagpipe.storage import gather_flat
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
@@ -199,11 +201,12 @@ def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None
 
 
 def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, prepared: bool = False,
-               table_sizes: list[int] | None = None) -> dict:
+               given: dict | None = None) -> dict:
     """Plan and feed the whole job; return the summary it writes to the run dir.
 
     ``prepared``: the local launcher has converted the data, checked the job and claimed the run dir.
-    ``table_sizes``: sizes the command line gave (``--emb-info-file``), which the data must have.
+    ``given``: the settings the oracle's command line gave (runtime.agree), agreed with every other
+    role's at check-in; the job then runs with the agreed ones.
     """
     from bagpipe.runtime import server
 
@@ -215,22 +218,24 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     store = host_store(world)
     liveness = Liveness(world, watch=list(range(1, world.world_size)))
     publish_status(store, f"preparing the data in {config.data}")
-    if prepared:
-        dataset = open_dataset(ensure_preprocessed(config.data, show_progress=False))
-    else:
-        dataset = prepare_job(config, overwrite=overwrite)
-    if table_sizes is not None and list(table_sizes) != list(dataset.table_sizes):
-        raise ValueError(f"--emb-info-file lists {len(table_sizes)} tables {list(table_sizes)[:4]}..., but "
-                         f"{config.data} has {len(dataset.table_sizes)} tables {list(dataset.table_sizes)[:4]}...")
+    dataset = prepare_data(config)
+    inject_fault("data ready")
+    publish_status(store, "waiting for every role to check in")
+    wait_for_ranks(world, store)
+    try:
+        config, dataset = settle(config, dataset, world, given or {}, read_hellos(world, store))
+        if not prepared:
+            claim(config, dataset, overwrite=overwrite)
+    except ValueError as err:
+        refuse_job(store, str(err))
+        raise
     _ORACLE = oracle = Oracle(config, world, dataset)
     run = RunDir(config.run_dir)
     run.write_json("config.json", config_to_dict(config))
     log.info("bagpipe job: %s, %d iterations of %d samples over %d trainers, %d servers; cache %d of %d rows, "
              "lookahead %d, policy %s", config.model.name, oracle.iterations, config.batch_size, world.num_trainers,
              world.num_servers, sum(oracle.job.cache_rows), oracle.layout.num_rows, config.lookahead, config.policy)
-    inject_fault("data ready")
     store.set(JOB_KEY, oracle.job.to_json())
-    wait_for_ranks(world, store)
     init_rpc(world, store)
     producer = threading.Thread(target=oracle.produce, name="planner", daemon=True)
     producer.start()
@@ -254,6 +259,30 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     return finish(oracle, run, shards, started=started, train_s=train_s, started_at=started_at)
 
 
+def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dict,
+           hellos: dict[int, dict]) -> tuple[TrainConfig, BinaryDataset]:
+    """The job as every role's settings agree on it: ``config`` with the agreed values, and the data
+    under the agreed table sizes."""
+    givens = [Given("the oracle (rank 0)", given)]
+    givens += [Given(f"{world.label(rank)} (rank {rank})", hello["given"]) for rank, hello in sorted(hellos.items())]
+    agreed = agree(givens)
+    inferred = dataset.meta.get("made_from", {}).get("table_sizes_from") == "inferred"
+    sizes = agree_table_sizes(agreed.get("table_sizes"), original_table_sizes(dataset.schema), inferred=inferred,
+                              where=next(g.label for g in givens if "table_sizes" in g.settings)
+                              if "table_sizes" in agreed else "the oracle")
+    if sizes != original_table_sizes(dataset.schema):
+        dataset = dataset.with_schema(with_table_sizes(dataset.schema, sizes))
+    model = {name.removeprefix("model."): value for name, value in agreed.items() if name.startswith("model.")}
+    if "emb_dim" in agreed:
+        model["emb_dim"] = agreed["emb_dim"]
+    if agreed.get("kind") == "script":
+        model["name"] = EXTERNAL
+    model = {**{f.name: getattr(config.model, f.name) for f in dataclasses.fields(ModelConfig)
+                if f.name not in ("emb_dim", "arch_mlp_bot")}, **complete_model(model)}
+    train = {name: agreed[name] for name in ("cache_rows", "lookahead", "optimizer", "lr") if name in agreed}
+    return dataclasses.replace(config, model=ModelConfig(**model), **train), dataset
+
+
 def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, train_s: float,
            started_at: float) -> dict:
     """Evaluate the trained model, write checkpoint and summary (the reference's run-dir layout)."""
@@ -262,27 +291,24 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
     weights = [gather_flat([shard["weights"][s] for shard in shards], space.num_rows)
                for s, space in enumerate(layout.spaces)]
     tables = build_tables(config, dataset.schema, weights=weights)
-    model = build_model(config, dataset.schema)
     stats = {t: s for t, (s, _) in oracle.done.items()}
-    dense_state = oracle.done[0][1]
-    evaluable = dense_state is not None
-    if evaluable:
-        try:
-            model.load_state_dict(dense_state)
-        except RuntimeError as err:  # a user script's own model: keep its weights, skip our evaluation
-            log.warning("trainer 0's model is not the configured %s (%s); skipping evaluation", config.model.name, err)
-            evaluable = False
-    else:
-        log.warning("trainer 0 reported no model: the checkpoint holds the embeddings only")
+    dense_state = oracle.done[0][1] or {}
     eval_started = time.perf_counter()
-    metrics = no_evaluation(model)
-    if evaluable and dataset.test is not None and dataset.test.rows:
-        metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
-                           max_rows=config.max_eval_rows)
-        run.log_metrics(event="eval", iteration=oracle.iterations, **metrics)
+    metrics = {}
+    if config.model.name == EXTERNAL:
+        log.info("the trainers' model is their own: the checkpoint holds trainer 0's weights as it reported them "
+                 "(%s), and the oracle does not evaluate it", "none" if not dense_state else f"{len(dense_state)} tensors")
+    else:
+        model = build_model(config, dataset.schema)
+        model.load_state_dict(dense_state)
+        dense_state = model.state_dict()
+        metrics = no_evaluation(model)
+        if dataset.test is not None and dataset.test.rows:
+            metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
+                               max_rows=config.max_eval_rows)
+            run.log_metrics(event="eval", iteration=oracle.iterations, **metrics)
     eval_s = time.perf_counter() - eval_started
-    run.save_checkpoint(dense=(model.state_dict() if evaluable else dense_state) or {},
-                        embeddings=[tables.table(t).clone() for t in range(len(layout.tables))],
+    run.save_checkpoint(dense=dense_state, embeddings=[tables.table(t).clone() for t in range(len(layout.tables))],
                         extra={"iteration": oracle.iterations, "mode": "bagpipe"})
     all_stats = list(stats.values())
     batch_rows = sum(s.batch_rows for s in all_stats)

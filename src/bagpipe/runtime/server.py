@@ -71,11 +71,15 @@ def rpc_dump() -> dict:
     return _SERVER.dump()
 
 
-def run_server(world: World) -> None:
-    """Serve one shard until the oracle says training has ended (a lost oracle is the heartbeats' to tell)."""
+def run_server(world: World, *, given: dict | None = None) -> None:
+    """Serve one shard until the oracle says training has ended (a lost oracle is the heartbeats' to tell).
+
+    ``given``: the settings this server's command line gave (an embedding size, table sizes), which
+    the oracle agrees with every other role's at check-in.
+    """
     global _SERVER
+    store, world = check_in(world, "server", given=given)
     role, index = world.role
-    store = check_in(world, "server")
     liveness = Liveness(world, watch=[0])
     job = JobInfo.from_json(wait_for_job(world, store))
     init_rpc(world, store)

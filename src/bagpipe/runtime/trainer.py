@@ -435,21 +435,33 @@ def config_from_dict(values: dict) -> TrainConfig:
     return TrainConfig(model=ModelConfig(**values.pop("model")), **values)
 
 
-def join_as_trainer(world: World, *, on_lost=exit_on_lost) -> tuple:
-    """Check in, start the heartbeat (watching the oracle and the other trainers) and wait for the job."""
-    store = check_in(world, "trainer")
+def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple:
+    """Check in (stating the settings this trainer was ``given``), start the heartbeat (watching the
+    oracle and the other trainers) and wait for the job as every role agreed on it."""
+    store, world = check_in(world, "trainer", given=given)
     liveness = Liveness(world, watch=[0, *(world.trainer_rank(t) for t in range(world.num_trainers))],
                         on_lost=on_lost)
     job = JobInfo.from_json(wait_for_job(world, store))
     init_rpc(world, store)
-    return store, liveness, job
+    return world, store, liveness, job
 
 
-def run_trainer(world: World, *, writeback_delay: float = 0.0) -> None:
-    store, liveness, job = join_as_trainer(world)
+def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu", writeback_delay: float = 0.0) -> None:
+    if device != "cpu":
+        log.warning("--device %s: this trainer's model and cache run on the CPU (the GPU path of the bagpipe "
+                    "trainer is not built yet)", device)
+    world, store, liveness, job = join_as_trainer(world, given={"kind": "model", **(given or {})})
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, writeback_delay=writeback_delay)
     try:
         train_loop(runtime, config_from_dict(job.config))
     except BaseException:
         runtime.abort()
         raise
+
+
+def cache_device(device: str) -> str:
+    """The device asked for, or the CPU (with a warning) when it is a GPU this machine lacks."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device %s requested but CUDA is not available: caching on the CPU", device)
+        return "cpu"
+    return device

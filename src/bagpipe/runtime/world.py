@@ -15,6 +15,7 @@ a trusted network.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -33,7 +34,7 @@ from bagpipe.faults import set_role
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_PORT = 29500
+DEFAULT_PORT = 18000  # the original system's
 ROLES = ("oracle", "server", "trainer")
 
 
@@ -41,21 +42,23 @@ ROLES = ("oracle", "server", "trainer")
 class World:
     rank: int
     world_size: int
-    num_trainers: int
+    num_trainers: int | None  # None: a server or trainer learns it from the oracle at check-in
     master_addr: str = LOOPBACK
     master_port: int = DEFAULT_PORT
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        if not 0 < self.master_port < 65535:
+            raise ValueError(f"--master-port must be in (0, 65535), got {self.master_port}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"--worker-id {self.rank} is outside [0, {self.world_size})")
+        if self.num_trainers is None:
+            return
         if self.num_trainers <= 0:
             raise ValueError(f"the job needs at least one trainer, got --world-size-trainers {self.num_trainers}")
         if self.world_size < self.num_trainers + 2:
             raise ValueError(f"--world-size {self.world_size} leaves no room for an oracle and a server besides "
                              f"{self.num_trainers} trainers (world size = 1 + servers + trainers)")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"--worker-id {self.rank} is outside [0, {self.world_size})")
-        if not 0 < self.master_port < 65535:
-            raise ValueError(f"--master-port must be in (0, 65535), got {self.master_port}")
 
     @property
     def num_servers(self) -> int:
@@ -108,21 +111,25 @@ class World:
 
 
 def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: int | None,
-                   master_addr: str | None, master_port: int | None, timeout: float) -> World:
-    """Flags first, then the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+                   master_addr: str | None, master_port: int | None, timeout: float,
+                   trainers_from_oracle: bool = False) -> World:
+    """Flags first, then the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    ``trainers_from_oracle``: the trainer count may be left out (a server's or trainer's check-in learns it).
+    """
     env = os.environ
 
-    def pick(value, name, default=None, cast=int):
+    def pick(value, name, default=None, cast=int, optional=False):
         if value is not None:
             return value
         if name in env:
             return cast(env[name])
-        if default is None:
+        if default is None and not optional:
             raise ValueError(f"{name.lower().replace('_', '-')} is not set: pass the flag or set ${name}")
         return default
 
     return World(rank=pick(rank, "RANK"), world_size=pick(world_size, "WORLD_SIZE"),
-                 num_trainers=pick(num_trainers, "BAGPIPE_TRAINERS"),
+                 num_trainers=pick(num_trainers, "BAGPIPE_TRAINERS", optional=trainers_from_oracle),
                  master_addr=pick(master_addr, "MASTER_ADDR", LOOPBACK, str),
                  master_port=pick(master_port, "MASTER_PORT", DEFAULT_PORT), timeout=timeout)
 
@@ -219,30 +226,48 @@ def host_store(world: World) -> dist.TCPStore:
     return store
 
 
-def check_in(world: World, role: str) -> dist.TCPStore:
-    """Meet at the master's store; refuse a world that does not add up, before anything else runs."""
-    expected, _ = world.role
-    set_role(world.name)
-    if role != expected:
-        raise ValueError(f"--worker-id {world.rank} is the {expected} in a world of {world.world_size} with "
-                         f"{world.num_trainers} trainers, but this process was started as the {role}")
+def check_in(world: World, role: str, *, given: dict | None = None) -> tuple[dist.TCPStore, World]:
+    """Meet at the master's store; refuse a world that does not add up, before anything else runs.
+
+    Returns the store and the world, with the trainer count the oracle states if this role was not
+    given one. ``given``: the settings this role was given, for the oracle to agree (runtime.agree).
+    """
+    set_role(world.name if world.num_trainers is not None else f"{role}")
+    if world.num_trainers is not None:
+        _check_role(world, role)
     deadline = time.monotonic() + world.timeout
     store = connect_store(world, timeout=world.timeout)
     where = f"{world.master_addr}:{world.master_port}"
     theirs = json.loads(bounded(lambda: store.get(SHAPE_KEY), timeout=max(deadline - time.monotonic(), 1.0),
                                 what=f"the job's store at {where} gave no world shape"))
-    mine = json.loads(_shape(world))
-    if theirs != mine:
-        raise ValueError(f"world mismatch: this {role} has world_size={mine['world_size']}, "
-                         f"trainers={mine['trainers']}, the oracle has world_size={theirs['world_size']}, "
+    if world.world_size != theirs["world_size"] or world.num_trainers not in (None, theirs["trainers"]):
+        raise ValueError(f"world mismatch: this {role} has world_size={world.world_size}, "
+                         f"trainers={world.num_trainers}, the oracle has world_size={theirs['world_size']}, "
                          f"trainers={theirs['trainers']}")
+    world = dataclasses.replace(world, num_trainers=theirs["trainers"])
+    _check_role(world, role)
+    set_role(world.name)
     _claim(world, store)
-    store.set(f"{HELLO_PREFIX}{world.rank}", role)
-    return store
+    store.set(f"{HELLO_PREFIX}{world.rank}", json.dumps({"role": role, "given": given or {}}))
+    return store, world
+
+
+def _check_role(world: World, role: str) -> None:
+    expected, _ = world.role
+    if role != expected:
+        raise ValueError(f"--worker-id {world.rank} is the {expected} in a world of {world.world_size} with "
+                         f"{world.num_trainers} trainers (0: oracle, 1..{world.num_trainers}: trainers, then "
+                         f"servers), but this process was started as the {role}")
+
+
+def read_hellos(world: World, store: dist.Store) -> dict[int, dict]:
+    """What every other rank said at check-in: its role and the settings it was given."""
+    return {rank: json.loads(store.get(f"{HELLO_PREFIX}{rank}")) for rank in range(1, world.world_size)}
 
 
 SHAPE_KEY = "bagpipe/shape"
 JOB_KEY = "bagpipe/job"
+REFUSED_KEY = "bagpipe/refused"  # why the oracle refused the job, for the roles waiting on it
 STOP_KEY = "bagpipe/stop"  # set by the oracle when training has ended: servers leave
 STATUS_KEY = "bagpipe/status"
 HELLO_PREFIX = "bagpipe/hello/"
@@ -278,11 +303,21 @@ def publish_status(store: dist.Store, text: str) -> None:
     store.set(STATUS_KEY, text)
 
 
+def refuse_job(store: dist.Store, reason: str) -> None:
+    """The oracle's refusal of the job (e.g. roles that disagree), for the roles waiting on it to
+    report; they read it within a moment, before the oracle (and its store) are gone."""
+    store.set(REFUSED_KEY, reason)
+    time.sleep(2.0)
+
+
 def wait_for_job(world: World, store: dist.Store) -> str:
-    """The job the oracle publishes once its data is ready (converting a large data set may take a
-    while): waited for as long as the oracle is alive, which the heartbeats judge, not a timeout."""
+    """The job the oracle publishes once its data is ready and every role agrees (converting a large
+    data set may take a while): waited for as long as the oracle is alive, which the heartbeats
+    judge, not a timeout; a ValueError if the oracle refuses the job."""
     noted = time.monotonic()
     while not store.check([JOB_KEY]):
+        if store.check([REFUSED_KEY]):
+            raise ValueError(f"the oracle refused the job: {store.get(REFUSED_KEY).decode()}")
         if time.monotonic() - noted > 15.0:
             status = store.get(STATUS_KEY).decode() if store.check([STATUS_KEY]) else "starting"
             log.info("waiting for the oracle: %s", status)
