@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bagpipe.data.preprocess import preprocess
+from bagpipe.data.preprocess import ensure_preprocessed, preprocess
 from bagpipe.synth import generate, resolve_table_sizes
+from bagpipe.synth_sequences import generate_sequences
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +33,11 @@ def wide_tsv(tmp_path_factory):
     sizes = resolve_table_sizes(tables=None, table_sizes=None, max_rows_per_table=20_000)
     generate(out, rows=60_000, test_rows=6_000, seed=1, table_sizes=sizes, show_progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def sequence_data(tmp_path_factory):
+    """8000 users of 20 interactions over 300 items in 8 genres, preprocessed."""
+    out = tmp_path_factory.mktemp("sequences")
+    generate_sequences(out, users=8000, items=300, interactions=20, seed=1, genres=8, show_progress=False)
+    return ensure_preprocessed(out, show_progress=False)

@@ -31,14 +31,6 @@ LOG = [(7, 30, 5, 100), (7, 10, 3, 101), (9, 30, 4, 50), (7, 20, 1, 102), (9, 10
        (7, 40, 4, 104), (9, 20, 3, 52)]  # user, item, rating, timestamp
 
 
-@pytest.fixture(scope="session")
-def sequence_data(tmp_path_factory):
-    """8000 users of 20 interactions over 300 items in 8 genres, preprocessed."""
-    out = tmp_path_factory.mktemp("sequences")
-    generate_sequences(out, users=8000, items=300, interactions=20, seed=1, genres=8, show_progress=False)
-    return ensure_preprocessed(out, show_progress=False)
-
-
 @pytest.mark.parametrize("name, line", [("u.data", "{}\t{}\t{}\t{}"), ("ratings.dat", "{}::{}::{}::{}"),
                                         ("ratings.csv", "{},{},{}.0,{}")])
 def test_each_movielens_format_reads_the_same_interactions(tmp_path, name, line):

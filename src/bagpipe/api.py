@@ -21,13 +21,17 @@ it works whether or not the script creates a default process group, before or af
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 
 import torch
 
-from bagpipe.embeddings import Lookup
+from bagpipe import models
+from bagpipe.config import EXTERNAL, MODEL_NAMES, ModelConfig, complete_model
+from bagpipe.data.schema import Schema
+from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.reference import Timer
 from bagpipe.runtime.trainer import TrainerRuntime, cache_device, join_as_trainer
 from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
@@ -53,6 +57,42 @@ class TrainerCache:
     def __len__(self) -> int:
         return self.num_iterations
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The job's model as every role agreed on it (``init_cache(model=...)``; ``external``: the script's own)."""
+        return ModelConfig(**self.runtime.job.config["model"])
+
+    @property
+    def schema(self) -> Schema:
+        """The data's features: ``num_dense`` and one ``Feature`` (name, rows, width) per sparse feature."""
+        return self.runtime.layout.schema
+
+    @property
+    def seed(self) -> int:
+        """The job's seed: a model built after ``torch.manual_seed(cache.seed)`` starts as the bagpipe trainers'."""
+        return self.runtime.job.config["seed"]
+
+    @property
+    def iteration(self) -> int:
+        """The iteration of the batch ``next_batch`` returned last (e.g. to key ``set_dropout_step``)."""
+        if self.runtime.step is None:
+            raise RuntimeError("no batch yet: call next_batch() first")
+        return self.runtime.step.iteration
+
+    @property
+    def index(self) -> int:
+        """This trainer's rank among the trainers."""
+        return self.runtime.index
+
+    def build_model(self) -> torch.nn.Module:
+        """The job's model (one of bagpipe's, named by ``init_cache(model=...)``), initialised from the job's
+        seed as the bagpipe trainers and the reference initialise it."""
+        config = self.model_config
+        if config.name == EXTERNAL:
+            raise ValueError("init_cache was given no model: the script's model is its own (init_cache(model=NAME) "
+                             f"names one of bagpipe's: {', '.join(MODEL_NAMES)})")
+        return models.build_model(config, self.schema, seed=self.seed)
+
     def next_batch(self) -> dict | None:
         """The next slice of the global batch; None when the data is done (rows flushed to servers).
 
@@ -77,16 +117,18 @@ class TrainerCache:
             features.append(message.ids[:, start] if stop - start == 1 else message.ids[:, start:stop])
         return {"dense_x": message.dense_x, "sparse_vector": features, "target": message.target.view(-1, 1)}
 
-    def get_emb(self, ls_i) -> list[torch.Tensor]:
+    def get_emb(self, ls_i) -> Embeddings:
         """One tensor per table for the ids of ``next_batch()["sparse_vector"]``: [B, emb_size] (or
-        [B, W, emb_size] for a multi-valued feature, zeros where empty)."""
+        [B, W, emb_size] for a multi-valued feature, zeros where empty). A list, and the ``Embeddings``
+        a bagpipe model takes (with ``init_cache(model=...)``, one entry per lookup of that model's
+        tables, e.g. DeepFM's factors and then its first-order weights)."""
         if self._lookups is not None:
             raise RuntimeError("get_emb was already called for this batch: call it once per next_batch()")
         ids = torch.cat([torch.as_tensor(t, dtype=torch.int64).reshape(len(t), -1) for t in ls_i], dim=1)
         if not torch.equal(ids, self.runtime.step.ids):
             raise ValueError("get_emb must be given the ids of the current batch (next_batch()['sparse_vector'])")
         embeddings, self._lookups = self.runtime.lookup()
-        return [embeddings[i] for i in range(len(embeddings))]
+        return embeddings
 
     def _finish_iteration(self) -> None:
         if self._lookups is None:
@@ -124,8 +166,16 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
                device: str = "cuda:0", worker_id: int = 0, world_size: int | None = None,
                training_worker_id: int = 0, trainer_world_size: int | None = None, *,
                master_ip: str | None = None, master_port: int | None = None, timeout: float = 60.0,
-               prefetch_depth: int | None = None) -> TrainerCache:
-    """Join the job as a trainer and return its cache (see the module docstring)."""
+               prefetch_depth: int | None = None, model: str | None = None,
+               model_options: dict | None = None) -> TrainerCache:
+    """Join the job as a trainer and return its cache (see the module docstring).
+
+    Beyond the original's arguments: ``model`` names one of bagpipe's models (``dlrm``, ``wide-deep``,
+    ``deepfm``, ``dcn``, ``fgcnn``, ``caser``) whose tables the job plans (default: none, the script's
+    own model, one ``emb_size`` table per sparse feature), with ``model_options`` its shape settings
+    (``ModelConfig`` fields, e.g. ``{"deep_mlp": "400-400-400"}``); every role must agree on them, and
+    the oracle evaluates trainer 0's model at the end. ``cache.build_model()`` builds it.
+    """
     if world_size is None or trainer_world_size is None:
         raise ValueError("init_cache needs world_size (all processes) and trainer_world_size (trainers)")
     world = World(rank=worker_id, world_size=world_size, num_trainers=trainer_world_size,
@@ -145,6 +195,7 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
         given["optimizer"] = _OPTIMIZERS[emb_optim]
     if (emb_optim_params or {}).get("lr") is not None:
         given["lr"] = float(emb_optim_params["lr"])
+    given.update(_model_settings(model, model_options or {}, emb_dim=int(emb_size)))
     # Inside the user's process a lost peer fails the cache's next step; it does not end the process.
     world, store, liveness, job = join_as_trainer(world, given=given, on_lost=lambda message: log.error("%s", message))
     config = job.config
@@ -154,3 +205,20 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, device=device, prefetch_depth=prefetch_depth)
     liveness.on_lost = runtime.fail
     return TrainerCache(runtime)
+
+
+def _model_settings(model: str | None, options: dict, *, emb_dim: int) -> dict:
+    """``init_cache``'s model as the settings the roles agree on (``model.NAME`` keys, as runtime.agree)."""
+    if model is not None and model not in MODEL_NAMES:
+        raise ValueError(f"init_cache(model={model!r}): the models are {', '.join(MODEL_NAMES)} (or None: the "
+                         f"script's own)")
+    if options and model is None:
+        raise ValueError("init_cache(model_options=...) shapes one of bagpipe's models: name it with model=")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "emb_dim"}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"init_cache(model_options=...): unknown setting(s) {', '.join(unknown)}; the settings are "
+                         f"{', '.join(sorted(fields))}")
+    # Each value's type and range, here rather than at check-in.
+    ModelConfig(**complete_model({"name": model or EXTERNAL, "emb_dim": emb_dim, **options}))
+    return {"model.name": model or EXTERNAL, **{f"model.{name}": value for name, value in options.items()}}

@@ -82,23 +82,19 @@ def positions_in(keys: torch.Tensor, distinct: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 0, positions, len(distinct)) if (keys < 0).any() else positions
 
 
-class Embeddings:
-    """One batch's embeddings as a model receives them: one entry per lookup, in the layout's order.
+class Embeddings(list):
+    """One batch's embeddings as a model receives them: a list of one entry per lookup, in the layout's order.
 
     Entry i is ``[B, D]`` for a one-column feature, ``[B, W, D]`` for a multi-valued one (zeros
     where the ids hold PAD); ``pooled(i, mode)`` sums or averages those as ``nn.EmbeddingBag`` does.
+    A list, so that a script written for the original API (``get_emb``: one tensor per table) can
+    index it, unpack it or ``torch.stack`` it; the entries are views of one block per space.
     """
 
     def __init__(self, spaces: list[torch.Tensor], layout: EmbeddingLayout, ids: torch.Tensor) -> None:
         self.spaces, self.layout, self.ids = spaces, layout, ids
-
-    def __len__(self) -> int:
-        return len(self.layout.lookups)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        spec = self.layout.lookups[index]
-        block = self.spaces[spec.space]
-        return block[:, spec.start] if spec.stop - spec.start == 1 else block[:, spec.start:spec.stop]
+        super().__init__(spaces[spec.space][:, spec.start] if spec.stop - spec.start == 1
+                         else spaces[spec.space][:, spec.start:spec.stop] for spec in layout.lookups)
 
     def stack(self, lookups: Sequence[int] | None = None) -> torch.Tensor:
         """Those lookups (default all; one-column features of one width) as ``[B, n, D]``: a view when

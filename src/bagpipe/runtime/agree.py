@@ -73,7 +73,8 @@ def _flag(name: str) -> str:
             "(--emb-info-file, ln_emb)", "cache_rows": "the cache size (--cache-size, cache_size)",
             "lookahead": "the lookahead (--lookahead-value, lookahead_value)", "kind": "the trainers' kind (bagpipe "
             "trainers or user scripts)", "optimizer": "the embedding optimizer (--optimizer, emb_optim)",
-            "lr": "the learning rate (--lr, emb_optim_params)"}.get(name, f"--{name.removeprefix('model.')}")
+            "lr": "the learning rate (--lr, emb_optim_params)", "model.name": "the model (--model, "
+            "init_cache(model=...); external: a script's own)"}.get(name, f"--{name.removeprefix('model.')}")
 
 
 def _shown(value: Any) -> str:

@@ -275,8 +275,6 @@ def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dic
     model = {name.removeprefix("model."): value for name, value in agreed.items() if name.startswith("model.")}
     if "emb_dim" in agreed:
         model["emb_dim"] = agreed["emb_dim"]
-    if agreed.get("kind") == "script":
-        model["name"] = EXTERNAL
     model = {**{f.name: getattr(config.model, f.name) for f in dataclasses.fields(ModelConfig)
                 if f.name not in ("emb_dim", "arch_mlp_bot")}, **complete_model(model)}
     train = {name: agreed[name] for name in ("cache_rows", "lookahead", "optimizer", "lr") if name in agreed}
@@ -295,12 +293,18 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
     dense_state = oracle.done[0][1] or {}
     eval_started = time.perf_counter()
     metrics = {}
-    if config.model.name == EXTERNAL:
+    model = None if config.model.name == EXTERNAL else build_model(config, dataset.schema)
+    if model is None:
         log.info("the trainers' model is their own: the checkpoint holds trainer 0's weights as it reported them "
                  "(%s), and the oracle does not evaluate it", "none" if not dense_state else f"{len(dense_state)} tensors")
     else:
-        model = build_model(config, dataset.schema)
-        model.load_state_dict(dense_state)
+        try:
+            model.load_state_dict(dense_state)
+        except RuntimeError as err:  # a script that named our model but trained another
+            log.warning("trainer 0's weights are not the job's %s (%s): they go to the checkpoint as reported, "
+                        "unevaluated", config.model.name, str(err).splitlines()[0])
+            model = None
+    if model is not None:
         dense_state = model.state_dict()
         metrics = no_evaluation(model)
         if dataset.test is not None and dataset.test.rows:

@@ -1,0 +1,98 @@
+"""The per-model example trainers (``examples/<model>_bagpipe.py``: the original API with one of our
+models, DDP on the dense part) against separately started roles: each ends bit for bit where
+``--mode reference --slices 2`` does, and the oracle evaluates trainer 0's model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bagpipe.api import _model_settings
+from bagpipe.config import ModelConfig
+from bagpipe.rundir import export
+from bagpipe.runtime.world import free_port
+from test_original import run_job
+from test_runtime import BATCH, CACHE, assert_same_parameters, job_config, reference_of
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERATIONS = 60
+
+# (script, model, the script's shape flags, the oracle's data fixture and its settings)
+CASES = {
+    "deepfm": ("deepfm_bagpipe.py", ModelConfig(name="deepfm", emb_dim=8, deep_mlp="32-16", dropout=0.2),
+               ["--deep-mlp", "32-16", "--emb-size", "8", "--dropout", "0.2"], "small_binary",
+               dict(batch_size=BATCH, cache_rows=2 * CACHE, optimizer="adagrad", lr=0.05)),
+    "caser": ("caser_bagpipe.py", ModelConfig(name="caser", emb_dim=16, vertical_filters=4, horizontal_filters=8),
+              ["--emb-size", "16", "--horizontal-filters", "8"], "sequence_data",
+              dict(batch_size=256, cache_rows=3000, optimizer="adam", lr=0.005)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_an_example_trainer_equals_the_sliced_reference(name, request, tmp_path):
+    script, model, flags, fixture, settings = CASES[name]
+    data = request.getfixturevalue(fixture)
+    config = job_config(data, tmp_path / "run", iterations=ITERATIONS, servers=1, model=model, **settings)
+    world = ["--world-size", "4", "--world-size-trainers", "2"]
+    common = ["--cache-size", str(config.cache_rows), "--optimizer", config.optimizer, "--lr", str(config.lr)]
+    bagpipe = [sys.executable, "-m", "bagpipe.cli"]
+    trainer = [sys.executable, str(ROOT / "examples" / script), *world, *common, *flags,
+               "--lookahead-val", "20", "--dist-port", str(free_port()), "--device", "cpu"]
+    run_job([
+        bagpipe + ["oracle", "--worker-id", "0", *world, "--processed-csv", str(data), "--run-dir", config.run_dir,
+                   "--mini-batch-size", str(config.batch_size), "--iterations", str(ITERATIONS), "--lookahead-value",
+                   "20", "--seed", str(config.seed), "--max-eval-rows", "2000", *common],
+        bagpipe + ["server", "--worker-id", "3", *world[:2]],
+        trainer + ["--worker-id", "1"], trainer + ["--worker-id", "2"],
+    ], cwd=tmp_path)
+    summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
+    assert summary["model"] == name and ("eval_auc" in summary or "eval_hr10" in summary)  # trainer 0's, evaluated
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
+    reference = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    metric = "eval_auc" if "eval_auc" in summary else "eval_hr10"
+    assert summary[metric] == reference[metric]
+
+
+def test_init_cache_refuses_a_model_it_does_not_know_before_joining():
+    with pytest.raises(ValueError, match="the models are dlrm, wide-deep"):
+        _model_settings("xgboost", {}, emb_dim=16)
+    with pytest.raises(ValueError, match="unknown setting.*deep_layers"):
+        _model_settings("deepfm", {"deep_layers": "400"}, emb_dim=16)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        _model_settings("deepfm", {"dropout": 1.5}, emb_dim=16)
+    with pytest.raises(ValueError, match="name it with model="):
+        _model_settings(None, {"dropout": 0.1}, emb_dim=16)
+    assert _model_settings("dlrm", {"arch_mlp_bot": "13-8-4"}, emb_dim=4) == {
+        "model.name": "dlrm", "model.arch_mlp_bot": "13-8-4"}
+    assert _model_settings(None, {}, emb_dim=4) == {"model.name": "external"}
+
+
+def test_an_oracle_told_another_model_than_the_scripts_refuses_naming_both(small_binary, tmp_path):
+    world = ["--world-size", "4", "--world-size-trainers", "2"]
+    trainer = [sys.executable, str(ROOT / "examples" / "deepfm_bagpipe.py"), *world, "--device", "cpu",
+               "--dist-port", str(free_port())]
+    commands = [
+        [sys.executable, "-m", "bagpipe.cli", "oracle", "--worker-id", "0", *world, "--processed-csv", str(small_binary),
+         "--run-dir", str(tmp_path / "run"), "--model", "dcn"],
+        [sys.executable, "-m", "bagpipe.cli", "server", "--worker-id", "3", *world[:2]],
+        trainer + ["--worker-id", "1"], trainer + ["--worker-id", "2"],
+    ]
+    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    processes = [subprocess.Popen(c, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) for c in commands]
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert processes[0].returncode == 2, errors[0][-2000:]
+    assert "the roles disagree on the model" in errors[0]
+    assert "'dcn'" in errors[0] and "'deepfm'" in errors[0]
+    assert all(p.returncode != 0 for p in processes[1:])
+    assert not (tmp_path / "run" / "summary.json").exists()
