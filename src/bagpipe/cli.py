@@ -60,13 +60,19 @@ def _add_sequence_flags(g) -> None:
 
 
 def _add_preprocess(sub) -> None:
-    p = sub.add_parser("preprocess", help="convert Criteo TSV or JSON lines (plain or gzip) to the binary format")
+    p = sub.add_parser("preprocess", help="convert Criteo TSV, Avazu CSV or JSON lines (plain or gzip) to the "
+                                          "binary format")
     p.add_argument("--input", required=True, help="a file, or a directory holding train.* and test.* "
                    "(.tsv, .txt, .csv, .jsonl, .json, each optionally .gz)")
-    p.add_argument("--format", choices=("criteo", "jsonl", "movielens"), default=None,
+    p.add_argument("--format", choices=("criteo", "avazu", "jsonl", "movielens"), default=None,
                    help="the text format (default: from the name: an interaction log (u.data, ratings.dat, "
-                        "ratings.csv) is movielens, else the suffix)")
+                        "ratings.csv) is movielens; else the first line: a JSON object, tab-separated (criteo) "
+                        "or a CSV header with a click column (avazu); else the suffix)")
     p.add_argument("--out", required=True, help="the directory to write")
+    p.add_argument("--vocab-min-count", type=int, default=0, help="criteo, avazu: number each column's values by "
+                   "descending count in the train split, those seen fewer than N times (and values it never "
+                   "shows) sharing id 0; writes OUT/vocab (default 0: no vocabulary, values hashed modulo "
+                   "--table-sizes)")
     p.add_argument("--table-sizes", default=None, help="comma-separated table sizes (default: from --meta or "
                    "a meta.json beside the input; JSON lines only: the largest id + 1)")
     p.add_argument("--meta", default=None, help="a meta.json holding table_sizes, as `bagpipe synth` writes "
@@ -76,11 +82,22 @@ def _add_preprocess(sub) -> None:
     _add_sequence_flags(p.add_argument_group("an interaction log's samples (default: its meta.json's, else these)"))
 
 
+def _add_data_flags(p) -> None:
+    """How text data is read (train and oracle): its format, the test split of data without one, ids."""
+    p.add_argument("--format", dest="data_format", default=None,
+                   help="criteo, avazu, jsonl or movielens (default: from the data's name or content)")
+    p.add_argument("--holdout", type=float, default=None, help="data with no test split: the share of its end held "
+                   "out for evaluation; 0: none, no evaluation" + _default("holdout"))
+    _add_vocab_flag(p)
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a DLRM (in one process, or the whole system on this machine)")
     p.add_argument("--config", default=None, help="a TOML file of settings; flags override it (default: none)")
     p.add_argument("--data", default=None, help="a directory with train.* and test.* text splits (converted "
-                   "once into DIR/preprocessed), or a preprocessed one (required, here or in --config)")
+                   "once into DIR/preprocessed), a single data file (converted beside it), or a preprocessed "
+                   "directory (required, here or in --config)")
+    _add_data_flags(p)
     p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
                    "(required, here or in --config)")
     p.add_argument("--overwrite", action="store_true",
@@ -114,6 +131,12 @@ def _add_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal)")
     _add_model_flags(p, emb_flags=("--emb-dim", "--emb-size"))
     _add_job_flags(p)
+
+
+def _add_vocab_flag(p) -> None:
+    p.add_argument("--vocab-min-count", type=int, default=None, help="criteo, avazu text: ids by a vocabulary of "
+                   "the train split's values seen N times or more (the rest share id 0); 0: values hashed modulo "
+                   "the table sizes, and Avazu with none gets min count 1" + _default("vocab_min_count"))
 
 
 def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:
@@ -260,10 +283,7 @@ def _add_oracle_flags(p) -> None:
     p.add_argument("--data", "--processed-csv", dest="data", default=None,
                    help="the data: a directory, or a single file (JSON lines, Criteo TSV or an interaction log, "
                         "told by its content; see --format and --holdout) (required, here or in --config)")
-    p.add_argument("--format", dest="data_format", default=None,
-                   help="criteo, jsonl or movielens (default: from the data's name or content)")
-    p.add_argument("--holdout", type=float, default=None, help="data with no test split: the share of its end held "
-                   "out for evaluation; 0: none, no evaluation" + _default("holdout"))
+    _add_data_flags(p)
     p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
                    "(default: a new runs/oracle-DATE-TIME, printed at start)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
@@ -367,7 +387,7 @@ def run_preprocess(args) -> None:
 
     given = any(getattr(args, name) for name in ("history", "targets", "negatives"))
     meta = preprocess(args.input, args.out, fmt=args.format, table_sizes=args.table_sizes,
-                      meta_file=args.meta, on_bad_row=args.on_bad_row,
+                      meta_file=args.meta, on_bad_row=args.on_bad_row, vocab_min_count=args.vocab_min_count,
                       sequence=_sequence_settings(args) if given else None)
     print(json.dumps({k: meta[k] for k in ("rows", "table_sizes", "skipped_rows", "skipped_by_reason")}))
 

@@ -22,7 +22,7 @@ MODES = ("reference", "bagpipe")
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
 CROSS_KINDS = ("vector", "matrix")
-DATA_FORMATS = ("criteo", "jsonl", "movielens")  # the readers in bagpipe.data
+DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpipe.data
 
 
 def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
@@ -149,7 +149,10 @@ class TrainConfig:
     log_every: int = 10
     max_eval_rows: int = 0  # 0: the whole test split
     holdout: float = 1 / 7  # data with no test split: its last share is the test split (Criteo Kaggle's last day)
-    data_format: str = ""  # criteo, jsonl or movielens; "": from the file's name or content
+    data_format: str = ""  # criteo, avazu, jsonl or movielens; "": from the file's name or content
+    # criteo, avazu text: ids by a vocabulary of the train split's values seen this often (the rest share
+    # id 0); 0: none, values hashed modulo the table sizes (avazu without table sizes: a vocabulary, min count 1)
+    vocab_min_count: int = 0
     # --mode reference: compute each batch's gradient as this many trainers do (bit for bit)
     slices: int = 1
     # --mode bagpipe: the local job's shape and the cache plan
@@ -179,7 +182,7 @@ class TrainConfig:
         for name in ("batch_size", "eval_batch_size", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("iterations", "warmup_iterations", "max_eval_rows"):
+        for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout"):

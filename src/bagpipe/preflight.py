@@ -43,8 +43,15 @@ def prepare_job(config: TrainConfig, *, overwrite: bool = False, show_progress: 
 
 def prepare_data(config: TrainConfig, *, show_progress: bool = False) -> BinaryDataset:
     """The job's data set, converted first if its sources changed."""
-    return open_dataset(ensure_preprocessed(config.data, show_progress=show_progress, fmt=config.data_format or None,
-                                            holdout=config.holdout))
+    dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress, fmt=config.data_format or None,
+                                               holdout=config.holdout, vocab_min_count=config.vocab_min_count))
+    held = dataset.meta.get("held_out")
+    if held:
+        log.info("%s has no test split: its last %d rows (%.1f%%, --holdout %.4g) are held out for evaluation",
+                 config.data, held["rows"], 100 * held["holdout"], held["holdout"])
+    elif dataset.test is None:
+        log.info("%s has no test split (--holdout 0): the run is not evaluated", config.data)
+    return dataset
 
 
 def claim(config: TrainConfig, dataset: BinaryDataset, *, overwrite: bool, show_progress: bool = False) -> None:

@@ -1,6 +1,7 @@
-"""Text formats we read: Criteo TSV and the original system's JSON lines.
+"""Text formats we read: Criteo TSV and the original system's JSON lines (Avazu CSV: data.avazu).
 
-Both parsers turn a chunk of lines into (labels, dense, ids) arrays. Criteo's fast path parses
+Both parsers turn a chunk of lines into (labels, dense, ids) arrays; Criteo's also into its raw
+values (``tokens``), for ids from a vocabulary (data.vocab). Criteo's fast path parses
 the whole chunk at once; if anything is off, the slow path walks the chunk line by line to name
 the first bad line (or to skip and count bad lines, when asked). Lines arrive as bytes and are
 decoded the same way: the whole chunk at once, line by line only when it is not UTF-8.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,15 +98,44 @@ class Chunk:
     ids: np.ndarray  # int64 [n, columns]: each sparse feature's columns (data.schema)
 
 
-class CriteoParser:
-    """Criteo TSV: label, 13 integer columns, one hexadecimal column per table; empty -> 0."""
+@dataclass(frozen=True)
+class Tokens:
+    """A chunk's rows before their categorical values have ids."""
 
-    def __init__(self, table_sizes: list[int]) -> None:
-        self.table_sizes = np.asarray(table_sizes, dtype=np.int64)
-        self.num_columns = 1 + NUM_DENSE + len(table_sizes)
+    labels: np.ndarray  # float32 [n]
+    dense: np.ndarray  # float32 [n, num_dense], already transformed
+    columns: list[Sequence[str]]  # per table, the n rows' raw values ("" where a field is empty)
+
+
+class CriteoParser:
+    """Criteo TSV: label, 13 integer columns, one hexadecimal column per table; empty -> 0.
+
+    ``parse`` takes each hex value modulo its table's size; ``tokens`` (with only ``num_tables``
+    given) leaves the values as they are, for a vocabulary to number.
+    """
+
+    def __init__(self, table_sizes: list[int] | None = None, *, num_tables: int | None = None) -> None:
+        self.table_sizes = np.asarray(table_sizes or [], dtype=np.int64)
+        self.num_tables = len(table_sizes) if table_sizes else num_tables
+        assert self.num_tables, "table sizes or a number of tables"
+        self.num_columns = 1 + NUM_DENSE + self.num_tables
+
+    @property
+    def table_names(self) -> list[str]:
+        return [f"C{t + 1}" for t in range(self.num_tables)]
 
     def schema(self, sizes: list[int]) -> Schema:
         return Schema.one_hot(sizes, num_dense=NUM_DENSE)
+
+    def tokens(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Tokens:
+        try:
+            labels, dense, rows = self._fast_fields(lines)
+            return Tokens(labels, dense, columns(rows, start=1 + NUM_DENSE, count=self.num_tables))
+        except (ValueError, IndexError, OverflowError):
+            valid = valid_rows(self._fields, lines, path=path, first_line=first_line, bad=bad)
+            labels = np.asarray([row[0] for row in valid], dtype=np.float32)
+            dense = dense_transform(np.asarray([row[1] for row in valid], dtype=np.float64).reshape(-1, NUM_DENSE))
+            return Tokens(labels, dense, columns([row[2] for row in valid], start=0, count=self.num_tables))
 
     def parse(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
         try:
@@ -113,11 +144,18 @@ class CriteoParser:
             return self._slow(lines, path=path, first_line=first_line, bad=bad)
 
     def _fast(self, lines: list[str]) -> Chunk:
+        labels, dense, rows = self._fast_fields(lines)
+        hashes = np.array([int(tok, 16) if tok else 0 for row in rows for tok in row[1 + NUM_DENSE:]],
+                          dtype=np.uint64)
+        ids = (hashes.reshape(len(rows), -1) % self.table_sizes.astype(np.uint64)).astype(np.int64)
+        return Chunk(labels, dense, ids)
+
+    def _fast_fields(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
+        """Labels, transformed dense values and each line's fields, if every line is valid (else a ValueError)."""
         rows = [line.rstrip("\r\n").split("\t") for line in lines]
         if any(len(row) != self.num_columns for row in rows):
             raise ValueError("column count")
-        cat_tokens = [tok for row in rows for tok in row[1 + NUM_DENSE:]]
-        if not _HEX_CHARS.issuperset("".join(cat_tokens)):
+        if not _HEX_CHARS.issuperset("".join("".join(row[1 + NUM_DENSE:]) for row in rows)):
             raise ValueError("non-hex")
         labels = np.array([float(row[0]) for row in rows], dtype=np.float32)
         if ((labels != 0) & (labels != 1)).any():
@@ -126,15 +164,18 @@ class CriteoParser:
                          dtype=np.float64).reshape(len(rows), NUM_DENSE)
         if not np.isfinite(dense).all():
             raise ValueError("dense")
-        hashes = np.array([int(tok, 16) if tok else 0 for tok in cat_tokens], dtype=np.uint64)
-        ids = (hashes.reshape(len(rows), -1) % self.table_sizes.astype(np.uint64)).astype(np.int64)
-        return Chunk(labels, dense_transform(dense), ids)
+        return labels, dense_transform(dense), rows
 
     def _row(self, line: str, *, path: str, number: int) -> tuple[float, list[float], list[int]]:
+        label, dense, tokens = self._fields(line, path=path, number=number)
+        return label, dense, [int(tok, 16) % int(size) if tok else 0 for tok, size in zip(tokens, self.table_sizes)]
+
+    def _fields(self, line: str, *, path: str, number: int) -> tuple[float, list[float], list[str]]:
+        """(label, dense values, raw hex values) of a valid line, else a DataError."""
         fields = line.rstrip("\r\n").split("\t")
         if len(fields) != self.num_columns:
             raise DataError(path, number, f"wrong column count: expected {self.num_columns}, got {len(fields)}")
-        label = _parse_label(fields[0], path=path, number=number)
+        label = parse_label(fields[0], path=path, number=number)
         dense = []
         for j, tok in enumerate(fields[1:1 + NUM_DENSE]):
             try:
@@ -144,16 +185,19 @@ class CriteoParser:
             if not np.isfinite(value):
                 raise DataError(path, number, f"non-numeric dense value: column I{j + 1} is {tok!r}")
             dense.append(value)
-        ids = []
-        for t, tok in enumerate(fields[1 + NUM_DENSE:]):
+        tokens = fields[1 + NUM_DENSE:]
+        for t, tok in enumerate(tokens):
             if tok and not _HEX_CHARS.issuperset(tok):
                 raise DataError(path, number, f"non-hex token: column C{t + 1} is {tok!r}")
-            ids.append(int(tok, 16) % int(self.table_sizes[t]) if tok else 0)
-        return label, dense, ids
+        return label, dense, tokens
 
     def _slow(self, lines, *, path, first_line, bad) -> Chunk:
-        return _collect(self._row, lines, path=path, first_line=first_line, bad=bad,
-                        num_tables=len(self.table_sizes))
+        return _collect(self._row, lines, path=path, first_line=first_line, bad=bad, num_tables=self.num_tables)
+
+
+def columns(rows: list[list[str]], *, start: int, count: int) -> list[Sequence[str]]:
+    """Fields ``start`` to ``start + count`` of each row, one sequence a column (empty ones for no rows)."""
+    return list(zip(*rows))[start:start + count] or [()] * count
 
 
 class NeedsWidths(Exception):
@@ -201,7 +245,7 @@ class JsonlParser:
         self.has_empty: list[bool] | None = None  # and whether any entry of it is empty
 
     def parse(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
-        rows = _valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
+        rows = valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
         dense = np.asarray([row[1] for row in rows], dtype=np.float64).reshape(len(rows), self.num_dense or 0)
         return Chunk(np.asarray([row[0] for row in rows], dtype=np.float32), dense_transform(dense),
                      self._id_matrix([row[2] for row in rows]))
@@ -209,7 +253,7 @@ class JsonlParser:
     def measure(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> None:
         """The first pass: check ``lines`` as ``parse`` does, noting each feature's longest entry."""
         self.measuring = True
-        _valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
+        valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
 
     def learned_shape(self) -> JsonlShape | None:
         """The shape the rows measured so far have; None before the first valid row."""
@@ -266,7 +310,7 @@ class JsonlParser:
         return row
 
     def _feature_row(self, record: dict, *, path: str, number: int) -> tuple[float, list[float], list]:
-        label = _parse_label(record["label"], path=path, number=number)
+        label = parse_label(record["label"], path=path, number=number)
         dense, sparse = record["dense"], record["sparse"]
         if not isinstance(dense, list):
             raise DataError(path, number, f"wrong column count: 'dense' must be a list of numbers, got {dense!r}")
@@ -355,7 +399,7 @@ def _check_id(value, limit: int, *, what: str, path: str, number: int) -> int:
     return value
 
 
-def _parse_label(token, *, path: str, number: int) -> float:
+def parse_label(token, *, path: str, number: int) -> float:
     try:
         label = float(token)
     except (TypeError, ValueError):
@@ -365,7 +409,7 @@ def _parse_label(token, *, path: str, number: int) -> float:
     return label
 
 
-def _valid_rows(parse_row, lines, *, path, first_line, bad) -> list:
+def valid_rows(parse_row, lines, *, path, first_line, bad) -> list:
     """Each line parsed; a bad one raises its DataError, or under ``bad`` is counted and left out."""
     rows = []
     for offset, line in enumerate(lines):
@@ -379,7 +423,7 @@ def _valid_rows(parse_row, lines, *, path, first_line, bad) -> list:
 
 
 def _collect(parse_row, lines, *, path, first_line, bad, num_tables) -> Chunk:
-    rows = _valid_rows(parse_row, lines, path=path, first_line=first_line, bad=bad)
+    rows = valid_rows(parse_row, lines, path=path, first_line=first_line, bad=bad)
     return Chunk(
         np.asarray([row[0] for row in rows], dtype=np.float32),
         dense_transform(np.asarray([row[1] for row in rows], dtype=np.float64).reshape(-1, NUM_DENSE)),

@@ -1,6 +1,6 @@
-"""Turn Criteo TSV or JSON-lines files (plain or gzip) into the binary format, with clear errors;
-``ensure_preprocessed`` converts a data file or directory once, and again only when its sources or
-the settings change. Data without a test split has its last lines held out as one."""
+"""Turn Criteo TSV, Avazu CSV or JSON-lines files (plain or gzip) into the binary format, with clear
+errors; ``ensure_preprocessed`` converts a data file or directory once, and again only when its
+sources or the settings change. Data without a test split has its last lines held out as one."""
 
 from __future__ import annotations
 
@@ -20,16 +20,22 @@ from typing import Iterator
 
 import numpy as np
 
+from bagpipe.data.avazu import AvazuParser, is_avazu_header
 from bagpipe.data.binary import SPLITS, SplitWriter, id_dtype_for, is_preprocessed, open_dataset
-from bagpipe.data.formats import BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, decode_lines
+from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, decode_lines
 from bagpipe.data.sequences import INTERACTION_FILES, SequenceSettings, convert_interactions, is_interaction_log
+from bagpipe.data.vocab import (OOV_ID, VOCAB_DIR, EncodedParser, HashedColumn, Vocabulary, check_vocab_min_count,
+                                count_values, write_vocabularies)
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("criteo", "jsonl", "movielens")
-SUFFIX_FORMATS = {".tsv": "criteo", ".txt": "criteo", ".csv": "criteo", ".jsonl": "jsonl", ".json": "jsonl"}
+FORMATS = ("criteo", "avazu", "jsonl", "movielens")
+SUFFIX_FORMATS = {".tsv": "criteo", ".txt": "criteo", ".csv": "avazu", ".jsonl": "jsonl", ".json": "jsonl"}
+VOCAB_FORMATS = ("criteo", "avazu")  # raw values that a vocabulary numbers (data.vocab)
+# train --data with Avazu and neither a vocabulary nor table sizes: every value of the train split gets an id.
+AVAZU_DEFAULT_MIN_COUNT = 1
 LINES_PER_CHUNK = 65_536
 BAD_ROW_POLICIES = ("error", "skip")
 GZIP_MAGIC = b"\x1f\x8b"
@@ -61,7 +67,8 @@ def find_splits(path: Path) -> dict[str, Path]:
     if "train" not in splits and len(logs) == 1:
         return {"train": logs[0]}  # an interaction log: the test split is each user's last item
     if "train" not in splits:
-        raise ValueError(f"{path}: no train split (expected a file such as train.tsv, train.tsv.gz or train.jsonl, "
+        raise ValueError(f"{path}: no train split (expected a file such as train.tsv, train.csv, train.tsv.gz or "
+                         f"train.jsonl, "
                          f"or an interaction log: {', '.join(INTERACTION_FILES)})")
     return splits
 
@@ -78,22 +85,40 @@ def guess_format(path: Path) -> str:
     # Content first: the original system's JSON-lines files are named .txt.
     fmt = _sniff(path) or SUFFIX_FORMATS.get(_text_suffix(path))
     if fmt is None:
-        raise ValueError(f"{path}: cannot tell the format: its first line is neither a JSON object nor tab-separated, "
-                         f"and its suffix names no format; pass --format criteo|jsonl")
+        raise ValueError(f"{path}: cannot tell the format: its first line is neither a JSON object, nor "
+                         f"tab-separated, nor a CSV header with a 'click' column, and its suffix names no format; "
+                         f"pass --format criteo|avazu|jsonl")
     return fmt
 
 
 def _sniff(path: Path) -> str | None:
-    """``jsonl`` if the first non-empty line starts with ``{``, ``criteo`` if it holds a tab, else None."""
+    """``jsonl`` if the first non-empty line starts with ``{``, ``criteo`` if it holds a tab, ``avazu`` if it
+    is a CSV header naming ``click``, else None."""
     try:
         with ExitStack() as stack:
             _, lines_in = _open_decompressed(path, stack)
             while line := lines_in.readline(SNIFF_LINE_BYTES):
                 if line.strip():
-                    return "jsonl" if line.lstrip().startswith(b"{") else "criteo" if b"\t" in line else None
+                    if line.lstrip().startswith(b"{"):
+                        return "jsonl"
+                    if b"\t" in line:
+                        return "criteo"
+                    return "avazu" if is_avazu_header(line.decode("utf-8", "replace")) else None
     except (OSError, EOFError, zlib.error):
         pass  # unreadable here: the suffix decides, and reading the file names the trouble
     return None
+
+
+def first_line(path: Path) -> str:
+    """The first line of a plain or gzip file, as text."""
+    with ExitStack() as stack:
+        _, lines_in = _open_decompressed(path, stack)
+        try:
+            return lines_in.readline().decode("utf-8-sig")  # a byte order mark is not part of a header
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise DataError(str(path), 1, f"corrupt or truncated gzip data ({err})") from None
+        except UnicodeDecodeError:
+            raise DataError(str(path), 1, "not UTF-8 text (is this a binary or compressed file?)") from None
 
 
 def check_format(fmt: str | None) -> None:
@@ -280,34 +305,51 @@ def preprocess(
     show_progress: bool = True,
     sequence: SequenceSettings | None = None,
     holdout: float = DEFAULT_HOLDOUT,
+    vocab_min_count: int = 0,
 ) -> dict:
     """Preprocess every split under ``input_path`` into ``out_dir``; return the written meta.
 
     Without a test split (a lone file, or no ``test.*``) the last ``round(lines * holdout)`` lines of
     the train file are the test split; an interaction log holds out each user's last item instead.
+    ``vocab_min_count`` > 0 numbers Criteo's or Avazu's raw values by a vocabulary of the train split
+    (data.vocab), written to ``out_dir/vocab``; else their values are hashed modulo the table sizes.
     """
     input_path, out = Path(input_path), Path(out_dir)
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"--on-bad-row must be one of {', '.join(BAD_ROW_POLICIES)}, got {on_bad_row!r}")
     check_format(fmt)
     check_holdout(holdout)
+    check_vocab_min_count(vocab_min_count)
     splits = find_splits(input_path)
     fmt = fmt or guess_format(splits["train"])
+    if vocab_min_count and fmt not in VOCAB_FORMATS:
+        raise ValueError(f"--vocab-min-count: {fmt} data holds ids already; a vocabulary numbers the raw values of "
+                         f"{' and '.join(VOCAB_FORMATS)} data")
     if fmt == "movielens":
         return _preprocess_interactions(input_path, splits, out, meta_file=meta_file, sequence=sequence)
-    sizes, sizes_from = table_sizes_from(table_sizes=table_sizes, meta_file=meta_file, input_path=input_path)
+    if vocab_min_count and (table_sizes or meta_file):
+        raise ValueError("give either --vocab-min-count (table sizes from the vocabulary) or --table-sizes / --meta "
+                         "(values hashed modulo the sizes), not both")
+    sizes, sizes_from = (None, "vocabulary") if vocab_min_count else table_sizes_from(
+        table_sizes=table_sizes, meta_file=meta_file, input_path=input_path)
     if sizes is not None and (not sizes or any(s <= 0 for s in sizes)):
         raise ValueError(f"table sizes must be positive integers, got {sizes}")
-    if fmt == "criteo" and sizes is None:
-        raise ValueError(f"{input_path}: Criteo ids are hashed; give --table-sizes or --meta FILE (a meta.json)")
+    if fmt in VOCAB_FORMATS and sizes is None and not vocab_min_count:
+        raise ValueError(f"{input_path}: {fmt} values need ids: give --vocab-min-count N (a vocabulary of the train "
+                         f"split's values seen N times or more) or --table-sizes / --meta FILE (a meta.json; values "
+                         f"hashed modulo the sizes)")
     sources = {name: _fingerprint(path) for name, path in _sources(input_path, splits).items()}
     test_from = _held_out_lines(splits, fmt, holdout)
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
+    shutil.rmtree(out / VOCAB_DIR, ignore_errors=True)
+    parser, vocabularies = _text_parser(fmt, splits, sizes=sizes, vocab_min_count=vocab_min_count,
+                                        test_from=test_from, on_bad_row=on_bad_row, show_progress=show_progress)
+    if isinstance(parser, EncodedParser):
+        sizes = [encoder.size for encoder in parser.encoders]
     convert = {"sizes": sizes, "test_from": test_from, "on_bad_row": on_bad_row, "show_progress": show_progress}
     try:
-        parser = CriteoParser(sizes) if fmt == "criteo" else JsonlParser(sizes)
         writers, bad, sizes = _convert_splits(splits, out, parser, **convert)
     except NeedsWidths as first:
         # Lists need their widths before anything is written: a first pass over every split finds them.
@@ -333,9 +375,14 @@ def preprocess(
             "note": f"the test split is lines {test_from}.. of {splits['train']}"},
         "skipped_rows": bad.total if bad else 0,
         "skipped_by_reason": dict(bad.counts) if bad else {},
+        "vocabulary": None if vocabularies is None else {
+            "min_count": vocab_min_count, "oov_id": OOV_ID, "directory": VOCAB_DIR,
+            "files": write_vocabularies(out / VOCAB_DIR, vocabularies),
+            "note": f"ids 1.. by descending count in the train split; id {OOV_ID}: values seen fewer than "
+                    f"min_count times there, values it never shows, empty fields"},
         "made_from": {
             **_settings(fmt=fmt, on_bad_row=on_bad_row, table_sizes_from=sizes_from,
-                        holdout=_effective_holdout(splits, fmt, holdout)),
+                        holdout=_effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count),
             "table_sizes": schema.cardinalities,
             "sources": sources,
         },
@@ -344,6 +391,45 @@ def preprocess(
         log.warning("skipped %d bad rows (%s); first: %s", bad.total, dict(bad.counts), bad.examples[0])
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def _text_parser(fmt: str, splits: dict[str, Path], *, sizes: list[int] | None, vocab_min_count: int,
+                 test_from: int | None, on_bad_row: str, show_progress: bool) -> tuple[object, list | None]:
+    """The parser of ``fmt``'s rows, and the vocabularies it numbers values by (counted here, over the
+    train split's lines before ``test_from``), if any."""
+    if fmt == "jsonl":
+        return JsonlParser(sizes), None
+    if fmt == "criteo" and not vocab_min_count:
+        return CriteoParser(sizes), None
+    base = (AvazuParser({str(path): first_line(path) for path in splits.values()}) if fmt == "avazu"
+            else CriteoParser(num_tables=_criteo_tables(splits["train"])))
+    if not vocab_min_count:
+        if len(sizes) != base.num_tables:
+            raise ValueError(f"{len(sizes)} table sizes given, but {splits['train']} has {base.num_tables} "
+                             f"categorical columns ({', '.join(base.table_names)})")
+        return EncodedParser(base, [HashedColumn(size) for size in sizes]), None
+    train = splits["train"]
+    scratch = BadRows() if on_bad_row == "skip" else None  # the conversion counts them
+    runs = _routed(_read_chunks(train, bad=scratch, show_progress=show_progress, desc="count train"),
+                   split="train", test_from=test_from)
+    counts = count_values(base, ((str(train), first, lines) for part, first, lines in runs if part == "train"),
+                          bad=scratch)
+    vocabularies = [Vocabulary.from_counts(name, table_counts, min_count=vocab_min_count)
+                    for name, table_counts in zip(base.table_names, counts)]
+    empty = [vocabulary.name for vocabulary in vocabularies if vocabulary.size == 1]
+    if empty:
+        log.warning("%s: no value seen %d times or more in the train split of %s: every id there is the "
+                    "out-of-vocabulary id %d", ", ".join(empty), vocab_min_count, train, OOV_ID)
+    return EncodedParser(base, vocabularies), vocabularies
+
+
+def _criteo_tables(path: Path) -> int:
+    """Criteo's categorical columns, counted on its first line (a vocabulary needs no table sizes)."""
+    tables = first_line(path).count("\t") - NUM_DENSE
+    if tables < 1:
+        raise DataError(str(path), 1, f"wrong column count: expected a label, {NUM_DENSE} dense columns and "
+                                      f"categorical ones")
+    return tables
 
 
 def _convert_splits(splits: dict[str, Path], out: Path, parser, *, sizes: list[int] | None, test_from: int | None,
@@ -401,10 +487,15 @@ def _measure(splits: dict[str, Path], *, sizes: list[int] | None, on_bad_row: st
     return shape
 
 
-def _settings(*, fmt: str, on_bad_row: str, table_sizes_from: str, holdout: float | None) -> dict:
+def _settings(*, fmt: str, on_bad_row: str, table_sizes_from: str, holdout: float | None,
+              vocab_min_count: int) -> dict:
     """The settings besides the sources that shape a conversion's output (``holdout``: the one that applies)."""
     return {"converter_version": CONVERTER_VERSION, "format": fmt, "on_bad_row": on_bad_row,
-            "table_sizes_from": table_sizes_from, "holdout": holdout}
+            "table_sizes_from": table_sizes_from, "holdout": holdout, "vocab_min_count": vocab_min_count}
+
+
+# Settings recorded since a later version; a record without one was made with this value.
+_SETTINGS_BEFORE = {"vocab_min_count": 0}
 
 
 def sequence_settings(meta_path: Path | None) -> SequenceSettings:
@@ -433,7 +524,7 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
             "format": "bagpipe-binary", "source": {"log": str(splits["train"])}, "source_format": "movielens",
             "skipped_rows": 0, "skipped_by_reason": {},
             "made_from": {**_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log",
-                                      holdout=None),
+                                      holdout=None, vocab_min_count=0),
                           "table_sizes": converted["table_sizes"], "sources": sources}}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
@@ -448,37 +539,52 @@ def converted_path(input_path: Path) -> Path:
 
 
 def ensure_preprocessed(path: str | Path, *, show_progress: bool = True, fmt: str | None = None,
-                        holdout: float = DEFAULT_HOLDOUT) -> Path:
+                        holdout: float = DEFAULT_HOLDOUT, vocab_min_count: int = 0) -> Path:
     """Return a preprocessed data directory for ``path`` (a data directory, a lone data file, or a
     preprocessed directory, returned as is), converting the text once.
 
     The converted copy (``converted_path``) is reused as long as it was made, with the settings used
     here (``fmt``: the format, None to detect it; ``holdout``: the share of lines held out as the test
-    split of data without one), from the files now there (same stat fields, or else same content hash).
-    Otherwise it is converted again, into a sibling swapped in only when complete.
+    split of data without one; ``vocab_min_count``: a vocabulary's, 0 for none), from the files now there
+    (same stat fields, or else same content hash). Otherwise it is converted again, into a sibling
+    swapped in only when complete. Avazu data with neither a vocabulary nor table sizes (a meta.json
+    beside it) gets a vocabulary of min count AVAZU_DEFAULT_MIN_COUNT.
     """
     path = Path(path)
     check_format(fmt)
     check_holdout(holdout)
+    check_vocab_min_count(vocab_min_count)
     if not path.exists():
         raise ValueError(f"--data: no such file or directory {path}")
     if is_preprocessed(path):
+        if vocab_min_count:
+            log.warning("--vocab-min-count %d does nothing: %s is converted already", vocab_min_count, path)
         return path
     splits = find_splits(path)
+    fmt = fmt or guess_format(splits["train"])
+    if fmt == "avazu" and not vocab_min_count and not _has_sizes(_source_meta_path(path)):
+        vocab_min_count = AVAZU_DEFAULT_MIN_COUNT
+        log.info("Avazu data with no table sizes: ids from a vocabulary of min count %d (--vocab-min-count)",
+                 vocab_min_count)
     cached = converted_path(path)
     if is_preprocessed(cached):
-        reason = _why_stale(cached, path, splits, fmt=fmt, holdout=holdout)
+        reason = _why_stale(cached, path, splits, fmt=fmt, holdout=holdout, vocab_min_count=vocab_min_count)
         if reason is None:
             return cached
         log.info("%s: converting again", reason)
     else:
         log.info("preprocessing %s into %s (once)", path, cached)
-    _convert_and_swap(path, cached, show_progress=show_progress, fmt=fmt, holdout=holdout)
+    _convert_and_swap(path, cached, show_progress=show_progress, fmt=fmt, holdout=holdout,
+                      vocab_min_count=vocab_min_count)
     return cached
 
 
-def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: str | None,
-               holdout: float) -> str | None:
+def _has_sizes(meta_path: Path) -> bool:
+    return meta_path.is_file() and bool(json.loads(meta_path.read_text()).get("table_sizes"))
+
+
+def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: str, holdout: float,
+               vocab_min_count: int) -> str | None:
     """Why ``cached`` is not the conversion of ``input_path`` as it is now, with these settings, or None if it is.
 
     Files whose stat fields changed are hashed; if their content did not, the new fields are
@@ -496,14 +602,14 @@ def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: 
         return f"{gone} is gone since {cached} was made from it"
     for name in sorted(sources.keys() - recorded.keys()):
         return f"{sources[name]} is new since {cached} was made"
-    fmt = fmt or guess_format(splits["train"])
-    sizes_from = ("the log" if fmt == "movielens" else "meta.json" if _source_meta_path(input_path).is_file()
-                  else "inferred")
+    sizes_from = ("the log" if fmt == "movielens" else "vocabulary" if vocab_min_count
+                  else "meta.json" if _source_meta_path(input_path).is_file() else "inferred")
     current = _settings(fmt=fmt, on_bad_row="error", table_sizes_from=sizes_from,
-                        holdout=_effective_holdout(splits, fmt, holdout))
+                        holdout=_effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count)
     for key, value in current.items():
-        if made_from.get(key) != value:
-            return f"{cached} was made with {key} {made_from.get(key)!r}, not {value!r}"
+        recorded_value = made_from.get(key, _SETTINGS_BEFORE.get(key))
+        if recorded_value != value:
+            return f"{cached} was made with {key} {recorded_value!r}, not {value!r}"
     for name, path in sources.items():
         if path.name != recorded[name]["file"]:
             return f"{cached} was made from {recorded[name]['file']}, not {path.name}"
@@ -528,12 +634,13 @@ def _refresh_meta(meta_path: Path, meta: dict) -> None:
         log.info("could not record the new stat fields in %s (%s)", meta_path, err)
 
 
-def _convert_and_swap(input_path: Path, cached: Path, *, show_progress: bool, fmt: str | None,
-                      holdout: float) -> None:
+def _convert_and_swap(input_path: Path, cached: Path, *, show_progress: bool, fmt: str, holdout: float,
+                      vocab_min_count: int) -> None:
     """Convert into a sibling of ``cached`` and swap it in only when complete and readable."""
     partial = cached.with_name(f".{cached.name}.partial-{secrets.token_hex(4)}")
     try:
-        preprocess(input_path, partial, show_progress=show_progress, fmt=fmt, holdout=holdout)
+        preprocess(input_path, partial, show_progress=show_progress, fmt=fmt, holdout=holdout,
+                   vocab_min_count=vocab_min_count)
         open_dataset(partial)  # fail here, not mid-training, if anything is inconsistent
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
