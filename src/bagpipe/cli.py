@@ -125,6 +125,15 @@ def _add_train(sub) -> None:
                    help="--mode reference: compute each batch's gradient as this many trainers do, so that "
                         "--mode bagpipe with that many trainers gives the same result bit for bit"
                         + _default("slices"))
+    g = p.add_argument_group("checkpoints (RUN_DIR/checkpoints; --mode reference so far)")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write a checkpoint every N iterations; 0: "
+                   "not by count" + _default("checkpoint_every"))
+    g.add_argument("--checkpoint-every-s", type=float, default=None, help="write a checkpoint every S seconds; 0: "
+                   "not by time" + _default("checkpoint_every_s"))
+    g.add_argument("--keep-checkpoints", type=int, default=None, help="checkpoints kept (the newest; and the "
+                   "bases they restore from)" + _default("keep_checkpoints"))
+    g.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest valid "
+                   "checkpoint; its config.json supplies every setting (flags given again must agree)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (default 0: 1 per role in --mode bagpipe and with --slices, "
                         "else torch's default); bit-for-bit equality needs the same on both sides")
@@ -395,14 +404,25 @@ def run_preprocess(args) -> None:
 def run_train(args) -> None:
     import torch
 
-    from bagpipe.config import ModelConfig, TrainConfig, load_train_config
+    from bagpipe.config import ModelConfig, TrainConfig, load_train_config, resumed_config
     from bagpipe.reference import train_reference
+    from bagpipe.faults import set_role
+    from bagpipe.rundir import is_finished
 
     if args.threads < 0:
         raise ValueError(f"--threads must not be negative, got {args.threads}")
     names = {f for f in TrainConfig.__dataclass_fields__ if f != "model"} | set(ModelConfig.__dataclass_fields__)
     overrides = {name: getattr(args, name) for name in names if hasattr(args, name)}
-    config = load_train_config(args.config, overrides)
+    if args.resume:
+        if args.overwrite:
+            raise ValueError("--resume continues the run in --run-dir, --overwrite replaces it: give one of them")
+        if not args.run_dir:
+            raise ValueError("--resume needs --run-dir: the run to continue")
+        if is_finished(args.run_dir):
+            raise ValueError(f"--resume: the run in {args.run_dir} has finished (it has a summary.json)")
+        config = resumed_config(args.run_dir, args.config, overrides)
+    else:
+        config = load_train_config(args.config, overrides)
     # A role runs one thread unless told otherwise, and a reference that computes as trainers do
     # (--slices) runs as many as each of them: some kernels' sums depend on the thread count.
     threads = args.threads or (SLICED_THREADS if config.mode == "bagpipe" or config.slices > 1 else 0)
@@ -413,7 +433,9 @@ def run_train(args) -> None:
     else:
         if threads:
             torch.set_num_threads(threads)
-        summary = train_reference(config, show_progress=not args.no_progress, overwrite=args.overwrite)
+        set_role("reference")
+        summary = train_reference(config, show_progress=not args.no_progress, overwrite=args.overwrite,
+                                  resume=args.resume)
     print(human_summary(summary))
 
 

@@ -153,6 +153,11 @@ class TrainConfig:
     # criteo, avazu text: ids by a vocabulary of the train split's values seen this often (the rest share
     # id 0); 0: none, values hashed modulo the table sizes (avazu without table sizes: a vocabulary, min count 1)
     vocab_min_count: int = 0
+    # checkpoints during training (RUN_DIR/checkpoints; --resume continues from the newest): every this many
+    # iterations and/or seconds (0: not by that measure), the newest keep_checkpoints kept
+    checkpoint_every: int = 0
+    checkpoint_every_s: float = 0.0
+    keep_checkpoints: int = 2
     # --mode reference: compute each batch's gradient as this many trainers do (bit for bit)
     slices: int = 1
     # --mode bagpipe: the local job's shape and the cache plan
@@ -182,7 +187,7 @@ class TrainConfig:
         for name in ("batch_size", "eval_batch_size", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count"):
+        for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout"):
@@ -196,7 +201,10 @@ class TrainConfig:
                              f"got {self.data_format!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("trainers", "servers", "lookahead", "prefetch_depth", "slices"):
+        if not (self.checkpoint_every_s >= 0 and math.isfinite(self.checkpoint_every_s)):
+            raise ValueError(f"checkpoint_every_s must be a finite number of seconds >= 0, "
+                             f"got {self.checkpoint_every_s}")
+        for name in ("trainers", "servers", "lookahead", "prefetch_depth", "slices", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.cache_rows < 0:
@@ -209,6 +217,11 @@ class TrainConfig:
         if self.mode == "bagpipe" and self.batch_size % self.trainers:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of trainers ({self.trainers}): "
                              "each trainer takes an equal slice of the global batch")
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether the run writes checkpoints during training."""
+        return self.checkpoint_every > 0 or self.checkpoint_every_s > 0
 
 
 def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -240,6 +253,38 @@ def given_settings(path: str | None, overrides: dict[str, Any]) -> tuple[dict[st
         where = f" in {path}" if path else ""
         raise ValueError(f"unknown setting(s){where}: {', '.join(unknown)}")
     return values, model_values
+
+
+def config_from_dict(values: dict) -> TrainConfig:
+    """A TrainConfig from ``config_to_dict``'s form (a run's config.json, a job's published config)."""
+    values = dict(values)
+    return TrainConfig(model=ModelConfig(**values.pop("model")), **values)
+
+
+# Settings a resumed run may change: they shape how it runs and reports, not what it computes.
+RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "checkpoint_every",
+                     "checkpoint_every_s", "keep_checkpoints", "max_eval_rows", "eval_batch_size", "master_port")
+
+
+def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+    """The config of the run in ``run_dir`` (its config.json), for ``--resume``: settings given again
+    (a TOML file, flags) must equal the saved ones, except those a resumed run may change."""
+    saved_path = Path(run_dir) / "config.json"
+    if not saved_path.is_file():
+        raise ValueError(f"--resume: {run_dir} holds no run to resume (no config.json)")
+    saved = config_from_dict(json.loads(saved_path.read_text()))
+    values, model_values = given_settings(path, overrides)
+    values.pop("run_dir", None)
+    changes = {}
+    for name, value in [*values.items(), *(("model." + k, v) for k, v in model_values.items())]:
+        have = getattr(saved.model, name[6:]) if name.startswith("model.") else getattr(saved, name)
+        if name in RESUMABLE_CHANGES:
+            changes[name] = value
+        elif checked_value(type(saved.model) if name.startswith("model.") else TrainConfig,
+                           name.removeprefix("model."), value) != have:
+            raise ValueError(f"--resume: the run in {run_dir} was started with {name.removeprefix('model.')}="
+                             f"{have!r}, not {value!r}; a resumed run keeps its settings (leave the flag out)")
+    return dataclasses.replace(saved, **changes)
 
 
 def complete_model(values: dict[str, Any]) -> dict[str, Any]:

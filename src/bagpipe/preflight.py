@@ -65,6 +65,9 @@ def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: boo
     """Refuse a job that cannot run on ``dataset``; return warnings about settings that do nothing."""
     check_data(config, dataset)
     check_memory(config, dataset)
+    if config.mode == "bagpipe" and config.checkpoints:
+        raise ValueError("checkpoints during training (--checkpoint-every, --checkpoint-every-s) are built for "
+                         "--mode reference so far; --mode bagpipe cannot write them yet")
     if config.mode == "bagpipe":
         check_cache(config, dataset, show_progress=show_progress)
     return ignored_settings(config) + cache_warnings(config, dataset)

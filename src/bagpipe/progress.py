@@ -8,8 +8,8 @@ import sys
 from tqdm import tqdm
 
 
-def progress(*, total: int, desc: str, unit: str = "it", enabled: bool = True) -> tqdm:
-    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True,
+def progress(*, total: int, desc: str, unit: str = "it", enabled: bool = True, initial: int = 0) -> tqdm:
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, initial=initial,
                 disable=not (enabled and sys.stderr.isatty()))
 
 

@@ -10,22 +10,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
+from bagpipe import models
+from bagpipe.checkpoint import CheckpointSchedule, CheckpointWriter, capture, discard_after, load_latest, restore
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches, read_batch
 from bagpipe.data.binary import BinarySplit
-from bagpipe import models
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
 from bagpipe.metrics import log_loss, ranking_metrics, roc_auc
 from bagpipe.models.layers import set_dropout_step
+from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
-from bagpipe.preflight import prepare_job
+from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, peak_rss_bytes
@@ -195,43 +197,63 @@ class _NoClock:
 _NO_CLOCK = _NoClock()
 
 
-def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrite: bool = False) -> dict:
-    """Train in this process; write and return the run's summary (``overwrite``: replace a run in the run dir)."""
+def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrite: bool = False,
+                    resume: bool = False) -> dict:
+    """Train in this process; write and return the run's summary (``overwrite``: replace a run in the run
+    dir; ``resume``: continue the run in it from its newest valid checkpoint)."""
     started = time.perf_counter()
     deterministic()
-    dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
-    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
-    run = RunDir(config.run_dir)
+    # The data, checked against the job, and the run dir: a new one claimed, or a resumed run's own.
+    if resume:
+        dataset = prepare_data(config, show_progress=show_progress)
+        for warning in check_job(config, dataset, show_progress=show_progress):
+            log.warning("%s", warning)
+        run = RunDir(config.run_dir, append=True)
+    else:
+        dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
+        run = RunDir(config.run_dir)
     run.write_json("config.json", config_to_dict(config))
+    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
 
+    # The model, its tables and optimizers: initialised from the seed, or restored from a checkpoint.
     model = build_model(config, dataset.schema)
     tables = build_tables(config, dataset.schema)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
-    log.info("reference training: %s, %d iterations of %d samples, %d tables (%d rows)", config.model.name,
-             iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows)
+    progress_state = _resume(config, run, model, dense_optimizer, tables, iterations) if resume else _Progress()
+    start = progress_state.iteration
+    writer = None
+    if config.checkpoints:
+        tables.track_changes()
+        writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints)
+    schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
+    log.info("reference training: %s, %d iterations of %d samples, %d tables (%d rows)%s", config.model.name,
+             iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows,
+             f", resumed at iteration {start}" if start else "")
 
-    timer = Timer(warmup=min(config.warmup_iterations, max(iterations - 1, 0)))
+    # The iterations, each logged; a checkpoint written in the background at each one due.
+    timer = Timer(warmup=min(config.warmup_iterations, max(iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
     setup_s = time.perf_counter() - started
-    bar = progress(total=iterations, desc="train", unit="it", enabled=show_progress)
+    bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)
     loss = float("nan")
-    recent_losses: list[float] = []
+    recent_losses = progress_state.recent_losses
     train_started = time.perf_counter()
     tick = window_start = train_started
     first_iteration_s = float("nan")
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
-                              shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
+                              shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start)
     clock.restart()
-    for iteration, batch in enumerate(batches):
+    for iteration, batch in enumerate(batches, start=start):
         clock.lap("data")
         loss = train_step(model, tables, dense_optimizer, batch, clock, slices=config.slices, seed=config.seed,
                           iteration=iteration)
         clock.end_iteration()
         check_loss(loss, iteration, config)
+        inject_fault(f"iteration {iteration}")
         now = time.perf_counter()
-        if iteration == 0:
+        if iteration == start:
             first_iteration_s = now - started
-        timer.record(iteration, len(batch), now - tick)
+        timer.record(iteration - start, len(batch), now - tick)
         tick = now
         recent_losses.append(loss)
         if (iteration + 1) % config.log_every == 0 or iteration + 1 == iterations:
@@ -244,8 +266,16 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             recent_losses.clear()
             window_start = now
+        if writer is not None and iteration + 1 < iterations and schedule.due(iteration + 1):
+            writer.wait()  # one write at a time; its outcome decides whether this one is a full base
+            full = writer.wants_full()
+            writer.save(capture(iteration + 1, model, dense_optimizer, tables, full=full,
+                                extra={"recent_losses": list(recent_losses),
+                                       "torch_threads": torch.get_num_threads()}), full=full)
         bar.update(1)
     bar.close()
+    if writer is not None:
+        writer.wait()
     train_s = time.perf_counter() - train_started
 
     eval_started = time.perf_counter()
@@ -281,9 +311,40 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
         "wall_s": time.perf_counter() - started,
         "warmup_iterations": timer.warmup,
         "torch_threads": torch.get_num_threads(),
+        **({"resumed_at": start} if resume else {}),
     }
     run.finish(summary)
     return summary
+
+
+@dataclass
+class _Progress:
+    """Where training stands: iterations done, and the losses of the metrics window in progress."""
+
+    iteration: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+
+
+def _resume(config: TrainConfig, run: RunDir, model: nn.Module, dense_optimizer: torch.optim.Optimizer,
+            tables: EmbeddingTables, iterations: int) -> _Progress:
+    """Restore the newest valid checkpoint of the run (a ValueError if there is none), and forget what
+    the run logged or checkpointed after it: those iterations are computed again."""
+    state = load_latest(config.run_dir, num_rows=[space.num_rows for space in tables.layout.spaces])
+    if state is None:
+        raise ValueError(f"--resume: {config.run_dir} has no valid checkpoint to resume from (a run checkpoints "
+                         f"with --checkpoint-every N or --checkpoint-every-s S)")
+    if state.iteration > iterations:
+        raise ValueError(f"--resume: the checkpoint is at iteration {state.iteration}, past --iterations {iterations}")
+    restore(state, model, dense_optimizer, tables)
+    threads = state.extra.get("torch_threads")
+    if threads and threads != torch.get_num_threads():
+        log.warning("the run computed with %d torch threads, this process has %d: some sums depend on it, so the "
+                    "result may differ in the last bits from an uninterrupted run (--threads %d)", threads,
+                    torch.get_num_threads(), threads)
+    discard_after(config.run_dir, state.iteration)
+    run.forget_metrics_after(state.iteration)
+    log.info("resuming %s from its checkpoint at iteration %d", config.run_dir, state.iteration)
+    return _Progress(iteration=state.iteration, recent_losses=list(state.extra.get("recent_losses", [])))
 
 
 def check_loss(loss: float, iteration: int, config: TrainConfig) -> None:

@@ -72,6 +72,16 @@ class RunDir:
     def write_json(self, name: str, payload: dict) -> None:
         (self.path / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
+    def forget_metrics_after(self, iteration: int) -> None:
+        """Drop the metrics logged past ``iteration`` (a resumed run logs those iterations again)."""
+        self._metrics.close()
+        path = self.path / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines() if _logged_by(line, iteration)]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+        self._metrics = open(path, "a")
+
     def log_metrics(self, **record) -> None:
         record.setdefault("time", round(time.time(), 3))
         self._metrics.write(json.dumps(record) + "\n")
@@ -97,6 +107,14 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+
+
+def _logged_by(line: str, iteration: int) -> bool:
+    """Whether a metrics line is whole and about an iteration up to ``iteration`` (a kill may tear the last)."""
+    try:
+        return json.loads(line).get("iteration", 0) <= iteration
+    except json.JSONDecodeError:
+        return False
 
 
 def export(run_dir: str | Path, out: str | Path) -> dict:

@@ -36,8 +36,8 @@ def batches_per_epoch(split: BinarySplit, batch_size: int) -> int:
 
 
 def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool,
-               shuffle_seed: int) -> Iterator[slice | np.ndarray]:
-    """Row selectors of each iteration's global batch; an incomplete last batch is dropped.
+               shuffle_seed: int, start: int = 0) -> Iterator[slice | np.ndarray]:
+    """Row selectors of each iteration's global batch from ``start`` on; an incomplete last batch is dropped.
 
     Without shuffling, batch i holds rows [i * B, (i + 1) * B) of the epoch, in file order.
     With shuffling, each epoch has its own permutation drawn from (shuffle_seed, epoch).
@@ -45,10 +45,11 @@ def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle:
     per_epoch = batches_per_epoch(split, batch_size)
     if per_epoch == 0:
         raise ValueError(f"{split.directory}: {split.rows} rows is fewer than one batch of {batch_size}")
-    for iteration in range(iterations):
+    order = None
+    for iteration in range(start, iterations):
         epoch, index = divmod(iteration, per_epoch)
         if shuffle:
-            if index == 0:
+            if index == 0 or order is None:
                 order = np.random.default_rng([shuffle_seed, epoch]).permutation(split.rows)
             yield np.sort(order[index * batch_size:(index + 1) * batch_size])
         else:
@@ -74,7 +75,7 @@ def read_batch(split: BinarySplit, rows: slice | np.ndarray) -> Batch:
 
 
 def iterate_batches(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool = False,
-                    shuffle_seed: int = 0) -> Iterator[Batch]:
+                    shuffle_seed: int = 0, start: int = 0) -> Iterator[Batch]:
     for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=shuffle,
-                           shuffle_seed=shuffle_seed):
+                           shuffle_seed=shuffle_seed, start=start):
         yield read_batch(split, rows)

@@ -135,6 +135,11 @@ class EmbeddingTables:
         self.weights = weights
         self.state = [torch.zeros(w.shape[0], optimizer.state_width(space.dim))
                       for w, space in zip(weights, layout.spaces)]
+        self.changed: list[torch.Tensor] = []  # per space, rows updated since the last checkpoint (if tracked)
+
+    def track_changes(self) -> None:
+        """Mark every row an update touches from now on (what an incremental checkpoint writes)."""
+        self.changed = [torch.zeros(w.shape[0], dtype=torch.bool) for w in self.weights]
 
     def space_keys(self, ids: torch.Tensor) -> list[torch.Tensor]:
         return [torch.from_numpy(keys) for keys in self.layout.keys(ids.numpy())]
@@ -161,6 +166,8 @@ class EmbeddingTables:
     def apply_gradients(self, lookups: list[Lookup], grads: list[torch.Tensor] | None = None) -> None:
         for s, lookup in enumerate(lookups):
             update_rows(self.optimizer, self.weights[s], self.state[s], lookup, None if grads is None else grads[s])
+            if self.changed:
+                self.changed[s][lookup.index] = True
 
     def table(self, index: int) -> torch.Tensor:
         space, offset = self.layout.place(index)

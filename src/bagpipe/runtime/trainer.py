@@ -23,7 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from bagpipe.cache import BatchView, RowCache, StepTables
-from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.config import TrainConfig, config_from_dict
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
 from bagpipe.models.layers import set_dropout_step
@@ -428,11 +428,6 @@ class _CacheWindow:
                 "rows_fetched_per_iteration": delta["rows_fetched"] / its,
                 # this trainer's share: evicted rows are written back by one trainer each
                 "rows_written_back_per_iteration": delta["rows_written_back"] / its}
-
-
-def config_from_dict(values: dict) -> TrainConfig:
-    values = dict(values)
-    return TrainConfig(model=ModelConfig(**values.pop("model")), **values)
 
 
 def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple:

@@ -1,0 +1,353 @@
+"""Batch-consistent checkpoints of a run: the whole training state at one iteration boundary, as a
+full base or as the rows changed since the previous checkpoint, atomic and checksummed.
+
+A checkpoint is a directory ``RUN_DIR/checkpoints/step-NNNNNNNN`` (the boundary: iterations done).
+It is written under ``.tmp``, every file fsynced, then ``manifest.json`` (each file's size and
+BLAKE2b hash) and a rename into place: a crash mid-write leaves only a ``.tmp`` that nothing reads.
+Embedding rows come in *parts* (one space's keys, rows and optimizer state; the keys a file or a
+range ``start::step``), so several writers (the reference, or each server and a trainer) can each
+write their own; applied in order, a later part overrides an earlier one. A delta's parent is the
+checkpoint before it: restoring applies the chain from its full base up. A checkpoint whose chain
+fails its checksums is skipped with a warning naming it, and the one before is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bagpipe.faults import inject_fault
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+MANIFEST = "manifest.json"
+FORMAT = 1
+_HASH_BLOCK = 1 << 22
+
+
+@dataclass
+class RowPart:
+    """Rows of one embedding space: ``keys`` (int64) or a range ``(start, step)`` over ``len(rows)`` keys."""
+
+    space: int
+    rows: np.ndarray  # float32 [n, dim]
+    state: np.ndarray  # float32 [n, state width]
+    keys: np.ndarray | None = None
+    start: int = 0
+    step: int = 1
+
+    def key_array(self) -> np.ndarray:
+        if self.keys is not None:
+            return self.keys
+        return self.start + self.step * np.arange(len(self.rows), dtype=np.int64)
+
+
+@dataclass
+class TrainState:
+    """What training continues from: everything that decides the iterations after ``iteration``."""
+
+    iteration: int  # iterations done; training resumes with this one
+    dense: dict[str, torch.Tensor]  # the model's state_dict
+    dense_optimizer: dict  # its optimizer's state_dict
+    parts: list[RowPart] = field(default_factory=list)  # embedding rows (a delta: only the changed ones)
+    extra: dict = field(default_factory=dict)  # JSON: counters the run reports (samples, losses so far, ...)
+
+
+def step_name(iteration: int) -> str:
+    return f"step-{iteration:08d}"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> dict:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as handle:
+        while block := handle.read(_HASH_BLOCK):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "blake2b": digest.hexdigest()}
+
+
+def write_parts(directory: Path, parts: list[RowPart], *, prefix: str) -> list[dict]:
+    """Write ``parts`` into ``directory`` (fsynced) as ``prefix``-named files; return their manifest entries."""
+    entries = []
+    for index, part in enumerate(parts):
+        name = f"{prefix}{index}.space{part.space}"
+        entry = {"space": part.space, "count": len(part.rows), "rows": f"{name}.rows.npy",
+                 "state": f"{name}.state.npy"}
+        np.save(directory / entry["rows"], np.ascontiguousarray(part.rows, dtype=np.float32))
+        np.save(directory / entry["state"], np.ascontiguousarray(part.state, dtype=np.float32))
+        if part.keys is not None:
+            entry["keys"] = f"{name}.keys.npy"
+            np.save(directory / entry["keys"], np.ascontiguousarray(part.keys, dtype=np.int64))
+        else:
+            entry["start"], entry["step"] = part.start, part.step
+        for kind in ("rows", "state", "keys"):
+            if kind in entry:
+                _fsync(directory / entry[kind])
+        entries.append(entry)
+    return entries
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints, one at a time, in the background, and keeps the newest ``keep``."""
+
+    def __init__(self, run_dir: str | Path, *, keep: int, full_every: int = 5) -> None:
+        if keep < 1:
+            raise ValueError(f"--keep-checkpoints must be at least 1, got {keep}")
+        self.root = checkpoints_dir(run_dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep, self.full_every = keep, full_every
+        self.last: str | None = None  # the newest committed checkpoint (a delta's parent)
+        self.chain = 0  # deltas since the last full base
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        for stale in self.root.glob("*.tmp"):  # a write that a crash interrupted
+            shutil.rmtree(stale, ignore_errors=True)
+        newest = valid_checkpoints(run_dir)
+        if newest:
+            self.last = newest[0][0].name
+            self.chain = _chain_length(self.root, self.last)
+
+    def wants_full(self) -> bool:
+        """Whether the next checkpoint is a full base (the first, or every ``full_every``-th)."""
+        return self.last is None or self.chain + 1 >= self.full_every
+
+    def save(self, state: TrainState, *, full: bool) -> None:
+        """Write ``state`` in the background (after any write still in flight); raise an earlier write's error."""
+        self.wait()
+        self._thread = threading.Thread(target=self._guarded, args=(state, full), name="checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise RuntimeError(f"writing a checkpoint failed: {failure}") from failure
+
+    def _guarded(self, state: TrainState, full: bool) -> None:
+        try:
+            self.write(state, full=full)
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
+            self._failure = err
+
+    def write(self, state: TrainState, *, full: bool) -> Path:
+        name = step_name(state.iteration)
+        tmp = self.root / f"{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        torch.save({"dense": state.dense, "dense_optimizer": state.dense_optimizer}, tmp / "dense.pt")
+        _fsync(tmp / "dense.pt")
+        parts = write_parts(tmp, state.parts, prefix="part")
+        inject_fault("checkpoint parts written")
+        manifest = {"format": FORMAT, "iteration": state.iteration, "kind": "full" if full else "delta",
+                    "parent": None if full else self.last, "dense": "dense.pt", "parts": parts,
+                    "extra": state.extra}
+        commit(tmp, manifest)
+        final = self.root / name
+        if final.exists():  # the same boundary written again (a resumed run): the new one replaces it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(self.root)
+        self.last, self.chain = name, 0 if full else self.chain + 1
+        self._prune()
+        log.info("checkpoint %s written (%s, %d row parts)", name, manifest["kind"], len(parts))
+        return final
+
+    def _prune(self) -> None:
+        """Remove checkpoints beyond the newest ``keep``, except the bases and deltas those restore from."""
+        names = sorted((p.name for p in self.root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
+                       reverse=True)
+        needed: set[str] = set()
+        for name in names[:self.keep]:
+            while name is not None and name not in needed:
+                needed.add(name)
+                name = _read_manifest(self.root / name).get("parent") if (self.root / name / MANIFEST).exists() \
+                    else None
+        for name in names:
+            if name not in needed:
+                shutil.rmtree(self.root / name, ignore_errors=True)
+
+
+def commit(directory: Path, manifest: dict) -> None:
+    """Checksum every file of ``directory`` into ``manifest``, then write the manifest last, fsynced."""
+    files = sorted(p for p in directory.iterdir() if p.name != MANIFEST)
+    manifest = {**manifest, "files": {p.name: file_digest(p) for p in files}}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _fsync(directory / MANIFEST)
+    _fsync_dir(directory)
+
+
+def _read_manifest(directory: Path) -> dict:
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def _chain_length(root: Path, name: str) -> int:
+    length = 0
+    while (parent := _read_manifest(root / name).get("parent")) is not None:
+        length, name = length + 1, parent
+    return length
+
+
+def _check(directory: Path) -> dict:
+    """The manifest of ``directory`` if it and every file it lists are whole; else a ValueError saying why."""
+    if not (directory / MANIFEST).is_file():
+        raise ValueError(f"{directory} has no {MANIFEST}")
+    try:
+        manifest = _read_manifest(directory)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{directory / MANIFEST} is not valid JSON ({err.msg})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{directory}: checkpoint format {manifest.get('format')}, this version reads {FORMAT}")
+    for name, want in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise ValueError(f"{path} is missing")
+        if file_digest(path) != want:
+            raise ValueError(f"{path} fails its checksum")
+    return manifest
+
+
+def valid_checkpoints(run_dir: str | Path) -> list[tuple[Path, list[dict]]]:
+    """Every checkpoint of ``run_dir`` whose whole chain is intact, newest first, with its chain's
+    manifests (the full base first); a broken one is skipped with a warning naming it."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for directory in sorted((p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")), reverse=True):
+        try:
+            chain, name = [], directory.name
+            while name is not None:
+                manifest = _check(root / name)
+                chain.append(manifest)
+                name = manifest["parent"]
+            found.append((directory, chain[::-1]))
+        except (ValueError, OSError) as err:
+            log.warning("skipping checkpoint %s: %s", directory, err)
+    return found
+
+
+def load_latest(run_dir: str | Path, *, num_rows: list[int]) -> TrainState | None:
+    """The newest intact checkpoint of ``run_dir`` as one TrainState with every space's rows in full
+    (``num_rows`` per space); None if there is none."""
+    found = valid_checkpoints(run_dir)
+    if not found:
+        return None
+    directory, chain = found[0]
+    root = directory.parent
+    rows: list[np.ndarray | None] = [None] * len(num_rows)
+    state: list[np.ndarray | None] = [None] * len(num_rows)
+    for manifest in chain:
+        where = root / step_name(manifest["iteration"])
+        for entry in manifest["parts"]:
+            space = entry["space"]
+            part_rows = np.load(where / entry["rows"])
+            part_state = np.load(where / entry["state"])
+            if rows[space] is None:
+                rows[space] = np.zeros((num_rows[space], part_rows.shape[1]), dtype=np.float32)
+                state[space] = np.zeros((num_rows[space], part_state.shape[1]), dtype=np.float32)
+            keys = (np.load(where / entry["keys"]) if "keys" in entry
+                    else entry["start"] + entry["step"] * np.arange(entry["count"], dtype=np.int64))
+            rows[space][keys] = part_rows
+            state[space][keys] = part_state
+    missing = [s for s, r in enumerate(rows) if r is None]
+    if missing:
+        raise ValueError(f"{directory}: its chain holds no rows of embedding space(s) {missing}")
+    last = chain[-1]
+    dense = torch.load(directory / last["dense"], map_location="cpu", weights_only=True)
+    return TrainState(iteration=last["iteration"], dense=dense["dense"], dense_optimizer=dense["dense_optimizer"],
+                      parts=[RowPart(space=s, rows=r, state=st) for s, (r, st) in enumerate(zip(rows, state))],
+                      extra=last["extra"])
+
+
+class CheckpointSchedule:
+    """When a run checkpoints: every ``every`` iterations and/or every ``every_s`` seconds (0: not by that)."""
+
+    def __init__(self, *, every: int, every_s: float, clock=None) -> None:
+        self.every, self.every_s = every, every_s
+        self._clock = clock or time.monotonic
+        self._last = self._clock()
+
+    def due(self, iterations_done: int) -> bool:
+        by_count = self.every > 0 and iterations_done % self.every == 0
+        by_time = self.every_s > 0 and self._clock() - self._last >= self.every_s
+        if by_count or by_time:
+            self._last = self._clock()
+            return True
+        return False
+
+
+def discard_after(run_dir: str | Path, iteration: int) -> None:
+    """Remove the checkpoints past ``iteration`` (a resumed run continues from it; later ones are of a
+    past that will be computed again) and any unfinished write."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return
+    for directory in root.iterdir():
+        if directory.name.endswith(".tmp") or (directory.name.startswith("step-")
+                                                and int(directory.name[5:13]) > iteration):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def capture(iteration: int, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer, tables, *,
+            full: bool, extra: dict) -> TrainState:
+    """A copy of in-memory training's state at a boundary (``tables``: ``EmbeddingTables`` that track their
+    changed rows): every row for a full base, else the rows changed since the last capture."""
+    parts = []
+    for space, (weights, state, changed) in enumerate(zip(tables.weights, tables.state, tables.changed)):
+        if full:
+            parts.append(RowPart(space=space, rows=weights.numpy().copy(), state=state.numpy().copy()))
+        else:
+            keys = torch.nonzero(changed).flatten()
+            parts.append(RowPart(space=space, keys=keys.numpy(), rows=weights.index_select(0, keys).numpy(),
+                                 state=state.index_select(0, keys).numpy()))
+        changed.zero_()
+    return TrainState(iteration=iteration, dense={k: v.detach().clone() for k, v in model.state_dict().items()},
+                      dense_optimizer=_cloned(dense_optimizer.state_dict()), parts=parts, extra=extra)
+
+
+def restore(state: TrainState, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer, tables) -> None:
+    """Put a loaded ``state`` (every row, as ``load_latest`` gives it) into in-memory training."""
+    model.load_state_dict(state.dense)
+    dense_optimizer.load_state_dict(state.dense_optimizer)
+    for part in state.parts:
+        tables.weights[part.space].copy_(torch.from_numpy(part.rows))
+        tables.state[part.space].copy_(torch.from_numpy(part.state))
+
+
+def _cloned(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cloned(v) for v in value]
+    return value

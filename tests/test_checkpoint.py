@@ -1,0 +1,174 @@
+"""Checkpoints during training: the format (atomic, checksummed, full bases and deltas, pruning) and
+exact resume: a run killed at any point and resumed ends bit for bit where it would have."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bagpipe.checkpoint import (CheckpointWriter, RowPart, TrainState, checkpoints_dir, load_latest,
+                                valid_checkpoints)
+from bagpipe.cli import main
+from bagpipe.rundir import export
+
+ROWS = [50, 7]  # two embedding spaces
+
+
+def state_at(iteration: int, rng: np.random.Generator, *, keys: list[np.ndarray] | None) -> TrainState:
+    parts = []
+    for space, num_rows in enumerate(ROWS):
+        chosen = np.arange(num_rows) if keys is None else keys[space]
+        parts.append(RowPart(space=space, keys=None if keys is None else chosen,
+                             rows=rng.standard_normal((len(chosen), 3)).astype(np.float32),
+                             state=rng.standard_normal((len(chosen), 1)).astype(np.float32)))
+    return TrainState(iteration=iteration, dense={"w": torch.full((2,), float(iteration))},
+                      dense_optimizer={"state": {}, "param_groups": []}, parts=parts, extra={"at": iteration})
+
+
+def expected_rows(states: list[TrainState]) -> list[np.ndarray]:
+    rows = [np.zeros((n, 3), dtype=np.float32) for n in ROWS]
+    for state in states:
+        for part in state.parts:
+            rows[part.space][part.key_array()] = part.rows
+    return rows
+
+
+def test_a_chain_of_deltas_restores_every_row_and_pruning_keeps_what_it_needs(tmp_path):
+    rng = np.random.default_rng(0)
+    writer = CheckpointWriter(tmp_path, keep=2, full_every=3)
+    states = []
+    for iteration in (10, 20, 30, 40):
+        full = writer.wants_full()
+        keys = None if full else [rng.choice(n, size=4, replace=False) for n in ROWS]
+        states.append(state_at(iteration, rng, keys=keys))
+        writer.write(states[-1], full=full)
+    # 10 full, 20 and 30 deltas, 40 full again (full_every 3): keep 2 means 30 and 40, and 30's chain
+    assert [json.loads((d / "manifest.json").read_text())["kind"] for d in sorted(checkpoints_dir(tmp_path).iterdir())] \
+        == ["full", "delta", "delta", "full"]
+    loaded = load_latest(tmp_path, num_rows=ROWS)
+    assert loaded.iteration == 40 and loaded.extra == {"at": 40}
+    for got, want in zip(loaded.parts, expected_rows(states)):
+        assert np.array_equal(got.rows, want)
+    writer.write(state_at(50, rng, keys=[np.array([1]), np.array([2])]), full=False)
+    names = sorted(p.name for p in checkpoints_dir(tmp_path).iterdir())
+    assert names == ["step-00000040", "step-00000050"]  # 50's chain is 40 + itself
+
+
+def test_a_corrupted_newest_checkpoint_is_skipped_naming_it(tmp_path, caplog):
+    rng = np.random.default_rng(1)
+    writer = CheckpointWriter(tmp_path, keep=3)
+    first = state_at(10, rng, keys=None)
+    writer.write(first, full=True)
+    writer.write(state_at(20, rng, keys=None), full=True)
+    victim = checkpoints_dir(tmp_path) / "step-00000020" / "part1.space1.rows.npy"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    loaded = load_latest(tmp_path, num_rows=ROWS)
+    assert loaded.iteration == 10
+    assert np.array_equal(loaded.parts[1].rows, first.parts[1].rows)
+    assert "skipping checkpoint" in caplog.text and "step-00000020" in caplog.text and "fails its checksum" in caplog.text
+
+
+def test_an_unfinished_write_is_never_read_and_is_cleared(tmp_path):
+    rng = np.random.default_rng(2)
+    CheckpointWriter(tmp_path, keep=2).write(state_at(10, rng, keys=None), full=True)
+    torn = checkpoints_dir(tmp_path) / "step-00000020.tmp"
+    torn.mkdir()
+    (torn / "dense.pt").write_bytes(b"half")
+    assert [d.name for d, _ in valid_checkpoints(tmp_path)] == ["step-00000010"]
+    missing_manifest = checkpoints_dir(tmp_path) / "step-00000030"
+    missing_manifest.mkdir()
+    assert load_latest(tmp_path, num_rows=ROWS).iteration == 10
+    CheckpointWriter(tmp_path, keep=2)  # a new writer clears the torn write
+    assert not torn.exists()
+
+
+# -- exact resume -----------------------------------------------------------------------------------
+
+ITERATIONS = 40
+
+
+def train_args(data, run_dir, optimizer: str, *extra: str) -> list[str]:
+    return ["train", "--data", str(data), "--run-dir", str(run_dir), "--iterations", str(ITERATIONS),
+            "--batch-size", "256", "--optimizer", optimizer, "--lr", "0.05", "--emb-dim", "8",
+            "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1", "--max-eval-rows", "1000", "--no-progress",
+            "--checkpoint-every", "6", "--keep-checkpoints", "2", "--shuffle", "--log-every", "5", *extra]
+
+
+def run_cli(args: list[str], *, faults: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, BAGPIPE_FAULTS=faults)
+    return subprocess.run([sys.executable, "-m", "bagpipe.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def same_export(a: dict, b: dict) -> None:
+    assert a["dense"].keys() == b["dense"].keys()
+    for name in a["dense"]:
+        assert torch.equal(a["dense"][name], b["dense"][name]), name
+    for t, (x, y) in enumerate(zip(a["embeddings"], b["embeddings"])):
+        assert torch.equal(x, y), f"table {t}"
+
+
+@pytest.mark.parametrize("optimizer, fault", [
+    ("sgd", "reference@iteration 20:kill"),  # between checkpoints: resumes from 18
+    ("adagrad", "reference@checkpoint parts written:kill"),  # mid-write of the first: resumes from... none
+    ("adam", "reference@iteration 29:kill"),
+])
+def test_a_killed_reference_run_resumes_to_the_same_export_bit_for_bit(small_binary, tmp_path, optimizer, fault):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert run_cli(train_args(small_binary, whole, optimizer)).returncode == 0
+    killed = run_cli(train_args(small_binary, broken, optimizer), faults=fault)
+    assert killed.returncode != 0 and not (broken / "summary.json").exists()
+    resumed = run_cli(["train", "--run-dir", str(broken), "--resume", "--no-progress"])
+    if "parts written" in fault:  # killed writing the first checkpoint: nothing valid to resume from
+        assert resumed.returncode == 2 and "no valid checkpoint" in resumed.stderr
+        assert list(checkpoints_dir(broken).glob("*.tmp"))  # the torn write, never read
+        return
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr
+    same_export(export(whole, tmp_path / "a.pt"), export(broken, tmp_path / "b.pt"))
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (whole, broken)]
+    assert summaries[0]["eval_auc"] == summaries[1]["eval_auc"]
+    records = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["iteration"] for r in records if "event" not in r]
+    assert logged == sorted(logged) and len(logged) == len(set(logged))  # each window logged once
+
+
+def test_a_kill_mid_checkpoint_write_resumes_from_the_one_before(small_binary, tmp_path):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert run_cli(train_args(small_binary, whole, "adagrad")).returncode == 0
+    # the second write is torn; the first (iteration 6) is whole
+    first = run_cli(train_args(small_binary, broken, "adagrad", "--iterations", "13"))
+    assert first.returncode == 0
+    (broken / "summary.json").unlink()  # as if it had been killed after its checkpoint at 12
+    resumed = run_cli(["train", "--run-dir", str(broken), "--resume", "--iterations", str(ITERATIONS), "--no-progress"],
+                      faults="reference@checkpoint parts written:kill")
+    assert resumed.returncode != 0
+    again = run_cli(["train", "--run-dir", str(broken), "--resume", "--iterations", str(ITERATIONS), "--no-progress"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "from its checkpoint at iteration 12" in again.stderr
+    same_export(export(whole, tmp_path / "a.pt"), export(broken, tmp_path / "b.pt"))
+
+
+def test_resume_refuses_what_it_cannot_continue(small_binary, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(train_args(small_binary, run_dir, "sgd", "--iterations", "8")) == 0
+    assert main(["train", "--run-dir", str(run_dir), "--resume"]) == 2
+    assert "has finished" in capsys.readouterr().err
+    (run_dir / "summary.json").unlink()
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "--lr", "0.5"]) == 2
+    assert "started with lr=0.05, not 0.5" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "--overwrite"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(tmp_path / "none"), "--resume"]) == 2
+    assert "no run to resume" in capsys.readouterr().err
+    assert main(train_args(small_binary, tmp_path / "b", "sgd", "--mode", "bagpipe")) == 2
+    assert "built for --mode reference so far" in capsys.readouterr().err
