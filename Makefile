@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ bench-peers: $(BIN)/bagpipe
 
 bench-scaling: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_scaling.py
+
+bench-models: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_models.py --work-dir runs/bench_models --out runs/bench_models/result.json
+
+bench-checkpoint: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_checkpoint.py --work-dir runs/bench_checkpoint --out runs/bench_checkpoint/result.json
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs

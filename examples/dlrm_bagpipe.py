@@ -18,6 +18,7 @@ and wraps the dense MLPs in DDP; the cache syncs and updates the embeddings itse
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import logging
 
 import torch
@@ -73,7 +74,8 @@ def main() -> None:
                  top_sizes=[int(x) for x in args.arch_mlp_top.split("-")])
     if not args.no_ddp:
         dist.init_process_group("gloo", init_method=f"tcp://{args.master_ip}:{args.dist_port}",
-                                rank=args.training_worker_id, world_size=args.world_size_trainers)
+                                rank=args.training_worker_id, world_size=args.world_size_trainers,
+                                timeout=timedelta(seconds=60))
         model = DistributedDataParallel(model)
     dense_optimizer = optimizer(model.parameters(), lr=args.lr)
 

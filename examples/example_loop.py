@@ -11,6 +11,7 @@ iteration, trainer), and DDP averages the dense gradients as the bagpipe trainer
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import logging
 
 import torch
@@ -62,8 +63,9 @@ def join(args: argparse.Namespace, *, model: str, **options) -> TrainerCache:
 def train(cache: TrainerCache, model: nn.Module, args: argparse.Namespace) -> None:
     """Every batch of the oracle's plan: forward, the model's loss, backward, the dense step (the cache
     steps the embeddings); trainer 0 hands its model to the oracle, which evaluates it."""
+    # A bounded wait: a trainer that never joins is an error within a minute, not a hang.
     dist.init_process_group("gloo", init_method=f"tcp://{args.master_ip}:{args.dist_port}", rank=cache.index,
-                            world_size=args.world_size_trainers)
+                            world_size=args.world_size_trainers, timeout=timedelta(seconds=60))
     ddp = DistributedDataParallel(model)
     optimizer = OPTIMIZERS[args.optimizer](ddp.parameters(), lr=args.lr)
     while (batch := cache.next_batch()) is not None:

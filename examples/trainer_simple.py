@@ -19,6 +19,7 @@ default one pass over the data) and every role then exits by itself.
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import os
 
 import torch
@@ -55,7 +56,8 @@ def train(rank: int, trainer: int, world_size: int, trainers: int, ip: str, ln_e
                        emb_optim=optim.SGD, emb_optim_params={"lr": 0.01})
     torch.manual_seed(0)  # the same dense weights on every trainer
     model = SimpleModel(len(ln_emb))
-    dist.init_process_group("gloo", init_method=f"tcp://{ip}:{dist_port}", world_size=trainers, rank=trainer)
+    dist.init_process_group("gloo", init_method=f"tcp://{ip}:{dist_port}", world_size=trainers, rank=trainer,
+                            timeout=timedelta(seconds=60))
     model.top, model.bottom = DistributedDataParallel(model.top), DistributedDataParallel(model.bottom)
     optimizer = optim.SGD([{"params": model.top.parameters(), "lr": 0.01},
                            {"params": model.bottom.parameters(), "lr": 0.01}])

@@ -170,5 +170,102 @@ def test_resume_refuses_what_it_cannot_continue(small_binary, tmp_path, capsys):
     assert "give one of them" in capsys.readouterr().err
     assert main(["train", "--run-dir", str(tmp_path / "none"), "--resume"]) == 2
     assert "no run to resume" in capsys.readouterr().err
-    assert main(train_args(small_binary, tmp_path / "b", "sgd", "--mode", "bagpipe")) == 2
-    assert "built for --mode reference so far" in capsys.readouterr().err
+    from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.preflight import check_job
+
+    scripts = TrainConfig(data=str(small_binary), run_dir="-", mode="bagpipe", checkpoint_every=5,
+                          model=ModelConfig(name=EXTERNAL, emb_dim=8))
+    with pytest.raises(ValueError, match="need bagpipe's trainers"):
+        check_job(scripts, open_dataset(small_binary))
+
+
+# -- --mode bagpipe ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sparse_binary(tmp_path_factory):
+    """Tables of up to 2000 rows (~14k in all), batches touching a few thousand: rows used in one
+    iteration and not the next, whose gradients sync in the background across a checkpoint."""
+    from bagpipe.data.preprocess import preprocess
+    from bagpipe.synth import generate, resolve_table_sizes
+
+    out = tmp_path_factory.mktemp("sparse")
+    sizes = resolve_table_sizes(tables=None, table_sizes=None, max_rows_per_table=2000)
+    generate(out / "tsv", rows=12_000, test_rows=2000, seed=5, table_sizes=sizes, show_progress=False)
+    preprocess(out / "tsv", out / "bin", show_progress=False)
+    return out / "bin"
+
+
+@pytest.mark.parametrize("optimizer, fault", [
+    ("adagrad", "trainer1@iteration 33:kill"),  # mid-run: resumes from 30 (deltas on 10's base)
+    ("adam", "server1@checkpoint 20 written:kill"),  # a server killed writing its part of 20: resumes from 10
+])
+def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_binary, tmp_path, optimizer, fault):
+    from dataclasses import replace
+
+    from bagpipe.runtime.launch import JobFailed, launch_local
+    from test_runtime import job_config
+
+    config = job_config(sparse_binary, tmp_path / "whole", iterations=50, optimizer=optimizer, checkpoint_every=10,
+                        keep_checkpoints=2, cache_rows=6000, batch_size=128)
+    launch_local(config, show_progress=False)
+    broken = replace(config, run_dir=str(tmp_path / "broken"))
+    with pytest.raises(JobFailed):
+        launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": fault})
+    assert not (tmp_path / "broken" / "summary.json").exists()
+    summary = launch_local(broken, show_progress=False, resume=True)
+    assert summary["resumed_at"] in (10, 20, 30) and summary["iterations"] == 50
+    same_export(export(config.run_dir, tmp_path / "a.pt"), export(broken.run_dir, tmp_path / "b.pt"))
+    kinds = [json.loads((d / "manifest.json").read_text())["kind"]
+             for d in sorted(checkpoints_dir(broken.run_dir).iterdir())]
+    assert "delta" in kinds or summary["resumed_at"] == 10
+
+
+def make_store(num_rows: int = 12, *, num_shards: int = 1):
+    from bagpipe.embeddings import EmbeddingLayout, TableConfig
+    from bagpipe.data.schema import Schema
+    from bagpipe.optim import make_row_optimizer
+    from bagpipe.storage import RowStore
+
+    schema = Schema.one_hot([num_rows], num_dense=0)
+    layout = EmbeddingLayout([TableConfig(name="t", num_rows=num_rows, dim=2, features=(0,))], schema)
+    return RowStore(layout=layout, space=0, optimizer=make_row_optimizer("adagrad", lr=0.1), seed=0,
+                    num_shards=num_shards)
+
+
+def snapshot_rows(store, **options) -> tuple[np.ndarray, np.ndarray]:
+    chunks = list(store.snapshot_chunks(timeout=2.0, **options))
+    return np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks])
+
+
+def test_a_server_snapshot_keeps_the_rows_as_of_its_boundary_while_later_write_backs_land():
+    store = make_store()
+    ones = torch.ones(3, 2)
+    store.write_back(np.array([0, 1, 2]), ones, torch.zeros(3, 2), version=3)  # before the boundary
+    store.begin_snapshot(5, expected_rows=3 + 2, since=None)  # 2 more rows of versions < 5 are on their way
+    store.write_back(np.array([1, 7]), 9 * torch.ones(2, 2), torch.zeros(2, 2), version=6)  # after it: copied first
+    store.write_back(np.array([4, 5]), 2 * torch.ones(2, 2), torch.zeros(2, 2), version=4)  # late, but before it
+    store.write_back(np.array([5]), 8 * torch.ones(1, 2), torch.zeros(1, 2), version=5)  # after it
+    initial = make_store().weights.numpy()
+    chunks = store.snapshot_chunks(timeout=2.0, chunk_rows=5)
+    first = next(chunks)  # rows 0-4 read; then rows on both sides of that are overwritten
+    store.write_back(np.array([2, 8]), 7 * torch.ones(2, 2), torch.zeros(2, 2), version=7)
+    rest = list(chunks)
+    local = np.concatenate([first[0], *(c[0] for c in rest)])
+    rows = np.concatenate([first[1], *(c[1] for c in rest)])
+    assert local.tolist() == list(range(12))
+    assert (rows[[0, 1, 2]] == 1).all() and (rows[[4, 5]] == 2).all()  # as of the boundary, not 9 or 8
+    assert np.array_equal(rows[7], initial[7]) and np.array_equal(rows[8], initial[8])
+    assert store.weights[1, 0] == 9 and store.weights[5, 0] == 8  # training goes on with the newer rows
+
+
+def test_a_snapshot_waits_for_the_planned_write_backs_and_a_delta_holds_only_the_rows_written_since():
+    store = make_store()
+    store.write_back(np.array([3]), torch.ones(1, 2), torch.zeros(1, 2), version=1)
+    store.begin_snapshot(4, expected_rows=2, since=None)
+    with pytest.raises(TimeoutError, match="1 rows written back before iteration 4 had not arrived"):
+        list(store.snapshot_chunks(timeout=0.2))
+    store.write_back(np.array([6]), torch.ones(1, 2), torch.zeros(1, 2), version=3)
+    store.begin_snapshot(4, expected_rows=2, since=2)  # rows written back from version 2 on
+    local, rows = snapshot_rows(store)
+    assert local.tolist() == [6]

@@ -93,6 +93,11 @@ def file_digest(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "blake2b": digest.hexdigest()}
 
 
+def save_dense(directory: Path, dense: dict, dense_optimizer: dict) -> None:
+    torch.save({"dense": dense, "dense_optimizer": dense_optimizer}, directory / "dense.pt")
+    _fsync(directory / "dense.pt")
+
+
 def write_parts(directory: Path, parts: list[RowPart], *, prefix: str) -> list[dict]:
     """Write ``parts`` into ``directory`` (fsynced) as ``prefix``-named files; return their manifest entries."""
     entries = []
@@ -112,6 +117,37 @@ def write_parts(directory: Path, parts: list[RowPart], *, prefix: str) -> list[d
                 _fsync(directory / entry[kind])
         entries.append(entry)
     return entries
+
+
+def write_snapshot(directory: Path, *, name: str, space: int, chunks, num_rows: int, dim: int, state_width: int,
+                   start: int, step: int, full: bool) -> dict:
+    """A shard's rows as one part (fsynced), from ``chunks`` of (local rows, rows, state) as
+    ``RowStore.snapshot_chunks`` yields them; key = ``start + step * local row``. A full part fills
+    its files chunk by chunk (no second copy of the shard in memory), a delta lists its keys."""
+    entry = {"space": space, "rows": f"{name}.rows.npy", "state": f"{name}.state.npy"}
+    if full:
+        rows = np.lib.format.open_memmap(directory / entry["rows"], mode="w+", dtype=np.float32, shape=(num_rows, dim))
+        state = np.lib.format.open_memmap(directory / entry["state"], mode="w+", dtype=np.float32,
+                                          shape=(num_rows, state_width))
+        for local, chunk_rows, chunk_state in chunks:
+            rows[local], state[local] = chunk_rows, chunk_state
+        rows.flush()
+        state.flush()
+        del rows, state
+        entry.update(count=num_rows, start=start, step=step)
+    else:
+        pieces = list(chunks)
+        local = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+        np.save(directory / entry["rows"], np.concatenate([p[1] for p in pieces]) if pieces
+                else np.zeros((0, dim), dtype=np.float32))
+        np.save(directory / entry["state"], np.concatenate([p[2] for p in pieces]) if pieces
+                else np.zeros((0, state_width), dtype=np.float32))
+        entry.update(count=len(local), keys=f"{name}.keys.npy")
+        np.save(directory / entry["keys"], start + step * local)
+    for kind in ("rows", "state", "keys"):
+        if kind in entry:
+            _fsync(directory / entry[kind])
+    return entry
 
 
 class CheckpointWriter:
@@ -159,17 +195,27 @@ class CheckpointWriter:
             self._failure = err
 
     def write(self, state: TrainState, *, full: bool) -> Path:
-        name = step_name(state.iteration)
-        tmp = self.root / f"{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        torch.save({"dense": state.dense, "dense_optimizer": state.dense_optimizer}, tmp / "dense.pt")
-        _fsync(tmp / "dense.pt")
+        """Write ``state`` whole, now (``save`` does it in the background)."""
+        tmp = self.stage(state.iteration)
+        save_dense(tmp, state.dense, state.dense_optimizer)
         parts = write_parts(tmp, state.parts, prefix="part")
         inject_fault("checkpoint parts written")
-        manifest = {"format": FORMAT, "iteration": state.iteration, "kind": "full" if full else "delta",
-                    "parent": None if full else self.last, "dense": "dense.pt", "parts": parts,
-                    "extra": state.extra}
+        return self.publish(state.iteration, full=full, parts=parts, extra=state.extra)
+
+    def stage(self, iteration: int) -> Path:
+        """The empty directory the checkpoint of ``iteration`` is written into (by one writer or several)."""
+        tmp = self.root / f"{step_name(iteration)}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return tmp
+
+    def publish(self, iteration: int, *, full: bool, parts: list[dict], extra: dict) -> Path:
+        """Commit the staged checkpoint of ``iteration`` (its dense.pt and the files of ``parts``, applied in
+        that order) and rename it into place; prune the old ones."""
+        name = step_name(iteration)
+        tmp = self.root / f"{name}.tmp"
+        manifest = {"format": FORMAT, "iteration": iteration, "kind": "full" if full else "delta",
+                    "parent": None if full else self.last, "dense": "dense.pt", "parts": parts, "extra": extra}
         commit(tmp, manifest)
         final = self.root / name
         if final.exists():  # the same boundary written again (a resumed run): the new one replaces it
@@ -244,15 +290,46 @@ def valid_checkpoints(run_dir: str | Path) -> list[tuple[Path, list[dict]]]:
     found = []
     for directory in sorted((p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")), reverse=True):
         try:
-            chain, name = [], directory.name
-            while name is not None:
-                manifest = _check(root / name)
-                chain.append(manifest)
-                name = manifest["parent"]
-            found.append((directory, chain[::-1]))
+            found.append((directory, _chain(directory)))
         except (ValueError, OSError) as err:
             log.warning("skipping checkpoint %s: %s", directory, err)
     return found
+
+
+def _chain(directory: Path) -> list[dict]:
+    """The manifests a checkpoint restores from, its full base first, each checked whole."""
+    chain, name = [], directory.name
+    while name is not None:
+        manifest = _check(directory.parent / name)
+        chain.append(manifest)
+        name = manifest["parent"]
+    return chain[::-1]
+
+
+def resume_chain(run_dir: str | Path, name: str) -> tuple[Path, list[dict]]:
+    """The checkpoint ``name`` of ``run_dir`` (the one a resumed job continues from) and its chain."""
+    directory = checkpoints_dir(run_dir) / name
+    try:
+        return directory, _chain(directory)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"cannot resume from checkpoint {directory}: {err}") from None
+
+
+def chain_parts(directory: Path, chain: list[dict]):
+    """Every row part of a checkpoint's chain, base first: (space, keys, rows, state), arrays memory-mapped."""
+    root = directory.parent
+    for manifest in chain:
+        where = root / step_name(manifest["iteration"])
+        for entry in manifest["parts"]:
+            keys = (np.load(where / entry["keys"]) if "keys" in entry
+                    else entry["start"] + entry["step"] * np.arange(entry["count"], dtype=np.int64))
+            yield (entry["space"], keys, np.load(where / entry["rows"], mmap_mode="r"),
+                   np.load(where / entry["state"], mmap_mode="r"))
+
+
+def load_dense(directory: Path, manifest: dict) -> dict:
+    """``{"dense": state_dict, "dense_optimizer": state_dict}`` of a checkpoint."""
+    return torch.load(directory / manifest["dense"], map_location="cpu", weights_only=True)
 
 
 def load_latest(run_dir: str | Path, *, num_rows: list[int]) -> TrainState | None:
@@ -262,27 +339,19 @@ def load_latest(run_dir: str | Path, *, num_rows: list[int]) -> TrainState | Non
     if not found:
         return None
     directory, chain = found[0]
-    root = directory.parent
     rows: list[np.ndarray | None] = [None] * len(num_rows)
     state: list[np.ndarray | None] = [None] * len(num_rows)
-    for manifest in chain:
-        where = root / step_name(manifest["iteration"])
-        for entry in manifest["parts"]:
-            space = entry["space"]
-            part_rows = np.load(where / entry["rows"])
-            part_state = np.load(where / entry["state"])
-            if rows[space] is None:
-                rows[space] = np.zeros((num_rows[space], part_rows.shape[1]), dtype=np.float32)
-                state[space] = np.zeros((num_rows[space], part_state.shape[1]), dtype=np.float32)
-            keys = (np.load(where / entry["keys"]) if "keys" in entry
-                    else entry["start"] + entry["step"] * np.arange(entry["count"], dtype=np.int64))
-            rows[space][keys] = part_rows
-            state[space][keys] = part_state
+    for space, keys, part_rows, part_state in chain_parts(directory, chain):
+        if rows[space] is None:
+            rows[space] = np.zeros((num_rows[space], part_rows.shape[1]), dtype=np.float32)
+            state[space] = np.zeros((num_rows[space], part_state.shape[1]), dtype=np.float32)
+        rows[space][keys] = part_rows
+        state[space][keys] = part_state
     missing = [s for s, r in enumerate(rows) if r is None]
     if missing:
         raise ValueError(f"{directory}: its chain holds no rows of embedding space(s) {missing}")
     last = chain[-1]
-    dense = torch.load(directory / last["dense"], map_location="cpu", weights_only=True)
+    dense = load_dense(directory, last)
     return TrainState(iteration=last["iteration"], dense=dense["dense"], dense_optimizer=dense["dense_optimizer"],
                       parts=[RowPart(space=s, rows=r, state=st) for s, (r, st) in enumerate(zip(rows, state))],
                       extra=last["extra"])
@@ -291,10 +360,10 @@ def load_latest(run_dir: str | Path, *, num_rows: list[int]) -> TrainState | Non
 class CheckpointSchedule:
     """When a run checkpoints: every ``every`` iterations and/or every ``every_s`` seconds (0: not by that)."""
 
-    def __init__(self, *, every: int, every_s: float, clock=None) -> None:
+    def __init__(self, *, every: int, every_s: float, clock=time.monotonic) -> None:
         self.every, self.every_s = every, every_s
-        self._clock = clock or time.monotonic
-        self._last = self._clock()
+        self._clock = clock
+        self._last = clock()
 
     def due(self, iterations_done: int) -> bool:
         by_count = self.every > 0 and iterations_done % self.every == 0
@@ -331,7 +400,7 @@ def capture(iteration: int, model: torch.nn.Module, dense_optimizer: torch.optim
                                  state=state.index_select(0, keys).numpy()))
         changed.zero_()
     return TrainState(iteration=iteration, dense={k: v.detach().clone() for k, v in model.state_dict().items()},
-                      dense_optimizer=_cloned(dense_optimizer.state_dict()), parts=parts, extra=extra)
+                      dense_optimizer=cloned_state(dense_optimizer.state_dict()), parts=parts, extra=extra)
 
 
 def restore(state: TrainState, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer, tables) -> None:
@@ -343,11 +412,12 @@ def restore(state: TrainState, model: torch.nn.Module, dense_optimizer: torch.op
         tables.state[part.space].copy_(torch.from_numpy(part.state))
 
 
-def _cloned(value):
+def cloned_state(value):
+    """A deep copy of a state dict's tensors (they change in place as training goes on)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
+        return {k: cloned_state(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_cloned(v) for v in value]
+        return [cloned_state(v) for v in value]
     return value

@@ -125,13 +125,7 @@ def _add_train(sub) -> None:
                    help="--mode reference: compute each batch's gradient as this many trainers do, so that "
                         "--mode bagpipe with that many trainers gives the same result bit for bit"
                         + _default("slices"))
-    g = p.add_argument_group("checkpoints (RUN_DIR/checkpoints; --mode reference so far)")
-    g.add_argument("--checkpoint-every", type=int, default=None, help="write a checkpoint every N iterations; 0: "
-                   "not by count" + _default("checkpoint_every"))
-    g.add_argument("--checkpoint-every-s", type=float, default=None, help="write a checkpoint every S seconds; 0: "
-                   "not by time" + _default("checkpoint_every_s"))
-    g.add_argument("--keep-checkpoints", type=int, default=None, help="checkpoints kept (the newest; and the "
-                   "bases they restore from)" + _default("keep_checkpoints"))
+    g = _add_checkpoint_flags(p)
     g.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest valid "
                    "checkpoint; its config.json supplies every setting (flags given again must agree)")
     p.add_argument("--threads", type=int, default=0,
@@ -140,6 +134,17 @@ def _add_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal)")
     _add_model_flags(p, emb_flags=("--emb-dim", "--emb-size"))
     _add_job_flags(p)
+
+
+def _add_checkpoint_flags(p):
+    g = p.add_argument_group("checkpoints (RUN_DIR/checkpoints)")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="write a checkpoint every N iterations; 0: "
+                   "not by count" + _default("checkpoint_every"))
+    g.add_argument("--checkpoint-every-s", type=float, default=None, help="write a checkpoint every S seconds; 0: "
+                   "not by time" + _default("checkpoint_every_s"))
+    g.add_argument("--keep-checkpoints", type=int, default=None, help="checkpoints kept (the newest; and the "
+                   "bases they restore from)" + _default("keep_checkpoints"))
+    return g
 
 
 def _add_vocab_flag(p) -> None:
@@ -296,6 +301,8 @@ def _add_oracle_flags(p) -> None:
     p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
                    "(default: a new runs/oracle-DATE-TIME, printed at start)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
+    _add_checkpoint_flags(p).add_argument("--resume", action="store_true", help="continue the run in --run-dir "
+                                          "from its newest valid checkpoint (the other roles learn it from the oracle)")
     p.add_argument("--prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
     p.add_argument("--mini-batch-size", dest="batch_size", type=int, default=None,
                    help="the global batch, split evenly among the trainers" + _default("batch_size"))
@@ -429,7 +436,8 @@ def run_train(args) -> None:
     if config.mode == "bagpipe":
         from bagpipe.runtime.launch import launch_local
 
-        summary = launch_local(config, show_progress=not args.no_progress, threads=threads, overwrite=args.overwrite)
+        summary = launch_local(config, show_progress=not args.no_progress, threads=threads, overwrite=args.overwrite,
+                               resume=args.resume)
     else:
         if threads:
             torch.set_num_threads(threads)
@@ -524,7 +532,8 @@ def run_oracle(args) -> None:
         log.info("the run goes to %s (--run-dir)", overrides["run_dir"])
     config = load_train_config(args.config, overrides)
     world = dataclasses.replace(world, timeout=config.timeout)
-    summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared, given=given)
+    summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared, given=given,
+                          resume=args.resume)
     print(human_summary(summary))
 
 

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
@@ -65,9 +65,9 @@ def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: boo
     """Refuse a job that cannot run on ``dataset``; return warnings about settings that do nothing."""
     check_data(config, dataset)
     check_memory(config, dataset)
-    if config.mode == "bagpipe" and config.checkpoints:
-        raise ValueError("checkpoints during training (--checkpoint-every, --checkpoint-every-s) are built for "
-                         "--mode reference so far; --mode bagpipe cannot write them yet")
+    if config.checkpoints and config.model.name == EXTERNAL:
+        raise ValueError("checkpoints during training need bagpipe's trainers: the trainers are scripts with a "
+                         "model of their own (init_cache), whose dense state the job cannot save")
     if config.mode == "bagpipe":
         check_cache(config, dataset, show_progress=show_progress)
     return ignored_settings(config) + cache_warnings(config, dataset)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -33,6 +34,8 @@ class RowStore:
         self.weights = torch.cat(parts)
         self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(self.dim))
         self.versions = np.full(self.weights.shape[0], -1, dtype=np.int64)
+        self.received: Counter = Counter()  # rows written back, by version
+        self._snapshot: _Snapshot | None = None
         self._changed = threading.Condition()
         self.fetches_waited = 0  # fetches that arrived before the write-back they must observe
         # parked fetches: (local rows, versions wanted, future, when parked)
@@ -93,6 +96,9 @@ class RowStore:
         local = self._local(keys)
         ready = []
         with self._changed:
+            if self._snapshot is not None and version >= self._snapshot.boundary:
+                self._snapshot.save(self, local.numpy())
+            self.received[version] += len(local)
             self.weights.index_copy_(0, local, rows)
             if state.shape[1]:
                 self.state.index_copy_(0, local, state)
@@ -107,6 +113,79 @@ class RowStore:
             self._waiting = still
         for future, result in ready:  # outside the lock: completing runs the RPC's reply callbacks
             future.set_result(result)
+
+
+    # -- snapshots: the shard as it stood at an iteration boundary, while training goes on --------------
+    def begin_snapshot(self, boundary: int, *, expected_rows: int, since: int | None) -> None:
+        """Start keeping the shard as of ``boundary``: the write-backs of versions < ``boundary`` (of which
+        ``expected_rows`` rows are still to count, from the oracle's plan) and none later. A row about to
+        be overwritten by a later version is copied first (copy-on-write). ``since``: only rows written
+        back from version ``since`` on (a delta), else every row."""
+        with self._changed:
+            assert self._snapshot is None, "one snapshot at a time"
+            self._snapshot = _Snapshot(boundary=boundary, expected_rows=expected_rows, since=since)
+
+    def snapshot_chunks(self, *, timeout: float, chunk_rows: int = 1 << 16):
+        """The snapshot's rows, chunk by chunk: (local rows, rows, state) numpy arrays; waits (up to
+        ``timeout``) for every write-back before the boundary first. Ends the snapshot."""
+        snapshot = self._snapshot
+        assert snapshot is not None, "begin_snapshot first"
+        with self._changed:
+            arrived = self._changed.wait_for(lambda: self._rows_before(snapshot.boundary) >= snapshot.expected_rows,
+                                             timeout)
+            if not arrived:
+                self._snapshot = None
+                raise TimeoutError(f"shard {self.shard}: {snapshot.expected_rows - self._rows_before(snapshot.boundary)}"
+                                   f" rows written back before iteration {snapshot.boundary} had not arrived after "
+                                   f"{timeout:.0f} s")
+        try:
+            for start in range(0, self.weights.shape[0], chunk_rows):
+                with self._changed:
+                    stop = min(start + chunk_rows, self.weights.shape[0])
+                    rows = self.weights[start:stop].numpy().copy()
+                    state = self.state[start:stop].numpy().copy()
+                    versions = self.versions[start:stop].copy()
+                    for local, (row, row_state, version) in snapshot.saved_in(start, stop):
+                        rows[local - start], state[local - start], versions[local - start] = row, row_state, version
+                    snapshot.done_upto = stop
+                chosen = np.arange(start, stop, dtype=np.int64)
+                if snapshot.since is not None:
+                    keep = versions >= snapshot.since
+                    chosen, rows, state = chosen[keep], rows[keep], state[keep]
+                yield chosen, rows, state
+        finally:
+            with self._changed:
+                self._snapshot = None
+
+    def _rows_before(self, boundary: int) -> int:
+        return sum(count for version, count in self.received.items() if version < boundary)
+
+    def restore(self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, *, version: int) -> None:
+        """Rows of a checkpoint (by local index), at ``version``: what fetches after it may ask for at most."""
+        index = torch.from_numpy(np.asarray(local, dtype=np.int64))
+        with self._changed:
+            self.weights.index_copy_(0, index, torch.from_numpy(np.ascontiguousarray(rows)))
+            if self.state.shape[1]:
+                self.state.index_copy_(0, index, torch.from_numpy(np.ascontiguousarray(state)))
+            self.versions[:] = version
+
+
+class _Snapshot:
+    """Copies of the rows a shard overwrote after a boundary, before its snapshot had read them."""
+
+    def __init__(self, *, boundary: int, expected_rows: int, since: int | None) -> None:
+        self.boundary, self.expected_rows, self.since = boundary, expected_rows, since
+        self.saved: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+        self.done_upto = 0  # rows below this have been read: no copy needed any more
+
+    def save(self, store: RowStore, local: np.ndarray) -> None:
+        for row in local[local >= self.done_upto].tolist():
+            if row not in self.saved and store.versions[row] < self.boundary:
+                self.saved[row] = (store.weights[row].numpy().copy(), store.state[row].numpy().copy(),
+                                   int(store.versions[row]))
+
+    def saved_in(self, start: int, stop: int):
+        return [(row, value) for row, value in self.saved.items() if start <= row < stop]
 
 
 def gather_flat(shard_weights: list[torch.Tensor], num_rows: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bagpipe.config import TrainConfig, dump_toml
 from bagpipe.data.batches import batches_per_epoch
-from bagpipe.preflight import prepare_job
+from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY
 from bagpipe.runtime.liveness import LOST_EXIT_CODE
@@ -60,16 +60,23 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: int = 1, overwrite: bool = False,
-                 extra_trainer_args: list[str] | None = None, env: dict[str, str] | None = None) -> dict:
+                 resume: bool = False, extra_trainer_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> dict:
     """Run a whole bagpipe job on this machine; return its summary.json.
 
     Everything is checked and the data converted before any role starts (so a refused job leaves
-    an earlier run in the run dir as it was); ``env`` adds variables for the roles (tests).
+    an earlier run in the run dir as it was); ``resume``: continue the run in the run dir from its
+    newest valid checkpoint (the roles' logs are appended to); ``env`` adds variables for the roles (tests).
     """
-    dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
+    if resume:
+        dataset = prepare_data(config, show_progress=show_progress)
+        for warning in check_job(config, dataset, show_progress=show_progress):
+            log.warning("%s", warning)
+    else:
+        dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
     iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
     run_dir = Path(config.run_dir)
-    (run_dir / "logs").mkdir()
+    (run_dir / "logs").mkdir(exist_ok=resume)
     job_file = run_dir / "job.toml"
     job_file.write_text(dump_toml(config))
     port = config.master_port or free_port()
@@ -77,14 +84,14 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     world = ["--world-size", str(world_size), "--world-size-trainers", str(config.trainers),
              "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout)]
     child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
-    roles = [("oracle", 0, ["--config", str(job_file), "--prepared"])]
+    roles = [("oracle", 0, ["--config", str(job_file), "--prepared", *(["--resume"] if resume else [])])]
     roles += [("trainer", t, list(extra_trainer_args or [])) for t in range(config.trainers)]
     roles += [("server", s, []) for s in range(config.servers)]
     children: list[Child] = []
     try:
         for rank, (role, index, args) in enumerate(roles):
             log_path = run_dir / "logs" / f"{role}{index}.log"
-            with open(log_path, "w") as out:
+            with open(log_path, "a" if resume else "w") as out:
                 command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
                 process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env,
                                            preexec_fn=_die_with_parent)

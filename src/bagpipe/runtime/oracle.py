@@ -26,11 +26,14 @@ from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
+from bagpipe.checkpoint import discard_after, valid_checkpoints
 from bagpipe.planner import PlannerConfig, plan_spaces
-from bagpipe.preflight import cache_rows_of, claim, job_layout, prepare_data
+from bagpipe.planner.plan import PlanStep
+from bagpipe.preflight import cache_rows_of, check_job, claim, job_layout, prepare_data
 from bagpipe.reference import best_metrics, build_model, build_tables, deterministic, evaluate, no_evaluation
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
+from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
 from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status, read_hellos,
@@ -44,8 +47,11 @@ PULL_MAX_STEPS = 8  # plan messages per pull
 
 
 class Oracle:
-    def __init__(self, config: TrainConfig, world: World, dataset: BinaryDataset) -> None:
+    def __init__(self, config: TrainConfig, world: World, dataset: BinaryDataset, *,
+                 resume: tuple[str, int] | None = None) -> None:
+        """``resume``: (checkpoint name, its boundary) the job continues from."""
         self.config, self.world, self.dataset = config, world, dataset
+        self.start = resume[1] if resume else 0
         split = self.dataset.train
         self.iterations = config.iterations or batches_per_epoch(split, config.batch_size)
         if config.batch_size % world.num_trainers:
@@ -55,7 +61,11 @@ class Oracle:
         shares = cache_rows_of(config, self.layout)
         self.job = JobInfo(config=config_to_dict(config), schema=schema_dict(dataset.schema),
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
-                           cache_rows=shares, slice_size=config.batch_size // world.num_trainers)
+                           cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
+                           resume=resume[0] if resume else None, start=self.start)
+        self.checkpoints = (JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
+                                           resumed_at=resume[1] if resume else None)
+                            if config.checkpoints else None)
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=world.num_trainers, policy=config.policy,
                                               cleanup_fraction=config.cleanup_fraction)
@@ -90,9 +100,24 @@ class Oracle:
                 yield [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
 
         rows = [BatchRows(space.num_rows) for space in layout.spaces]
+        resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         for steps in plan_spaces(key_stream(), self.planner_configs):
             iteration = steps[0].iteration
             batch = pending.popleft() if iteration < self.iterations else None
+            if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
+                for slot_key, step in zip(resident, steps):
+                    slot_key[step.evict_slots] = -1
+                    slot_key[step.fetch_slots] = step.fetch_keys
+                if iteration < self.start:
+                    continue
+                steps = tuple(_refill(step, slot_key) for step, slot_key in zip(steps, resident))
+            checkpoint = False
+            if self.checkpoints is not None and iteration < self.iterations:
+                for space, step in enumerate(steps):
+                    self.checkpoints.count_evictions(space, step.evict_keys)
+                if iteration > self.start:
+                    self._await_servers()  # a checkpoint asks every server for its part
+                    checkpoint = self.checkpoints.maybe_begin(iteration)
             views = [batch_view(step) for step in steps]
             for space_rows, view in zip(rows, views):
                 space_rows.load(view)
@@ -115,7 +140,7 @@ class Oracle:
                                       dense_x=None if part is None else part.dense_x,
                                       ids=None if part is None else part.ids,
                                       target=None if part is None else part.target, spaces=spaces,
-                                      lookups=sum(step.lookups for step in steps))
+                                      lookups=sum(step.lookups for step in steps), checkpoint=checkpoint)
                 self.bytes_sent += message.nbytes()
                 while not self.stop.is_set():
                     try:
@@ -127,13 +152,17 @@ class Oracle:
                     return
 
     # -- RPC handlers ------------------------------------------------------------------------
-    def pull(self, trainer: int, max_steps: int) -> list[StepMessage]:
+    def _await_servers(self) -> None:
         deadline = time.monotonic() + self.world.timeout
         with self.changed:
             while len(self.servers_ready) < self.world.num_servers and self.failure is None:
                 if not self.changed.wait(timeout=max(deadline - time.monotonic(), 0.0)):
                     raise TimeoutError(f"servers ready after {self.world.timeout:.0f} s: "
                                        f"{sorted(self.servers_ready)} of {self.world.num_servers}")
+
+    def pull(self, trainer: int, max_steps: int) -> list[StepMessage]:
+        self._await_servers()
+        deadline = time.monotonic() + self.world.timeout
         out = self.queues[trainer]
         messages = []
         while not messages:
@@ -151,6 +180,9 @@ class Oracle:
             except queue.Empty:
                 break
         return messages
+
+    def checkpoint_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
+        self.checkpoints.receive_cache(boundary, dense, dense_optimizer, parts, extra)
 
     def server_ready(self, name: str) -> None:
         with self.changed:
@@ -200,8 +232,23 @@ def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None
     _ORACLE.trainer_done(trainer, stats, dense_state)
 
 
+def rpc_checkpoint_cache(boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
+    _ORACLE.checkpoint_cache(boundary, dense, dense_optimizer, parts, extra)
+
+
+def _refill(step: PlanStep, slot_key: np.ndarray) -> PlanStep:
+    """The plan step a resumed job starts with: its trainers' caches are empty, so every row resident
+    after it (``slot_key``: the replayed plan's slots) is fetched into its slot; the servers hold the
+    checkpoint's rows, at its boundary's version."""
+    slots = np.flatnonzero(slot_key >= 0)
+    empty = np.zeros(0, dtype=np.int64)
+    return dataclasses.replace(step, fetch_keys=slot_key[slots], fetch_slots=slots,
+                               fetch_versions=np.full(len(slots), -1, dtype=np.int64), evict_keys=empty,
+                               evict_writers=empty, evict_slots=empty)
+
+
 def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, prepared: bool = False,
-               given: dict | None = None) -> dict:
+               given: dict | None = None, resume: bool = False) -> dict:
     """Plan and feed the whole job; return the summary it writes to the run dir.
 
     ``prepared``: the local launcher has converted the data, checked the job and claimed the run dir.
@@ -224,13 +271,21 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     wait_for_ranks(world, store)
     try:
         config, dataset = settle(config, dataset, world, given or {}, read_hellos(world, store))
-        if not prepared:
+        if resume:
+            checkpoint = resume_point(config, world)
+            for warning in check_job(config, dataset):
+                log.warning("%s", warning)
+        elif not prepared:
             claim(config, dataset, overwrite=overwrite)
     except ValueError as err:
         refuse_job(store, str(err))
         raise
-    _ORACLE = oracle = Oracle(config, world, dataset)
-    run = RunDir(config.run_dir)
+    _ORACLE = oracle = Oracle(config, world, dataset, resume=checkpoint if resume else None)
+    run = RunDir(config.run_dir, append=resume)
+    if resume:
+        discard_after(config.run_dir, oracle.start)
+        run.forget_metrics_after(oracle.start)
+        log.info("resuming %s from its checkpoint at iteration %d", config.run_dir, oracle.start)
     run.write_json("config.json", config_to_dict(config))
     log.info("bagpipe job: %s, %d iterations of %d samples over %d trainers, %d servers; cache %d of %d rows, "
              "lookahead %d, policy %s", config.model.name, oracle.iterations, config.batch_size, world.num_trainers,
@@ -241,6 +296,8 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     producer.start()
     try:
         oracle.wait_for_trainers()
+        if oracle.checkpoints is not None:
+            oracle.checkpoints.wait()
         shards = [rpc.rpc_sync(World.server_name(s), server.rpc_dump, timeout=world.timeout)
                   for s in range(world.num_servers)]
     finally:
@@ -257,6 +314,20 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     rpc.shutdown(graceful=False)  # every role has left: no request is in flight
     train_s = time.perf_counter() - started
     return finish(oracle, run, shards, started=started, train_s=train_s, started_at=started_at)
+
+
+def resume_point(config: TrainConfig, world: World) -> tuple[str, int]:
+    """The newest valid checkpoint of the run (name, boundary); a ValueError if it cannot be continued."""
+    found = valid_checkpoints(config.run_dir)
+    if not found:
+        raise ValueError(f"--resume: {config.run_dir} has no valid checkpoint to resume from (a run checkpoints with "
+                         f"--checkpoint-every N or --checkpoint-every-s S)")
+    directory, chain = found[0]
+    trainers = chain[-1]["extra"].get("trainers")
+    if trainers != world.num_trainers:
+        raise ValueError(f"--resume: the checkpoint {directory} was taken with {trainers} trainers, this job has "
+                         f"{world.num_trainers}: the gradients' sums, and so the result, depend on it")
+    return directory.name, chain[-1]["iteration"]
 
 
 def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dict,
@@ -324,6 +395,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         "final_train_loss": stats[0].extra.get("final_train_loss", float("nan")),
         **metrics,
         **best_metrics(dataset.meta),
+        **({"resumed_at": oracle.start} if oracle.start else {}),
         "trainers": oracle.world.num_trainers,
         "servers": oracle.world.num_servers,
         "model": config.model.name,

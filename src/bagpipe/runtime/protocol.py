@@ -26,6 +26,8 @@ class JobInfo:
     iterations: int
     cache_rows: list[int]  # each space's share of a trainer's cache
     slice_size: int  # samples per trainer per iteration
+    resume: str | None = None  # the checkpoint the job continues from (RUN_DIR/checkpoints/NAME), if any
+    start: int = 0  # the iteration training starts with (the checkpoint's boundary when resuming)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -75,6 +77,7 @@ class StepMessage:
     target: torch.Tensor | None
     spaces: list[SpaceStep]
     lookups: int = 0  # ids in the global batch, repeats included
+    checkpoint: bool = False  # a checkpoint is taken at this boundary: trainer 0 sends its part
 
     def nbytes(self) -> int:
         tensors = [t for t in (self.dense_x, self.ids, self.target) if t is not None]

@@ -10,10 +10,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed.rpc as rpc
 
+from bagpipe.checkpoint import chain_parts, resume_chain, write_snapshot
+from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
 from bagpipe.runtime.liveness import Liveness
@@ -33,6 +37,7 @@ class Server:
         self.bytes_sent = 0
         self.fetches = 0
         self.rows_written = 0
+        self.checkpoints: dict[int, torch.futures.Future] = {}  # boundary -> its part's manifest entries, once written
         self._lock = threading.Lock()
 
     def fetch(self, space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
@@ -49,6 +54,37 @@ class Server:
         with self._lock:
             self.rows_written += len(keys)
 
+    def begin_checkpoint(self, boundary: int, expected_rows: list[int], since: int | None, directory: str, *,
+                         shard: int, num_shards: int, timeout: float) -> None:
+        """Start the shard's part of the checkpoint at ``boundary`` (see RowStore.begin_snapshot): kept as of
+        now, written to ``directory`` in the background while training goes on."""
+        for store, rows in zip(self.stores, expected_rows):
+            store.begin_snapshot(boundary, expected_rows=rows, since=since)
+        future: torch.futures.Future = torch.futures.Future()
+        self.checkpoints[boundary] = future
+
+        def write() -> None:
+            try:
+                entries = [write_snapshot(Path(directory), name=f"server{shard}.space{space}", space=space,
+                                          chunks=store.snapshot_chunks(timeout=timeout), num_rows=store.weights.shape[0],
+                                          dim=store.dim, state_width=store.state.shape[1], start=shard,
+                                          step=num_shards, full=since is None)
+                           for space, store in enumerate(self.stores)]
+                inject_fault(f"checkpoint {boundary} written")
+                future.set_result(entries)
+            except BaseException as err:  # noqa: BLE001 - the oracle's wait reports it
+                future.set_exception(err)
+
+        threading.Thread(target=write, name="checkpoint", daemon=True).start()
+
+    def restore(self, directory: Path, chain: list[dict], *, shard: int, num_shards: int) -> None:
+        """This shard's rows of a checkpoint's chain (base first, later parts override), at its boundary."""
+        boundary = chain[-1]["iteration"]
+        for space, keys, rows, state in chain_parts(directory, chain):
+            mine = np.flatnonzero(keys % num_shards == shard)
+            if len(mine):
+                self.stores[space].restore(keys[mine] // num_shards, rows[mine], state[mine], version=boundary - 1)
+
     def dump(self) -> dict:
         return {"weights": [store.weights for store in self.stores], "bytes_sent": self.bytes_sent,
                 "fetches": self.fetches, "fetches_waited": sum(store.fetches_waited for store in self.stores),
@@ -56,6 +92,7 @@ class Server:
 
 
 _SERVER: Server | None = None
+_WORLD: World | None = None
 
 
 @rpc.functions.async_execution
@@ -71,14 +108,25 @@ def rpc_dump() -> dict:
     return _SERVER.dump()
 
 
+def rpc_begin_checkpoint(boundary: int, expected_rows: list[int], since: int | None, directory: str) -> None:
+    _SERVER.begin_checkpoint(boundary, expected_rows, since, directory, shard=_WORLD.role[1],
+                             num_shards=_WORLD.num_servers, timeout=_WORLD.timeout)
+
+
+@rpc.functions.async_execution
+def rpc_checkpoint_written(boundary: int) -> torch.futures.Future:
+    return _SERVER.checkpoints.pop(boundary)
+
+
 def run_server(world: World, *, given: dict | None = None) -> None:
     """Serve one shard until the oracle says training has ended (a lost oracle is the heartbeats' to tell).
 
     ``given``: the settings this server's command line gave (an embedding size, table sizes), which
     the oracle agrees with every other role's at check-in.
     """
-    global _SERVER
+    global _SERVER, _WORLD
     store, world = check_in(world, "server", given=given)
+    _WORLD = world
     role, index = world.role
     liveness = Liveness(world, watch=[0])
     job = JobInfo.from_json(wait_for_job(world, store))
@@ -88,6 +136,9 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     started = time.perf_counter()
     _SERVER = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"], shard=index,
                                num_shards=world.num_servers) for s in range(len(layout.spaces))])
+    if job.resume:
+        directory, chain = resume_chain(config["run_dir"], job.resume)
+        _SERVER.restore(directory, chain, shard=index, num_shards=world.num_servers)
     log.info("server %d holds %d rows (of %d) in %.1f s", index, sum(st.weights.shape[0] for st in _SERVER.stores),
              layout.num_rows, time.perf_counter() - started)
     rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,), timeout=world.timeout)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from bagpipe.cache import BatchView, RowCache, StepTables
+from bagpipe.checkpoint import RowPart, cloned_state, load_dense, resume_chain
 from bagpipe.config import TrainConfig, config_from_dict
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
@@ -65,6 +66,7 @@ class TrainerRuntime:
         # per space, lazily synced updates: (iteration, slots, grads, mean)
         self._pending: list[deque] = [deque() for _ in self.layout.spaces]
         self._failure: BaseException | None = None
+        self._checkpoint_sends: list = []
         self._stopping = threading.Event()
         self._started = None
         self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
@@ -272,8 +274,27 @@ class TrainerRuntime:
         self._raise_if_failed()
         self.stats.loop_s = time.perf_counter() - self._started
 
+    def send_checkpoint(self, iteration: int, *, dense: dict, dense_optimizer: dict, extra: dict) -> None:
+        """Trainer 0's part of the checkpoint at boundary ``iteration`` (runtime.checkpointing): every cached
+        row, with every update of the iterations before applied (their background syncs are waited for),
+        and the dense state given, sent to the oracle in the background."""
+        no_evictions = np.zeros(0, dtype=np.int64)
+        parts = []
+        for space, cache in enumerate(self.caches):
+            self._apply_pending(space, upto=iteration - 1, evicting=no_evictions)
+            slots = np.flatnonzero(cache.slot_key >= 0)
+            index = torch.from_numpy(slots).to(cache.weights.device)
+            parts.append(RowPart(space=space, keys=cache.slot_key[slots].copy(),
+                                 rows=cache.weights.index_select(0, index).cpu().numpy(),
+                                 state=cache.state.index_select(0, index).cpu().numpy()))
+        self._checkpoint_sends.append(rpc.rpc_async("oracle", oracle.rpc_checkpoint_cache,
+                                                    args=(iteration, dense, dense_optimizer, parts, extra),
+                                                    timeout=self.world.timeout))
+
     def close(self, *, dense_state: dict | None = None) -> None:
         """Report to the oracle (after the final flush) and leave the job."""
+        for future in self._checkpoint_sends:
+            future.wait()
         self._stopping.set()
         rpc.rpc_sync("oracle", oracle.rpc_trainer_done, args=(self.index, self.stats, dense_state),
                      timeout=self.world.timeout)
@@ -305,6 +326,13 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     job = runtime.job
     model = build_model(config, runtime.layout.schema)
     dense_optimizer = runtime.row_optimizer.dense_optimizer(model.parameters())
+    start, losses = job.start, []
+    if job.resume:  # the dense state of the checkpoint; the rows come from the servers through the plan
+        directory, chain = resume_chain(config.run_dir, job.resume)
+        saved = load_dense(directory, chain[-1])
+        model.load_state_dict(saved["dense"])
+        dense_optimizer.load_state_dict(saved["dense_optimizer"])
+        losses = list(chain[-1]["extra"].get("recent_losses", []))
     params = list(model.parameters())
     # The parameters the model names as complete first in the backward (DLRM: the top MLP): their
     # all-reduce starts then and runs while the rest of the backward computes (as DDP's buckets do).
@@ -312,10 +340,9 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     late_params = [p for p in params if all(p is not q for q in early.params)]
     leader = runtime.index == 0
     run = RunDir(config.run_dir, append=True) if leader else None
-    timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - 1, 0)))
+    timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
     stats = runtime.stats
-    losses: list[float] = []
     loss = float("nan")
     tick = window_start = time.perf_counter()
     started = tick
@@ -329,6 +356,10 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             clock.carve("cache", kind, getattr(stats, f"{kind}_s") - before)
         if message is None:
             break
+        if message.checkpoint and leader:
+            runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
+                                    dense_optimizer=cloned_state(dense_optimizer.state_dict()),
+                                    extra={"recent_losses": list(losses)})
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
         set_dropout_step(model, seed=config.seed, iteration=message.iteration, part=runtime.index)
@@ -356,9 +387,9 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         check_loss(loss, iteration, config)
         inject_fault(f"iteration {iteration}")
         now = time.perf_counter()
-        if iteration == 0:
+        if iteration == start:
             stats.extra["first_iteration_at"] = time.time()
-        timer.record(iteration, config.batch_size, now - tick)
+        timer.record(iteration - start, config.batch_size, now - tick)
         tick = now
         losses.append(loss)
         if leader and ((iteration + 1) % config.log_every == 0 or iteration + 1 == job.iterations):

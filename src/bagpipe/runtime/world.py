@@ -20,11 +20,13 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -135,10 +137,28 @@ def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: in
 
 
 def free_port() -> int:
-    """A port free on loopback right now."""
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
+    """A port free on loopback right now, for a listener that binds it a moment later.
+
+    Picked below the system's ephemeral range where it can: a port the OS hands out itself (bind to
+    0, outgoing connections) may be given to another process before ours binds it.
+    """
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.SystemRandom().randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 _LISTENERS: list[socket.socket] = []  # sockets the master store serves on, kept open for the process

@@ -1,0 +1,107 @@
+"""The oracle's side of checkpoints during a bagpipe job: when, and gathering every role's part.
+
+A checkpoint at boundary b holds every row as it stood after iteration b - 1: on the servers, the
+rows written back before b (each server keeps them copy-on-write while later write-backs arrive,
+``RowStore.begin_snapshot``), overridden by the rows trainer 0 holds in its cache at b (all
+trainers hold the same), with every update of the iterations before b applied; and trainer 0's
+dense weights and optimizer state. The oracle starts the servers' snapshots while planning b,
+before it hands any trainer the plan of b, so no write-back of b or later can reach a server
+first; it tells each server how many rows the plan writes back before b, which that server waits
+for. Training goes on while the parts are written; the oracle commits them (``CheckpointWriter``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import torch.distributed.rpc as rpc
+
+from bagpipe.checkpoint import CheckpointSchedule, CheckpointWriter, save_dense, step_name, write_parts
+from bagpipe.config import TrainConfig
+from bagpipe.runtime.world import World
+
+log = logging.getLogger(__name__)
+
+
+class JobCheckpoints:
+    """Decide the boundaries, start the servers' snapshots, gather trainer 0's part, commit."""
+
+    def __init__(self, config: TrainConfig, world: World, *, num_spaces: int, resumed_at: int | None) -> None:
+        self.config, self.world = config, world
+        self.writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints)
+        self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
+        # rows the plan has written back since the job started, per space and server: what a snapshot awaits
+        self.evicted = np.zeros((num_spaces, world.num_servers), dtype=np.int64)
+        self.previous = resumed_at  # the last checkpoint's boundary: a delta holds the rows written since
+        self._cache_parts: dict[int, tuple] = {}
+        self._arrived = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.written: list[int] = []
+
+    def count_evictions(self, space: int, keys: np.ndarray) -> None:
+        if len(keys):
+            self.evicted[space] += np.bincount(keys % self.world.num_servers, minlength=self.world.num_servers)
+
+    def maybe_begin(self, boundary: int) -> bool:
+        """Called while planning ``boundary`` (its evictions counted), before any trainer gets its plan:
+        start a checkpoint there if one is due. Waits for the previous one to be committed first."""
+        from bagpipe.runtime import server  # (server imports the oracle, which imports this)
+
+        if not self.schedule.due(boundary):
+            return False
+        self.wait()
+        full = self.writer.wants_full() or self.previous is None
+        directory = self.writer.stage(boundary)
+        since = None if full else self.previous
+        futures = []
+        for shard in range(self.world.num_servers):
+            name = World.server_name(shard)
+            rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout,
+                         args=(boundary, self.evicted[:, shard].tolist(), since, str(directory)))
+            futures.append(rpc.rpc_async(name, server.rpc_checkpoint_written, args=(boundary,),
+                                         timeout=self.world.timeout + 3 * self.world.timeout))
+        self._thread = threading.Thread(target=self._finish, args=(boundary, full, futures), name="checkpoint",
+                                        daemon=True)
+        self._thread.start()
+        self.previous = boundary
+        return True
+
+    def receive_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
+        """Trainer 0's part (an RPC handler): its cached rows, dense weights and optimizer state at ``boundary``."""
+        with self._arrived:
+            self._cache_parts[boundary] = (dense, dense_optimizer, parts, extra)
+            self._arrived.notify_all()
+
+    def _finish(self, boundary: int, full: bool, futures: list) -> None:
+        try:
+            started = time.perf_counter()
+            entries = [entry for future in futures for entry in future.wait()]
+            with self._arrived:
+                if not self._arrived.wait_for(lambda: boundary in self._cache_parts, timeout=4 * self.world.timeout):
+                    raise TimeoutError(f"trainer 0 sent no part of the checkpoint at iteration {boundary}")
+                dense, dense_optimizer, parts, extra = self._cache_parts.pop(boundary)
+            directory = self.writer.root / f"{step_name(boundary)}.tmp"
+            save_dense(directory, dense, dense_optimizer)
+            entries += write_parts(directory, parts, prefix="cache")  # last: the cached rows override the servers'
+            extra = {**extra, "mode": "bagpipe", "trainers": self.world.num_trainers,
+                     "servers": self.world.num_servers}
+            self.writer.publish(boundary, full=full, parts=entries, extra=extra)
+            self.written.append(boundary)
+            log.info("checkpoint at iteration %d committed in %.2f s after its parts were started", boundary,
+                     time.perf_counter() - started)
+        except BaseException as err:  # noqa: BLE001 - raised on the planner thread by wait()
+            self._failure = err
+
+    def wait(self) -> None:
+        """Until the checkpoint in progress is committed; its failure raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise RuntimeError(f"a checkpoint failed: {failure}") from failure
+
