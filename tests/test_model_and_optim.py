@@ -4,7 +4,7 @@ import torch
 
 from bagpipe.data.schema import Feature, Schema
 from bagpipe.embeddings import (INIT_BLOCK_ROWS, EmbeddingLayout, EmbeddingTables, TableConfig, init_block,
-                                init_table, one_per_feature)
+                                init_rows, init_table, one_per_feature)
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
 
@@ -56,6 +56,11 @@ def test_initial_rows_do_not_depend_on_how_a_table_is_split():
     assert torch.equal(whole[INIT_BLOCK_ROWS:], second)
     assert whole.abs().max() <= num_rows ** -0.5
     assert not torch.equal(whole, init_table(seed=2, table=2, num_rows=num_rows, dim=3))
+    table = TableConfig(name="t", num_rows=2 * INIT_BLOCK_ROWS + 7, dim=3, features=(0,))
+    rows = init_rows(2, table, seed=1)
+    for step in (2, 3, 5):  # a server's shard, made block by block
+        for first in range(step):
+            assert torch.equal(init_rows(2, table, seed=1, first=first, step=step), rows[first::step])
 
 
 def layout_of(sizes: list[int], dim: int, *, widths: list[int] | None = None) -> EmbeddingLayout:

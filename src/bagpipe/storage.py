@@ -30,7 +30,7 @@ class RowStore:
         parts = []
         for table, offset in zip(members.tables, members.offsets.tolist()):
             first = (shard - offset) % num_shards  # first id of this table that the shard owns
-            parts.append(init_rows(table, layout.tables[table], seed=seed)[first::num_shards])
+            parts.append(init_rows(table, layout.tables[table], seed=seed, first=first, step=num_shards))
         self.weights = torch.cat(parts)
         self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(self.dim))
         self.versions = np.full(self.weights.shape[0], -1, dtype=np.int64)

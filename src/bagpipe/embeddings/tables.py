@@ -48,8 +48,19 @@ def init_table(*, seed: int, table: int, num_rows: int, dim: int, init: str = "u
                       for b in blocks])
 
 
-def init_rows(table_index: int, table: TableConfig, *, seed: int) -> torch.Tensor:
-    return init_table(seed=seed, table=table_index, num_rows=table.num_rows, dim=table.dim, init=table.init)
+def init_rows(table_index: int, table: TableConfig, *, seed: int, first: int = 0, step: int = 1) -> torch.Tensor:
+    """The table's initial rows ``first, first + step, ...`` (a server's shard), made block by block: a
+    shard never holds the whole table at once."""
+    if step == 1 and first == 0:
+        return init_table(seed=seed, table=table_index, num_rows=table.num_rows, dim=table.dim, init=table.init)
+    parts = []
+    for block in range(math.ceil(table.num_rows / INIT_BLOCK_ROWS)):
+        start = block * INIT_BLOCK_ROWS
+        offset = (first - start) % step  # the block's first row of the shard
+        rows = init_block(seed=seed, table=table_index, block=block, num_rows=table.num_rows, dim=table.dim,
+                          init=table.init)
+        parts.append(rows[offset::step].clone() if offset < len(rows) else rows[:0])
+    return torch.cat(parts) if parts else torch.zeros(0, table.dim)
 
 
 class Lookup:
