@@ -98,55 +98,83 @@ def save_dense(directory: Path, dense: dict, dense_optimizer: dict) -> None:
     _fsync(directory / "dense.pt")
 
 
+class _HashedFile:
+    """A file written front to back, hashed as it is written (a checkpoint never reads its files back)."""
+
+    def __init__(self, path: Path) -> None:
+        self.handle = open(path, "wb")
+        self.digest = hashlib.blake2b(digest_size=16)
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += len(view)
+        return self.handle.write(view)
+
+    def close(self) -> dict:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        return {"bytes": self.size, "blake2b": self.digest.hexdigest()}
+
+
+def _save(path: Path, array: np.ndarray) -> dict:
+    """``np.save`` of ``array`` to ``path``, fsynced; its digest."""
+    out = _HashedFile(path)
+    np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
+    return out.close()
+
+
 def write_parts(directory: Path, parts: list[RowPart], *, prefix: str) -> list[dict]:
-    """Write ``parts`` into ``directory`` (fsynced) as ``prefix``-named files; return their manifest entries."""
+    """Write ``parts`` into ``directory`` (fsynced) as ``prefix``-named files; return their manifest entries
+    (each with the digests of its files under ``digests``)."""
     entries = []
     for index, part in enumerate(parts):
         name = f"{prefix}{index}.space{part.space}"
         entry = {"space": part.space, "count": len(part.rows), "rows": f"{name}.rows.npy",
-                 "state": f"{name}.state.npy"}
-        np.save(directory / entry["rows"], np.ascontiguousarray(part.rows, dtype=np.float32))
-        np.save(directory / entry["state"], np.ascontiguousarray(part.state, dtype=np.float32))
+                 "state": f"{name}.state.npy", "digests": {}}
+        entry["digests"][entry["rows"]] = _save(directory / entry["rows"], part.rows.astype(np.float32, copy=False))
+        entry["digests"][entry["state"]] = _save(directory / entry["state"], part.state.astype(np.float32, copy=False))
         if part.keys is not None:
             entry["keys"] = f"{name}.keys.npy"
-            np.save(directory / entry["keys"], np.ascontiguousarray(part.keys, dtype=np.int64))
+            entry["digests"][entry["keys"]] = _save(directory / entry["keys"], part.keys.astype(np.int64, copy=False))
         else:
             entry["start"], entry["step"] = part.start, part.step
-        for kind in ("rows", "state", "keys"):
-            if kind in entry:
-                _fsync(directory / entry[kind])
         entries.append(entry)
     return entries
 
 
 def write_snapshot(directory: Path, *, name: str, space: int, chunks, num_rows: int, dim: int, state_width: int,
                    start: int, step: int, full: bool) -> dict:
-    """A shard's rows as one part (fsynced), from ``chunks`` of (local rows, rows, state) as
-    ``RowStore.snapshot_chunks`` yields them; key = ``start + step * local row``. A full part fills
-    its files chunk by chunk (no second copy of the shard in memory), a delta lists its keys."""
-    entry = {"space": space, "rows": f"{name}.rows.npy", "state": f"{name}.state.npy"}
+    """A shard's rows as one part (fsynced, hashed as written), from ``chunks`` of (local rows, rows,
+    state) as ``RowStore.snapshot_chunks`` yields them, in order; key = ``start + step * local row``. A
+    full part streams its chunks into its files (no second copy of the shard in memory), a delta lists
+    its keys."""
+    entry = {"space": space, "rows": f"{name}.rows.npy", "state": f"{name}.state.npy", "digests": {}}
     if full:
-        rows = np.lib.format.open_memmap(directory / entry["rows"], mode="w+", dtype=np.float32, shape=(num_rows, dim))
-        state = np.lib.format.open_memmap(directory / entry["state"], mode="w+", dtype=np.float32,
-                                          shape=(num_rows, state_width))
+        files = {kind: _HashedFile(directory / entry[kind]) for kind in ("rows", "state")}
+        for kind, width in (("rows", dim), ("state", state_width)):
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)), "fortran_order": False,
+                      "shape": (num_rows, width)}
+            np.lib.format.write_array_header_1_0(files[kind], header)
+        written = 0
         for local, chunk_rows, chunk_state in chunks:
-            rows[local], state[local] = chunk_rows, chunk_state
-        rows.flush()
-        state.flush()
-        del rows, state
+            assert len(local) == 0 or local[0] == written, "a full snapshot's chunks come in order, every row"
+            files["rows"].write(np.ascontiguousarray(chunk_rows, dtype=np.float32))
+            files["state"].write(np.ascontiguousarray(chunk_state, dtype=np.float32))
+            written += len(local)
+        assert written == num_rows, f"a full snapshot of {num_rows} rows got {written}"
+        entry["digests"] = {entry[kind]: handle.close() for kind, handle in files.items()}
         entry.update(count=num_rows, start=start, step=step)
     else:
         pieces = list(chunks)
         local = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, dtype=np.int64)
-        np.save(directory / entry["rows"], np.concatenate([p[1] for p in pieces]) if pieces
-                else np.zeros((0, dim), dtype=np.float32))
-        np.save(directory / entry["state"], np.concatenate([p[2] for p in pieces]) if pieces
-                else np.zeros((0, state_width), dtype=np.float32))
+        rows = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros((0, dim), dtype=np.float32)
+        state = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros((0, state_width), dtype=np.float32)
         entry.update(count=len(local), keys=f"{name}.keys.npy")
-        np.save(directory / entry["keys"], start + step * local)
-    for kind in ("rows", "state", "keys"):
-        if kind in entry:
-            _fsync(directory / entry[kind])
+        for kind, array in (("rows", rows), ("state", state), ("keys", start + step * local)):
+            entry["digests"][entry[kind]] = _save(directory / entry[kind], array)
     return entry
 
 
@@ -243,9 +271,13 @@ class CheckpointWriter:
 
 
 def commit(directory: Path, manifest: dict) -> None:
-    """Checksum every file of ``directory`` into ``manifest``, then write the manifest last, fsynced."""
+    """Checksum every file of ``directory`` into ``manifest`` (its parts' writers hashed theirs as they wrote
+    them: ``digests``), then write the manifest last, fsynced."""
+    known = {}
+    for entry in manifest["parts"]:
+        known.update(entry.pop("digests", {}))
     files = sorted(p for p in directory.iterdir() if p.name != MANIFEST)
-    manifest = {**manifest, "files": {p.name: file_digest(p) for p in files}}
+    manifest = {**manifest, "files": {p.name: known[p.name] if p.name in known else file_digest(p) for p in files}}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _fsync(directory / MANIFEST)
     _fsync_dir(directory)
