@@ -98,6 +98,17 @@ def save_dense(directory: Path, dense: dict, dense_optimizer: dict) -> None:
     _fsync(directory / "dense.pt")
 
 
+BACKGROUND_NICE = 10  # how much lower a checkpoint writer's thread runs than training's
+
+
+def background_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux: per thread): writing a checkpoint yields to training."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 class _HashedFile:
     """A file written front to back, hashed as it is written (a checkpoint never reads its files back)."""
 
@@ -217,6 +228,7 @@ class CheckpointWriter:
             raise RuntimeError(f"writing a checkpoint failed: {failure}") from failure
 
     def _guarded(self, state: TrainState, full: bool) -> None:
+        background_priority()
         try:
             self.write(state, full=full)
         except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()

@@ -19,7 +19,8 @@ import time
 import numpy as np
 import torch.distributed.rpc as rpc
 
-from bagpipe.checkpoint import CheckpointSchedule, CheckpointWriter, save_dense, step_name, write_parts
+from bagpipe.checkpoint import (CheckpointSchedule, CheckpointWriter, background_priority, save_dense, step_name,
+                                write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.runtime.world import World
 
@@ -77,6 +78,7 @@ class JobCheckpoints:
             self._arrived.notify_all()
 
     def _finish(self, boundary: int, full: bool, futures: list) -> None:
+        background_priority()
         try:
             started = time.perf_counter()
             entries = [entry for future in futures for entry in future.wait()]

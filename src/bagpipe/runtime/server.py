@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed.rpc as rpc
 
-from bagpipe.checkpoint import chain_parts, resume_chain, write_snapshot
+from bagpipe.checkpoint import background_priority, chain_parts, resume_chain, write_snapshot
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
@@ -64,6 +64,7 @@ class Server:
         self.checkpoints[boundary] = future
 
         def write() -> None:
+            background_priority()
             try:
                 entries = [write_snapshot(Path(directory), name=f"server{shard}.space{space}", space=space,
                                           chunks=store.snapshot_chunks(timeout=timeout), num_rows=store.weights.shape[0],
