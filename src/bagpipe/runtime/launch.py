@@ -163,6 +163,9 @@ def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progres
         bar.close()
 
 
+_LOST_PEER = re.compile(r"^lost .*?\(rank (\d+)\)")
+
+
 def _blame(children: list[Child], failed: list[Child]) -> str:
     """The failure to report: a role that failed by itself, before one that ended because it lost
     a peer; that one names the peer, which may have ended the same way (the chain is followed) or
@@ -171,12 +174,13 @@ def _blame(children: list[Child], failed: list[Child]) -> str:
     if own:
         first = min(own, key=_exit_time)
         return f"{first.label} failed ({_describe(first.process.returncode)}): {_last_error(first)}"
-    witness = min(failed, key=_exit_time)
+    # the first to end that names the peer it lost (one that could not tell comes last)
+    witness = min(failed, key=lambda c: (_LOST_PEER.search(_last_error(c)) is None, _exit_time(c)))
     by_rank = {c.rank: c for c in children}
     seen = {witness.rank}
     while True:
         error = _last_error(witness)
-        named = re.search(r"^lost .*?\(rank (\d+)\)", error)
+        named = _LOST_PEER.search(error)
         culprit = by_rank.get(int(named.group(1))) if named else None
         if culprit is None or culprit.rank in seen:
             return f"{witness.label} failed: {error}"

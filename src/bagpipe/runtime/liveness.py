@@ -24,6 +24,15 @@ BEAT_PREFIX = "bagpipe/beat/"
 LEFT_PREFIX = "bagpipe/left/"
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def is_peer_gone(err: BaseException) -> bool:
+    """Whether ``err`` is a collective (gloo) failing because a peer's process ended: a symptom of
+    that peer's failure, not a failure of this role."""
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_GONE)
+
+
 def exit_on_lost(message: str) -> None:
     """What a role process does when a peer it needs is lost: say so and end at once."""
     log.error("%s", message)
@@ -67,6 +76,19 @@ class Liveness:
                 return []
             time.sleep(0.1)
         return [r for r in ranks if r not in self.left and r not in self.lost]
+
+    def await_verdict(self, symptom: BaseException) -> None:
+        """A collective failed because a peer ended (``symptom``): let the heartbeats name which peer
+        (``on_lost`` ends this process), waiting at most the liveness window; if none is named by
+        then, end as a lost peer anyway, quoting the symptom."""
+        if not self.fatal:
+            return
+        deadline = time.monotonic() + self.world.liveness_s + 2 * BEAT_S + 1.0
+        log.warning("a peer of the gradient group is gone (%s): waiting for the heartbeats to name it",
+                    str(symptom).splitlines()[0])
+        while time.monotonic() < deadline and not self.lost:
+            time.sleep(0.1)
+        self.on_lost(f"lost a trainer of the gradient group: {str(symptom).splitlines()[0]}")
 
     def _beat(self) -> None:
         try:

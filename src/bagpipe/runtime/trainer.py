@@ -34,7 +34,7 @@ from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import JobInfo, SpaceStep, StepMessage, TrainerStats
-from bagpipe.runtime.liveness import Liveness, exit_on_lost
+from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group, wait_for_job
 
@@ -480,8 +480,10 @@ def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu",
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, writeback_delay=writeback_delay)
     try:
         train_loop(runtime, config_from_dict(job.config))
-    except BaseException:
+    except BaseException as err:
         runtime.abort()
+        if is_peer_gone(err):  # the peer that ended is the failure: name it, not this trainer
+            liveness.await_verdict(err)
         raise
 
 
