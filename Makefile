@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench-models: $(BIN)/bagpipe
 
 bench-checkpoint: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_checkpoint.py --work-dir runs/bench_checkpoint --out runs/bench_checkpoint/result.json
+
+bench-preprocess: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_preprocess.py --work-dir runs/bench_preprocess --out runs/bench_preprocess/result.json
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bagpipe.data.formats import BadRows, DataError, Tokens, columns, parse_label, valid_rows
+from bagpipe.data import fast_tsv
+from bagpipe.data.formats import BadRows, DataError, TextBlock, Tokens, by_runs, columns, parse_label, valid_rows
 from bagpipe.data.schema import Feature, Schema
 
 LABEL = "click"
@@ -52,9 +53,27 @@ class AvazuParser:
         return Schema(num_dense=0, features=tuple(Feature(name=name, cardinality=int(n))
                                                   for name, n in zip(self.table_names, sizes, strict=True)))
 
-    def tokens(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Tokens:
+    def tokens(self, block: TextBlock, *, path: str, first_line: int, bad: BadRows | None) -> Tokens:
+        """The block's labels and raw values, read whole (data.fast_tsv) if it can be, else line by line."""
         if first_line == 1:  # the header, read already
-            lines, first_line = lines[1:], 2
+            block, first_line = block.split(1)[1], 2
+        pieces = fast_tsv.in_pieces(block.data, self._tokens_piece) if block.data else None
+        if pieces is not None:
+            return Tokens.joined(pieces)
+        return Tokens.joined(by_runs(self.tokens_lines, block, path=path, first_line=first_line, bad=bad))
+
+    def _tokens_piece(self, data: memoryview) -> Tokens | None:
+        fields = fast_tsv.split_fields(data, num_columns=len(self.columns), delimiter=",")
+        if fields is None:
+            return None
+        labels = fast_tsv.zero_one(fields[self.label_column])
+        values = [fast_tsv.ascii_strings(fields[i]) for i in self.feature_columns]
+        if labels is None or any(column is None for column in values):
+            return None
+        return Tokens(labels, np.zeros((len(labels), 0), dtype=np.float32), values)
+
+    def tokens_lines(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Tokens:
+        """Decoded lines, split in Python: the reference for ``tokens``."""
         try:
             labels, rows = self._fast(lines)
         except (ValueError, KeyError):

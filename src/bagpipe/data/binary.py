@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def id_dtype_for(table_sizes: list[int]) -> np.dtype:
 
 
 class SplitWriter:
-    """Appends parsed chunks to one split's files; ``close`` writes the header last."""
+    """Appends parsed chunks to one split's files, each written on another thread while the next is parsed
+    (one at a time, in order); ``close`` waits for the last and writes the header last."""
 
     def __init__(self, directory: Path, *, id_dtype: np.dtype) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -48,14 +50,33 @@ class SplitWriter:
             "ids": open(directory / f"ids.{self.id_dtype.name}", "wb"),
         }
         self.rows = 0
+        self._writing: Future | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagpipe-split-writer")
 
     def append(self, chunk: Chunk) -> None:
-        self.files["labels"].write(np.ascontiguousarray(chunk.labels, dtype=np.float32).tobytes())
-        self.files["dense"].write(np.ascontiguousarray(chunk.dense, dtype=np.float32).tobytes())
-        self.files["ids"].write(np.ascontiguousarray(chunk.ids, dtype=self.id_dtype).tobytes())
+        self._wait()  # bounded memory: one chunk in flight; a failed write raises here
+        self._writing = self._writer.submit(self._write, chunk)
         self.rows += len(chunk.labels)
 
+    def _write(self, chunk: Chunk) -> None:
+        self.files["labels"].write(np.ascontiguousarray(chunk.labels, dtype=np.float32).data)
+        self.files["dense"].write(np.ascontiguousarray(chunk.dense, dtype=np.float32).data)
+        self.files["ids"].write(np.ascontiguousarray(chunk.ids, dtype=self.id_dtype).data)
+
+    def _wait(self) -> None:
+        if self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
+    def discard(self) -> None:
+        """Stop: the write in flight ends (its error, if any, is dropped) and the files close, without a header."""
+        self._writer.shutdown()
+        for handle in self.files.values():
+            handle.close()
+
     def close(self, *, schema: Schema, extra: dict | None = None) -> None:
+        self._wait()
+        self._writer.shutdown()
         for handle in self.files.values():
             handle.close()
         header = {

@@ -1,21 +1,25 @@
 """Text formats we read: Criteo TSV and the original system's JSON lines (Avazu CSV: data.avazu).
 
-Both parsers turn a chunk of lines into (labels, dense, ids) arrays; Criteo's also into its raw
-values (``tokens``), for ids from a vocabulary (data.vocab). Criteo's fast path parses
-the whole chunk at once; if anything is off, the slow path walks the chunk line by line to name
-the first bad line (or to skip and count bad lines, when asked). Lines arrive as bytes and are
-decoded the same way: the whole chunk at once, line by line only when it is not UTF-8.
+Parsers take a TextBlock (whole lines as read, data.blocks) and turn it into (labels, dense, ids) arrays;
+Criteo's also into its raw values (``tokens``), for ids from a vocabulary (data.vocab). A block is read whole
+where it can be (data.fast_tsv, data.fast_jsonl); one with anything else goes to the line parsers
+(``parse_lines``, the reference those readers are tested against): lines decoded (the whole block at once,
+line by line only when it is not UTF-8), parsed, and if anything is off, walked line by line to name the
+first bad line (or to skip and count bad lines, when asked).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from bagpipe.data import fast_jsonl, fast_tsv
 from bagpipe.data.schema import NEXT_ITEM_FEATURES, PAD, Feature, Schema
 
 NUM_DENSE = 13  # Criteo TSV's dense columns
@@ -92,10 +96,56 @@ def _decode_line_by_line(lines, *, path, first_line, bad) -> list[tuple[int, lis
 
 
 @dataclass(frozen=True)
+class TextBlock:
+    """Whole lines of a file as read, not yet decoded: each but perhaps the last ends with a newline."""
+
+    data: bytes | bytearray
+    num_lines: int
+
+    @classmethod
+    def of(cls, data: bytes | bytearray) -> "TextBlock":
+        return cls(data, fast_tsv.count_byte(data, ord("\n")) + (bool(data) and not data.endswith(b"\n")))
+
+    def __len__(self) -> int:
+        return self.num_lines
+
+    def split(self, lines: int) -> tuple["TextBlock", "TextBlock"]:
+        """The first ``lines`` lines, and the rest."""
+        if lines <= 0 or lines >= self.num_lines:
+            return (TextBlock(b"", 0), self) if lines <= 0 else (self, TextBlock(b"", 0))
+        end = int(np.flatnonzero(np.frombuffer(self.data, dtype=np.uint8) == ord("\n"))[lines - 1]) + 1
+        return TextBlock(self.data[:end], lines), TextBlock(self.data[end:], self.num_lines - lines)
+
+    def lines(self) -> list[bytes]:
+        """Each line, with its newline."""
+        lines = self.data.split(b"\n")
+        last = lines.pop()  # what follows the last newline: nothing, or a last line without one
+        return [line + b"\n" for line in lines] + ([last] if last else [])
+
+    def decoded(self, *, path: str, first_line: int, bad: BadRows | None) -> list[tuple[int, list[str]]]:
+        """The lines as text, in runs of consecutive lines (decode_lines)."""
+        return decode_lines(self.lines(), path=path, first_line=first_line, bad=bad)
+
+
+def by_runs(parse_lines: Callable, block: TextBlock, *, path: str, first_line: int, bad: BadRows | None) -> list:
+    """``parse_lines`` of each run of the block's decoded lines (of no lines, if not one is left)."""
+    runs = block.decoded(path=path, first_line=first_line, bad=bad) or [(first_line, [])]
+    return [parse_lines(lines, path=path, first_line=first, bad=bad) for first, lines in runs]
+
+
+@dataclass(frozen=True)
 class Chunk:
     labels: np.ndarray  # float32 [n]
     dense: np.ndarray  # float32 [n, num_dense], already transformed
     ids: np.ndarray  # int64 [n, columns]: each sparse feature's columns (data.schema)
+
+    @staticmethod
+    def joined(chunks: list["Chunk"]) -> "Chunk":
+        """The rows of ``chunks`` in order (those without rows left out: their shapes may be unknown)."""
+        chunks = [chunk for chunk in chunks if len(chunk.labels)] or chunks[:1]
+        if len(chunks) == 1:
+            return chunks[0]
+        return Chunk(*(np.concatenate([getattr(chunk, name) for chunk in chunks]) for name in ("labels", "dense", "ids")))
 
 
 @dataclass(frozen=True)
@@ -105,6 +155,17 @@ class Tokens:
     labels: np.ndarray  # float32 [n]
     dense: np.ndarray  # float32 [n, num_dense], already transformed
     columns: list[Sequence[str]]  # per table, the n rows' raw values ("" where a field is empty)
+
+    @staticmethod
+    def joined(parts: list["Tokens"]) -> "Tokens":
+        """The rows of ``parts`` in order."""
+        parts = [part for part in parts if len(part.labels)] or parts[:1]
+        if len(parts) == 1:
+            return parts[0]
+        columns = [np.concatenate(column) if all(isinstance(part, np.ndarray) for part in column)
+                   else list(itertools.chain.from_iterable(column)) for column in zip(*(part.columns for part in parts))]
+        return Tokens(np.concatenate([part.labels for part in parts]), np.concatenate([part.dense for part in parts]),
+                      columns)
 
 
 class CriteoParser:
@@ -127,7 +188,52 @@ class CriteoParser:
     def schema(self, sizes: list[int]) -> Schema:
         return Schema.one_hot(sizes, num_dense=NUM_DENSE)
 
-    def tokens(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Tokens:
+    def parse(self, block: TextBlock, *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
+        """The block's rows, read whole (data.fast_tsv) if it can be, else line by line (``parse_lines``)."""
+        pieces = fast_tsv.in_pieces(block.data, self._parse_piece)
+        if pieces is not None:
+            return Chunk.joined(pieces)
+        return Chunk.joined(by_runs(self.parse_lines, block, path=path, first_line=first_line, bad=bad))
+
+    def tokens(self, block: TextBlock, *, path: str, first_line: int, bad: BadRows | None) -> Tokens:
+        """``parse`` without ids: each table's raw values."""
+        pieces = fast_tsv.in_pieces(block.data, self._tokens_piece)
+        if pieces is not None:
+            return Tokens.joined(pieces)
+        return Tokens.joined(by_runs(self.tokens_lines, block, path=path, first_line=first_line, bad=bad))
+
+    def _parse_piece(self, data: memoryview) -> Chunk | None:
+        fields = self._piece_fields(data)
+        if fields is None:
+            return None
+        labels, dense, categorical = fields
+        ids = np.empty((len(labels), self.num_tables), dtype=np.int64)
+        for table, (column, size) in enumerate(zip(categorical, self.table_sizes.astype(np.uint64))):
+            hashes = fast_tsv.hex_values(column)
+            if hashes is None:
+                return None
+            np.remainder(hashes, size, out=ids.view(np.uint64)[:, table])
+        return Chunk(labels, dense, ids)
+
+    def _tokens_piece(self, data: memoryview) -> Tokens | None:
+        fields = self._piece_fields(data)
+        if fields is None or not all(fast_tsv.is_hex(column.chars) for column in fields[2]):
+            return None
+        labels, dense, categorical = fields
+        return Tokens(labels, dense, [fast_tsv.ascii_strings(column) for column in categorical])
+
+    def _piece_fields(self, data: memoryview) -> tuple[np.ndarray, np.ndarray, list[fast_tsv.Fields]] | None:
+        """Labels, transformed dense values and the categorical columns' fields, if ``data`` is plain Criteo."""
+        fields = fast_tsv.split_fields(data, num_columns=self.num_columns, delimiter="\t")
+        if fields is None:
+            return None
+        labels = fast_tsv.zero_one(fields[0])
+        dense = [fast_tsv.decimals(column) for column in fields[1:1 + NUM_DENSE]]
+        if labels is None or any(values is None for values in dense):
+            return None
+        return labels, dense_transform(np.stack(dense, axis=1)), fields[1 + NUM_DENSE:]
+
+    def tokens_lines(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Tokens:
         try:
             labels, dense, rows = self._fast_fields(lines)
             return Tokens(labels, dense, columns(rows, start=1 + NUM_DENSE, count=self.num_tables))
@@ -137,7 +243,8 @@ class CriteoParser:
             dense = dense_transform(np.asarray([row[1] for row in valid], dtype=np.float64).reshape(-1, NUM_DENSE))
             return Tokens(labels, dense, columns([row[2] for row in valid], start=0, count=self.num_tables))
 
-    def parse(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
+    def parse_lines(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
+        """Decoded lines, parsed in Python: the reference for ``parse``."""
         try:
             return self._fast(lines)
         except (ValueError, IndexError, OverflowError):
@@ -244,14 +351,28 @@ class JsonlParser:
         self.longest: list[int] | None = None  # while measuring: each feature's longest entry
         self.has_empty: list[bool] | None = None  # and whether any entry of it is empty
 
-    def parse(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
+    def parse(self, block: TextBlock, *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
+        """The block's rows, read whole (data.fast_jsonl) if they are plain one-hot rows, else line by line."""
+        if self.shape is None and not self.next_item:
+            rows = fast_jsonl.one_hot_rows(block.data, num_dense=self.num_dense, num_tables=self.num_tables,
+                                           table_sizes=self.table_sizes)
+            if rows is not None:
+                labels, dense, ids = rows
+                self.next_item, self.num_dense, self.num_tables = False, dense.shape[1], ids.shape[1]
+                return Chunk(labels, dense_transform(dense), ids)
+        return Chunk.joined(by_runs(self.parse_lines, block, path=path, first_line=first_line, bad=bad))
+
+    def measure(self, block: TextBlock, *, path: str, first_line: int, bad: BadRows | None) -> None:
+        """The first pass: check the block's lines as ``parse`` does, noting each feature's longest entry."""
+        by_runs(self.measure_lines, block, path=path, first_line=first_line, bad=bad)
+
+    def parse_lines(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
         rows = valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
         dense = np.asarray([row[1] for row in rows], dtype=np.float64).reshape(len(rows), self.num_dense or 0)
         return Chunk(np.asarray([row[0] for row in rows], dtype=np.float32), dense_transform(dense),
                      self._id_matrix([row[2] for row in rows]))
 
-    def measure(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> None:
-        """The first pass: check ``lines`` as ``parse`` does, noting each feature's longest entry."""
+    def measure_lines(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> None:
         self.measuring = True
         valid_rows(self._row, lines, path=path, first_line=first_line, bad=bad)
 
@@ -317,7 +438,7 @@ class JsonlParser:
         if self.num_dense is not None and len(dense) != self.num_dense:
             raise DataError(path, number, f"wrong column count: 'dense' holds {len(dense)} values, not "
                                           f"{self.num_dense} as the first valid row")
-        if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not np.isfinite(x) for x in dense):
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not _finite(x) for x in dense):
             raise DataError(path, number, f"non-numeric dense value in {dense!r}")
         if not isinstance(sparse, list) or (self.num_tables is not None and len(sparse) != self.num_tables):
             expected = "a list of ids" if self.num_tables is None else f"{self.num_tables} ids"
@@ -384,6 +505,14 @@ class JsonlParser:
                 start = starts[f] + widths[f] - len(values) if pad_left[f] else starts[f]
                 ids[r, start:start + len(values)] = values
         return ids
+
+
+def _finite(number: int | float) -> bool:
+    """Whether ``float(number)`` is a finite float (an int past the float range is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def _integral(value):

@@ -4,25 +4,25 @@ sources or the settings change. Data without a test split has its last lines hel
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
-import itertools
 import json
 import logging
 import os
 import secrets
 import shutil
+import threading
 import zlib
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, closing
 from pathlib import Path
-from typing import Iterator
+from typing import TypeVar
 
 import numpy as np
 
 from bagpipe.data.avazu import AvazuParser, is_avazu_header
 from bagpipe.data.binary import SPLITS, SplitWriter, id_dtype_for, is_preprocessed, open_dataset
-from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, decode_lines
+from bagpipe.data.blocks import count_lines, first_line, next_block, open_decompressed, read_ahead
+from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, TextBlock
 from bagpipe.data.sequences import INTERACTION_FILES, SequenceSettings, convert_interactions, is_interaction_log
 from bagpipe.data.vocab import (OOV_ID, VOCAB_DIR, EncodedParser, HashedColumn, Vocabulary, check_vocab_min_count,
                                 count_values, write_vocabularies)
@@ -30,6 +30,7 @@ from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
 
 log = logging.getLogger(__name__)
+Result = TypeVar("Result")
 
 FORMATS = ("criteo", "avazu", "jsonl", "movielens")
 SUFFIX_FORMATS = {".tsv": "criteo", ".txt": "criteo", ".csv": "avazu", ".jsonl": "jsonl", ".json": "jsonl"}
@@ -37,10 +38,8 @@ VOCAB_FORMATS = ("criteo", "avazu")  # raw values that a vocabulary numbers (dat
 # train --data with Avazu and neither a vocabulary nor table sizes: every value of the train split gets an id.
 AVAZU_DEFAULT_MIN_COUNT = 1
 LINES_PER_CHUNK = 65_536
+BYTES_PER_CHUNK = 8 << 20  # and at most as many lines as fit in this many bytes (a longer line: just it)
 BAD_ROW_POLICIES = ("error", "skip")
-GZIP_MAGIC = b"\x1f\x8b"
-GZIP_READ_BYTES = 1 << 20
-COUNT_READ_BYTES = 1 << 20
 SNIFF_LINE_BYTES = 1 << 16  # enough of a first line to tell its format
 # Data without a test split: its last share of lines is held out as one. Criteo Kaggle's convention:
 # the last 1/7 of its rows is the last of its seven days.
@@ -96,7 +95,7 @@ def _sniff(path: Path) -> str | None:
     is a CSV header naming ``click``, else None."""
     try:
         with ExitStack() as stack:
-            _, lines_in = _open_decompressed(path, stack)
+            _, lines_in = open_decompressed(path, stack)
             while line := lines_in.readline(SNIFF_LINE_BYTES):
                 if line.strip():
                     if line.lstrip().startswith(b"{"):
@@ -109,18 +108,6 @@ def _sniff(path: Path) -> str | None:
     return None
 
 
-def first_line(path: Path) -> str:
-    """The first line of a plain or gzip file, as text."""
-    with ExitStack() as stack:
-        _, lines_in = _open_decompressed(path, stack)
-        try:
-            return lines_in.readline().decode("utf-8-sig")  # a byte order mark is not part of a header
-        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-            raise DataError(str(path), 1, f"corrupt or truncated gzip data ({err})") from None
-        except UnicodeDecodeError:
-            raise DataError(str(path), 1, "not UTF-8 text (is this a binary or compressed file?)") from None
-
-
 def check_format(fmt: str | None) -> None:
     if fmt is not None and fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -130,19 +117,6 @@ def check_holdout(holdout: float) -> None:
     if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
         raise ValueError(f"--holdout must lie in [0, 1) (the share of lines held out as the test split of data "
                          f"without one), got {holdout!r}")
-
-
-def count_lines(path: Path) -> int:
-    """The lines of a plain or gzip file, in one binary pass; a last line without a newline counts."""
-    with ExitStack() as stack:
-        _, data = _open_decompressed(path, stack)
-        lines, last = 0, b"\n"
-        try:
-            while block := data.read(COUNT_READ_BYTES):
-                lines, last = lines + block.count(b"\n"), block[-1:]
-        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-            raise DataError(str(path), lines + 1, f"corrupt or truncated gzip data ({err})") from None
-    return lines + (last != b"\n")
 
 
 def _held_out_lines(splits: dict[str, Path], fmt: str, holdout: float) -> int | None:
@@ -239,39 +213,32 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:,.1f} GiB"
 
 
-def _open_decompressed(path: Path, stack: ExitStack) -> tuple[io.BufferedReader, io.BufferedReader]:
-    """The file as stored, and its content: gzip is told by its magic bytes, whatever the name."""
-    raw = stack.enter_context(open(path, "rb"))
-    compressed = raw.read(len(GZIP_MAGIC)) == GZIP_MAGIC
-    raw.seek(0)
-    # A buffered reader over the gzip stream splits lines in C, as it does for a plain file.
-    return raw, (stack.enter_context(io.BufferedReader(gzip.GzipFile(fileobj=raw), GZIP_READ_BYTES))
-                 if compressed else raw)
-
-
-def _read_chunks(path: Path, *, bad: BadRows | None, show_progress: bool, desc: str) -> Iterator[tuple[int, list[str]]]:
-    """Runs of decoded lines, LINES_PER_CHUNK lines at a time, from a plain or a gzip file.
+def _read_chunks(path: Path, *, show_progress: bool, desc: str) -> Iterator[tuple[int, TextBlock]]:
+    """Blocks of whole lines from a plain or a gzip file, each with the number of its first line:
+    LINES_PER_CHUNK lines, or as many as fit in BYTES_PER_CHUNK bytes if fewer; each read while the one
+    before is parsed.
 
     The progress bar counts bytes as stored.
     """
     with ExitStack() as stack:
-        raw, lines_in = _open_decompressed(path, stack)
+        raw, data_in = open_decompressed(path, stack)
         bar = stack.enter_context(progress(total=path.stat().st_size, desc=desc, unit="B", enabled=show_progress))
-        first_line, stored_bytes_read = 1, 0
-        while lines := _next_lines(lines_in, path=path, first_line=first_line):
-            yield from decode_lines(lines, path=str(path), first_line=first_line, bad=bad)
-            first_line += len(lines)
-            bar.update(raw.tell() - stored_bytes_read)
-            stored_bytes_read = raw.tell()
 
+        def blocks() -> Iterator[tuple[int, TextBlock, int]]:
+            first_line, ahead = 1, b""
+            while True:
+                block, ahead = next_block(data_in, ahead, path=path, first_line=first_line,
+                                          max_bytes=BYTES_PER_CHUNK, max_lines=LINES_PER_CHUNK)
+                if not block.num_lines:
+                    return
+                yield first_line, block, raw.tell()
+                first_line += len(block)
 
-def _next_lines(handle, *, path: Path, first_line: int) -> list[bytes]:
-    lines: list[bytes] = []
-    try:
-        lines.extend(itertools.islice(handle, LINES_PER_CHUNK))  # keeps what it read if this fails
-    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-        raise DataError(str(path), first_line + len(lines), f"corrupt or truncated gzip data ({err})") from None
-    return lines
+        stored_bytes_read = 0
+        for first_line, block, stored_bytes in stack.enter_context(closing(read_ahead(blocks()))):
+            yield first_line, block
+            bar.update(stored_bytes - stored_bytes_read)
+            stored_bytes_read = stored_bytes
 
 
 def _fingerprint(path: Path) -> dict:
@@ -280,6 +247,29 @@ def _fingerprint(path: Path) -> dict:
     with open(path, "rb") as handle:
         digest = hashlib.file_digest(handle, lambda: hashlib.blake2b(digest_size=32)).hexdigest()
     return {"file": path.name, "size": stat[0], "blake2b": digest, "stat": stat}
+
+
+def _in_background(work: Callable[[], Result]) -> Callable[[], Result]:
+    """Start ``work`` on a daemon thread (one that does not hold up the exit of a failed conversion); the call
+    returned waits for its result, or raises its error."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = work()
+        except BaseException as err:  # handed to the caller
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="bagpipe-fingerprint", daemon=True)
+    thread.start()
+
+    def result() -> Result:
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
+
+    return result
 
 
 def _stat_fields(path: Path) -> list[int]:
@@ -338,7 +328,8 @@ def preprocess(
         raise ValueError(f"{input_path}: {fmt} values need ids: give --vocab-min-count N (a vocabulary of the train "
                          f"split's values seen N times or more) or --table-sizes / --meta FILE (a meta.json; values "
                          f"hashed modulo the sizes)")
-    sources = {name: _fingerprint(path) for name, path in _sources(input_path, splits).items()}
+    # Hashing lets go of the GIL: the sources are fingerprinted on another thread while they are converted.
+    sources = _in_background(lambda: {name: _fingerprint(path) for name, path in _sources(input_path, splits).items()})
     test_from = _held_out_lines(splits, fmt, holdout)
 
     out.mkdir(parents=True, exist_ok=True)
@@ -384,7 +375,7 @@ def preprocess(
             **_settings(fmt=fmt, on_bad_row=on_bad_row, table_sizes_from=sizes_from,
                         holdout=_effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count),
             "table_sizes": schema.cardinalities,
-            "sources": sources,
+            "sources": sources(),
         },
     }
     if bad and bad.total:
@@ -410,9 +401,9 @@ def _text_parser(fmt: str, splits: dict[str, Path], *, sizes: list[int] | None, 
         return EncodedParser(base, [HashedColumn(size) for size in sizes]), None
     train = splits["train"]
     scratch = BadRows() if on_bad_row == "skip" else None  # the conversion counts them
-    runs = _routed(_read_chunks(train, bad=scratch, show_progress=show_progress, desc="count train"),
-                   split="train", test_from=test_from)
-    counts = count_values(base, ((str(train), first, lines) for part, first, lines in runs if part == "train"),
+    blocks = _routed(_read_chunks(train, show_progress=show_progress, desc="count train"), split="train",
+                     test_from=test_from)
+    counts = count_values(base, ((str(train), first, block) for part, first, block in blocks if part == "train"),
                           bad=scratch)
     vocabularies = [Vocabulary.from_counts(name, table_counts, min_count=vocab_min_count)
                     for name, table_counts in zip(base.table_names, counts)]
@@ -443,17 +434,23 @@ def _convert_splits(splits: dict[str, Path], out: Path, parser, *, sizes: list[i
     writers = {split: SplitWriter(out / split, id_dtype=id_dtype) for split in splits}
     if test_from is not None:
         writers["test"] = SplitWriter(out / "test", id_dtype=id_dtype)
-    for split, path in splits.items():
-        runs = _read_chunks(path, bad=bad, show_progress=show_progress, desc=f"preprocess {split}")
-        for part, first_line, lines in _routed(runs, split=split, test_from=test_from if split == "train" else None):
-            skipped_before = bad.total if bad else 0
-            chunk = parser.parse(lines, path=str(path), first_line=first_line, bad=bad)
-            if inferred is not None and len(chunk.labels):
-                rows_are_lines = (bad.total if bad else 0) == skipped_before
-                per_table = np.maximum.reduceat(chunk.ids, parser.table_starts(), axis=1)
-                inferred.update(per_table, path=path, first_line=first_line if rows_are_lines else None)
-                inferred.refuse_if_unplannable(parser.table_names())  # as soon as it shows, not at the end
-            writers[part].append(chunk)
+    try:
+        for split, path in splits.items():
+            blocks = _read_chunks(path, show_progress=show_progress, desc=f"preprocess {split}")
+            for part, first_line, block in _routed(blocks, split=split,
+                                                   test_from=test_from if split == "train" else None):
+                skipped_before = bad.total if bad else 0
+                chunk = parser.parse(block, path=str(path), first_line=first_line, bad=bad)
+                if inferred is not None and len(chunk.labels):
+                    rows_are_lines = (bad.total if bad else 0) == skipped_before
+                    per_table = np.maximum.reduceat(chunk.ids, parser.table_starts(), axis=1)
+                    inferred.update(per_table, path=path, first_line=first_line if rows_are_lines else None)
+                    inferred.refuse_if_unplannable(parser.table_names())  # as soon as it shows, not at the end
+                writers[part].append(chunk)
+    except BaseException:
+        for writer in writers.values():  # no write lands later, in files a second pass opens again
+            writer.discard()
+        raise
     if inferred is not None:
         if inferred.max_ids is None:
             raise ValueError(f"{', '.join(map(str, splits.values()))}: no valid rows, so table sizes cannot be "
@@ -463,16 +460,17 @@ def _convert_splits(splits: dict[str, Path], out: Path, parser, *, sizes: list[i
     return writers, bad, sizes
 
 
-def _routed(runs: Iterator[tuple[int, list[str]]], *, split: str,
-            test_from: int | None) -> Iterator[tuple[str, int, list[str]]]:
-    """Each run of lines with the split it goes to: lines ``test_from`` on to the test split. By line
+def _routed(blocks: Iterator[tuple[int, TextBlock]], *, split: str,
+            test_from: int | None) -> Iterator[tuple[str, int, TextBlock]]:
+    """Each block of lines with the split it goes to: lines ``test_from`` on to the test split. By line
     number, before parsing, so that skipped bad rows do not move the boundary."""
-    for first_line, lines in runs:
-        cut = len(lines) if test_from is None else min(max(test_from - first_line, 0), len(lines))
+    for first_line, block in blocks:
+        cut = len(block) if test_from is None else min(max(test_from - first_line, 0), len(block))
+        head, tail = block.split(cut)
         if cut:
-            yield split, first_line, lines[:cut]
-        if cut < len(lines):
-            yield "test", first_line + cut, lines[cut:]
+            yield split, first_line, head
+        if cut < len(block):
+            yield "test", first_line + cut, tail
 
 
 def _measure(splits: dict[str, Path], *, sizes: list[int] | None, on_bad_row: str, show_progress: bool):
@@ -480,8 +478,8 @@ def _measure(splits: dict[str, Path], *, sizes: list[int] | None, on_bad_row: st
     parser = JsonlParser(sizes)
     scratch = BadRows() if on_bad_row == "skip" else None  # the conversion counts them
     for split, path in splits.items():
-        for first_line, lines in _read_chunks(path, bad=scratch, show_progress=show_progress, desc=f"measure {split}"):
-            parser.measure(lines, path=str(path), first_line=first_line, bad=scratch)
+        for first_line, block in _read_chunks(path, show_progress=show_progress, desc=f"measure {split}"):
+            parser.measure(block, path=str(path), first_line=first_line, bad=scratch)
     shape = parser.learned_shape()
     assert shape is not None, "measured because a valid row needed it"
     return shape

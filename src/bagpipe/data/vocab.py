@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bagpipe.data.formats import BadRows, Chunk, Tokens
+from bagpipe.data.formats import BadRows, Chunk, TextBlock, Tokens
 
 OOV_ID = 0
 VOCAB_DIR = "vocab"  # beside the converted splits: one <column>.tsv a table
@@ -31,7 +31,10 @@ def check_vocab_min_count(min_count: int) -> None:
 
 
 def _strings(column: Sequence[str]) -> np.ndarray:
-    """A column as a numpy string array; its width found first, which halves numpy's time."""
+    """A column as a numpy string array (as the fast readers give it already); its width found first, which
+    halves numpy's time."""
+    if isinstance(column, np.ndarray) and column.dtype.kind == "U":
+        return column
     return np.array(column, dtype=f"U{max(map(len, column), default=0) or 1}")
 
 
@@ -143,8 +146,8 @@ class EncodedParser:
         assert len(encoders) == base.num_tables
         self.base, self.encoders = base, encoders
 
-    def parse(self, lines: list[str], *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
-        tokens = self.base.tokens(lines, path=path, first_line=first_line, bad=bad)
+    def parse(self, block: TextBlock, *, path: str, first_line: int, bad: BadRows | None) -> Chunk:
+        tokens = self.base.tokens(block, path=path, first_line=first_line, bad=bad)
         ids = np.empty((len(tokens.labels), len(self.encoders)), dtype=np.int64)
         for table, (column, encoder) in enumerate(zip(tokens.columns, self.encoders)):
             ids[:, table] = encoder.encode(column)
@@ -154,11 +157,11 @@ class EncodedParser:
         return self.base.schema(sizes)
 
 
-def count_values(base, runs: Iterable[tuple[str, int, list[str]]], *, bad: BadRows | None) -> list[ValueCounts]:
-    """Each table's value counts over ``runs`` ((path, first line, lines) of the train split only)."""
+def count_values(base, blocks: Iterable[tuple[str, int, TextBlock]], *, bad: BadRows | None) -> list[ValueCounts]:
+    """Each table's value counts over ``blocks`` ((path, first line, block) of the train split only)."""
     counts = [ValueCounts() for _ in range(base.num_tables)]
-    for path, first_line, lines in runs:
-        tokens: Tokens = base.tokens(lines, path=path, first_line=first_line, bad=bad)
+    for path, first_line, block in blocks:
+        tokens: Tokens = base.tokens(block, path=path, first_line=first_line, bad=bad)
         for table, column in zip(counts, tokens.columns):
             table.add(column)
     return counts

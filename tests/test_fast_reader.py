@@ -1,0 +1,270 @@
+"""The block readers (data.fast_tsv, data.fast_jsonl) against the line parsers they stand in for: the same arrays
+bit for bit, the same bad line named, the same bad rows skipped and counted."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+import bagpipe.data.fast_jsonl as fast_jsonl
+import bagpipe.data.fast_tsv as fast_tsv
+import bagpipe.data.preprocess as pre
+from bagpipe.data.avazu import COLUMNS
+from bagpipe.data.formats import CriteoParser, DataError, JsonlParser, TextBlock
+from bagpipe.data.preprocess import preprocess
+from bagpipe.synth import generate
+
+SIZES = [7, 1000, 2**31 - 1, 3]
+DENSE = ["", "0", "-0", "-1", "7", "0007", "-42", "999999999999999", "-99999999999999", "450359962737049"]
+ODD_DENSE = ["1.5", "+3", "1e3", " 4", "12345678901234567890", "-0.0"]  # valid, but only for the line parser
+
+
+def hex_token(rng, digits):
+    return "".join(rng.choice(list("0123456789abcdefABCDEF"), digits))
+
+
+def criteo_rows(rng, count, *, odd=False):
+    """Rows with empty fields, zero, negative and large integers, hex of 1 to 16 digits in either case; ``odd``:
+    also values that only the line parser reads (a label 1.0, the dense values above, hex of 17 or more digits)."""
+    rows = []
+    for _ in range(count):
+        label = rng.choice(["0", "1", "1.0"] if odd else ["0", "1"])
+        dense = rng.choice(DENSE + ODD_DENSE if odd else DENSE, 13)
+        cats = [hex_token(rng, int(rng.integers(0, 21 if odd else 17))) if rng.random() < 0.8 else ""
+                for _ in SIZES]
+        rows.append("\t".join([label, *dense, *cats]))
+    return rows
+
+
+def reference(parser, data: bytes, method="parse_lines"):
+    """``parser`` as it was before the block readers: decoded lines, parsed in Python."""
+    (first, lines), = TextBlock.of(data).decoded(path="f", first_line=1, bad=None)
+    return getattr(parser, method)(lines, path="f", first_line=first, bad=None)
+
+
+def assert_same(a, b, names=("labels", "dense", "ids")):
+    for name in names:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+
+
+@pytest.fixture
+def line_parsers_refused(monkeypatch):
+    """Fail a test whose block falls back to the line parsers: the block reader must read it all."""
+    def refused(*args, **kwargs):
+        raise AssertionError("the block reader gave this block to the line parser")
+
+    for name in ("parse_lines", "tokens_lines"):
+        monkeypatch.setattr(CriteoParser, name, refused)
+    monkeypatch.setattr(JsonlParser, "parse_lines", refused)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Blocks of a few hundred bytes, read in several pieces each: every boundary is crossed."""
+    monkeypatch.setattr(pre, "BYTES_PER_CHUNK", 700)
+    monkeypatch.setattr(pre, "LINES_PER_CHUNK", 9)
+    monkeypatch.setattr(fast_tsv, "MIN_PIECE_BYTES", 100)
+
+
+def line_parsers_only(monkeypatch):
+    monkeypatch.setattr(fast_tsv, "split_fields", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fast_jsonl, "one_hot_rows", lambda *args, **kwargs: None)
+
+
+def converted(tmp_path, monkeypatch, source, name, **kwargs):
+    """The files ``preprocess`` writes for ``source``, by the block readers and by the line parsers alone."""
+    outputs = []
+    for kind in ("blocks", "lines"):
+        with monkeypatch.context() as patch:
+            if kind == "lines":
+                line_parsers_only(patch)
+            meta = preprocess(source, tmp_path / f"{name}-{kind}", show_progress=False, **kwargs)
+        files = {p.relative_to(tmp_path / f"{name}-{kind}"): p.read_bytes()
+                 for p in sorted((tmp_path / f"{name}-{kind}").rglob("*")) if p.is_file()}
+        outputs.append((meta, files))
+    return outputs
+
+
+def test_plain_criteo_blocks_are_read_whole_and_equal_the_line_parser(line_parsers_refused):
+    rng = np.random.default_rng(0)
+    data = "".join(row + "\n" for row in criteo_rows(rng, 3000)).encode()
+    parser = CriteoParser(SIZES)
+    chunk = parser.parse(TextBlock.of(data), path="f", first_line=1, bad=None)
+    assert len(chunk.labels) == 3000
+    crlf = parser.parse(TextBlock.of(data.replace(b"\n", b"\r\n")), path="f", first_line=1, bad=None)
+    assert_same(crlf, chunk)
+    tokens = CriteoParser(num_tables=len(SIZES)).tokens(TextBlock.of(data), path="f", first_line=1, bad=None)
+    assert all(isinstance(column, np.ndarray) for column in tokens.columns)
+
+
+def test_criteo_blocks_equal_the_line_parser_bit_for_bit():
+    rng = np.random.default_rng(1)
+    for odd in (False, True):
+        data = "".join(row + "\n" for row in criteo_rows(rng, 2000, odd=odd)).encode()
+        for text in (data, data.replace(b"\n", b"\r\n"), data[:-1]):  # and a last line without its newline
+            parser = CriteoParser(SIZES)
+            assert_same(parser.parse(TextBlock.of(text), path="f", first_line=1, bad=None), reference(parser, text))
+            base = CriteoParser(num_tables=len(SIZES))
+            new = base.tokens(TextBlock.of(text), path="f", first_line=1, bad=None)
+            old = reference(base, text, "tokens_lines")
+            assert_same(new, old, names=("labels", "dense"))
+            assert [list(column) for column in new.columns] == [list(column) for column in old.columns]
+
+
+@pytest.mark.parametrize("text", ["+5", "1.5", "1e3", " 5", "5 ", "\u0663", "-", "--1", "1-", "0x1f", "1_000",
+                                  "1234567890123456"])
+def test_decimals_outside_the_grammar_are_left_to_the_line_parser(text):
+    row = "\t".join(["1", text, *["1"] * 12, "a", "b", "c", "d"])
+    fields = fast_tsv.split_fields(row.encode(), num_columns=18, delimiter="\t")
+    assert fields is None or fast_tsv.decimals(fields[1]) is None
+
+
+def test_decimals_equal_python_float():
+    texts = ["0", "-0", "00", "-007", "123456789012345", "-12345678901234", "9007199254740993"[:15], ""]
+    fields = fast_tsv.split_fields("\n".join(texts).encode() + b"\n", num_columns=1, delimiter="\t")
+    values = fast_tsv.decimals(fields[0])
+    expected = np.array([float(text) if text else 0.0 for text in texts])
+    assert values.tobytes() == expected.tobytes()  # -0.0 too
+
+
+@pytest.mark.parametrize("data", [b"\xef\xbb\xbf1\ta\n", b"1\ta\r\n0\tb\rc\n", b"1\ta\n\n0\tb\n", b"1\ta\r\r\n",
+                                  b"1\ta\tb\n", b'1\t"a\tb"\n'])
+def test_what_pyarrow_would_split_otherwise_is_refused(data):
+    assert fast_tsv.split_fields(data, num_columns=2, delimiter="\t") is None
+
+
+@pytest.mark.parametrize("text", ["0x12", "g", "12345678901234567", " a", "a\u00e9"])
+def test_hex_outside_the_grammar_is_left_to_the_line_parser(text):
+    fields = fast_tsv.split_fields(f"{text}\n".encode(), num_columns=1, delimiter="\t")
+    assert fast_tsv.hex_values(fields[0]) is None
+
+
+def test_conversions_of_synth_data_and_varied_rows_are_byte_for_byte_the_same(tmp_path, monkeypatch, small_chunks):
+    synth = tmp_path / "synth"
+    generate(synth, rows=3000, test_rows=500, seed=2, table_sizes=[5, 100, 10_000], show_progress=False)
+    (blocks_meta, blocks), (lines_meta, lines) = converted(tmp_path, monkeypatch, synth, "synth")
+    assert blocks == lines and blocks_meta["rows"] == {"train": 3000, "test": 500}
+
+    rng = np.random.default_rng(3)
+    varied = tmp_path / "varied"
+    varied.mkdir()
+    (varied / "train.tsv.gz").write_bytes(gzip.compress("".join(r + "\n" for r in criteo_rows(rng, 1500)).encode()))
+    (varied / "meta.json").write_text(json.dumps({"table_sizes": SIZES}))
+    (blocks_meta, blocks), (_, lines) = converted(tmp_path, monkeypatch, varied, "varied")
+    assert blocks == lines and blocks_meta["held_out"]["from_line"] == 1500 - round(1500 / 7) + 1
+    (_, blocks), (_, lines) = converted(tmp_path, monkeypatch, varied, "vocab", vocab_min_count=2)
+    assert blocks == lines and any(name.parts[0] == "vocab" for name in blocks)
+
+
+def test_lines_longer_than_a_block_and_blocks_cut_at_their_line_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(pre, "BYTES_PER_CHUNK", 40)  # every line is longer
+    source = write_rows(tmp_path / "train.tsv", criteo_rows(np.random.default_rng(8), 50))
+    (_, blocks), (_, lines) = converted(tmp_path, monkeypatch, source, "long", table_sizes=SIZES, holdout=0.3)
+    assert blocks == lines
+    monkeypatch.setattr(pre, "BYTES_PER_CHUNK", 1 << 20)
+    monkeypatch.setattr(pre, "LINES_PER_CHUNK", 3)  # a block of 3 lines out of each read
+    (_, cut), _ = converted(tmp_path, monkeypatch, source, "cut", table_sizes=SIZES, holdout=0.3)
+    assert cut == blocks
+
+
+BAD_ROWS = {
+    "wrong column count": "1" + "\t1" * 12 + "\ta" * 4,
+    "bad label": "2" + "\t1" * 13 + "\ta" * 4,
+    "non-numeric dense value": "1\tabc" + "\t1" * 12 + "\ta" * 4,
+    "non-hex token": "1" + "\t1" * 13 + "\ta\t0x12\ta\ta",
+    "not UTF-8 text": "1\t\udcff" + "\t1" * 12 + "\ta" * 4,
+}
+
+
+def write_rows(path, rows):
+    path.write_bytes(b"".join(row.encode("utf-8", "surrogateescape") + b"\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_ROWS))
+def test_a_bad_row_among_blocks_is_named_by_file_and_line_as_before(tmp_path, monkeypatch, small_chunks, reason):
+    rows = criteo_rows(np.random.default_rng(4), 400)
+    path = write_rows(tmp_path / "train.tsv", rows[:236] + [BAD_ROWS[reason]] + rows[236:])
+    errors = []
+    for lines_only in (False, True):
+        with monkeypatch.context() as patch:
+            if lines_only:
+                line_parsers_only(patch)
+            with pytest.raises(DataError) as err:
+                preprocess(path, tmp_path / "bin", table_sizes=SIZES, show_progress=False)
+        errors.append(str(err.value))
+        assert err.value.path == str(path) and err.value.line == 237 and reason in str(err.value)
+    assert errors[0] == errors[1]
+
+
+def test_skipped_rows_are_counted_as_by_the_line_parsers(tmp_path, monkeypatch, small_chunks):
+    rows = criteo_rows(np.random.default_rng(5), 600)
+    for at, bad in zip((3, 50, 51, 300, 470, 599), [*BAD_ROWS.values(), BAD_ROWS["bad label"]], strict=True):
+        rows.insert(at, bad)
+    source = write_rows(tmp_path / "train.tsv", rows)
+    (blocks_meta, blocks), (lines_meta, lines) = converted(tmp_path, monkeypatch, source, "skip", table_sizes=SIZES,
+                                                           on_bad_row="skip", holdout=0.2)
+    assert blocks == lines and blocks_meta["skipped_rows"] == 6
+    assert blocks_meta["skipped_by_reason"] == lines_meta["skipped_by_reason"] == {
+        "wrong column count": 1, "bad label": 2, "non-numeric dense value": 1, "non-hex token": 1, "not UTF-8 text": 1}
+
+
+def jsonl_rows(rng, count, *, odd=False):
+    rows = []
+    for _ in range(count):
+        dense = [float(x) for x in rng.normal(0, 1e6, 3)] + [int(rng.integers(-5, 2**62)), -0.0, 2**64]
+        record = {"label": int(rng.integers(0, 2)) if rng.random() < 0.5 else float(rng.integers(0, 2)),
+                  "dense": dense, "sparse": [int(rng.integers(0, n)) for n in SIZES]}
+        if odd and rng.random() < 0.1:
+            record["label"] = bool(record["label"])  # the line parser takes it as a number
+        if odd and rng.random() < 0.05:
+            record["sparse"][1] = True  # but not as an id
+        if odd and rng.random() < 0.1:
+            record["sparse"][0 if rng.random() < 0.5 else 3] = -1 if rng.random() < 0.5 else SIZES[3]
+        rows.append(json.dumps(record))
+    return rows
+
+
+def test_jsonl_blocks_equal_the_line_parser(tmp_path, monkeypatch, small_chunks):
+    rng = np.random.default_rng(6)
+    data = "".join(row + "\n" for row in jsonl_rows(rng, 500)).encode()
+    with monkeypatch.context() as patch:
+        patch.setattr(JsonlParser, "parse_lines", lambda *a, **k: pytest.fail("a plain block left to the lines"))
+        chunk = JsonlParser(SIZES).parse(TextBlock.of(data), path="f", first_line=1, bad=None)
+    assert_same(chunk, reference(JsonlParser(SIZES), data))
+    assert_same(chunk, JsonlParser(None).parse(TextBlock.of(data), path="f", first_line=1, bad=None))
+
+    path = write_rows(tmp_path / "train.jsonl", jsonl_rows(rng, 300) + ['{"label": 1, "dense": [1'])
+    with pytest.raises(DataError, match="train.jsonl:301: not valid JSON"):
+        preprocess(path, tmp_path / "bin", table_sizes=SIZES, show_progress=False)
+    (tmp_path / "odd").mkdir()
+    write_rows(tmp_path / "odd" / "train.jsonl", jsonl_rows(rng, 300, odd=True) + ['{"label": 1, "dense": [1'])
+    (blocks_meta, blocks), (lines_meta, lines) = converted(tmp_path, monkeypatch, tmp_path / "odd", "jsonl",
+                                                           table_sizes=SIZES, on_bad_row="skip")
+    assert blocks == lines and blocks_meta["skipped_by_reason"]["not valid JSON"] == 1
+    assert blocks_meta["skipped_by_reason"]["non-integer id"] and blocks_meta["skipped_by_reason"]["id out of range"]
+
+
+def test_avazu_blocks_equal_the_line_parser(tmp_path, monkeypatch, small_chunks):
+    rng = np.random.default_rng(7)
+    features = len(COLUMNS) - 2
+    rows = [",".join([str(10**18 + i), str(i % 2), *(f"{v:x}" if v % 3 else "" for v in rng.zipf(1.5, features))])
+            for i in range(800)]
+    rows[400] += "\u00e9"  # text beyond ASCII: the line parser's
+    source = tmp_path / "avazu"
+    source.mkdir()
+    write_rows(source / "train.csv", [",".join(COLUMNS), *rows])
+    for settings in ({"vocab_min_count": 2}, {"table_sizes": [97] * features}):
+        (_, blocks), (_, lines) = converted(tmp_path, monkeypatch, source, "avazu", **settings)
+        assert blocks == lines
+
+
+def test_multi_valued_jsonl_after_one_hot_blocks_converts_as_before(tmp_path, monkeypatch, small_chunks):
+    rng = np.random.default_rng(9)
+    rows = jsonl_rows(rng, 200)  # one-hot blocks, read whole and written, before the first list is met
+    rows += [json.dumps({"label": 1, "dense": [1.0] * 6, "sparse": [1, [2, 3], 0, 2]}), *jsonl_rows(rng, 50)]
+    source = write_rows(tmp_path / "train.jsonl", rows)
+    (blocks_meta, blocks), (_, lines) = converted(tmp_path, monkeypatch, source, "lists", table_sizes=SIZES)
+    assert blocks == lines and blocks_meta["rows"]["train"] + blocks_meta["rows"]["test"] == 251
