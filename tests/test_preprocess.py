@@ -150,6 +150,25 @@ def test_a_copy_without_records_from_an_older_version_is_converted_again(tmp_pat
     assert "made_from" in open_dataset(cached).meta
 
 
+def test_a_copy_fingerprinted_with_the_earlier_hash_is_converted_again_once_its_sources_move(
+        tmp_path, conversions, info_log):
+    """Conversions recorded a BLAKE2b hash before xxh3-128: trusted while the sources' stat fields are
+    unchanged (nothing to hash), converted again once they moved (the hashes cannot be compared)."""
+    data = make_data(tmp_path / "data")
+    cached = ensure_preprocessed(data, show_progress=False)
+    meta = json.loads((cached / "meta.json").read_text())
+    for source in meta["made_from"]["sources"].values():
+        source["blake2b"] = "0" * 64
+        del source["xxh3_128"]
+    (cached / "meta.json").write_text(json.dumps(meta))
+    ensure_preprocessed(data, show_progress=False)
+    assert len(conversions) == 1
+    os.utime(data / "train.tsv")  # same content, new stat fields
+    ensure_preprocessed(data, show_progress=False)
+    assert len(conversions) == 2 and "fingerprinted by an earlier version (another hash)" in info_log.text
+    assert "xxh3_128" in open_dataset(cached).meta["made_from"]["sources"]["train"]
+
+
 def test_a_crash_mid_conversion_leaves_the_earlier_copy_in_use(tmp_path, conversions, monkeypatch):
     data = make_data(tmp_path / "data", rows=400)
     cached = ensure_preprocessed(data, show_progress=False)

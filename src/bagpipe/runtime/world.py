@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from bagpipe.faults import set_role
+from bagpipe.threads import Background
 
 log = logging.getLogger(__name__)
 
@@ -188,22 +188,13 @@ def bounded(call, *, timeout: float, what: str):
     listener which never answers waits forever): the call runs in a helper thread, so the caller
     can give up, and Ctrl-C still reaches it.
     """
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as err:  # handed to the caller
-            outcome["error"] = err
-
-    helper = threading.Thread(target=run, name="bounded", daemon=True)
-    helper.start()
-    helper.join(timeout)
-    if helper.is_alive():
-        raise TimeoutError(f"{what} within {timeout:.0f} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    helper = Background(call, name="bounded")
+    try:
+        return helper.result(timeout)
+    except TimeoutError:
+        if helper.done():  # the call's own TimeoutError
+            raise
+        raise TimeoutError(f"{what} within {timeout:.0f} s") from None
 
 
 def uses_agent_store() -> bool:

@@ -1,0 +1,36 @@
+"""Work on a daemon thread whose result (or error) the caller collects: a thread that never holds up
+the exit of a failing process, unlike a ThreadPoolExecutor's."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Generic, TypeVar
+
+Result = TypeVar("Result")
+
+
+class Background(Generic[Result]):
+    """``call()`` started on a daemon thread named ``name``."""
+
+    def __init__(self, call: Callable[[], Result], *, name: str) -> None:
+        self._outcome: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Result]) -> None:
+        try:
+            self._outcome["value"] = call()
+        except BaseException as err:  # handed to the caller
+            self._outcome["error"] = err
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None) -> Result:
+        """The call's value, or its error raised here; a TimeoutError if it has not ended within ``timeout``."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self._thread.name} still running after {timeout} s")
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]
