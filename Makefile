@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ bench-checkpoint: $(BIN)/bagpipe
 
 bench-preprocess: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_preprocess.py --work-dir runs/bench_preprocess --out runs/bench_preprocess/result.json
+
+bench-storage: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_storage.py --work-dir runs/bench_storage --out runs/bench_storage/result.json
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs

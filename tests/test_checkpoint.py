@@ -246,7 +246,7 @@ def test_a_server_snapshot_keeps_the_rows_as_of_its_boundary_while_later_write_b
     store.write_back(np.array([1, 7]), 9 * torch.ones(2, 2), torch.zeros(2, 2), version=6)  # after it: copied first
     store.write_back(np.array([4, 5]), 2 * torch.ones(2, 2), torch.zeros(2, 2), version=4)  # late, but before it
     store.write_back(np.array([5]), 8 * torch.ones(1, 2), torch.zeros(1, 2), version=5)  # after it
-    initial = make_store().weights.numpy()
+    initial = make_store().all_weights().numpy()
     chunks = store.snapshot_chunks(timeout=2.0, chunk_rows=5)
     first = next(chunks)  # rows 0-4 read; then rows on both sides of that are overwritten
     store.write_back(np.array([2, 8]), 7 * torch.ones(2, 2), torch.zeros(2, 2), version=7)
@@ -256,7 +256,7 @@ def test_a_server_snapshot_keeps_the_rows_as_of_its_boundary_while_later_write_b
     assert local.tolist() == list(range(12))
     assert (rows[[0, 1, 2]] == 1).all() and (rows[[4, 5]] == 2).all()  # as of the boundary, not 9 or 8
     assert np.array_equal(rows[7], initial[7]) and np.array_equal(rows[8], initial[8])
-    assert store.weights[1, 0] == 9 and store.weights[5, 0] == 8  # training goes on with the newer rows
+    assert store.all_weights()[1, 0] == 9 and store.all_weights()[5, 0] == 8  # training goes on with the newer rows
 
 
 def test_a_snapshot_waits_for_the_planned_write_backs_and_a_delta_holds_only_the_rows_written_since():

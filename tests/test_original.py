@@ -19,6 +19,7 @@ import pytest
 
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.preprocess import preprocess
+from bagpipe.model_dir import ModelDir
 from bagpipe.runtime.world import free_port
 from bagpipe.synth import generate
 from bagpipe.synth_sequences import generate_sequences
@@ -104,12 +105,9 @@ def test_the_quick_start_as_written(criteo_arrays, tmp_path):
     assert summary["cache_rows"] == sum(SIZES) and summary["samples_per_s"] > 0
     assert "eval_auc" not in summary  # the trainers' model is their own
     assert "cache holds all" in texts[2] or "holds all" in texts[2]  # --cache-size 5000000 > every row
-    checkpoint = run_dirs[0] / "checkpoint.pt"
-    import torch
-
-    saved = torch.load(checkpoint, weights_only=True)
-    assert [t.shape[1] for t in saved["embeddings"]] == [48] * 26  # the scripts' emb_size
-    assert any(name.startswith("top.") for name in saved["dense"])  # trainer 0's own model
+    saved = ModelDir.open(run_dirs[0] / "model")
+    assert [saved.table(t).shape[1] for t in range(saved.num_tables)] == [48] * 26  # the scripts' emb_size
+    assert any(name.startswith("top.") for name in saved.dense())  # trainer 0's own model
 
 
 def test_dlrm_on_two_nodes_as_written(criteo_arrays, tmp_path):

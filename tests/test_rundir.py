@@ -49,7 +49,7 @@ def test_overwrite_clears_the_old_run_before_the_new_one_writes(small_binary, fi
     old_records = (finished_run / "metrics.jsonl").read_text()
     assert train_cli(small_binary, finished_run, "--overwrite", "--optimizer", "sgd", "--lr", "1e30") == 1
     assert not is_finished(finished_run)
-    assert not (finished_run / "checkpoint.pt").exists()
+    assert not (finished_run / "model").exists()
     assert (finished_run / "metrics.jsonl").read_text() != old_records
     config = json.loads((finished_run / "config.json").read_text())
     assert config["lr"] == 1e30

@@ -163,12 +163,12 @@ def test_a_role_lost_after_training_ended_does_not_fail_the_run(small_binary, tm
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
 
 
-def test_an_oracle_killed_while_writing_the_checkpoint_leaves_no_partial_file(small_binary, tmp_path):
+def test_an_oracle_killed_while_writing_the_model_leaves_no_partial_file(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "bagpipe", iterations=10)
     with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed \(killed by SIGKILL\): it logged no error"):
-        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@checkpoint written:kill"})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@model written:kill"})
     run_dir = Path(config.run_dir)
-    assert not list(run_dir.glob("*.tmp")) and not (run_dir / "checkpoint.pt").exists()
+    assert not list(run_dir.glob("*.tmp")) and not (run_dir / "model").exists()
     assert not (run_dir / "summary.json").exists()
 
 

@@ -20,7 +20,9 @@ from bagpipe.data.schema import PAD
 from bagpipe.data.sequences import SequenceSettings, build_samples, dense_ids, read_interactions
 from bagpipe.embeddings import EmbeddingLayout
 from bagpipe.metrics import ranking_metrics
-from bagpipe.reference import build_model, build_tables, evaluate, train_reference, train_step
+from bagpipe.evaluation import evaluate
+from bagpipe.model_dir import TableRows
+from bagpipe.reference import build_model, build_tables, train_reference, train_step
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
 from bagpipe.synth_sequences import generate_sequences
@@ -93,7 +95,7 @@ def test_next_item_metrics_rank_every_item_but_the_history(sequence_data):
     config = TrainConfig(data="-", run_dir="-", model=CASER)
     dataset = open_dataset(sequence_data)
     tables = build_tables(config, dataset.schema)
-    got = evaluate(Fixed(), tables, dataset.test, batch_size=500, max_rows=500)
+    got = evaluate(Fixed(), tables.layout, TableRows(tables), dataset.test, batch_size=500, max_rows=500)
     ids = np.asarray(dataset.test.ids[:500])
     history, target = ids[:, 1:6], ids[:, 6]
     ranks = [int(np.sum((np.arange(300) > t) & ~np.isin(np.arange(300), h))) for h, t in zip(history, target)]

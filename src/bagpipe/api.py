@@ -145,7 +145,7 @@ class TrainerCache:
         """Finish (flushing every row to the servers if the data is not done) and leave the job.
 
         Trainer 0 may hand over its ``model`` (a DDP wrapper is unwrapped) so the oracle can
-        evaluate it and write it to the run dir's checkpoint.
+        evaluate it and write it to the run dir's model/.
         """
         if self._closed:
             return

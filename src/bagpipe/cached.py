@@ -80,7 +80,7 @@ def _by_shard(stores: list[RowStore], keys: np.ndarray):
 
 def gather_tables(stores: list[list[RowStore]], layout: EmbeddingLayout) -> list[torch.Tensor]:
     """Reassemble every table from its space's shards (for export and tests)."""
-    spaces = [gather_flat([store.weights for store in shards], space.num_rows)
+    spaces = [gather_flat([store.all_weights() for store in shards], space.num_rows)
               for shards, space in zip(stores, layout.spaces)]
     tables = []
     for t, table in enumerate(layout.tables):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -118,6 +119,8 @@ class _HashedFile:
         self.size = 0
 
     def write(self, data) -> int:
+        if memoryview(data).nbytes == 0:  # (an SGD shard's state has no columns: nothing to cast or write)
+            return 0
         view = memoryview(data).cast("B")
         self.digest.update(view)
         self.size += len(view)
@@ -350,6 +353,15 @@ def _chain(directory: Path) -> list[dict]:
     return chain[::-1]
 
 
+def read_chain(directory: Path) -> list[dict]:
+    """The manifests of a checkpoint just committed by this job, its full base first (not re-hashed)."""
+    chain, name = [], directory.name
+    while name is not None:
+        chain.append(_read_manifest(directory.parent / name))
+        name = chain[-1]["parent"]
+    return chain[::-1]
+
+
 def resume_chain(run_dir: str | Path, name: str) -> tuple[Path, list[dict]]:
     """The checkpoint ``name`` of ``run_dir`` (the one a resumed job continues from) and its chain."""
     directory = checkpoints_dir(run_dir) / name
@@ -369,6 +381,107 @@ def chain_parts(directory: Path, chain: list[dict]):
                     else entry["start"] + entry["step"] * np.arange(entry["count"], dtype=np.int64))
             yield (entry["space"], keys, np.load(where / entry["rows"], mmap_mode="r"),
                    np.load(where / entry["state"], mmap_mode="r"))
+
+
+class _MappedRows:
+    """A part's ``.npy`` rows, memory-mapped by this object so that the pages a read touched can be dropped
+    from this process's memory right after (they stay in the page cache): reading a checkpoint's rows never
+    adds up to holding its tables. Rows scattered over a file map a page or more each (the kernel maps
+    the pages around a fault too), so ``take`` reads them in sorted chunks, dropping each chunk's pages."""
+
+    TAKE_ROWS = 1024  # rows read between drops: at most ~64 MiB mapped at a time
+    MARGIN = 1 << 20  # bytes dropped beyond a chunk's rows on each side (the pages mapped around a fault)
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as handle:
+            version = np.lib.format.read_magic(handle)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read_header(handle)
+            assert not fortran and dtype == np.float32, f"{path}: float32 rows in C order expected"
+            self.offset = handle.tell()
+            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if shape[0] else None
+        self.array = (np.frombuffer(self.map, dtype=np.float32, count=shape[0] * shape[1], offset=self.offset)
+                      .reshape(shape) if self.map is not None else np.zeros(shape, dtype=np.float32))
+
+    def take(self, local: np.ndarray) -> np.ndarray:
+        """The rows at ``local`` (indices into the part), their pages dropped as they are read."""
+        out = np.empty((len(local), self.array.shape[1]), dtype=np.float32)
+        order = np.argsort(local, kind="stable")
+        row_bytes = 4 * self.array.shape[1]
+        for start in range(0, len(local), self.TAKE_ROWS):
+            chunk = order[start:start + self.TAKE_ROWS]
+            at = local[chunk]
+            out[chunk] = self.array[at]
+            first = max(self.offset + int(at[0]) * row_bytes - self.MARGIN, 0) // mmap.PAGESIZE * mmap.PAGESIZE
+            last = min(self.offset + (int(at[-1]) + 1) * row_bytes + self.MARGIN, len(self.map))
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return out
+
+    def release(self) -> None:
+        if self.map is not None:
+            self.map.madvise(mmap.MADV_DONTNEED)
+
+
+class ChainRows:
+    """The rows of a checkpoint's chain by key, read from its memory-mapped parts, never whole tables.
+
+    A full part is a range of keys ``start::step`` (a server's shard), located by arithmetic; a delta's
+    keys are held sorted and searched. Later parts override earlier ones, as a restore applies them.
+    The files are opened when this is made, so a checkpoint pruned meanwhile stays readable.
+    """
+
+    def __init__(self, located: list[tuple[Path, list[dict]]]) -> None:
+        """``located``: (directory, its part entries) in the order they apply."""
+        self.parts: dict[int, list[tuple]] = {}  # space -> (keys sorted or None, order, start, step, count, rows)
+        for where, entries in located:
+            for entry in entries:
+                rows = _MappedRows(where / entry["rows"])
+                if "keys" in entry:
+                    keys = np.load(where / entry["keys"])
+                    order = np.argsort(keys, kind="stable")
+                    located = (keys[order], order, 0, 1, entry["count"], rows)
+                else:
+                    located = (None, None, entry["start"], entry["step"], entry["count"], rows)
+                self.parts.setdefault(entry["space"], []).append(located)
+
+    @classmethod
+    def of_chain(cls, directory: Path, chain: list[dict]) -> "ChainRows":
+        """The rows of checkpoint ``directory`` whose chain (its manifests, base first) is ``chain``."""
+        return cls([(directory.parent / step_name(m["iteration"]), m["parts"]) for m in chain])
+
+    def rows(self, space: int, keys: np.ndarray) -> np.ndarray:
+        """float32 ``[len(keys), dim]``: each key's row as the chain's newest part holding it has it."""
+        parts = self.parts.get(space)
+        if not parts:
+            raise ValueError(f"the checkpoint holds no rows of embedding space {space}")
+        keys = np.asarray(keys, dtype=np.int64)
+        out = np.empty((len(keys), parts[0][5].array.shape[1]), dtype=np.float32)
+        missing = np.ones(len(keys), dtype=bool)
+        for sorted_keys, order, start, step, count, rows in reversed(parts):
+            wanted = np.flatnonzero(missing)
+            if not len(wanted):
+                break
+            asked = keys[wanted]
+            if sorted_keys is None:
+                relative = asked - start
+                local = relative // step
+                held = (relative >= 0) & (relative % step == 0) & (local < count)
+            else:
+                position = np.minimum(np.searchsorted(sorted_keys, asked), max(len(sorted_keys) - 1, 0))
+                held = sorted_keys[position] == asked if len(sorted_keys) else np.zeros(len(asked), dtype=bool)
+                local = order[position] if len(sorted_keys) else position
+            out[wanted[held]] = rows.take(local[held])
+            missing[wanted[held]] = False
+        if missing.any():
+            raise ValueError(f"the checkpoint holds no row for key {int(keys[missing][0])} of space {space}")
+        return out
+
+    def release(self) -> None:
+        """Drop the pages read so far from this process's memory (the next read maps them again)."""
+        for parts in self.parts.values():
+            for part in parts:
+                part[5].release()
 
 
 def load_dense(directory: Path, manifest: dict) -> dict:

@@ -121,10 +121,14 @@ def _add_train(sub) -> None:
     p.add_argument("--log-every", type=int, default=None, help="iterations per metrics record" + _default("log_every"))
     p.add_argument("--max-eval-rows", type=int, default=None,
                    help="evaluate on at most this many test rows; 0: all" + _default("max_eval_rows"))
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate also every N iterations (as DLRM's "
+                   "--test-freq; --mode bagpipe: from a checkpoint, in the background); 0: only at the end"
+                   + _default("eval_every"))
     p.add_argument("--slices", type=int, default=None,
                    help="--mode reference: compute each batch's gradient as this many trainers do, so that "
                         "--mode bagpipe with that many trainers gives the same result bit for bit"
                         + _default("slices"))
+    _add_storage_flags(p)
     g = _add_checkpoint_flags(p)
     g.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest valid "
                    "checkpoint; its config.json supplies every setting (flags given again must agree)")
@@ -134,6 +138,16 @@ def _add_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal)")
     _add_model_flags(p, emb_flags=("--emb-dim", "--emb-size"))
     _add_job_flags(p)
+
+
+def _add_storage_flags(p) -> None:
+    g = p.add_argument_group("embedding servers' storage (--mode bagpipe)")
+    g.add_argument("--storage", default=None, help="where each server keeps its shard: memory, or disk (a file "
+                   "of fixed-size records, the hottest rows in a bounded DRAM cache)" + _default("storage"))
+    g.add_argument("--storage-dir", default=None, help="--storage disk: the directory of the servers' files, "
+                   "local to each server's machine (default: RUN_DIR/storage)")
+    g.add_argument("--storage-budget-mb", type=float, default=None, help="--storage disk: DRAM each server may "
+                   "hold of its shard (MiB; hot rows and mapped file pages)" + _default("storage_budget_mb"))
 
 
 def _add_checkpoint_flags(p):
@@ -301,6 +315,7 @@ def _add_oracle_flags(p) -> None:
     p.add_argument("--run-dir", default=None, help="where the run is written; must be new or empty "
                    "(default: a new runs/oracle-DATE-TIME, printed at start)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --run-dir")
+    _add_storage_flags(p)
     _add_checkpoint_flags(p).add_argument("--resume", action="store_true", help="continue the run in --run-dir "
                                           "from its newest valid checkpoint (the other roles learn it from the oracle)")
     p.add_argument("--prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
@@ -311,7 +326,8 @@ def _add_oracle_flags(p) -> None:
     for name, text in (("iterations", "global batches; 0: one pass"), ("seed", "initialisation seed"),
                        ("log-every", "iterations per metrics record"),
                        ("warmup-iterations", "iterations left out of the steady-state samples/s"),
-                       ("max-eval-rows", "test rows evaluated; 0: all"), ("eval-batch-size", "samples per eval batch")):
+                       ("max-eval-rows", "test rows evaluated; 0: all"), ("eval-batch-size", "samples per eval batch"),
+                       ("eval-every", "evaluate also every N iterations (from a checkpoint); 0: only at the end")):
         p.add_argument(f"--{name}", type=int, default=None, help=text + _default(name.replace("-", "_")))
     p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, agreed with the trainers'"
                    + _default("optimizer"))

@@ -17,6 +17,8 @@ from typing import Any
 
 from bagpipe.planner.plan import POLICIES
 
+STORAGE_KINDS = ("memory", "disk")  # the embedding servers' tiers (bagpipe.storage)
+
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 MODES = ("reference", "bagpipe")
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
@@ -148,6 +150,7 @@ class TrainConfig:
     warmup_iterations: int = 5  # excluded from the steady-state samples/s
     log_every: int = 10
     max_eval_rows: int = 0  # 0: the whole test split
+    eval_every: int = 0  # evaluate also every this many iterations (a metrics point each); 0: only at the end
     holdout: float = 1 / 7  # data with no test split: its last share is the test split (Criteo Kaggle's last day)
     data_format: str = ""  # criteo, avazu, jsonl or movielens; "": from the file's name or content
     # criteo, avazu text: ids by a vocabulary of the train split's values seen this often (the rest share
@@ -158,6 +161,11 @@ class TrainConfig:
     checkpoint_every: int = 0
     checkpoint_every_s: float = 0.0
     keep_checkpoints: int = 2
+    # --mode bagpipe: where each embedding server keeps its shard: "memory", or "disk" (a file of fixed-size
+    # records in storage_dir, default RUN_DIR/storage, with storage_budget_mb of DRAM per server for hot rows)
+    storage: str = "memory"
+    storage_dir: str = ""
+    storage_budget_mb: float = 1024.0
     # --mode reference: compute each batch's gradient as this many trainers do (bit for bit)
     slices: int = 1
     # --mode bagpipe: the local job's shape and the cache plan
@@ -187,7 +195,8 @@ class TrainConfig:
         for name in ("batch_size", "eval_batch_size", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every"):
+        for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every",
+                     "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout"):
@@ -199,6 +208,10 @@ class TrainConfig:
         if self.data_format not in ("", *DATA_FORMATS):
             raise ValueError(f"data_format must be one of {', '.join(DATA_FORMATS)} (or empty: detected), "
                              f"got {self.data_format!r}")
+        if self.storage not in STORAGE_KINDS:
+            raise ValueError(f"storage must be one of {', '.join(STORAGE_KINDS)}, got {self.storage!r}")
+        if not (self.storage_budget_mb > 0 and math.isfinite(self.storage_budget_mb)):
+            raise ValueError(f"storage_budget_mb must be a positive, finite number, got {self.storage_budget_mb}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not (self.checkpoint_every_s >= 0 and math.isfinite(self.checkpoint_every_s)):
@@ -263,7 +276,9 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
 RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "checkpoint_every",
-                     "checkpoint_every_s", "keep_checkpoints", "max_eval_rows", "eval_batch_size", "master_port")
+                     "checkpoint_every_s", "keep_checkpoints", "max_eval_rows", "eval_batch_size", "eval_every",
+                     "master_port",
+                     "storage", "storage_dir", "storage_budget_mb")
 
 
 def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) -> TrainConfig:

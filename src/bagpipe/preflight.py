@@ -65,9 +65,10 @@ def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: boo
     """Refuse a job that cannot run on ``dataset``; return warnings about settings that do nothing."""
     check_data(config, dataset)
     check_memory(config, dataset)
-    if config.checkpoints and config.model.name == EXTERNAL:
-        raise ValueError("checkpoints during training need bagpipe's trainers: the trainers are scripts with a "
-                         "model of their own (init_cache), whose dense state the job cannot save")
+    if (config.checkpoints or config.eval_every) and config.model.name == EXTERNAL:
+        raise ValueError("checkpoints during training (and --eval-every, which evaluates them) need bagpipe's "
+                         "trainers: the trainers are scripts with a model of their own (init_cache), whose dense "
+                         "state the job cannot save")
     if config.mode == "bagpipe":
         check_cache(config, dataset, show_progress=show_progress)
     return ignored_settings(config) + cache_warnings(config, dataset)
@@ -98,15 +99,14 @@ def physical_memory_bytes() -> int:
 def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
     """Refuse a job whose tables cannot fit in this machine's memory at all.
 
-    The reference holds every table once; a local bagpipe job holds them on its servers, and its
-    oracle gathers them once more at the end (to evaluate and write the checkpoint) besides the
-    planner's per-row arrays.
+    The reference holds every table once; a local bagpipe job holds them on its servers, besides the
+    planner's per-row arrays (no process gathers them: the end of a run reads the servers' snapshots).
     """
     layout = job_layout(config, dataset)
     tables = table_bytes(config, layout)
     parts = {"tables": tables}
     if config.mode == "bagpipe":
-        parts.update({"the oracle's final gather": tables, "the planner": layout.num_rows * PLANNER_BYTES_PER_ROW})
+        parts["the planner"] = layout.num_rows * PLANNER_BYTES_PER_ROW
     need, have = sum(parts.values()), physical_memory_bytes()
     if need > have:
         detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items())

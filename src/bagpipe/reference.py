@@ -19,11 +19,12 @@ from torch import nn
 from bagpipe import models
 from bagpipe.checkpoint import CheckpointSchedule, CheckpointWriter, capture, discard_after, load_latest, restore
 from bagpipe.config import TrainConfig, config_to_dict
-from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches, read_batch
+from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches
 from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.metrics import log_loss, ranking_metrics, roc_auc
+from bagpipe.evaluation import evaluate, no_evaluation
+from bagpipe.model_dir import MODEL_DIR, TableRows, write_model_dir
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
@@ -72,56 +73,12 @@ def build_tables(config: TrainConfig, schema: Schema, *, weights: list[torch.Ten
                            seed=config.seed, weights=weights)
 
 
-METRICS = {"ctr": ("eval_auc", "eval_logloss"), "next-item": ("eval_hr10", "eval_ndcg10")}  # by model.task
 BEST = ("best_auc", "best_logloss", "best_hr10", "best_ndcg10")  # the planted model's, from synthetic data
-
-
-def no_evaluation(model: nn.Module) -> dict:
-    return {"eval_rows": 0, **{name: float("nan") for name in METRICS[model.task]}}
 
 
 def best_metrics(meta: dict) -> dict:
     """The best achievable metrics a synthetic data set's meta.json states, if any."""
     return {name: meta[name] for name in BEST if meta.get(name) is not None}
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, tables: EmbeddingTables, split: BinarySplit, *, batch_size: int,
-             max_rows: int = 0) -> dict:
-    """AUC and log-loss of a CTR model; HR@10 and NDCG@10 of a next-item model, every item ranked
-    (except the sample's own history, which it would not be recommended)."""
-    model.eval()
-    rows = min(split.rows, max_rows) if max_rows else split.rows
-    outputs, ranks = [], []
-    for start in range(0, rows, batch_size):
-        batch = read_batch(split, slice(start, min(start + batch_size, rows)))
-        embeddings, _ = tables.lookup(batch.ids)
-        if model.task == "next-item":
-            ranks.append(_next_item_ranks(model, tables, embeddings, batch.ids))
-        else:
-            outputs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
-    model.train()
-    if model.task == "next-item":
-        hr, ndcg = ranking_metrics(np.concatenate(ranks) if ranks else np.zeros(0), k=10)
-        return {"eval_rows": rows, "eval_hr10": hr, "eval_ndcg10": ndcg}
-    labels = np.asarray(split.labels[:rows])
-    scores = np.concatenate(outputs) if outputs else np.zeros(0)
-    return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores)}
-
-
-def _next_item_ranks(model: nn.Module, tables: EmbeddingTables, embeddings, ids: torch.Tensor) -> np.ndarray:
-    """The 0-based rank of each sample's first target among every item not in its history."""
-    names = [t.name for t in tables.layout.tables]
-    scores = model.score_all(embeddings, tables.table(names.index("item.out")), tables.table(names.index("item.bias")))
-    schema = tables.layout.schema
-    history = ids[:, slice(*schema.columns(1))]
-    target = ids[:, schema.columns(2)[0]]
-    seen = torch.zeros_like(scores, dtype=torch.bool)
-    rows = torch.arange(len(ids)).unsqueeze(1).expand_as(history)
-    seen[rows[history >= 0], history[history >= 0]] = True
-    scores = scores.masked_fill(seen, float("-inf"))
-    target_scores = scores.gather(1, target.unsqueeze(1))
-    return (scores > target_scores).sum(dim=1).numpy()
 
 
 def train_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer,
@@ -240,6 +197,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     train_started = time.perf_counter()
     tick = window_start = train_started
     first_iteration_s = float("nan")
+    testable = dataset.test is not None and dataset.test.rows > 0
+    eval_s = 0.0
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
                               shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start)
     clock.restart()
@@ -272,27 +231,24 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
             writer.save(capture(iteration + 1, model, dense_optimizer, tables, full=full,
                                 extra={"recent_losses": list(recent_losses),
                                        "torch_threads": torch.get_num_threads()}), full=full)
+        if config.eval_every and testable and iteration + 1 < iterations and (iteration + 1) % config.eval_every == 0:
+            eval_s += _evaluate_at(iteration + 1, model, tables, dataset.test, run, config)[1]
+            tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
     bar.close()
     if writer is not None:
         writer.wait()
-    train_s = time.perf_counter() - train_started
+    train_s = time.perf_counter() - train_started - eval_s
 
-    eval_started = time.perf_counter()
     metrics = no_evaluation(model)
-    if dataset.test is not None and dataset.test.rows:
-        metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
-                           max_rows=config.max_eval_rows)
-        run.log_metrics(event="eval", iteration=iterations, **metrics)
+    if testable:
+        metrics, seconds = _evaluate_at(iterations, model, tables, dataset.test, run, config)
+        eval_s += seconds
     else:
         log.warning("%s has no test split: skipping evaluation", dataset.directory)
-    eval_s = time.perf_counter() - eval_started
 
-    run.save_checkpoint(
-        dense=model.state_dict(),
-        embeddings=[tables.table(t).clone() for t in range(len(tables.layout.tables))],
-        extra={"iteration": iterations, "mode": "reference"},
-    )
+    write_model_dir(run.path / MODEL_DIR, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables),
+                    info={"iteration": iterations, "mode": "reference", "model": config.model.name})
     summary = {
         "mode": "reference",
         "model": config.model.name,
@@ -315,6 +271,16 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     }
     run.finish(summary)
     return summary
+
+
+def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, split: BinarySplit, run: RunDir,
+                 config: TrainConfig) -> tuple[dict, float]:
+    """Evaluate the state after ``iteration`` iterations, logged as a metrics point; its metrics and seconds."""
+    started = time.perf_counter()
+    metrics = evaluate(model, tables.layout, TableRows(tables), split, batch_size=config.eval_batch_size,
+                       max_rows=config.max_eval_rows)
+    run.log_metrics(event="eval", iteration=iteration, samples=iteration * config.batch_size, **metrics)
+    return metrics, time.perf_counter() - started
 
 
 @dataclass

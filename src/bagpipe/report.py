@@ -3,7 +3,7 @@
 Reads each run dir's ``metrics.jsonl`` and ``summary.json`` (both modes) and writes, with every
 run drawn in the same axes so that runs compare at a glance:
 
-    loss_auc.png         train loss over samples; eval AUC points
+    loss_auc.png         train loss over samples; eval AUC points (one per evaluation: --eval-every N)
     throughput.png       samples/s over time (per log window)
     time_breakdown.png   steady-state milliseconds per iteration by phase, one bar per run
     time_per_window.png  the same breakdown over the iterations of each run
@@ -28,7 +28,14 @@ class Run:
     label: str
     summary: dict
     train: list[dict]  # periodic training records
-    evals: list[dict]
+    evals: list[dict]  # in iteration order
+
+    def eval_samples(self, record: dict) -> int:
+        """Samples trained before an evaluation (a run that logged only its iteration: from its batch size)."""
+        if "samples" in record:
+            return record["samples"]
+        last = self.train[-1]
+        return record["iteration"] * last["samples"] // max(last["iteration"], 1)
 
 
 def load_run(path: str | Path, label: str | None = None) -> Run:
@@ -46,7 +53,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     summary_path = path / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     train = sorted((r for r in records if "train_loss" in r), key=lambda r: r["iteration"])
-    evals = [r for r in records if r.get("event") == "eval"]
+    evals = sorted((r for r in records if r.get("event") == "eval"), key=lambda r: r["iteration"])
     if not train:
         raise ValueError(f"{metrics}: no training records yet")
     return Run(path=path, label=label or _default_label(path, summary), summary=summary, train=train, evals=evals)
@@ -122,7 +129,7 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
         ax_loss.plot([r["samples"] for r in run.train], [r["train_loss"] for r in run.train], label=run.label)
         if run.evals:
             metric, name = headline(run.evals[0])
-            samples = [r.get("samples", run.train[-1]["samples"]) for r in run.evals]
+            samples = [run.eval_samples(r) for r in run.evals]
             ax_auc.plot(samples, [r[f"eval_{metric}"] for r in run.evals], "o-", label=f"{run.label} ({name})")
             best = run.summary.get(f"best_{metric}")
             if best is not None:

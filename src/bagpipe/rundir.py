@@ -1,4 +1,4 @@
-"""A run directory: config, metrics as JSON lines, checkpoint, and summary.json written last.
+"""A run directory: config, metrics as JSON lines, the trained model (``model/``), and summary.json written last.
 
 A run owns its directory. A new run refuses a directory that holds anything, unless asked to
 replace a run there (``overwrite``), and it clears the old run only after every check has passed.
@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from bagpipe.faults import inject_fault
+from bagpipe.model_dir import MODEL_DIR, ModelDir
 
-CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.json"
 MARKER = ".bagpipe-run"  # written first into every run dir: --overwrite deletes only directories holding it
 
@@ -87,19 +86,6 @@ class RunDir:
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
 
-    def save_checkpoint(self, *, dense: dict, embeddings: list[torch.Tensor], extra: dict) -> None:
-        payload = {"dense": dense, "embeddings": embeddings, **extra}
-        tmp = self.path / (CHECKPOINT + ".tmp")
-        try:
-            with open(tmp, "wb") as handle:
-                torch.save(payload, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            inject_fault("checkpoint written")
-            tmp.replace(self.path / CHECKPOINT)
-        finally:
-            tmp.unlink(missing_ok=True)
-
     def finish(self, summary: dict) -> None:
         """Write summary.json, the mark of a finished run: the last file a run writes."""
         self._metrics.close()
@@ -118,15 +104,12 @@ def _logged_by(line: str, iteration: int) -> bool:
 
 
 def export(run_dir: str | Path, out: str | Path) -> dict:
-    """Write ``{"dense": state_dict, "embeddings": [one tensor per table]}`` from a finished run."""
-    path = Path(run_dir) / CHECKPOINT
+    """Write ``{"dense": state_dict, "embeddings": [one tensor per table]}`` of a finished run as one .pt,
+    assembled from its model directory (every table read into memory: for models that fit in it)."""
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir}: not a finished run (no {SUMMARY}): it was interrupted, failed or is "
                          f"still running")
-    if not path.is_file():
-        raise ValueError(f"{run_dir}: no {CHECKPOINT}")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    exported = {"dense": checkpoint["dense"], "embeddings": checkpoint["embeddings"]}
+    exported = ModelDir.open(Path(run_dir) / MODEL_DIR).load()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(exported, out)
     return exported

@@ -10,7 +10,7 @@ own and still equal the reference.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ def init_block(*, seed: int, table: int, block: int, num_rows: int, dim: int, in
     if init == "normal":
         return torch.randn(count, dim, generator=generator) / dim
     bound = math.sqrt(1.0 / num_rows)
-    return (torch.rand(count, dim, generator=generator) * 2.0 - 1.0) * bound
+    return torch.rand(count, dim, generator=generator).mul_(2.0).sub_(1.0).mul_(bound)  # in place: no temporaries
 
 
 def init_table(*, seed: int, table: int, num_rows: int, dim: int, init: str = "uniform") -> torch.Tensor:
@@ -53,14 +53,22 @@ def init_rows(table_index: int, table: TableConfig, *, seed: int, first: int = 0
     shard never holds the whole table at once."""
     if step == 1 and first == 0:
         return init_table(seed=seed, table=table_index, num_rows=table.num_rows, dim=table.dim, init=table.init)
-    parts = []
+    parts = list(init_row_blocks(table_index, table, seed=seed, first=first, step=step))
+    return torch.cat(parts) if parts else torch.zeros(0, table.dim)
+
+
+def init_row_blocks(table_index: int, table: TableConfig, *, seed: int, first: int = 0,
+                    step: int = 1) -> Iterator[torch.Tensor]:
+    """``init_rows`` one initialisation block at a time (for a shard written straight to disk)."""
     for block in range(math.ceil(table.num_rows / INIT_BLOCK_ROWS)):
         start = block * INIT_BLOCK_ROWS
         offset = (first - start) % step  # the block's first row of the shard
         rows = init_block(seed=seed, table=table_index, block=block, num_rows=table.num_rows, dim=table.dim,
                           init=table.init)
-        parts.append(rows[offset::step].clone() if offset < len(rows) else rows[:0])
-    return torch.cat(parts) if parts else torch.zeros(0, table.dim)
+        if step == 1:
+            yield rows
+        else:
+            yield rows[offset::step].clone() if offset < len(rows) else rows[:0]
 
 
 class Lookup:

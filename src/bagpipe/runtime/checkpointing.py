@@ -8,6 +8,9 @@ dense weights and optimizer state. The oracle starts the servers' snapshots whil
 before it hands any trainer the plan of b, so no write-back of b or later can reach a server
 first; it tells each server how many rows the plan writes back before b, which that server waits
 for. Training goes on while the parts are written; the oracle commits them (``CheckpointWriter``).
+With ``--eval-every N`` a checkpoint is taken at every multiple of N as well, and handed, once committed,
+to the evaluation (read lazily: ``ChainRows``). The run's final state is written by the same servers'
+snapshots (``write_final``), never gathered into one process.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch.distributed.rpc as rpc
 
-from bagpipe.checkpoint import (CheckpointSchedule, CheckpointWriter, background_priority, save_dense, step_name,
-                                write_parts)
+from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter, background_priority, read_chain,
+                                save_dense, step_name, write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.runtime.world import World
 
@@ -30,9 +35,13 @@ log = logging.getLogger(__name__)
 class JobCheckpoints:
     """Decide the boundaries, start the servers' snapshots, gather trainer 0's part, commit."""
 
-    def __init__(self, config: TrainConfig, world: World, *, num_spaces: int, resumed_at: int | None) -> None:
+    def __init__(self, config: TrainConfig, world: World, *, num_spaces: int, resumed_at: int | None,
+                 on_evaluable: Callable[[int, dict, ChainRows], None] | None = None) -> None:
+        """``on_evaluable(boundary, dense, rows)``: called with each checkpoint taken for ``--eval-every`` once
+        committed (its rows read lazily, from files opened before any later prune)."""
         self.config, self.world = config, world
-        self.writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints)
+        self.on_evaluable = on_evaluable
+        self.writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints) if self.periodic else None
         self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
         # rows the plan has written back since the job started, per space and server: what a snapshot awaits
         self.evicted = np.zeros((num_spaces, world.num_servers), dtype=np.int64)
@@ -43,6 +52,14 @@ class JobCheckpoints:
         self._failure: BaseException | None = None
         self.written: list[int] = []
 
+    @property
+    def periodic(self) -> bool:
+        """Whether checkpoints are taken during training (asked for, or to evaluate from)."""
+        return self.config.checkpoints or (self.on_evaluable is not None and self.config.eval_every > 0)
+
+    def evaluates(self, boundary: int) -> bool:
+        return self.on_evaluable is not None and self.config.eval_every > 0 and boundary % self.config.eval_every == 0
+
     def count_evictions(self, space: int, keys: np.ndarray) -> None:
         if len(keys):
             self.evicted[space] += np.bincount(keys % self.world.num_servers, minlength=self.world.num_servers)
@@ -50,14 +67,23 @@ class JobCheckpoints:
     def maybe_begin(self, boundary: int) -> bool:
         """Called while planning ``boundary`` (its evictions counted), before any trainer gets its plan:
         start a checkpoint there if one is due. Waits for the previous one to be committed first."""
-        from bagpipe.runtime import server  # (server imports the oracle, which imports this)
-
-        if not self.schedule.due(boundary):
+        if not (self.schedule.due(boundary) or self.evaluates(boundary)):
             return False
         self.wait()
         full = self.writer.wants_full() or self.previous is None
         directory = self.writer.stage(boundary)
-        since = None if full else self.previous
+        futures = self._begin_snapshots(boundary, directory, since=None if full else self.previous)
+        self._thread = threading.Thread(target=self._finish, args=(boundary, full, futures), name="checkpoint",
+                                        daemon=True)
+        self._thread.start()
+        self.previous = boundary
+        return True
+
+    def _begin_snapshots(self, boundary: int, directory: Path, *, since: int | None) -> list:
+        """Ask every server to write its shard as of ``boundary`` into ``directory`` (every row, or those
+        written back from iteration ``since`` on); the futures of their part entries."""
+        from bagpipe.runtime import server  # (server imports the oracle, which imports this)
+
         futures = []
         for shard in range(self.world.num_servers):
             name = World.server_name(shard)
@@ -65,11 +91,17 @@ class JobCheckpoints:
                          args=(boundary, self.evicted[:, shard].tolist(), since, str(directory)))
             futures.append(rpc.rpc_async(name, server.rpc_checkpoint_written, args=(boundary,),
                                          timeout=self.world.timeout + 3 * self.world.timeout))
-        self._thread = threading.Thread(target=self._finish, args=(boundary, full, futures), name="checkpoint",
-                                        daemon=True)
-        self._thread.start()
-        self.previous = boundary
-        return True
+        return futures
+
+    def write_final(self, boundary: int, directory: Path) -> ChainRows:
+        """The job's rows after its last iteration ``boundary`` (when every row is back on its server: the
+        last plan step writes every cached row back), each server writing its own shard into ``directory``;
+        read lazily from there."""
+        self.wait()
+        directory.mkdir(parents=True, exist_ok=True)
+        entries = [entry for future in self._begin_snapshots(boundary, directory, since=None)
+                   for entry in future.wait()]
+        return ChainRows([(directory, entries)])
 
     def receive_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
         """Trainer 0's part (an RPC handler): its cached rows, dense weights and optimizer state at ``boundary``."""
@@ -91,8 +123,10 @@ class JobCheckpoints:
             entries += write_parts(directory, parts, prefix="cache")  # last: the cached rows override the servers'
             extra = {**extra, "mode": "bagpipe", "trainers": self.world.num_trainers,
                      "servers": self.world.num_servers}
-            self.writer.publish(boundary, full=full, parts=entries, extra=extra)
+            final = self.writer.publish(boundary, full=full, parts=entries, extra=extra)
             self.written.append(boundary)
+            if self.evaluates(boundary):
+                self.on_evaluable(boundary, dense, ChainRows.of_chain(final, read_chain(final)))
             log.info("checkpoint at iteration %d committed in %.2f s after its parts were started", boundary,
                      time.perf_counter() - started)
         except BaseException as err:  # noqa: BLE001 - raised on the planner thread by wait()

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,8 +101,8 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
         _supervise(children, run_dir, total=iterations, show_progress=show_progress)
     except BaseException:
         _stop_all(children)
-        for partial in run_dir.glob("*.tmp"):  # a file the oracle was writing when it was stopped
-            partial.unlink()
+        for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
+            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         raise
     _stop_all(children)
     return json.loads((run_dir / SUMMARY).read_text())

@@ -2,18 +2,23 @@
 
 A producer thread runs the planner over the global batches and fills one bounded queue per
 trainer; trainers pull from their queue (flow control: the oracle never runs further ahead than
-the queues hold). When every trainer has reported done, the oracle gathers the tables from the
-servers, stops them, evaluates the model and writes the run dir as the reference trainer does.
+the queues hold). When every trainer has reported done, each server writes its shard to disk (no
+process ever holds every table); the oracle evaluates the model from there, reading only each test
+batch's rows, and streams it table by table into the run dir's ``model/`` (``--eval-every``: also
+from checkpoints during training, in the background).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
+import shutil
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,11 +31,13 @@ from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
-from bagpipe.checkpoint import discard_after, valid_checkpoints
+from bagpipe.checkpoint import ChainRows, checkpoints_dir, discard_after, valid_checkpoints
+from bagpipe.evaluation import BackgroundEvaluations, no_evaluation
+from bagpipe.model_dir import MODEL_DIR, write_model_dir
 from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.planner.plan import PlanStep
 from bagpipe.preflight import cache_rows_of, check_job, claim, job_layout, prepare_data
-from bagpipe.reference import best_metrics, build_model, build_tables, deterministic, evaluate, no_evaluation
+from bagpipe.reference import best_metrics, build_model, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
@@ -38,12 +45,12 @@ from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
 from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status, read_hellos,
                                     refuse_job, wait_for_ranks)
-from bagpipe.storage import gather_flat
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
 PULL_MAX_STEPS = 8  # plan messages per pull
+FINAL_ROWS = "final-rows.tmp"  # the servers' shards after the last iteration, until model/ holds them
 
 
 class Oracle:
@@ -63,9 +70,13 @@ class Oracle:
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
                            resume=resume[0] if resume else None, start=self.start)
-        self.checkpoints = (JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
-                                           resumed_at=resume[1] if resume else None)
-                            if config.checkpoints else None)
+        # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the
+        # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
+        self.evaluates = (config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0)
+        self.evaluations: BackgroundEvaluations | None = None
+        self.checkpoints = JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
+                                          resumed_at=resume[1] if resume else None,
+                                          on_evaluable=self._evaluable if self.evaluates else None)
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=world.num_trainers, policy=config.policy,
                                               cleanup_fraction=config.cleanup_fraction)
@@ -112,12 +123,11 @@ class Oracle:
                     continue
                 steps = tuple(_refill(step, slot_key) for step, slot_key in zip(steps, resident))
             checkpoint = False
-            if self.checkpoints is not None and iteration < self.iterations:
-                for space, step in enumerate(steps):
-                    self.checkpoints.count_evictions(space, step.evict_keys)
-                if iteration > self.start:
-                    self._await_servers()  # a checkpoint asks every server for its part
-                    checkpoint = self.checkpoints.maybe_begin(iteration)
+            for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
+                self.checkpoints.count_evictions(space, step.evict_keys)
+            if self.checkpoints.periodic and self.start < iteration < self.iterations:
+                self._await_servers()  # a checkpoint asks every server for its part
+                checkpoint = self.checkpoints.maybe_begin(iteration)
             views = [batch_view(step) for step in steps]
             for space_rows, view in zip(rows, views):
                 space_rows.load(view)
@@ -180,6 +190,9 @@ class Oracle:
             except queue.Empty:
                 break
         return messages
+
+    def _evaluable(self, boundary: int, dense: dict, rows: ChainRows) -> None:
+        self.evaluations.submit(boundary, dense, rows)
 
     def checkpoint_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
         self.checkpoints.receive_cache(boundary, dense, dense_optimizer, parts, extra)
@@ -292,12 +305,18 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
              world.num_servers, sum(oracle.job.cache_rows), oracle.layout.num_rows, config.lookahead, config.policy)
     store.set(JOB_KEY, oracle.job.to_json())
     init_rpc(world, store)
+    if oracle.evaluates:
+        oracle.evaluations = BackgroundEvaluations(
+            build_model(config, dataset.schema), oracle.layout, dataset.test, batch_size=config.eval_batch_size,
+            max_rows=config.max_eval_rows,
+            on_result=lambda iteration, metrics: run.log_metrics(event="eval", iteration=iteration,
+                                                                 samples=iteration * config.batch_size, **metrics))
     producer = threading.Thread(target=oracle.produce, name="planner", daemon=True)
     producer.start()
+    final_dir = run.path / FINAL_ROWS
     try:
         oracle.wait_for_trainers()
-        if oracle.checkpoints is not None:
-            oracle.checkpoints.wait()
+        final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
         shards = [rpc.rpc_sync(World.server_name(s), server.rpc_dump, timeout=world.timeout)
                   for s in range(world.num_servers)]
     finally:
@@ -313,7 +332,8 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     liveness.stop()
     rpc.shutdown(graceful=False)  # every role has left: no request is in flight
     train_s = time.perf_counter() - started
-    return finish(oracle, run, shards, started=started, train_s=train_s, started_at=started_at)
+    return finish(oracle, run, shards, final_rows, final_dir, started=started, train_s=train_s,
+                  started_at=started_at)
 
 
 def resume_point(config: TrainConfig, world: World) -> tuple[str, int]:
@@ -337,6 +357,9 @@ def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dic
     givens = [Given("the oracle (rank 0)", given)]
     givens += [Given(f"{world.label(rank)} (rank {rank})", hello["given"]) for rank, hello in sorted(hellos.items())]
     agreed = agree(givens)
+    if agreed.get("kind") == "script" and (config.checkpoints or config.eval_every):
+        raise ValueError("checkpoints during training (and --eval-every, which evaluates them) need bagpipe's "
+                         "trainers: these trainers are scripts (init_cache), which send no part of a checkpoint")
     inferred = dataset.meta.get("made_from", {}).get("table_sizes_from") == "inferred"
     sizes = agree_table_sizes(agreed.get("table_sizes"), original_table_sizes(dataset.schema), inferred=inferred,
                               where=next(g.label for g in givens if "table_sizes" in g.settings)
@@ -352,39 +375,40 @@ def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dic
     return dataclasses.replace(config, model=ModelConfig(**model), **train), dataset
 
 
-def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, train_s: float,
-           started_at: float) -> dict:
-    """Evaluate the trained model, write checkpoint and summary (the reference's run-dir layout)."""
+def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRows, final_dir: Path, *,
+           started: float, train_s: float, started_at: float) -> dict:
+    """Evaluate the trained model from the servers' shards on disk, write it as ``model/`` table by table,
+    then the summary (the reference's run-dir layout)."""
     config, dataset, layout = oracle.config, oracle.dataset, oracle.layout
     train_cpu_s = cpu_seconds()
-    weights = [gather_flat([shard["weights"][s] for shard in shards], space.num_rows)
-               for s, space in enumerate(layout.spaces)]
-    tables = build_tables(config, dataset.schema, weights=weights)
     stats = {t: s for t, (s, _) in oracle.done.items()}
     dense_state = oracle.done[0][1] or {}
     eval_started = time.perf_counter()
     metrics = {}
     model = None if config.model.name == EXTERNAL else build_model(config, dataset.schema)
     if model is None:
-        log.info("the trainers' model is their own: the checkpoint holds trainer 0's weights as it reported them "
+        log.info("the trainers' model is their own: model/ holds trainer 0's weights as it reported them "
                  "(%s), and the oracle does not evaluate it", "none" if not dense_state else f"{len(dense_state)} tensors")
     else:
         try:
             model.load_state_dict(dense_state)
         except RuntimeError as err:  # a script that named our model but trained another
-            log.warning("trainer 0's weights are not the job's %s (%s): they go to the checkpoint as reported, "
+            log.warning("trainer 0's weights are not the job's %s (%s): they go to model/ as reported, "
                         "unevaluated", config.model.name, str(err).splitlines()[0])
             model = None
     if model is not None:
         dense_state = model.state_dict()
         metrics = no_evaluation(model)
-        if dataset.test is not None and dataset.test.rows:
-            metrics = evaluate(model, tables, dataset.test, batch_size=config.eval_batch_size,
-                               max_rows=config.max_eval_rows)
-            run.log_metrics(event="eval", iteration=oracle.iterations, **metrics)
+        if oracle.evaluations is not None:
+            oracle.evaluations.submit(oracle.iterations, dense_state, final_rows)
+    if oracle.evaluations is not None:
+        metrics.update(oracle.evaluations.close().get(oracle.iterations, {}))
     eval_s = time.perf_counter() - eval_started
-    run.save_checkpoint(dense=dense_state, embeddings=[tables.table(t).clone() for t in range(len(layout.tables))],
-                        extra={"iteration": oracle.iterations, "mode": "bagpipe"})
+    write_model_dir(run.path / MODEL_DIR, dense=dense_state, layout=layout, source=final_rows,
+                    info={"iteration": oracle.iterations, "mode": "bagpipe", "model": config.model.name})
+    shutil.rmtree(final_dir)
+    if not config.checkpoints:  # those taken to evaluate from (--eval-every) served their purpose
+        shutil.rmtree(checkpoints_dir(config.run_dir), ignore_errors=True)
     all_stats = list(stats.values())
     batch_rows = sum(s.batch_rows for s in all_stats)
     summary = {
@@ -420,6 +444,8 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], *, started: float, t
         / max(oracle.iterations, 1),
         "server_fetches": sum(s["fetches"] for s in shards),
         "server_fetches_waited": sum(s["fetches_waited"] for s in shards),
+        # the disk tier's rows read from and written to the servers' files, and its cache's hits and rows
+        "storage": dict(sum((collections.Counter(s.get("storage", {})) for s in shards), collections.Counter())),
         "train_s": train_s,
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - started,

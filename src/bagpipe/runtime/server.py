@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import JobInfo
 from bagpipe.runtime.world import STOP_KEY, World, check_in, init_rpc, wait_for_job
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
-from bagpipe.storage import RowStore
+from bagpipe.storage import RowStore, StorageSpec
+from bagpipe.storage.disk import bounded_heap
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class Server:
         future = store.fetch_async(keys.numpy(), versions.numpy())
         with self._lock:
             self.fetches += 1
-            self.bytes_sent += len(keys) * 4 * (store.dim + store.state.shape[1])
+            self.bytes_sent += len(keys) * 4 * (store.dim + store.state_width)
         return future
 
     def write_back(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
@@ -67,8 +69,8 @@ class Server:
             background_priority()
             try:
                 entries = [write_snapshot(Path(directory), name=f"server{shard}.space{space}", space=space,
-                                          chunks=store.snapshot_chunks(timeout=timeout), num_rows=store.weights.shape[0],
-                                          dim=store.dim, state_width=store.state.shape[1], start=shard,
+                                          chunks=store.snapshot_chunks(timeout=timeout), num_rows=store.num_rows,
+                                          dim=store.dim, state_width=store.state_width, start=shard,
                                           step=num_shards, full=since is None)
                            for space, store in enumerate(self.stores)]
                 inject_fault(f"checkpoint {boundary} written")
@@ -87,9 +89,24 @@ class Server:
                 self.stores[space].restore(keys[mine] // num_shards, rows[mine], state[mine], version=boundary - 1)
 
     def dump(self) -> dict:
-        return {"weights": [store.weights for store in self.stores], "bytes_sent": self.bytes_sent,
+        """The shard's figures for the run's summary (its rows reach the run dir as snapshots, never by RPC)."""
+        return {"bytes_sent": self.bytes_sent,
                 "fetches": self.fetches, "fetches_waited": sum(store.fetches_waited for store in self.stores),
-                "rows_written": self.rows_written, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds()}
+                "rows_written": self.rows_written, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
+                "storage": dict(sum((Counter(store.rows.stats()) for store in self.stores), Counter()))}
+
+
+def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
+    """Each space's storage on this server: the budget of ``--storage-budget-mb`` split among the spaces
+    in proportion to the bytes of their shards."""
+    if config.get("storage", "memory") == "memory":
+        return [StorageSpec() for _ in layout.spaces]
+    bounded_heap()  # transient buffers go back to the system: the budget holds
+    directory = Path(config.get("storage_dir") or Path(config["run_dir"]) / "storage")
+    shard_bytes = [(space.num_rows // num_shards + 1) * 4 * (space.dim + state_width(space.dim) + 1)
+                   for space in layout.spaces]
+    budget = int(config["storage_budget_mb"] * 2**20)
+    return [StorageSpec("disk", directory, budget * part // max(sum(shard_bytes), 1)) for part in shard_bytes]
 
 
 _SERVER: Server | None = None
@@ -135,13 +152,16 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     config, layout = job.config, job.layout
     row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
     started = time.perf_counter()
+    specs = storage_specs(config, layout, num_shards=world.num_servers, state_width=row_optimizer.state_width)
     _SERVER = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"], shard=index,
-                               num_shards=world.num_servers) for s in range(len(layout.spaces))])
+                               num_shards=world.num_servers, storage=spec) for s, spec in enumerate(specs)])
     if job.resume:
         directory, chain = resume_chain(config["run_dir"], job.resume)
         _SERVER.restore(directory, chain, shard=index, num_shards=world.num_servers)
-    log.info("server %d holds %d rows (of %d) in %.1f s", index, sum(st.weights.shape[0] for st in _SERVER.stores),
-             layout.num_rows, time.perf_counter() - started)
+    where = "in memory" if specs[0].kind == "memory" else (f"on disk in {specs[0].directory}, "
+                                                           f"{config['storage_budget_mb']:g} MiB of it in memory")
+    log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in _SERVER.stores),
+             layout.num_rows, where, time.perf_counter() - started)
     rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,), timeout=world.timeout)
     while not store.check([STOP_KEY]):
         time.sleep(0.2)
@@ -149,3 +169,5 @@ def run_server(world: World, *, given: dict | None = None) -> None:
             row_store.expire_waiting(timeout=world.timeout)
     liveness.stop()
     rpc.shutdown(graceful=False)  # the oracle has all it needs: no request is in flight
+    for row_store in _SERVER.stores:
+        row_store.close()

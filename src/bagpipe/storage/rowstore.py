@@ -3,6 +3,8 @@
 A shard owns the flat keys ``k`` with ``k % num_shards == shard``. A fetch names the version it
 must observe (the iteration after which the row was last written back) and waits, up to a
 timeout, until that write-back has arrived: the ordering invariant, enforced where rows live.
+Where the rows live is the tier's (storage.memory, storage.disk): this class holds the ordering,
+the parked fetches and the snapshots, the same over either.
 """
 
 from __future__ import annotations
@@ -10,55 +12,99 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from bagpipe.embeddings import EmbeddingLayout, init_rows
+from bagpipe.config import STORAGE_KINDS
+from bagpipe.embeddings import EmbeddingLayout, init_row_blocks, init_rows
 from bagpipe.optim import RowOptimizer
+from bagpipe.storage.disk import DiskRows
+from bagpipe.storage.memory import MemoryRows
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """Where a store keeps its rows: in memory, or in ``directory`` on disk with ``budget_bytes`` of DRAM."""
+
+    kind: str = "memory"
+    directory: Path | None = None
+    budget_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in STORAGE_KINDS:
+            raise ValueError(f"storage must be one of {', '.join(STORAGE_KINDS)}, got {self.kind!r}")
+        if self.kind == "disk" and self.directory is None:
+            raise ValueError("the disk tier needs a directory")
 
 
 class RowStore:
     """One shard of one embedding space (the tables of one width), initialised as the reference's."""
 
     def __init__(self, *, layout: EmbeddingLayout, space: int, optimizer: RowOptimizer, seed: int,
-                 shard: int = 0, num_shards: int = 1) -> None:
+                 shard: int = 0, num_shards: int = 1, storage: StorageSpec | None = None) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside [0, {num_shards})")
         members = layout.spaces[space]
         self.shard, self.num_shards, self.dim = shard, num_shards, members.dim
-        parts = []
-        for table, offset in zip(members.tables, members.offsets.tolist()):
-            first = (shard - offset) % num_shards  # first id of this table that the shard owns
-            parts.append(init_rows(table, layout.tables[table], seed=seed, first=first, step=num_shards))
-        self.weights = torch.cat(parts)
-        self.state = torch.zeros(self.weights.shape[0], optimizer.state_width(self.dim))
-        self.versions = np.full(self.weights.shape[0], -1, dtype=np.int64)
+        self.state_width = optimizer.state_width(self.dim)
+        storage = storage or StorageSpec()
+        # the rows of each table the shard owns: ids first, first + num_shards, ...
+        firsts = [(shard - offset) % num_shards for offset in members.offsets.tolist()]
+        if storage.kind == "memory":
+            self.rows = MemoryRows(torch.cat([init_rows(table, layout.tables[table], seed=seed, first=first,
+                                                        step=num_shards)
+                                              for table, first in zip(members.tables, firsts)]),
+                                   state_width=self.state_width)
+        else:
+            counts = [max(0, -(-(layout.tables[table].num_rows - first) // num_shards))
+                      for table, first in zip(members.tables, firsts)]
+            self.rows = DiskRows(storage.directory / f"shard{shard}.space{space}.rows", num_rows=sum(counts),
+                                 dim=self.dim, state_width=self.state_width, budget_bytes=storage.budget_bytes)
+            start = 0
+            for table, first in zip(members.tables, firsts):
+                for block in init_row_blocks(table, layout.tables[table], seed=seed, first=first, step=num_shards):
+                    self.rows.fill(start, block)
+                    start += len(block)
+        self.num_rows = self.rows.num_rows
         self.received: Counter = Counter()  # rows written back, by version
         self._snapshot: _Snapshot | None = None
         self._changed = threading.Condition()
         self.fetches_waited = 0  # fetches that arrived before the write-back they must observe
         # parked fetches: (local rows, versions wanted, future, when parked)
-        self._waiting: list[tuple[torch.Tensor, np.ndarray, torch.futures.Future, float]] = []
+        self._waiting: list[tuple[np.ndarray, np.ndarray, torch.futures.Future, float]] = []
 
-    def _local(self, keys: np.ndarray) -> torch.Tensor:
+    def close(self) -> None:
+        """Let go of the rows (the disk tier deletes its working file)."""
+        with self._changed:
+            self.rows.close()
+
+    def all_weights(self) -> torch.Tensor:
+        """Every row of the shard, in local order (for tests and small exports)."""
+        with self._changed:
+            return torch.from_numpy(self.rows.read_range(0, self.num_rows)[0])
+
+    def _local(self, keys: np.ndarray) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.int64)
         if len(keys) and (keys % self.num_shards != self.shard).any():
             raise ValueError(f"shard {self.shard} of {self.num_shards} was asked for rows it does not hold")
-        return torch.from_numpy(keys // self.num_shards)
+        return keys // self.num_shards
 
     def fetch(self, keys: np.ndarray, versions: np.ndarray, *, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows and optimizer state of ``keys``, once each has reached its requested version."""
         local = self._local(keys)
         wanted = np.asarray(versions, dtype=np.int64)
         with self._changed:
-            ready = self._changed.wait_for(lambda: (self.versions[local.numpy()] >= wanted).all(), timeout)
+            ready = self._changed.wait_for(lambda: (self.rows.versions(local) >= wanted).all(), timeout)
             if not ready:
-                behind = np.flatnonzero(self.versions[local.numpy()] < wanted)
+                have = self.rows.versions(local)
+                behind = np.flatnonzero(have < wanted)
                 raise TimeoutError(f"shard {self.shard}: {len(behind)} rows still lack their write-back after "
                                    f"{timeout} s (first: key {int(keys[behind[0]])} wants version "
-                                   f"{int(wanted[behind[0]])}, has {int(self.versions[local[behind[0]]])})")
-            return self._read(local)
+                                   f"{int(wanted[behind[0]])}, has {int(have[behind[0]])})")
+            return self.rows.read(local)[:2]
 
     def fetch_async(self, keys: np.ndarray, versions: np.ndarray) -> torch.futures.Future:
         """Like ``fetch``, without blocking a thread: the future completes when the rows are ready.
@@ -69,8 +115,9 @@ class RowStore:
         wanted = np.asarray(versions, dtype=np.int64)
         future: torch.futures.Future = torch.futures.Future()
         with self._changed:
-            if (self.versions[local.numpy()] >= wanted).all():
-                future.set_result(self._read(local))
+            rows, state, have = self.rows.read(local)
+            if (have >= wanted).all():
+                future.set_result((rows, state))
             else:
                 self.fetches_waited += 1
                 self._waiting.append((local, wanted, future, time.monotonic()))
@@ -82,38 +129,32 @@ class RowStore:
         with self._changed:
             expired = [w for w in self._waiting if now - w[3] > timeout]
             self._waiting = [w for w in self._waiting if now - w[3] <= timeout]
-        for local, wanted, future, _ in expired:
-            behind = int(np.flatnonzero(self.versions[local.numpy()] < wanted)[0])
+            have = [self.rows.versions(local) for local, *_ in expired]
+        for (local, wanted, future, _), versions in zip(expired, have):
+            behind = int(np.flatnonzero(versions < wanted)[0])
             future.set_exception(TimeoutError(
                 f"shard {self.shard}: key {int(local[behind]) * self.num_shards + self.shard} still lacks write-back "
-                f"version {int(wanted[behind])} after {timeout:.0f} s (has {int(self.versions[local[behind]])})"))
+                f"version {int(wanted[behind])} after {timeout:.0f} s (has {int(versions[behind])})"))
         return len(expired)
-
-    def _read(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.weights.index_select(0, local), self.state.index_select(0, local)
 
     def write_back(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
         local = self._local(keys)
         ready = []
         with self._changed:
             if self._snapshot is not None and version >= self._snapshot.boundary:
-                self._snapshot.save(self, local.numpy())
+                self._snapshot.save(self.rows, local)
             self.received[version] += len(local)
-            self.weights.index_copy_(0, local, rows)
-            if state.shape[1]:
-                self.state.index_copy_(0, local, state)
-            self.versions[local.numpy()] = version
+            self.rows.write(local, rows, state, version=version)
             self._changed.notify_all()
             still = []
             for waiting in self._waiting:
-                if (self.versions[waiting[0].numpy()] >= waiting[1]).all():
-                    ready.append((waiting[2], self._read(waiting[0])))
+                if (self.rows.versions(waiting[0]) >= waiting[1]).all():
+                    ready.append((waiting[2], self.rows.read(waiting[0])[:2]))
                 else:
                     still.append(waiting)
             self._waiting = still
         for future, result in ready:  # outside the lock: completing runs the RPC's reply callbacks
             future.set_result(result)
-
 
     # -- snapshots: the shard as it stood at an iteration boundary, while training goes on --------------
     def begin_snapshot(self, boundary: int, *, expected_rows: int, since: int | None) -> None:
@@ -139,12 +180,11 @@ class RowStore:
                                    f" rows written back before iteration {snapshot.boundary} had not arrived after "
                                    f"{timeout:.0f} s")
         try:
-            for start in range(0, self.weights.shape[0], chunk_rows):
+            chunk_rows = min(chunk_rows, self.rows.max_chunk_rows)
+            for start in range(0, self.num_rows, chunk_rows):
                 with self._changed:
-                    stop = min(start + chunk_rows, self.weights.shape[0])
-                    rows = self.weights[start:stop].numpy().copy()
-                    state = self.state[start:stop].numpy().copy()
-                    versions = self.versions[start:stop].copy()
+                    stop = min(start + chunk_rows, self.num_rows)
+                    rows, state, versions = self.rows.read_range(start, stop)
                     for local, (row, row_state, version) in snapshot.saved_in(start, stop):
                         rows[local - start], state[local - start], versions[local - start] = row, row_state, version
                     snapshot.done_upto = stop
@@ -162,12 +202,10 @@ class RowStore:
 
     def restore(self, local: np.ndarray, rows: np.ndarray, state: np.ndarray, *, version: int) -> None:
         """Rows of a checkpoint (by local index), at ``version``: what fetches after it may ask for at most."""
-        index = torch.from_numpy(np.asarray(local, dtype=np.int64))
         with self._changed:
-            self.weights.index_copy_(0, index, torch.from_numpy(np.ascontiguousarray(rows)))
-            if self.state.shape[1]:
-                self.state.index_copy_(0, index, torch.from_numpy(np.ascontiguousarray(state)))
-            self.versions[:] = version
+            self.rows.write(np.asarray(local, dtype=np.int64), torch.from_numpy(np.ascontiguousarray(rows)),
+                            torch.from_numpy(np.ascontiguousarray(state)), version=version)
+            self.rows.set_versions(version)
 
 
 class _Snapshot:
@@ -178,11 +216,15 @@ class _Snapshot:
         self.saved: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         self.done_upto = 0  # rows below this have been read: no copy needed any more
 
-    def save(self, store: RowStore, local: np.ndarray) -> None:
-        for row in local[local >= self.done_upto].tolist():
-            if row not in self.saved and store.versions[row] < self.boundary:
-                self.saved[row] = (store.weights[row].numpy().copy(), store.state[row].numpy().copy(),
-                                   int(store.versions[row]))
+    def save(self, rows, local: np.ndarray) -> None:
+        """Keep the pre-boundary version of each of ``local`` that is about to be overwritten."""
+        unread = np.array([row for row in local[local >= self.done_upto].tolist() if row not in self.saved],
+                          dtype=np.int64)
+        if not len(unread):
+            return
+        weights, state, versions = rows.read(unread)
+        for i in np.flatnonzero(versions < self.boundary).tolist():
+            self.saved[int(unread[i])] = (weights[i].numpy().copy(), state[i].numpy().copy(), int(versions[i]))
 
     def saved_in(self, start: int, stop: int):
         return [(row, value) for row, value in self.saved.items() if start <= row < stop]

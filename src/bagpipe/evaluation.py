@@ -1,0 +1,143 @@
+"""Evaluation of a model whose rows come from a ``RowSource``: each test batch reads only its own rows, so
+no process needs every table (a checkpoint is read lazily); and evaluations in the background.
+
+Every mode evaluates through ``evaluate``: the reference from its tables in memory, ``--mode bagpipe``
+from the checkpoint its servers wrote, so equal states give bit-for-bit equal metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from bagpipe.checkpoint import background_priority
+from bagpipe.data.batches import read_batch
+from bagpipe.data.binary import BinarySplit
+from bagpipe.embeddings import EmbeddingLayout, Embeddings, gather, positions_in
+from bagpipe.metrics import log_loss, ranking_metrics, roc_auc
+from bagpipe.model_dir import RowSource
+
+log = logging.getLogger(__name__)
+
+METRICS = {"ctr": ("eval_auc", "eval_logloss"), "next-item": ("eval_hr10", "eval_ndcg10")}  # by model.task
+
+
+def no_evaluation(model: nn.Module) -> dict:
+    return {"eval_rows": 0, **{name: float("nan") for name in METRICS[model.task]}}
+
+
+def batch_embeddings(layout: EmbeddingLayout, source: RowSource, ids: torch.Tensor) -> Embeddings:
+    """The embeddings of ids ``[B, K]`` from the rows of their distinct keys alone."""
+    blocks = []
+    for space, (info, flat) in enumerate(zip(layout.spaces, layout.keys(ids.numpy()))):
+        flat = torch.from_numpy(flat)
+        distinct = torch.unique(flat[flat >= 0])
+        rows = torch.from_numpy(source.rows(space, distinct.numpy()))
+        block, _ = gather(rows, torch.arange(len(distinct)), positions_in(flat, distinct), padded=info.padded)
+        blocks.append(block)
+    return Embeddings(blocks, layout, ids)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split: BinarySplit, *, batch_size: int,
+             max_rows: int = 0) -> dict:
+    """AUC and log-loss of a CTR model; HR@10 and NDCG@10 of a next-item model, every item ranked
+    (except the sample's own history, which it would not be recommended)."""
+    model.eval()
+    rows = min(split.rows, max_rows) if max_rows else split.rows
+    outputs, ranks = [], []
+    items = _item_tables(layout, source) if model.task == "next-item" else None
+    for start in range(0, rows, batch_size):
+        batch = read_batch(split, slice(start, min(start + batch_size, rows)))
+        embeddings = batch_embeddings(layout, source, batch.ids)
+        source.release()
+        if items is not None:
+            ranks.append(_next_item_ranks(model, layout, items, embeddings, batch.ids))
+        else:
+            outputs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
+    model.train()
+    if model.task == "next-item":
+        hr, ndcg = ranking_metrics(np.concatenate(ranks) if ranks else np.zeros(0), k=10)
+        return {"eval_rows": rows, "eval_hr10": hr, "eval_ndcg10": ndcg}
+    labels = np.asarray(split.labels[:rows])
+    scores = np.concatenate(outputs) if outputs else np.zeros(0)
+    return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores)}
+
+
+def _item_tables(layout: EmbeddingLayout, source: RowSource) -> tuple[torch.Tensor, torch.Tensor]:
+    """A next-item model's output table and item biases, whole: every item is scored against every sample."""
+    names = [t.name for t in layout.tables]
+    tables = []
+    for name in ("item.out", "item.bias"):
+        index = names.index(name)
+        space, offset = layout.place(index)
+        keys = np.arange(offset, offset + layout.tables[index].num_rows, dtype=np.int64)
+        tables.append(torch.from_numpy(source.rows(space, keys)))
+    source.release()
+    return tables[0], tables[1]
+
+
+def _next_item_ranks(model: nn.Module, layout: EmbeddingLayout, items: tuple[torch.Tensor, torch.Tensor],
+                     embeddings: Embeddings, ids: torch.Tensor) -> np.ndarray:
+    """The 0-based rank of each sample's first target among every item not in its history."""
+    scores = model.score_all(embeddings, *items)
+    history = ids[:, slice(*layout.schema.columns(1))]
+    target = ids[:, layout.schema.columns(2)[0]]
+    seen = torch.zeros_like(scores, dtype=torch.bool)
+    rows = torch.arange(len(ids)).unsqueeze(1).expand_as(history)
+    seen[rows[history >= 0], history[history >= 0]] = True
+    scores = scores.masked_fill(seen, float("-inf"))
+    target_scores = scores.gather(1, target.unsqueeze(1))
+    return (scores > target_scores).sum(dim=1).numpy()
+
+
+class BackgroundEvaluations:
+    """Evaluations of saved states, one at a time, in order, on a thread of lower priority, while training
+    goes on; each result is handed to ``on_result(iteration, metrics)`` (e.g. logged as a metrics point)."""
+
+    def __init__(self, model: nn.Module, layout: EmbeddingLayout, split: BinarySplit, *, batch_size: int,
+                 max_rows: int, on_result: Callable[[int, dict], None]) -> None:
+        self.model, self.layout, self.split = model, layout, split
+        self.batch_size, self.max_rows, self.on_result = batch_size, max_rows, on_result
+        self.results: dict[int, dict] = {}
+        self._jobs: queue.Queue = queue.Queue()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="evaluation", daemon=True)
+        self._thread.start()
+
+    def submit(self, iteration: int, dense: dict[str, torch.Tensor], source: RowSource) -> None:
+        """Evaluate the state after ``iteration`` iterations: ``dense`` weights and the rows of ``source``."""
+        self._raise_if_failed()
+        self._jobs.put((iteration, dense, source))
+
+    def close(self) -> dict[int, dict]:
+        """Wait for every evaluation submitted; their metrics by iteration."""
+        self._jobs.put(None)
+        self._thread.join()
+        self._raise_if_failed()
+        return self.results
+
+    def _run(self) -> None:
+        background_priority()
+        while (job := self._jobs.get()) is not None:
+            if self._failure is not None:
+                continue
+            iteration, dense, source = job
+            try:
+                self.model.load_state_dict(dense)
+                metrics = evaluate(self.model, self.layout, source, self.split, batch_size=self.batch_size,
+                                   max_rows=self.max_rows)
+                self.results[iteration] = metrics
+                self.on_result(iteration, metrics)
+            except BaseException as err:  # noqa: BLE001 - raised on the caller's thread by submit() / close()
+                self._failure = err
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"an evaluation failed: {self._failure}") from self._failure

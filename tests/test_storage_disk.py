@@ -1,0 +1,175 @@
+"""The disk tier: a store on disk answers every fetch, write-back, snapshot and restore exactly as the
+memory tier does, whatever its DRAM cache evicts, and its process holds no more than its budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bagpipe.optim import make_row_optimizer
+from bagpipe.storage import RowStore, StorageSpec
+from bagpipe.storage.disk import SLOT_OVERHEAD_BYTES
+from test_model_and_optim import layout_of
+
+TABLES = [1000, 37, 2500]
+
+
+def layout():
+    return layout_of(TABLES, 8)
+
+
+def pair(tmp_path, *, optimizer: str, budget_bytes: int, shard: int = 1, num_shards: int = 3):
+    """A memory store and a disk store of the same shard."""
+    opt = make_row_optimizer(optimizer, lr=0.1)
+    kwargs = dict(layout=layout(), space=0, optimizer=opt, seed=7, shard=shard, num_shards=num_shards)
+    return (RowStore(**kwargs),
+            RowStore(**kwargs, storage=StorageSpec("disk", tmp_path / "storage", budget_bytes)))
+
+
+def owned_keys(store: RowStore) -> np.ndarray:
+    return np.arange(store.num_rows, dtype=np.int64) * store.num_shards + store.shard
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_a_disk_store_answers_as_the_memory_store_through_evictions(tmp_path, optimizer):
+    record = 4 * (8 + make_row_optimizer(optimizer, lr=0.1).state_width(8) + 1)
+    memory, disk = pair(tmp_path, optimizer=optimizer, budget_bytes=64 * (record + SLOT_OVERHEAD_BYTES))
+    assert disk.rows.capacity == 64  # a cache far smaller than the shard: evictions on every step
+    assert memory.num_rows == disk.num_rows > 4 * 64
+    assert torch.equal(memory.all_weights(), disk.all_weights())
+    keys = owned_keys(memory)
+    rng = np.random.default_rng(0)
+    width = memory.state_width
+    for version in range(40):
+        chosen = rng.choice(keys, size=int(rng.integers(1, 150)), replace=False)
+        have_m, have_d = memory.fetch(chosen, np.full(len(chosen), -1), timeout=1), \
+            disk.fetch(chosen, np.full(len(chosen), -1), timeout=1)
+        assert all(torch.equal(a, b) for a, b in zip(have_m, have_d))
+        rows, state = torch.randn(len(chosen), 8), torch.randn(len(chosen), width)
+        for store in (memory, disk):
+            store.write_back(chosen, rows, state, version=version)
+    assert disk.rows.rows_written > 0 and disk.rows.rows_read > 0  # the file was used, not only the cache
+    for store in (memory, disk):
+        store.begin_snapshot(40, expected_rows=0, since=None)
+    snaps = [list(store.snapshot_chunks(timeout=1, chunk_rows=100)) for store in (memory, disk)]
+    for (lm, rm, sm), (ld, rd, sd) in zip(*snaps):
+        assert np.array_equal(lm, ld) and np.array_equal(rm, rd) and np.array_equal(sm, sd)
+    disk.close()
+
+
+def test_a_fetch_waits_for_its_write_back_on_disk_too(tmp_path):
+    _, disk = pair(tmp_path, optimizer="adagrad", budget_bytes=1 << 20)
+    key = owned_keys(disk)[5:6]
+    future = disk.fetch_async(key, np.array([3]))
+    assert not future.done()
+    disk.write_back(key, torch.full((1, 8), 2.0), torch.full((1, 1), 4.0), version=2)
+    assert not future.done()  # version 2 is not the 3 it waits for
+    disk.write_back(key, torch.full((1, 8), 3.0), torch.full((1, 1), 9.0), version=3)
+    rows, state = future.wait()
+    assert rows[0, 0] == 3.0 and state[0, 0] == 9.0
+    disk.close()
+
+
+def test_snapshots_keep_the_pre_boundary_rows_on_disk(tmp_path):
+    memory, disk = pair(tmp_path, optimizer="sgd", budget_bytes=1 << 20)
+    keys = owned_keys(memory)[:10]
+    for store in (memory, disk):
+        store.write_back(keys, torch.ones(10, 8), torch.zeros(10, 0), version=4)
+        store.begin_snapshot(5, expected_rows=10, since=4)
+        store.write_back(keys[:3], torch.full((3, 8), 7.0), torch.zeros(3, 0), version=5)  # after the boundary
+    (local_m, rows_m, _), = list(memory.snapshot_chunks(timeout=1))
+    (local_d, rows_d, _), = list(disk.snapshot_chunks(timeout=1))
+    assert np.array_equal(local_m, local_d) and np.array_equal(rows_m, rows_d)
+    assert (rows_d == 1.0).all() and len(local_d) == 10  # the delta since 4, as of the boundary
+    disk.close()
+
+
+def test_restore_and_close_on_disk(tmp_path):
+    _, disk = pair(tmp_path, optimizer="adagrad", budget_bytes=1 << 20)
+    disk.restore(np.array([0, 2]), np.full((2, 8), 5.0, dtype=np.float32), np.full((2, 1), 6.0, dtype=np.float32),
+                 version=9)
+    rows, state = disk.fetch(owned_keys(disk)[[0, 2]], np.array([9, 9]), timeout=1)
+    assert (rows == 5.0).all() and (state == 6.0).all()
+    path = disk.rows.path
+    assert path.stat().st_size == disk.num_rows * disk.rows.record_bytes  # fixed-size records
+    disk.close()
+    assert not path.exists()
+
+
+def test_a_shard_four_times_its_budget_keeps_the_process_within_it(tmp_path):
+    """A fresh process: its resident memory after imports, then its peak while it initialises a shard
+    of 5x the budget on disk and fetches and writes back every row of it (a checkpoint read too)."""
+    budget = 24 << 20
+    script = textwrap.dedent(f"""
+        import json, sys
+        import numpy as np, torch
+        from pathlib import Path
+        from bagpipe.optim import make_row_optimizer
+        from bagpipe.storage import RowStore, StorageSpec
+        from bagpipe.storage.disk import bounded_heap
+        from test_model_and_optim import layout_of
+
+        def status(field):
+            line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
+            return int(line.split()[1]) * 1024
+
+        layout = layout_of([260_000], 64)
+        bounded_heap()  # as the server does for the disk tier
+        def train(store, steps):
+            keys = np.random.default_rng(0).permutation(store.num_rows)
+            for version, part in enumerate(np.array_split(keys, steps)):
+                rows, state = store.fetch(part, np.full(len(part), -1), timeout=5)
+                store.write_back(part, rows + 1, state + 1, version=version)
+            store.begin_snapshot(steps, expected_rows=store.num_rows, since=None)
+            return sum(len(local) for local, _, _ in store.snapshot_chunks(timeout=5))
+
+        # the same code on a small shard first: libraries loaded, thread pools started
+        small = RowStore(layout=layout_of([1000], 64), space=0, optimizer=make_row_optimizer("adagrad", lr=0.1),
+                         seed=0, storage=StorageSpec("disk", Path(sys.argv[1]) / "small", 1 << 16))
+        train(small, 4)
+        small.close()
+        before = status("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as f:  # peak from here (VmHWM reset)
+            f.write("5")
+        store = RowStore(layout=layout, space=0, optimizer=make_row_optimizer("adagrad", lr=0.1), seed=0,
+                         storage=StorageSpec("disk", Path(sys.argv[1]), {budget}))
+        written = train(store, 60)
+        shard = store.rows.num_rows * store.rows.record_bytes
+        print(json.dumps({{"before": before, "peak": status("VmHWM:"), "shard": shard, "written": written,
+                          "stats": store.rows.stats()}}))
+        store.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "storage")], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).parent)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["shard"] >= 5 * budget and result["written"] == 260_000
+    assert result["stats"]["disk_rows_written"] > 0
+    # the cache is within the budget; transients come on top: one initialisation block (65536 x 64 floats,
+    # 16 MiB) while the shard is written, a step's arrays (~4 MiB)
+    grown = result["peak"] - result["before"]
+    assert grown <= budget + (24 << 20), (grown / 2**20, result)
+
+
+@pytest.mark.parametrize("optimizer", ["adam"])
+def test_a_job_on_the_disk_tier_trains_exactly_as_the_reference(small_binary, tmp_path, optimizer):
+    """Servers on disk with a DRAM cache of a few rows (most fetches read the file, most write-backs are
+    evicted to it), write-backs delayed so that fetches wait on disk too: the export equals the reference's."""
+    from bagpipe.rundir import export
+    from bagpipe.runtime.launch import launch_local
+    from test_runtime import assert_same_parameters, job_config, reference_of
+
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, iterations=60, storage="disk",
+                        storage_budget_mb=0.01, storage_dir=str(tmp_path / "storage"))
+    summary = launch_local(config, show_progress=False, extra_trainer_args=["--writeback-delay", "0.01"])
+    assert summary["storage"]["disk_rows_read"] > 0 and summary["storage"]["disk_rows_written"] > 0
+    assert summary["server_fetches_waited"] > 0
+    assert not list((tmp_path / "storage").iterdir())  # the servers' working files are gone
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
