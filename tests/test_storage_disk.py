@@ -173,3 +173,30 @@ def test_a_job_on_the_disk_tier_trains_exactly_as_the_reference(small_binary, tm
     assert summary["server_fetches_waited"] > 0
     assert not list((tmp_path / "storage").iterdir())  # the servers' working files are gone
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
+
+
+def test_the_memory_check_counts_the_servers_budgets_on_disk_and_the_disk_its_free_space(small_binary, tmp_path,
+                                                                                      monkeypatch):
+    """A job whose tables exceed the memory runs on the disk tier (its servers hold their budgets); the
+    disk tier is refused when the files cannot fit in --storage-dir's free space."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from bagpipe import preflight
+    from bagpipe.data.binary import open_dataset
+    from test_runtime import job_config
+
+    dataset = open_dataset(small_binary)
+    memory = job_config(small_binary, tmp_path / "run")
+    layout = preflight.job_layout(memory, dataset)
+    tables = preflight.table_bytes(memory, layout)
+    planner = layout.num_rows * preflight.PLANNER_BYTES_PER_ROW
+    monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: planner + tables // 2)
+    with pytest.raises(ValueError, match=r"more than this machine's .*keep the tables on disk \(--storage disk\)"):
+        preflight.check_memory(memory, dataset)
+    on_disk = job_config(small_binary, tmp_path / "run", storage="disk", storage_budget_mb=tables / 8 / 2**20)
+    preflight.check_memory(on_disk, dataset)  # two servers' budgets: a quarter of the tables
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**12, 0, 1000))
+    with pytest.raises(ValueError, match=r"--storage disk: the servers' files need .* which has .* free"):
+        preflight.check_memory(on_disk, dataset)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 
@@ -103,16 +105,40 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
     planner's per-row arrays (no process gathers them: the end of a run reads the servers' snapshots).
     """
     layout = job_layout(config, dataset)
-    tables = table_bytes(config, layout)
-    parts = {"tables": tables}
+    on_disk = config.mode == "bagpipe" and config.storage == "disk"
+    if on_disk:  # the servers hold their budgets; the tables go to their files
+        check_disk(config, layout)
+        parts = {"the servers' budgets": int(config.servers * config.storage_budget_mb * 2**20)}
+    else:
+        parts = {"tables": table_bytes(config, layout)}
     if config.mode == "bagpipe":
         parts["the planner"] = layout.num_rows * PLANNER_BYTES_PER_ROW
     need, have = sum(parts.values()), physical_memory_bytes()
     if need > have:
         detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items())
+        remedy = ("lower --storage-budget-mb" if on_disk else
+                  "lower emb_dim or the table sizes" + (", or keep the tables on disk (--storage disk)"
+                                                        if config.mode == "bagpipe" else ""))
         raise ValueError(f"{dataset.directory}: the {config.model.name} tables ({layout.num_rows:,} rows) with "
                          f"{config.optimizer} need {_gib(need)} ({detail}), more than this machine's {_gib(have)}; "
-                         f"lower emb_dim or the table sizes")
+                         f"{remedy}")
+
+
+def storage_dir(config: TrainConfig) -> Path:
+    return Path(config.storage_dir or Path(config.run_dir) / "storage")
+
+
+def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
+    """Refuse a disk-tier job whose servers' files cannot fit in the free space of --storage-dir (a local
+    job's servers all write there)."""
+    optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
+    need = sum(space.num_rows * (space.dim + optimizer.state_width(space.dim) + 1) * 4 for space in layout.spaces)
+    where = storage_dir(config).absolute()
+    existing = next(path for path in (where, *where.parents) if path.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise ValueError(f"--storage disk: the servers' files need {_gib(need)} in {where}, which has "
+                         f"{_gib(free)} free; give --storage-dir on a larger disk")
 
 
 def _gib(num_bytes: int) -> str:
