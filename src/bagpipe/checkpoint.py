@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from bagpipe.faults import inject_fault
+from bagpipe.threads import Background
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +204,7 @@ class CheckpointWriter:
         self.keep, self.full_every = keep, full_every
         self.last: str | None = None  # the newest committed checkpoint (a delta's parent)
         self.chain = 0  # deltas since the last full base
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._job: Background | None = None  # the write in flight
         for stale in self.root.glob("*.tmp"):  # a write that a crash interrupted
             shutil.rmtree(stale, ignore_errors=True)
         newest = valid_checkpoints(run_dir)
@@ -219,23 +219,16 @@ class CheckpointWriter:
     def save(self, state: TrainState, *, full: bool) -> None:
         """Write ``state`` in the background (after any write still in flight); raise an earlier write's error."""
         self.wait()
-        self._thread = threading.Thread(target=self._guarded, args=(state, full), name="checkpoint", daemon=True)
-        self._thread.start()
+        self._job = Background(lambda: self._in_background(state, full), name="checkpoint")
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise RuntimeError(f"writing a checkpoint failed: {failure}") from failure
+        job, self._job = self._job, None
+        if job is not None:
+            job.join(failed="writing a checkpoint failed")
 
-    def _guarded(self, state: TrainState, full: bool) -> None:
+    def _in_background(self, state: TrainState, full: bool) -> None:
         background_priority()
-        try:
-            self.write(state, full=full)
-        except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
-            self._failure = err
+        self.write(state, full=full)
 
     def write(self, state: TrainState, *, full: bool) -> Path:
         """Write ``state`` whole, now (``save`` does it in the background)."""

@@ -26,6 +26,13 @@ class Background(Generic[Result]):
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def join(self, *, failed: str) -> None:
+        """Wait for the call to end; its error raised here as a RuntimeError that starts with ``failed``."""
+        try:
+            self.result()
+        except BaseException as err:  # noqa: BLE001 - the background work's, re-raised with what it was
+            raise RuntimeError(f"{failed}: {err}") from err
+
     def result(self, timeout: float | None = None) -> Result:
         """The call's value, or its error raised here; a TimeoutError if it has not ended within ``timeout``."""
         self._thread.join(timeout)

@@ -27,6 +27,7 @@ import torch.distributed.rpc as rpc
 from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter, background_priority, read_chain,
                                 save_dense, step_name, write_parts)
 from bagpipe.config import TrainConfig
+from bagpipe.threads import Background
 from bagpipe.runtime.world import World
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,7 @@ class JobCheckpoints:
         self.previous = resumed_at  # the last checkpoint's boundary: a delta holds the rows written since
         self._cache_parts: dict[int, tuple] = {}
         self._arrived = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._job: Background | None = None  # the checkpoint being committed
         self.written: list[int] = []
 
     @property
@@ -73,9 +73,7 @@ class JobCheckpoints:
         full = self.writer.wants_full() or self.previous is None
         directory = self.writer.stage(boundary)
         futures = self._begin_snapshots(boundary, directory, since=None if full else self.previous)
-        self._thread = threading.Thread(target=self._finish, args=(boundary, full, futures), name="checkpoint",
-                                        daemon=True)
-        self._thread.start()
+        self._job = Background(lambda: self._finish(boundary, full, futures), name="checkpoint")
         self.previous = boundary
         return True
 
@@ -111,33 +109,27 @@ class JobCheckpoints:
 
     def _finish(self, boundary: int, full: bool, futures: list) -> None:
         background_priority()
-        try:
-            started = time.perf_counter()
-            entries = [entry for future in futures for entry in future.wait()]
-            with self._arrived:
-                if not self._arrived.wait_for(lambda: boundary in self._cache_parts, timeout=4 * self.world.timeout):
-                    raise TimeoutError(f"trainer 0 sent no part of the checkpoint at iteration {boundary}")
-                dense, dense_optimizer, parts, extra = self._cache_parts.pop(boundary)
-            directory = self.writer.root / f"{step_name(boundary)}.tmp"
-            save_dense(directory, dense, dense_optimizer)
-            entries += write_parts(directory, parts, prefix="cache")  # last: the cached rows override the servers'
-            extra = {**extra, "mode": "bagpipe", "trainers": self.world.num_trainers,
-                     "servers": self.world.num_servers}
-            final = self.writer.publish(boundary, full=full, parts=entries, extra=extra)
-            self.written.append(boundary)
-            if self.evaluates(boundary):
-                self.on_evaluable(boundary, dense, ChainRows.of_chain(final, read_chain(final)))
-            log.info("checkpoint at iteration %d committed in %.2f s after its parts were started", boundary,
-                     time.perf_counter() - started)
-        except BaseException as err:  # noqa: BLE001 - raised on the planner thread by wait()
-            self._failure = err
+        started = time.perf_counter()
+        entries = [entry for future in futures for entry in future.wait()]
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: boundary in self._cache_parts, timeout=4 * self.world.timeout):
+                raise TimeoutError(f"trainer 0 sent no part of the checkpoint at iteration {boundary}")
+            dense, dense_optimizer, parts, extra = self._cache_parts.pop(boundary)
+        directory = self.writer.root / f"{step_name(boundary)}.tmp"
+        save_dense(directory, dense, dense_optimizer)
+        entries += write_parts(directory, parts, prefix="cache")  # last: the cached rows override the servers'
+        extra = {**extra, "mode": "bagpipe", "trainers": self.world.num_trainers,
+                 "servers": self.world.num_servers}
+        final = self.writer.publish(boundary, full=full, parts=entries, extra=extra)
+        self.written.append(boundary)
+        if self.evaluates(boundary):
+            self.on_evaluable(boundary, dense, ChainRows.of_chain(final, read_chain(final)))
+        log.info("checkpoint at iteration %d committed in %.2f s after its parts were started", boundary,
+                 time.perf_counter() - started)
 
     def wait(self) -> None:
         """Until the checkpoint in progress is committed; its failure raised here."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise RuntimeError(f"a checkpoint failed: {failure}") from failure
+        job, self._job = self._job, None
+        if job is not None:
+            job.join(failed="a checkpoint failed")
 
