@@ -29,13 +29,14 @@ from bench_scaling import BATCH, data_set
 from bagpipe.config import TrainConfig
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime.launch import launch_local
+from bagpipe.storage.disk import record_bytes
 
 DIM = MODEL.emb_dim
 
 
 def shard_bytes(optimizer: str) -> int:
     """The one server's shard on disk: a record per row (row, optimizer state, version)."""
-    return TOTAL_ROWS * 4 * (DIM + make_row_optimizer(optimizer, lr=0.01).state_width(DIM) + 1)
+    return TOTAL_ROWS * record_bytes(DIM, make_row_optimizer(optimizer, lr=0.01).state_width(DIM))
 
 
 def job(data: Path, run_dir: Path, *, iterations: int, storage: str, budget_mb: float) -> TrainConfig:

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
 from bagpipe.rundir import prepare_run_dir
+from bagpipe.storage.disk import record_bytes, storage_path
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +124,12 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
                          f"{remedy}")
 
 
-def storage_dir(config: TrainConfig) -> Path:
-    return Path(config.storage_dir or Path(config.run_dir) / "storage")
-
-
 def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     """Refuse a disk-tier job whose servers' files cannot fit in the free space of --storage-dir (a local
     job's servers all write there)."""
     optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
-    need = sum(space.num_rows * (space.dim + optimizer.state_width(space.dim) + 1) * 4 for space in layout.spaces)
-    where = storage_dir(config).absolute()
+    need = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
+    where = storage_path(config.storage_dir, config.run_dir).absolute()
     existing = next(path for path in (where, *where.parents) if path.exists())
     free = shutil.disk_usage(existing).free
     if need > free:

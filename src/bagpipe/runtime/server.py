@@ -26,7 +26,7 @@ from bagpipe.runtime.protocol import JobInfo
 from bagpipe.runtime.world import STOP_KEY, World, check_in, init_rpc, wait_for_job
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
-from bagpipe.storage.disk import bounded_heap
+from bagpipe.storage.disk import bounded_heap, record_bytes, storage_path
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list
     if config.get("storage", "memory") == "memory":
         return [StorageSpec() for _ in layout.spaces]
     bounded_heap()  # transient buffers go back to the system: the budget holds
-    directory = Path(config.get("storage_dir") or Path(config["run_dir"]) / "storage")
-    shard_bytes = [(space.num_rows // num_shards + 1) * 4 * (space.dim + state_width(space.dim) + 1)
+    directory = storage_path(config.get("storage_dir", ""), config["run_dir"])
+    shard_bytes = [(space.num_rows // num_shards + 1) * record_bytes(space.dim, state_width(space.dim))
                    for space in layout.spaces]
     budget = int(config["storage_budget_mb"] * 2**20)
     return [StorageSpec("disk", directory, budget * part // max(sum(shard_bytes), 1)) for part in shard_bytes]
