@@ -196,6 +196,10 @@ def test_the_memory_check_counts_the_servers_budgets_on_disk_and_the_disk_its_fr
         preflight.check_memory(memory, dataset)
     on_disk = job_config(small_binary, tmp_path / "run", storage="disk", storage_budget_mb=tables / 8 / 2**20)
     preflight.check_memory(on_disk, dataset)  # two servers' budgets: a quarter of the tables
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"a_file is not a directory"):
+        preflight.check_memory(job_config(small_binary, tmp_path / "run", storage="disk",
+                                          storage_dir=str(tmp_path / "a_file" / "sub")), dataset)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**12, 0, 1000))
     with pytest.raises(ValueError, match=r"--storage disk: the servers' files need .* which has .* free"):

@@ -131,6 +131,8 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     need = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
     where = storage_path(config.storage_dir, config.run_dir).absolute()
     existing = next(path for path in (where, *where.parents) if path.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--storage-dir {where}: {existing} is not a directory")
     free = shutil.disk_usage(existing).free
     if need > free:
         raise ValueError(f"--storage disk: the servers' files need {_gib(need)} in {where}, which has "
