@@ -69,6 +69,7 @@ def small_chunks(monkeypatch):
 
 
 def line_parsers_only(monkeypatch):
+    monkeypatch.setattr(fast_tsv, "separate", lambda *args, **kwargs: None)
     monkeypatch.setattr(fast_tsv, "split_fields", lambda *args, **kwargs: None)
     monkeypatch.setattr(fast_jsonl, "one_hot_rows", lambda *args, **kwargs: None)
 
@@ -139,6 +140,81 @@ def test_what_pyarrow_would_split_otherwise_is_refused(data):
 def test_hex_outside_the_grammar_is_left_to_the_line_parser(text):
     fields = fast_tsv.split_fields(f"{text}\n".encode(), num_columns=1, delimiter="\t")
     assert fast_tsv.hex_values(fields[0]) is None
+
+
+def published_rows(rng, count):
+    """Criteo as published: labels 0 or 1, decimals of at most 8 digits (and a sign), hex of 8 digits or empty; the
+    last row's last field empty, so that a field starts in a block's last bytes."""
+    dense = ["", "0", "-0", "-1", "7", "00000007", "-99999999", "12345678", "-12345678", "99999999"]
+    rows = [
+        "\t".join([str(rng.integers(0, 2)),
+                   *[rng.choice(dense) if rng.random() < 0.3 else str(rng.integers(0, 10 ** int(rng.integers(1, 9))))
+                     for _ in range(13)],
+                   *[hex_token(rng, 8) if rng.random() < 0.8 else "" for _ in SIZES]])
+        for _ in range(count)]
+    return rows[:-1] + [rows[-1][:rows[-1].rindex("\t") + 1]]
+
+
+def test_criteo_as_published_is_read_by_numpy_alone_and_equals_the_line_parser(monkeypatch):
+    data = "".join(row + "\n" for row in published_rows(np.random.default_rng(11), 3000)).encode()
+    expected = reference(CriteoParser(SIZES), data)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the fixed-width reader gave this block to another reader")
+
+    for name in ("parse_lines", "_piece_fields"):
+        monkeypatch.setattr(CriteoParser, name, refused)
+    monkeypatch.setattr(fast_tsv, "MIN_PIECE_BYTES", 1000)  # many pieces, each with a last line of its own
+    parser = CriteoParser(SIZES)
+    assert_same(parser.parse(TextBlock.of(data), path="f", first_line=1, bad=None), expected)
+    assert parser.fixed_widths
+
+
+@pytest.mark.parametrize("column, text", [
+    (1, "123456789"), (1, "-123456789"), (1, "-"), (1, "--1"), (1, "+5"), (1, "1-"), (1, "1:"), (1, "/"), (1, " 1"),
+    (14, "1234567"), (14, "123456789"), (14, "0000000g"), (14, "0000000:"), (14, "@bcdef01"), (14, "\u00e9bcdef0"),
+    (0, "2"), (0, "00"), (0, ""), (0, "1.0")])
+def test_fields_outside_the_fixed_widths_go_to_the_general_readers_with_the_same_result(column, text):
+    rows = [row.split("\t") for row in published_rows(np.random.default_rng(12), 40)]
+    rows[17][column] = text
+    data = "".join("\t".join(row) + "\n" for row in rows).encode()
+    parser = CriteoParser(SIZES)
+    assert parser._fixed_width_piece(memoryview(data)) is None
+    try:
+        expected = reference(CriteoParser(SIZES), data)
+    except DataError as err:
+        with pytest.raises(DataError) as raised:
+            parser.parse(TextBlock.of(data), path="f", first_line=1, bad=None)
+        assert str(raised.value) == str(err)
+    else:
+        assert_same(parser.parse(TextBlock.of(data), path="f", first_line=1, bad=None), expected)
+    assert not parser.fixed_widths  # and later blocks go straight to the general readers
+
+
+def test_fixed_width_readers_equal_python_on_random_values():
+    rng = np.random.default_rng(13)
+    numbers = rng.integers(-99_999_999, 100_000_000, 20_000)
+    decimals = [f"{'-' if n < 0 else ''}{abs(n):0{int(rng.integers(1, 9))}d}" for n in numbers] + ["-0", "", "0"]
+    hexes = ["".join(c.upper() if rng.random() < 0.5 else c for c in f"{v:08x}")
+             for v in rng.integers(0, 2**32, len(decimals))]
+    hexes[-2] = ""
+    data = "".join(f"1\t{d}\t{h}\n" for d, h in zip(decimals, hexes)).encode()
+    split = fast_tsv.separate(data, num_columns=3, delimiter="\t")
+    values = fast_tsv.short_decimals(split, slice(1, 2))[:, 0]
+    assert values.tobytes() == np.array([float(d) if d else 0.0 for d in decimals]).tobytes()  # -0.0 too
+    assert fast_tsv.hex8_values(split, slice(2, 3))[:, 0].tolist() == [int(h or "0", 16) for h in hexes]
+
+
+def test_fields_in_a_blocks_last_bytes_are_read_whole():
+    split = fast_tsv.separate(b"1\t00000001\t12\n0\tABCDEF12\t-7654\n", num_columns=3, delimiter="\t")
+    assert fast_tsv.short_decimals(split, slice(2, 3))[:, 0].tolist() == [12.0, -7654.0]
+    assert fast_tsv.hex8_values(split, slice(1, 2))[:, 0].tolist() == [1, 0xABCDEF12]
+
+
+@pytest.mark.parametrize("data", [b"1\ta\tb\n0\tc\td", b"1\ta\tb\r\n0\tc\td\n", b"1\ta\tb\n\n0\tc\td\n",
+                                  b"1\ta\tb\n0\tc\n1\td\te\tf\n", b"1\ta\tb\n0\tc\td\te\n", b"1\t\t\n"])
+def test_what_numpy_alone_does_not_split_is_refused(data):
+    assert fast_tsv.separate(data, num_columns=3, delimiter="\t") is None
 
 
 def test_conversions_of_synth_data_and_varied_rows_are_byte_for_byte_the_same(tmp_path, monkeypatch, small_chunks):

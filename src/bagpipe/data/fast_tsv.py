@@ -1,5 +1,10 @@
-"""Criteo TSV and Avazu CSV blocks split into fields by pyarrow's CSV tokenizer and read by numpy under a strict
-grammar; a block with anything outside it gives None, for the line-by-line parsers (data.formats) to read or name."""
+"""Criteo TSV and Avazu CSV blocks split into fields and read by numpy under a strict grammar; a block with anything
+outside it gives None, for the line-by-line parsers (data.formats) to read or name.
+
+Two ways to split: ``separate`` (numpy alone: every line has the same number of fields, no carriage return) with
+readers of fixed-width fields (``zero_one_at``, ``short_decimals``, ``hex8_values``: Criteo as published, each field
+read as one little-endian 64-bit word and converted with SWAR arithmetic), and pyarrow's CSV tokenizer
+(``split_fields``) with readers of any width, for what the first refuses."""
 
 from __future__ import annotations
 
@@ -17,6 +22,22 @@ MIN_PIECE_BYTES = 1 << 20  # smaller blocks are read in one piece, on the callin
 _POW10 = 10.0 ** np.arange(MAX_DECIMAL_CHARS)
 _BOM = np.frombuffer(b"\xef\xbb\xbf", dtype=np.uint8)  # pyarrow would drop it; the line parsers keep it
 _NEWLINE, _CR, _MINUS, _ZERO = 0x0A, 0x0D, 0x2D, 0x30
+WORD = 8  # bytes of a field read at once: hex fields of 8 digits, decimal fields of at most 8 digits and a sign
+_LOW_BYTES = np.array([(1 << (8 * k)) - 1 for k in range(WORD + 1)], dtype=np.uint64)  # [k]: k low bytes kept
+
+
+def _repeat(byte: int) -> np.uint64:
+    return np.uint64(int.from_bytes(bytes([byte]) * WORD, "little"))
+
+
+_ZEROS, _SIXES, _HIGH_NIBBLES, _LOW_NIBBLES, _ONES = (_repeat(b) for b in (0x30, 0x06, 0xF0, 0x0F, 0x01))
+# Pairs of digits combined in place: each lane of 2k bytes holds (first << k-bytes) | second, first digit lowest.
+_HEX_STEPS = ((np.uint64(16 * 2**8 + 1), np.uint64(8), np.uint64(0x00FF00FF00FF00FF)),
+              (np.uint64(2**8 * 2**16 + 1), np.uint64(16), np.uint64(0x0000FFFF0000FFFF)),
+              (np.uint64(2**16 * 2**32 + 1), np.uint64(32), np.uint64(0xFFFFFFFF)))
+_DECIMAL_STEPS = ((np.uint64(10 * 2**8 + 1), np.uint64(8), np.uint64(0x00FF00FF00FF00FF)),
+                  (np.uint64(100 * 2**16 + 1), np.uint64(16), np.uint64(0x0000FFFF0000FFFF)),
+                  (np.uint64(10_000 * 2**32 + 1), np.uint64(32), np.uint64(0xFFFFFFFF)))
 Result = TypeVar("Result")
 
 
@@ -49,6 +70,102 @@ def in_pieces(data: bytes | bytearray, read: Callable[[memoryview], Result | Non
     with ThreadPoolExecutor(max_workers=num_pieces) as pool:
         pieces = list(pool.map(read, [view[start:end] for start, end in zip(bounds, bounds[1:])]))
     return None if any(piece is None for piece in pieces) else pieces
+
+
+class Separated(NamedTuple):
+    """Lines of ``columns`` fields each: field (i, k) is ``chars[starts[i, k]:starts[i, k] + lengths[i, k]]``."""
+
+    chars: np.ndarray  # uint8, the block
+    starts: np.ndarray  # int64 [rows, columns]
+    lengths: np.ndarray  # int64 [rows, columns]
+
+
+def separate(data, *, num_columns: int, delimiter: str) -> Separated | None:
+    """``data``'s lines split at ``delimiter`` by numpy, if every line ends with a newline and holds exactly
+    ``num_columns`` fields, and no line holds a carriage return (``split_fields`` takes those)."""
+    chars = np.frombuffer(data, dtype=np.uint8)
+    if len(chars) < WORD or chars[-1] != _NEWLINE or _CR in chars:
+        return None
+    newline = chars == _NEWLINE
+    ends = np.flatnonzero(newline | (chars == ord(delimiter)))
+    rows = len(ends) // num_columns
+    if len(ends) != rows * num_columns:
+        return None
+    ends = ends.reshape(rows, num_columns)
+    # Every line's last field ends at a newline and there are no others: every line has num_columns fields.
+    if np.count_nonzero(newline) != rows or not newline[ends[:, -1]].all():
+        return None
+    starts = np.empty_like(ends)
+    starts[0, 0] = 0
+    starts[1:, 0] = ends[:-1, -1] + 1
+    starts[:, 1:] = ends[:, :-1] + 1
+    return Separated(chars, starts, ends - starts)
+
+
+def _words(chars: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The little-endian uint64 of ``chars[i:i + WORD]`` for each ``i`` in ``at``, zero-padded past the end."""
+    last = len(chars) - WORD
+    words = np.ndarray(buffer=chars, dtype="<u8", shape=(last + 1,), strides=(1,))  # overlapping, unaligned
+    out = words[np.minimum(at, last)]
+    over = np.flatnonzero(at > last)
+    if len(over):  # fields in the last WORD - 1 bytes: read from a padded copy
+        tail = np.zeros(2 * WORD, dtype=np.uint8)
+        tail[:WORD] = chars[last:]
+        out[over] = np.ndarray(buffer=tail, dtype="<u8", shape=(WORD + 1,), strides=(1,))[at[over] - last]
+    return out
+
+
+def _combine(words: np.ndarray, steps) -> np.ndarray:
+    """Digits one a byte (first digit lowest) combined pairwise into one number: SWAR, three multiplies."""
+    for multiplier, shift, keep in steps:
+        words = (words * multiplier) >> shift
+        words &= keep
+    return words
+
+
+def zero_one_at(split: Separated, column: int) -> np.ndarray | None:
+    """Labels written ``0`` or ``1``, as float32."""
+    if (split.lengths[:, column] != 1).any():
+        return None
+    digits = split.chars[split.starts[:, column]] - np.uint8(_ZERO)
+    return None if (digits > 1).any() else digits.astype(np.float32)
+
+
+def short_decimals(split: Separated, columns: slice) -> np.ndarray | None:
+    """Integers written ``-?[0-9]{1,8}``, as float64 [rows, columns] equal to Python's ``float(field)`` (``-0`` is
+    -0.0); an empty field is 0.0. Longer ones are ``decimals``'s."""
+    lengths = split.lengths[:, columns]
+    if lengths.max(initial=0) > WORD + 1:
+        return None
+    starts = split.starts[:, columns]
+    negative = split.chars[starts] == _MINUS  # a field is followed by its separator: its start is in the block
+    digits = lengths - negative
+    if digits.max(initial=0) > WORD or (negative.any() and (digits[negative] < 1).any()):
+        return None
+    words = _words(split.chars, (starts + negative).ravel()).reshape(lengths.shape)
+    mask = _LOW_BYTES[digits]
+    words &= mask
+    zeros = _ZEROS & mask
+    # Each byte kept is a digit: its high nibble is 3, and still 3 after adding 6 (0x3A-0x3F carry to 4).
+    if (((words & _HIGH_NIBBLES) != zeros) | (((words + (_SIXES & mask)) & _HIGH_NIBBLES) != zeros)).any():
+        return None
+    words -= zeros
+    words <<= (np.uint64(WORD) - digits.astype(np.uint64)) * np.uint64(8)  # right-aligned: leading zero digits
+    values = _combine(words, _DECIMAL_STEPS).astype(np.float64)
+    return np.negative(values, out=values, where=negative)
+
+
+def hex8_values(split: Separated, columns: slice) -> np.ndarray | None:
+    """Fields of exactly 8 hexadecimal digits, or empty (0), as uint64 [rows, columns]: Criteo's."""
+    lengths = split.lengths[:, columns]
+    if (lengths & ~np.int64(WORD)).any():  # neither 0 nor 8
+        return None
+    words = _words(split.chars, split.starts[:, columns].ravel()).reshape(lengths.shape)
+    np.copyto(words, _ZEROS, where=lengths == 0)  # an empty field reads as "00000000"
+    if not is_hex(words.view(np.uint8)):
+        return None
+    nibbles = (words & _LOW_NIBBLES) + np.uint64(9) * ((words >> np.uint64(6)) & _ONES)  # letters: 0x4_, 0x6_
+    return _combine(nibbles, _HEX_STEPS)
 
 
 def split_fields(data, *, num_columns: int, delimiter: str) -> list[Fields] | None:
