@@ -113,7 +113,7 @@ def test_a_shard_four_times_its_budget_keeps_the_process_within_it(tmp_path):
         from pathlib import Path
         from bagpipe.optim import make_row_optimizer
         from bagpipe.storage import RowStore, StorageSpec
-        from bagpipe.storage.disk import bounded_heap
+        from bagpipe.heap import bounded_heap
         from test_model_and_optim import layout_of
 
         def status(field):

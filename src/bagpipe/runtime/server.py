@@ -19,6 +19,7 @@ import torch.distributed.rpc as rpc
 
 from bagpipe.checkpoint import background_priority, chain_parts, resume_chain, write_snapshot
 from bagpipe.faults import inject_fault
+from bagpipe.heap import bounded_heap
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
 from bagpipe.runtime.liveness import Liveness
@@ -26,7 +27,7 @@ from bagpipe.runtime.protocol import JobInfo
 from bagpipe.runtime.world import STOP_KEY, World, check_in, init_rpc, wait_for_job
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
-from bagpipe.storage.disk import bounded_heap, record_bytes, storage_path
+from bagpipe.storage.disk import record_bytes, storage_path
 
 log = logging.getLogger(__name__)
 

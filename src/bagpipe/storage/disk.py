@@ -20,7 +20,6 @@ cache is the kernel's, reclaimable under pressure.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 
@@ -33,7 +32,6 @@ SLOT_OVERHEAD_BYTES = 8 + 8 + 8 + 8 + 1
 FILL_ROWS = 8192  # initial rows written per call
 EVICT_FRACTION = 16
 CHUNK_BYTES = 4 << 20  # the most a snapshot reads at once
-M_MMAP_THRESHOLD = -3  # mallopt's parameter
 
 
 def record_bytes(dim: int, state_width: int) -> int:
@@ -44,17 +42,6 @@ def record_bytes(dim: int, state_width: int) -> int:
 def storage_path(storage_dir: str, run_dir: str) -> Path:
     """Where the servers' files go: ``--storage-dir``, or ``RUN_DIR/storage``."""
     return Path(storage_dir or Path(run_dir) / "storage")
-
-
-def bounded_heap(threshold_bytes: int = 1 << 20) -> None:
-    """Give every allocation of ``threshold_bytes`` or more its own mapping, returned to the system when
-    freed. glibc otherwise raises that threshold after the first large free, up to 32 MiB, and serves
-    later large arrays from a heap it rarely shrinks: a budgeted process would keep every transient
-    fetch buffer it ever had."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold_bytes)
-    except (OSError, AttributeError):  # not glibc: its own policy stands
-        pass
 
 
 class DiskRows:
