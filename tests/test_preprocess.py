@@ -1,5 +1,6 @@
 """ensure_preprocessed: a data directory's converted copy is reused exactly when it is current."""
 
+import gzip
 import json
 import logging
 import os
@@ -167,6 +168,22 @@ def test_a_copy_fingerprinted_with_the_earlier_hash_is_converted_again_once_its_
     ensure_preprocessed(data, show_progress=False)
     assert len(conversions) == 2 and "fingerprinted by an earlier version (another hash)" in info_log.text
     assert "xxh3_128" in open_dataset(cached).meta["made_from"]["sources"]["train"]
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_the_hash_made_while_converting_is_the_files_own(tmp_path, compressed):
+    """The splits are hashed by the reads that convert them (no second read): the same hash as reading the file
+    alone, gzip's stored bytes too; the meta.json beside them is hashed on its own."""
+    data = make_data(tmp_path / "data", rows=3000)
+    if compressed:
+        for name in ("train.tsv", "test.tsv"):
+            (data / f"{name}.gz").write_bytes(gzip.compress((data / name).read_bytes()))
+            (data / name).unlink()
+    meta = preprocess(data, tmp_path / "out", show_progress=False)
+    recorded = meta["made_from"]["sources"]
+    assert sorted(recorded) == ["meta.json", "test", "train"]
+    for name, path in pre._sources(data, pre.find_splits(data)).items():
+        assert recorded[name] == pre._fingerprint(path)
 
 
 def test_a_crash_mid_conversion_leaves_the_earlier_copy_in_use(tmp_path, conversions, monkeypatch):

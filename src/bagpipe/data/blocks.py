@@ -23,11 +23,37 @@ Item = TypeVar("Item")
 _END = object()
 
 
-def open_decompressed(path: Path, stack: ExitStack) -> tuple[io.BufferedReader, io.BufferedReader]:
-    """The file as stored, and its content: gzip is told by its magic bytes, whatever the name."""
+class HashedReader(io.RawIOBase):
+    """A file's bytes passed through ``digest`` as they are read: a source hashed by the read that converts it,
+    instead of a second read. ``tell`` is the bytes read so far."""
+
+    def __init__(self, handle, digest) -> None:
+        super().__init__()
+        self._handle, self.digest, self.bytes_read = handle, digest, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        count = self._handle.readinto(buffer)
+        if count:
+            with memoryview(buffer) as view:
+                self.digest.update(view[:count])
+            self.bytes_read += count
+        return count
+
+    def tell(self) -> int:
+        return self.bytes_read
+
+
+def open_decompressed(path: Path, stack: ExitStack, *, digest=None) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
+    """The file as stored, and its content: gzip is told by its magic bytes, whatever the name. ``digest``: a
+    hash object that every stored byte read is passed through."""
     raw = stack.enter_context(open(path, "rb"))
     compressed = raw.read(len(GZIP_MAGIC)) == GZIP_MAGIC
     raw.seek(0)
+    if digest is not None:
+        raw = stack.enter_context(io.BufferedReader(HashedReader(raw, digest), GZIP_READ_BYTES))
     # A buffered reader over the gzip stream splits lines in C, as it does for a plain file.
     return raw, (stack.enter_context(io.BufferedReader(gzip.GzipFile(fileobj=raw), GZIP_READ_BYTES))
                  if compressed else raw)
