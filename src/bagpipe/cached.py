@@ -6,6 +6,8 @@ Its result must equal the reference trainer's (every row read reflects all earli
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import nn
@@ -18,6 +20,7 @@ from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.reference import train_step
 from bagpipe.storage import RowStore, gather_flat
+from bagpipe.storage.parity import ParityGroups
 
 
 def train_cached(model: nn.Module, dense_optimizer: torch.optim.Optimizer, split: BinarySplit, *,
@@ -30,11 +33,28 @@ def train_cached(model: nn.Module, dense_optimizer: torch.optim.Optimizer, split
 def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimizer, batches: list[Batch], *,
                          layout: EmbeddingLayout, row_optimizer: RowOptimizer, seed: int, cache_rows: int,
                          lookahead: int, policy: str = "lookahead", num_shards: int = 1,
-                         timeout: float = 30.0) -> list[list[RowStore]]:
-    """Train on ``batches`` from a cache of ``cache_rows`` rows (shared among the spaces)."""
+                         timeout: float = 30.0, parity: int = 0, losses: dict[int, list[int]] | None = None,
+                         rebuild_rows: int = 0) -> list[list[RowStore]]:
+    """Train on ``batches`` from a cache of ``cache_rows`` rows (shared among the spaces).
+
+    ``parity`` k > 0: the shards form erasure-coded groups of k (storage.parity); ``losses``: the shards lost
+    just before each iteration (their rows dropped, served by their group from then on), rebuilt ``rebuild_rows``
+    rows per iteration (all at once if 0) until each takes its place again.
+    """
     spaces = range(len(layout.spaces))
-    stores = [[RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=seed, shard=shard,
-                        num_shards=num_shards) for shard in range(num_shards)] for s in spaces]
+    losses = losses or {}
+    if losses and not parity:
+        raise ValueError("losing a shard needs parity groups (parity=k)")
+
+    def make_store(space: int, shard: int) -> RowStore:
+        return RowStore(layout=layout, space=space, optimizer=row_optimizer, seed=seed, shard=shard,
+                        num_shards=num_shards)
+
+    groups = [ParityGroups(functools.partial(make_store, s), num_shards=num_shards, k=parity) for s in spaces
+              ] if parity else []
+    # a shard's store, or its stand-in while it is rebuilt: ParityGroups keeps these lists current
+    stores = [group.members for group in groups] or [[make_store(s, shard) for shard in range(num_shards)]
+                                                     for s in spaces]
     shares = layout.split_cache(cache_rows, batch_size=len(batches[0]))
     caches = [RowCache(capacity=shares[s], dim=layout.spaces[s].dim, optimizer=row_optimizer) for s in spaces]
     keys = [layout.keys(b.ids.numpy()) for b in batches]
@@ -42,6 +62,11 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
                              policy=policy) for s in spaces]
     rows_of = [BatchRows(layout.spaces[s].num_rows) for s in spaces]
     for steps in plan_spaces(([valid_keys(k) for k in batch_keys] for batch_keys in keys), configs):
+        for shard in losses.get(steps[0].iteration, []):
+            for group in groups:
+                group.lose(shard)
+        for group in groups:
+            group.rebuild(rebuild_rows or group.rows_to_rebuild())
         for s, step in enumerate(steps):
             carry_out(step, caches[s], stores[s], dim=layout.spaces[s].dim, row_optimizer=row_optimizer,
                       timeout=timeout)
@@ -53,7 +78,9 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
                 views.append(rows_of[s].at(keys[iteration][s]))
             train_step(model, StepTables(caches, views, layout), dense_optimizer, batches[iteration], seed=seed,
                        iteration=iteration)
-    return stores
+    for group in groups:
+        group.rebuild(group.rows_to_rebuild())
+    return [group.stores for group in groups] or stores
 
 
 def carry_out(step, cache: RowCache, stores: list[RowStore], *, dim: int, row_optimizer: RowOptimizer,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from bagpipe.config import STORAGE_KINDS
 from bagpipe.embeddings import EmbeddingLayout, init_row_blocks, init_rows
 from bagpipe.optim import RowOptimizer
+from bagpipe.storage.bits import row_bits
 from bagpipe.storage.disk import DiskRows
 from bagpipe.storage.memory import MemoryRows
 
@@ -73,6 +75,9 @@ class RowStore:
         self._snapshot: _Snapshot | None = None
         self._changed = threading.Condition()
         self.fetches_waited = 0  # fetches that arrived before the write-back they must observe
+        # erasure coding (storage.parity): called with (local rows, old ^ new bits, old versions, version) on
+        # every write-back, under the lock, so that one row's deltas leave in the order they were made
+        self.parity_sink: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None = None
         # parked fetches: (local rows, versions wanted, future, when parked)
         self._waiting: list[tuple[np.ndarray, np.ndarray, torch.futures.Future, float]] = []
 
@@ -139,22 +144,45 @@ class RowStore:
 
     def write_back(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
         local = self._local(keys)
-        ready = []
         with self._changed:
             if self._snapshot is not None and version >= self._snapshot.boundary:
                 self._snapshot.save(self.rows, local)
             self.received[version] += len(local)
+            if self.parity_sink is not None:
+                old_rows, old_state, before = self.rows.read(local)
+                delta = row_bits(old_rows, old_state) ^ row_bits(rows, state)
             self.rows.write(local, rows, state, version=version)
-            self._changed.notify_all()
-            still = []
-            for waiting in self._waiting:
-                if (self.rows.versions(waiting[0]) >= waiting[1]).all():
-                    ready.append((waiting[2], self.rows.read(waiting[0])[:2]))
-                else:
-                    still.append(waiting)
-            self._waiting = still
+            if self.parity_sink is not None:
+                self.parity_sink(local, delta, before, version)
+            ready = self._ready_fetches()
         for future, result in ready:  # outside the lock: completing runs the RPC's reply callbacks
             future.set_result(result)
+
+    def put(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
+        """Rows placed as they stood at ``version`` (a rebuilt shard's): not a write-back, so neither counted
+        nor folded into a parity, which holds them already."""
+        with self._changed:
+            self.rows.write(np.asarray(local, dtype=np.int64), rows, state, version=version)
+            ready = self._ready_fetches()
+        for future, result in ready:
+            future.set_result(result)
+
+    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """Rows, state and versions of ``local`` as they stand."""
+        with self._changed:
+            return self.rows.read(np.asarray(local, dtype=np.int64))
+
+    def _ready_fetches(self) -> list:
+        """Under the lock: wake the waits, and take the parked fetches whose versions have arrived."""
+        self._changed.notify_all()
+        ready, still = [], []
+        for waiting in self._waiting:
+            if (self.rows.versions(waiting[0]) >= waiting[1]).all():
+                ready.append((waiting[2], self.rows.read(waiting[0])[:2]))
+            else:
+                still.append(waiting)
+        self._waiting = still
+        return ready
 
     # -- snapshots: the shard as it stood at an iteration boundary, while training goes on --------------
     def begin_snapshot(self, boundary: int, *, expected_rows: int, since: int | None) -> None:
