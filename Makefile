@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ bench-preprocess: $(BIN)/bagpipe
 
 bench-storage: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_storage.py --work-dir runs/bench_storage --out runs/bench_storage/result.json
+
+bench-parity: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_parity.py --work-dir runs/bench_parity --out runs/bench_parity/result.json
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs

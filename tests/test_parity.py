@@ -192,3 +192,34 @@ def test_training_through_lost_shards_equals_training_without_losses_bit_for_bit
 def layout_of_split(split, config):
     from bagpipe.reference import build_tables
     return build_tables(config, split.schema).layout
+
+
+def test_initial_parity_made_from_the_seed_equals_the_parity_of_the_initialised_shards():
+    layout = layout_of(SIZES, 4)
+    for optimizer in ("sgd", "adam"):
+        width = make_row_optimizer(optimizer, lr=0.1).state_width(4)
+        made = ParityRows.initial(layout, 0, shards=[3, 4, 5], num_shards=6, state_width=width, seed=3)
+        stores = [RowStore(layout=layout, space=0, optimizer=make_row_optimizer(optimizer, lr=0.1), seed=3, shard=s,
+                           num_shards=6) for s in (3, 4, 5)]
+        of = ParityRows.of(stores)
+        assert (made.bits == of.bits).all() and (made.versions == of.versions).all()
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_a_job_with_parity_servers_trains_exactly_and_its_parity_matches_its_groups(small_binary, tmp_path,
+                                                                                   optimizer):
+    """3 data servers and 1 parity server: the same export as the sliced reference, bit for bit, and at the end
+    the parity server's XOR equals its group's rows and optimizer state, versions too (--check-parity)."""
+    from test_runtime import assert_same_parameters, job_config, reference_of
+
+    from bagpipe.rundir import export
+    from bagpipe.runtime.launch import launch_local
+
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
+                        check_parity=True, iterations=60)
+    summary = launch_local(config, show_progress=False)
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    (parity,) = summary["parity"]
+    assert parity["shards"] == [0, 1, 2] and parity["pending_rows"] == 0
+    assert parity["deltas_applied"] == summary["rows_written_back"] > 0  # every write-back's delta, once
+    assert parity["check"]["mismatched_rows"] == [0] and parity["check"]["rows"][0] > 0

@@ -148,6 +148,11 @@ def _add_storage_flags(p) -> None:
                    "local to each server's machine (default: RUN_DIR/storage)")
     g.add_argument("--storage-budget-mb", type=float, default=None, help="--storage disk: DRAM each server may "
                    "hold of its shard (MiB; hot rows and mapped file pages)" + _default("storage_budget_mb"))
+    g.add_argument("--parity", type=int, default=None, help="erasure-coded servers: groups of K data servers and "
+                   "one parity server holding the XOR of their rows and optimizer state, bit for bit (--servers a "
+                   "multiple of K + 1); 0: none" + _default("parity"))
+    g.add_argument("--check-parity", action="store_true", default=None, help="at the end, each parity server "
+                   "checks its parity against its group's rows (reads every row once)")
 
 
 def _add_checkpoint_flags(p):

@@ -166,6 +166,11 @@ class TrainConfig:
     storage: str = "memory"
     storage_dir: str = ""
     storage_budget_mb: float = 1024.0
+    # --mode bagpipe: erasure-coded servers: the servers form groups of `parity` data shards and one parity
+    # server holding the XOR of their rows and optimizer state (servers a multiple of parity + 1); 0: none.
+    # check_parity: at the end, every parity server checks its parity against its group (reads every row once)
+    parity: int = 0
+    check_parity: bool = False
     # --mode reference: compute each batch's gradient as this many trainers do (bit for bit)
     slices: int = 1
     # --mode bagpipe: the local job's shape and the cache plan
@@ -222,6 +227,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.cache_rows < 0:
             raise ValueError(f"cache_rows must not be negative, got {self.cache_rows}")
+        if self.parity < 0:
+            raise ValueError(f"parity must not be negative, got {self.parity}")
+        if self.parity and self.servers % (self.parity + 1):
+            raise ValueError(f"--parity {self.parity}: servers form groups of {self.parity} data servers and one "
+                             f"parity server, so --servers must be a multiple of {self.parity + 1}, got {self.servers}")
         if not 0 <= self.master_port < 65535:
             raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
         if self.mode == "reference" and self.batch_size % self.slices:

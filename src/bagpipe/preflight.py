@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # Settings that only the distributed job reads, and the one only the reference reads.
 JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cleanup_fraction", "prefetch_depth",
-                "timeout", "master_port")
+                "timeout", "master_port", "parity", "check_parity")
 REFERENCE_SETTINGS = ("slices",)
 
 
@@ -113,6 +113,8 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
         parts = {"tables": table_bytes(config, layout)}
     if config.mode == "bagpipe":
         parts["the planner"] = layout.num_rows * PLANNER_BYTES_PER_ROW
+        if config.parity:  # in memory whatever the tier: 1/k of the tables, and a version per row
+            parts["the parity"] = table_bytes(config, layout) // config.parity + layout.num_rows * 8
     need, have = sum(parts.values()), physical_memory_bytes()
     if need > have:
         detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items())

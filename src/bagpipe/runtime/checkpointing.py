@@ -45,7 +45,7 @@ class JobCheckpoints:
         self.writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints) if self.periodic else None
         self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
         # rows the plan has written back since the job started, per space and server: what a snapshot awaits
-        self.evicted = np.zeros((num_spaces, world.num_servers), dtype=np.int64)
+        self.evicted = np.zeros((num_spaces, world.num_shards), dtype=np.int64)
         self.previous = resumed_at  # the last checkpoint's boundary: a delta holds the rows written since
         self._cache_parts: dict[int, tuple] = {}
         self._arrived = threading.Condition()
@@ -62,7 +62,7 @@ class JobCheckpoints:
 
     def count_evictions(self, space: int, keys: np.ndarray) -> None:
         if len(keys):
-            self.evicted[space] += np.bincount(keys % self.world.num_servers, minlength=self.world.num_servers)
+            self.evicted[space] += np.bincount(keys % self.world.num_shards, minlength=self.world.num_shards)
 
     def maybe_begin(self, boundary: int) -> bool:
         """Called while planning ``boundary`` (its evictions counted), before any trainer gets its plan:
@@ -83,7 +83,7 @@ class JobCheckpoints:
         from bagpipe.runtime import server  # (server imports the oracle, which imports this)
 
         futures = []
-        for shard in range(self.world.num_servers):
+        for shard in range(self.world.num_shards):  # parity servers hold no rows of their own
             name = World.server_name(shard)
             rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout,
                          args=(boundary, self.evicted[:, shard].tolist(), since, str(directory)))
@@ -119,7 +119,7 @@ class JobCheckpoints:
         save_dense(directory, dense, dense_optimizer)
         entries += write_parts(directory, parts, prefix="cache")  # last: the cached rows override the servers'
         extra = {**extra, "mode": "bagpipe", "trainers": self.world.num_trainers,
-                 "servers": self.world.num_servers}
+                 "servers": self.world.num_shards}
         final = self.writer.publish(boundary, full=full, parts=entries, extra=extra)
         self.written.append(boundary)
         if self.evaluates(boundary):

@@ -293,6 +293,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     except ValueError as err:
         refuse_job(store, str(err))
         raise
+    world = dataclasses.replace(world, parity=config.parity)
     _ORACLE = oracle = Oracle(config, world, dataset, resume=checkpoint if resume else None)
     run = RunDir(config.run_dir, append=resume)
     if resume:
@@ -317,6 +318,8 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     try:
         oracle.wait_for_trainers()
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
+        if config.parity and config.check_parity:
+            check_parity(world)
         shards = [rpc.rpc_sync(World.server_name(s), server.rpc_dump, timeout=world.timeout)
                   for s in range(world.num_servers)]
     finally:
@@ -334,6 +337,19 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     train_s = time.perf_counter() - started
     return finish(oracle, run, shards, final_rows, final_dir, started=started, train_s=train_s,
                   started_at=started_at)
+
+
+def check_parity(world: World) -> None:
+    """Have every parity server compare its parity with its group's rows (every write-back has landed):
+    a mismatch fails the run, naming the server and the rows."""
+    from bagpipe.runtime import server
+
+    for index in range(world.num_shards, world.num_servers):
+        checked = rpc.rpc_sync(World.server_name(index), server.rpc_check_parity, timeout=4 * world.timeout)
+        if any(checked["mismatched_rows"]):
+            raise RuntimeError(f"the parity on server {index} differs from its group's rows at "
+                               f"{sum(checked['mismatched_rows'])} of {sum(checked['rows'])} positions")
+        log.info("parity on server %d matches its group's rows (%d positions)", index, sum(checked["rows"]))
 
 
 def resume_point(config: TrainConfig, world: World) -> tuple[str, int]:
@@ -422,6 +438,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         **({"resumed_at": oracle.start} if oracle.start else {}),
         "trainers": oracle.world.num_trainers,
         "servers": oracle.world.num_servers,
+        **({"parity": [s["parity"] for s in shards if "parity" in s]} if oracle.world.parity else {}),
         "model": config.model.name,
         "cache_rows": sum(oracle.job.cache_rows),
         "total_rows": layout.num_rows,

@@ -7,6 +7,8 @@ parked fetch fails after the timeout, as its caller's RPC deadline does.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -27,7 +29,9 @@ from bagpipe.runtime.protocol import JobInfo
 from bagpipe.runtime.world import STOP_KEY, World, check_in, init_rpc, wait_for_job
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
+from bagpipe.storage.bits import row_bits
 from bagpipe.storage.disk import record_bytes, storage_path
+from bagpipe.storage.parity import ParityRows
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,27 @@ class Server:
         return future
 
     def write_back(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
-                   version: int) -> None:
-        self.stores[space].write_back(keys.numpy(), rows, state, version=version)
+                   version: int) -> torch.futures.Future:
+        """Store a write-back; the future completes once it is safe: at once, or with parity once the group's
+        parity server has folded its delta in (so no write-back acknowledged is lost with this server)."""
+        folded = self.stores[space].write_back(keys.numpy(), rows, state, version=version)
         with self._lock:
             self.rows_written += len(keys)
+        if folded is not None:
+            return folded
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def send_deltas_to(self, parity_name: str, *, member: int, timeout: float) -> None:
+        """Erasure coding: every write-back's old ^ new bits go to ``parity_name`` (this shard is ``member``
+        of its group there)."""
+        for space, store in enumerate(self.stores):
+            store.parity_sink = functools.partial(_send_delta, parity_name, space, member, timeout)
+
+    def read_range(self, space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, state, versions = self.stores[space].read_range(start, stop)
+        return torch.from_numpy(rows), torch.from_numpy(state), torch.from_numpy(versions)
 
     def begin_checkpoint(self, boundary: int, expected_rows: list[int], since: int | None, directory: str, *,
                          shard: int, num_shards: int, timeout: float) -> None:
@@ -97,6 +118,54 @@ class Server:
                 "storage": dict(sum((Counter(store.rows.stats()) for store in self.stores), Counter()))}
 
 
+def _send_delta(parity_name: str, space: int, member: int, timeout: float, local: np.ndarray, delta: np.ndarray,
+                before: np.ndarray, version: int) -> torch.futures.Future:
+    return rpc.rpc_async(parity_name, rpc_parity_apply, timeout=timeout,
+                         args=(space, member, torch.from_numpy(local), torch.from_numpy(delta.view(np.int32)),
+                               torch.from_numpy(before), version))
+
+
+class ParityServer:
+    """The parity of one group of data shards (a ParityRows per space), behind the RPC handlers below."""
+
+    def __init__(self, parities: list[ParityRows], *, group: int, shards: list[int]) -> None:
+        self.parities, self.group, self.shards = parities, group, shards
+        self.checked: dict | None = None
+
+    def apply(self, space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
+              version: int) -> None:
+        self.parities[space].apply(member, local.numpy(), delta.numpy().view(np.uint32), before.numpy(), version)
+
+    def check(self, *, timeout: float, chunk_rows: int = 1 << 14) -> dict:
+        """Compare the parity with the XOR of its members' rows and their versions, read from them in chunks;
+        the rows that differ, by space (none, unless a delta was lost or misapplied)."""
+        mismatched = []
+        for space, parity in enumerate(self.parities):
+            wrong = 0
+            for start in range(0, parity.num_rows, chunk_rows):
+                stop = min(start + chunk_rows, parity.num_rows)
+                expected = np.zeros((stop - start, parity.width), dtype=np.uint32)
+                versions = np.full((stop - start, parity.k), -1, dtype=np.int64)
+                for member, shard in enumerate(self.shards):
+                    rows, state, have = rpc.rpc_sync(World.server_name(shard), rpc_read_range,
+                                                      args=(space, start, stop), timeout=timeout)
+                    expected[:len(rows)] ^= row_bits(rows, state)
+                    versions[:len(rows), member] = have.numpy()
+                bits, held = parity.read(np.arange(start, stop))
+                wrong += int(np.count_nonzero((bits != expected).any(axis=1) | (held != versions).any(axis=1)))
+            mismatched.append(wrong)
+        self.checked = {"mismatched_rows": mismatched, "rows": [parity.num_rows for parity in self.parities]}
+        return self.checked
+
+    def dump(self) -> dict:
+        return {"bytes_sent": 0, "fetches": 0, "fetches_waited": 0, "rows_written": 0, "storage": {},
+                "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
+                "parity": {"group": self.group, "shards": self.shards,
+                           "deltas_applied": sum(p.deltas_applied for p in self.parities),
+                           "pending_rows": sum(p.pending_rows() for p in self.parities),
+                           **({"check": self.checked} if self.checked is not None else {})}}
+
+
 def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
     """Each space's storage on this server: the budget of ``--storage-budget-mb`` split among the spaces
     in proportion to the bytes of their shards."""
@@ -114,22 +183,40 @@ _SERVER: Server | None = None
 _WORLD: World | None = None
 
 
+_PARITY: ParityServer | None = None
+
+
 @rpc.functions.async_execution
 def rpc_fetch(space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
     return _SERVER.fetch(space, keys, versions)
 
 
-def rpc_write_back(space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, version: int) -> None:
-    _SERVER.write_back(space, keys, rows, state, version)
+@rpc.functions.async_execution
+def rpc_write_back(space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
+                   version: int) -> torch.futures.Future:
+    return _SERVER.write_back(space, keys, rows, state, version)
+
+
+def rpc_read_range(space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _SERVER.read_range(space, start, stop)
+
+
+def rpc_parity_apply(space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
+                     version: int) -> None:
+    _PARITY.apply(space, member, local, delta, before, version)
+
+
+def rpc_check_parity() -> dict:
+    return _PARITY.check(timeout=_WORLD.timeout)
 
 
 def rpc_dump() -> dict:
-    return _SERVER.dump()
+    return _PARITY.dump() if _PARITY is not None else _SERVER.dump()
 
 
 def rpc_begin_checkpoint(boundary: int, expected_rows: list[int], since: int | None, directory: str) -> None:
     _SERVER.begin_checkpoint(boundary, expected_rows, since, directory, shard=_WORLD.role[1],
-                             num_shards=_WORLD.num_servers, timeout=_WORLD.timeout)
+                             num_shards=_WORLD.num_shards, timeout=_WORLD.timeout)
 
 
 @rpc.functions.async_execution
@@ -143,32 +230,71 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     ``given``: the settings this server's command line gave (an embedding size, table sizes), which
     the oracle agrees with every other role's at check-in.
     """
-    global _SERVER, _WORLD
+    global _SERVER, _WORLD, _PARITY
     store, world = check_in(world, "server", given=given)
-    _WORLD = world
     role, index = world.role
     liveness = Liveness(world, watch=[0])
     job = JobInfo.from_json(wait_for_job(world, store))
+    _WORLD = world = dataclasses.replace(world, parity=job.config["parity"])
     init_rpc(world, store)
     config, layout = job.config, job.layout
     row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
     started = time.perf_counter()
-    specs = storage_specs(config, layout, num_shards=world.num_servers, state_width=row_optimizer.state_width)
+    if index >= world.num_shards:
+        _PARITY = start_parity(world, job, index, row_optimizer)
+        log.info("server %d holds the parity of servers %s (%d positions); ready in %.1f s", index,
+                 ", ".join(map(str, _PARITY.shards)), sum(p.num_rows for p in _PARITY.parities),
+                 time.perf_counter() - started)
+        serve_until_stopped(world, store, liveness, stores=[])
+        return
+    specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
     _SERVER = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"], shard=index,
-                               num_shards=world.num_servers, storage=spec) for s, spec in enumerate(specs)])
+                               num_shards=world.num_shards, storage=spec) for s, spec in enumerate(specs)])
     if job.resume:
         directory, chain = resume_chain(config["run_dir"], job.resume)
-        _SERVER.restore(directory, chain, shard=index, num_shards=world.num_servers)
+        _SERVER.restore(directory, chain, shard=index, num_shards=world.num_shards)
+    if world.parity:
+        _SERVER.send_deltas_to(World.server_name(world.parity_server(index)), member=index % world.parity,
+                               timeout=world.timeout)
     where = "in memory" if specs[0].kind == "memory" else (f"on disk in {specs[0].directory}, "
                                                            f"{config['storage_budget_mb']:g} MiB of it in memory")
     log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in _SERVER.stores),
              layout.num_rows, where, time.perf_counter() - started)
+    serve_until_stopped(world, store, liveness, stores=_SERVER.stores)
+
+
+def serve_until_stopped(world: World, store, liveness: Liveness, *, stores: list[RowStore]) -> None:
+    """Tell the oracle this server is ready, then serve until it says training has ended."""
     rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,), timeout=world.timeout)
     while not store.check([STOP_KEY]):
         time.sleep(0.2)
-        for row_store in _SERVER.stores:
+        for row_store in stores:
             row_store.expire_waiting(timeout=world.timeout)
     liveness.stop()
     rpc.shutdown(graceful=False)  # the oracle has all it needs: no request is in flight
-    for row_store in _SERVER.stores:
+    for row_store in stores:
         row_store.close()
+
+
+def start_parity(world: World, job: JobInfo, index: int, row_optimizer) -> ParityServer:
+    """The parity server of group ``index - num_shards``: the parity of its members as they start (from the
+    seed, or restored from the checkpoint being resumed)."""
+    config, layout = job.config, job.layout
+    group = index - world.num_shards
+    shards = list(range(group * world.parity, (group + 1) * world.parity))
+    if job.resume:  # the members as restored, held here while their parity is made
+        directory, chain = resume_chain(config["run_dir"], job.resume)
+        members = []
+        for shard in shards:
+            member = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"],
+                                      shard=shard, num_shards=world.num_shards) for s in range(len(layout.spaces))])
+            member.restore(directory, chain, shard=shard, num_shards=world.num_shards)
+            members.append(member)
+        parities = [ParityRows.of([member.stores[space] for member in members])
+                    for space in range(len(layout.spaces))]
+        del members
+    else:
+        parities = [ParityRows.initial(layout, space, shards=shards, num_shards=world.num_shards,
+                                       state_width=row_optimizer.state_width(layout.spaces[space].dim),
+                                       seed=config["seed"]) for space in range(len(layout.spaces))]
+    return ParityServer(parities, group=group, shards=shards)

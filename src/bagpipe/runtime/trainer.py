@@ -12,6 +12,7 @@ own, in order, so the result equals synchronous training on the global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -102,9 +103,9 @@ class TrainerRuntime:
         fetches = []
         for space, step in enumerate(message.spaces):
             keys, versions = step.fetch_keys, step.fetch_versions
-            shards = keys % self.world.num_servers
+            shards = keys % self.world.num_shards
             requests = []
-            for shard in range(self.world.num_servers):
+            for shard in range(self.world.num_shards):
                 index = torch.nonzero(shards == shard).flatten()
                 if len(index):
                     future = rpc.rpc_async(World.server_name(shard), server.rpc_fetch,
@@ -189,8 +190,8 @@ class TrainerRuntime:
 
     def _send_write_backs(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *,
                           version: int) -> None:
-        shards = keys % self.world.num_servers
-        for shard in range(self.world.num_servers):
+        shards = keys % self.world.num_shards
+        for shard in range(self.world.num_shards):
             index = torch.nonzero(shards == shard).flatten()
             if len(index):
                 self._writes.put((shard, (space, keys[index], rows[index], state[index], version)))
@@ -468,6 +469,7 @@ def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple
     liveness = Liveness(world, watch=[0, *(world.trainer_rank(t) for t in range(world.num_trainers))],
                         on_lost=on_lost)
     job = JobInfo.from_json(wait_for_job(world, store))
+    world = dataclasses.replace(world, parity=job.config["parity"])
     init_rpc(world, store)
     return world, store, liveness, job
 

@@ -48,6 +48,7 @@ class World:
     master_addr: str = LOOPBACK
     master_port: int = DEFAULT_PORT
     timeout: float = 60.0
+    parity: int = 0  # servers in groups of `parity` data shards and one parity server (the job's; 0: none)
 
     def __post_init__(self) -> None:
         if not 0 < self.master_port < 65535:
@@ -65,6 +66,15 @@ class World:
     @property
     def num_servers(self) -> int:
         return self.world_size - 1 - self.num_trainers
+
+    @property
+    def num_shards(self) -> int:
+        """Servers holding a shard of the rows: all of them, or with parity those before the parity servers."""
+        return self.num_servers - (self.num_servers // (self.parity + 1) if self.parity else 0)
+
+    def parity_server(self, shard: int) -> int:
+        """The index (among the servers) of the parity server of data shard ``shard``'s group."""
+        return self.num_shards + shard // self.parity
 
     @property
     def role(self) -> tuple[str, int]:

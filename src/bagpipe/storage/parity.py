@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from bagpipe.storage.bits import BITS, from_bits, row_bits
-from bagpipe.storage.rowstore import RowStore
+from bagpipe.storage.rowstore import RowStore, initial_blocks, shard_num_rows
 
 REBUILD_CHUNK_ROWS = 1 << 14
 
@@ -62,6 +62,21 @@ class ParityRows:
                 rows, state, versions = member.rows.read_range(start, stop)
                 parity.bits[start:stop] ^= row_bits(rows, state)
                 parity.versions[start:stop, index] = versions
+        return parity
+
+    @classmethod
+    def initial(cls, layout, space: int, *, shards: list[int], num_shards: int, state_width: int,
+                seed: int) -> "ParityRows":
+        """The parity of data shards ``shards`` (of ``num_shards``) as initialised, made block by block from the
+        seed as each shard makes its rows: no member is ever held whole. Optimizer state starts at zero."""
+        dim = layout.spaces[space].dim
+        counts = [shard_num_rows(layout, space, shard, num_shards) for shard in shards]
+        parity = cls(num_rows=max(counts), width=dim + state_width, k=len(shards))
+        for shard in shards:
+            start = 0
+            for block in initial_blocks(layout, space, shard, num_shards, seed=seed):
+                parity.bits[start:start + len(block), :dim] ^= block.numpy().view(BITS)
+                start += len(block)
         return parity
 
     def apply(self, member: int, local: np.ndarray, delta: np.ndarray, before: np.ndarray, version: int) -> None:

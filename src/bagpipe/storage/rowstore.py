@@ -42,6 +42,24 @@ class StorageSpec:
             raise ValueError("the disk tier needs a directory")
 
 
+def shard_tables(layout: EmbeddingLayout, space: int, shard: int, num_shards: int) -> list[tuple[int, int]]:
+    """The tables of ``space`` in the order a shard lays them out, each with the first of its rows the shard owns
+    (then every ``num_shards``-th): the shard owns flat keys ``k`` with ``k % num_shards == shard``."""
+    members = layout.spaces[space]
+    return [(table, (shard - offset) % num_shards) for table, offset in zip(members.tables, members.offsets.tolist())]
+
+
+def shard_num_rows(layout: EmbeddingLayout, space: int, shard: int, num_shards: int) -> int:
+    return sum(max(0, -(-(layout.tables[table].num_rows - first) // num_shards))
+               for table, first in shard_tables(layout, space, shard, num_shards))
+
+
+def initial_blocks(layout: EmbeddingLayout, space: int, shard: int, num_shards: int, *, seed: int):
+    """A shard's initial rows in its local order, one initialisation block at a time."""
+    for table, first in shard_tables(layout, space, shard, num_shards):
+        yield from init_row_blocks(table, layout.tables[table], seed=seed, first=first, step=num_shards)
+
+
 class RowStore:
     """One shard of one embedding space (the tables of one width), initialised as the reference's."""
 
@@ -53,23 +71,19 @@ class RowStore:
         self.shard, self.num_shards, self.dim = shard, num_shards, members.dim
         self.state_width = optimizer.state_width(self.dim)
         storage = storage or StorageSpec()
-        # the rows of each table the shard owns: ids first, first + num_shards, ...
-        firsts = [(shard - offset) % num_shards for offset in members.offsets.tolist()]
         if storage.kind == "memory":
             self.rows = MemoryRows(torch.cat([init_rows(table, layout.tables[table], seed=seed, first=first,
                                                         step=num_shards)
-                                              for table, first in zip(members.tables, firsts)]),
+                                              for table, first in shard_tables(layout, space, shard, num_shards)]),
                                    state_width=self.state_width)
         else:
-            counts = [max(0, -(-(layout.tables[table].num_rows - first) // num_shards))
-                      for table, first in zip(members.tables, firsts)]
-            self.rows = DiskRows(storage.directory / f"shard{shard}.space{space}.rows", num_rows=sum(counts),
-                                 dim=self.dim, state_width=self.state_width, budget_bytes=storage.budget_bytes)
+            self.rows = DiskRows(storage.directory / f"shard{shard}.space{space}.rows",
+                                 num_rows=shard_num_rows(layout, space, shard, num_shards), dim=self.dim,
+                                 state_width=self.state_width, budget_bytes=storage.budget_bytes)
             start = 0
-            for table, first in zip(members.tables, firsts):
-                for block in init_row_blocks(table, layout.tables[table], seed=seed, first=first, step=num_shards):
-                    self.rows.fill(start, block)
-                    start += len(block)
+            for block in initial_blocks(layout, space, shard, num_shards, seed=seed):
+                self.rows.fill(start, block)
+                start += len(block)
         self.num_rows = self.rows.num_rows
         self.received: Counter = Counter()  # rows written back, by version
         self._snapshot: _Snapshot | None = None
@@ -77,7 +91,7 @@ class RowStore:
         self.fetches_waited = 0  # fetches that arrived before the write-back they must observe
         # erasure coding (storage.parity): called with (local rows, old ^ new bits, old versions, version) on
         # every write-back, under the lock, so that one row's deltas leave in the order they were made
-        self.parity_sink: Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None = None
+        self.parity_sink: Callable[[np.ndarray, np.ndarray, np.ndarray, int], object] | None = None
         # parked fetches: (local rows, versions wanted, future, when parked)
         self._waiting: list[tuple[np.ndarray, np.ndarray, torch.futures.Future, float]] = []
 
@@ -142,7 +156,8 @@ class RowStore:
                 f"version {int(wanted[behind])} after {timeout:.0f} s (has {int(versions[behind])})"))
         return len(expired)
 
-    def write_back(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
+    def write_back(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int):
+        """Store a write-back; return what the parity sink returned (a future, over RPC), else None."""
         local = self._local(keys)
         with self._changed:
             if self._snapshot is not None and version >= self._snapshot.boundary:
@@ -152,11 +167,11 @@ class RowStore:
                 old_rows, old_state, before = self.rows.read(local)
                 delta = row_bits(old_rows, old_state) ^ row_bits(rows, state)
             self.rows.write(local, rows, state, version=version)
-            if self.parity_sink is not None:
-                self.parity_sink(local, delta, before, version)
+            folded = None if self.parity_sink is None else self.parity_sink(local, delta, before, version)
             ready = self._ready_fetches()
         for future, result in ready:  # outside the lock: completing runs the RPC's reply callbacks
             future.set_result(result)
+        return folded
 
     def put(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
         """Rows placed as they stood at ``version`` (a rebuilt shard's): not a write-back, so neither counted
@@ -171,6 +186,11 @@ class RowStore:
         """Rows, state and versions of ``local`` as they stand."""
         with self._changed:
             return self.rows.read(np.asarray(local, dtype=np.int64))
+
+    def read_range(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of local rows ``start:stop`` (cut at the shard's end), their state and versions, as they stand."""
+        with self._changed:
+            return self.rows.read_range(min(start, self.num_rows), min(stop, self.num_rows))
 
     def _ready_fetches(self) -> list:
         """Under the lock: wake the waits, and take the parked fetches whose versions have arrived."""

@@ -1,0 +1,88 @@
+"""What erasure-coded servers cost: samples/s of the same job with a parity server and without one.
+
+    .venv/bin/python benchmarks/bench_parity.py [--repeats 3] [--iterations 600] [--parity 3]
+        [--out runs/bench_parity/result.json] [--work-dir DIR]
+
+One `--mode bagpipe` job (DLRM, Adagrad, 2 trainers, a 5% cache per trainer) on Zipf 1.2 data (bench_scaling's:
+the Criteo Kaggle tables capped at 100k rows, 840,543 rows), its rows on --parity data servers, run without
+parity and with `--servers parity+1 --parity K` (one parity server holding the XOR of the K shards' rows and
+optimizer state; every write-back's delta goes to it and is acknowledged once folded in), the two interleaved in
+every repeat; medians of the steady-state samples/s and their ratio (and each repeat's), the parity server's CPU
+time per iteration and peak RSS against a data server's, and the deltas it folded in. The last repeat with parity
+also checks the parity against its group at the end (--check-parity, after the timed iterations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench_checkpoint import MODEL, TOTAL_ROWS
+from bench_models import cpu_snapshot
+from bench_reference import _foreign_fraction
+from bench_scaling import BATCH, data_set
+
+from bagpipe.config import TrainConfig
+from bagpipe.runtime.launch import launch_local
+
+
+def job(data: Path, run_dir: Path, *, iterations: int, data_servers: int, parity: int, check: bool) -> TrainConfig:
+    return TrainConfig(data=str(data), run_dir=str(run_dir), mode="bagpipe", iterations=iterations, batch_size=BATCH,
+                       optimizer="adagrad", lr=0.01, seed=0, warmup_iterations=20, log_every=50, max_eval_rows=2048,
+                       trainers=2, servers=data_servers + (data_servers // parity if parity else 0), parity=parity,
+                       check_parity=check, cache_rows=TOTAL_ROWS // 20, timeout=120.0, model=MODEL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", default=None, help="data and run dirs (default: a new temporary dir)")
+    parser.add_argument("--out", default="runs/bench_parity/result.json")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=600)
+    parser.add_argument("--parity", type=int, default=3, help="data servers, all in one parity group")
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_parity_"))
+    data = data_set(work, zipf=1.2, iterations=args.iterations)
+    kinds = {"none": 0, "parity": args.parity}
+    samples: dict[str, list[float]] = {kind: [] for kind in kinds}
+    server_cpu: dict[str, list[float]] = {"data server": [], "parity server": []}  # CPU ms per iteration
+    server_rss: dict[str, list[float]] = {"data server": [], "parity server": []}  # MiB
+    parity_stats, foreign = [], []
+    for repeat in range(args.repeats):
+        for kind, parity in kinds.items():
+            check = parity > 0 and repeat == args.repeats - 1
+            config = job(data, work / kind, iterations=args.iterations, data_servers=args.parity, parity=parity,
+                         check=check)
+            before = cpu_snapshot()
+            summary = launch_local(config, show_progress=False, overwrite=True)
+            foreign.append(_foreign_fraction(before, cpu_snapshot()) or 0.0)
+            samples[kind].append(summary["samples_per_s"])
+            if parity:
+                parity_stats.append(summary["parity"][0])
+                for role, name in (("data server", "server0"), ("parity server", f"server{args.parity}")):
+                    server_cpu[role].append(1e3 * summary["cpu_s"][name] / args.iterations)
+                    server_rss[role].append(summary["peak_rss_bytes"][name] / 2**20)
+            print(json.dumps({"kind": kind, "repeat": repeat, "samples_per_s": summary["samples_per_s"],
+                              **({"parity": summary["parity"]} if parity else {})}), flush=True)
+    medians = {kind: statistics.median(values) for kind, values in samples.items()}
+    result = {"settings": vars(args), "samples_per_s": samples, "medians": medians,
+              "ratio_parity_to_none": medians["parity"] / medians["none"],
+              "pairwise_ratios": [p / n for n, p in zip(samples["none"], samples["parity"])],
+              "server_cpu_ms_per_iteration": {role: statistics.median(v) for role, v in server_cpu.items()},
+              "server_peak_rss_mb": {role: statistics.median(v) for role, v in server_rss.items()},
+              "parity": parity_stats[-1], "other_cpu_median": statistics.median(foreign)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"no parity {medians['none']:,.0f} samples/s, --parity {args.parity} {medians['parity']:,.0f} samples/s "
+          f"({result['ratio_parity_to_none']:.3f}x; pairwise {[round(r, 3) for r in result['pairwise_ratios']]}); "
+          f"CPU ms per iteration {result['server_cpu_ms_per_iteration']}, peak RSS MiB {result['server_peak_rss_mb']}; "
+          f"parity {parity_stats[-1]}; other CPU {result['other_cpu_median']:.1%}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
