@@ -223,3 +223,27 @@ def test_a_job_with_parity_servers_trains_exactly_and_its_parity_matches_its_gro
     assert parity["shards"] == [0, 1, 2] and parity["pending_rows"] == 0
     assert parity["deltas_applied"] == summary["rows_written_back"] > 0  # every write-back's delta, once
     assert parity["check"]["mismatched_rows"] == [0] and parity["check"]["rows"][0] > 0
+
+
+@pytest.mark.parametrize("optimizer, fault", [("adagrad", "server1@write-back 20:kill"),
+                                              ("adam", "server2@delta sent 33:kill")])
+def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(small_binary, tmp_path, optimizer,
+                                                                                 fault):
+    """SIGKILL a data server mid-write-back (received, not stored; or stored with its delta sent, never
+    acknowledged): its shard moves to the parity server, which serves it rebuilt from the group, and the job
+    ends with the export of the sliced reference, bit for bit, its parity still equal to the group."""
+    from test_runtime import assert_same_parameters, job_config, reference_of
+
+    from bagpipe.rundir import export
+    from bagpipe.runtime.launch import launch_local
+
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
+                        check_parity=True, iterations=60, timeout=20.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault})
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    lost = int(fault[len("server")])
+    (failure,) = summary["failures"]
+    assert failure["role"] == f"server {lost}" and failure["parity_server"] == 3
+    (parity,) = summary["parity"]
+    assert parity["standing_in"]["shard"] == lost and parity["standing_in"]["rebuilt_after_s"] is not None
+    assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0

@@ -28,7 +28,7 @@ from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter,
                                 save_dense, step_name, write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.threads import Background
-from bagpipe.runtime.world import World
+from bagpipe.runtime.world import Routes, World
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,10 @@ class JobCheckpoints:
     """Decide the boundaries, start the servers' snapshots, gather trainer 0's part, commit."""
 
     def __init__(self, config: TrainConfig, world: World, *, num_spaces: int, resumed_at: int | None,
-                 on_evaluable: Callable[[int, dict, ChainRows], None] | None = None) -> None:
+                 routes: Routes, on_evaluable: Callable[[int, dict, ChainRows], None] | None = None) -> None:
         """``on_evaluable(boundary, dense, rows)``: called with each checkpoint taken for ``--eval-every`` once
         committed (its rows read lazily, from files opened before any later prune)."""
-        self.config, self.world = config, world
+        self.config, self.world, self.routes = config, world, routes
         self.on_evaluable = on_evaluable
         self.writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints) if self.periodic else None
         self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
@@ -84,9 +84,9 @@ class JobCheckpoints:
 
         futures = []
         for shard in range(self.world.num_shards):  # parity servers hold no rows of their own
-            name = World.server_name(shard)
+            name = self.routes.name(shard)  # a lost server's shard: its parity server, standing in
             rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout,
-                         args=(boundary, self.evicted[:, shard].tolist(), since, str(directory)))
+                         args=(boundary, self.evicted[:, shard].tolist(), since, str(directory), shard))
             futures.append(rpc.rpc_async(name, server.rpc_checkpoint_written, args=(boundary,),
                                          timeout=self.world.timeout + 3 * self.world.timeout))
         return futures

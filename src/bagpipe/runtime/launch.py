@@ -27,9 +27,9 @@ from bagpipe.data.batches import batches_per_epoch
 from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY
-from bagpipe.runtime.liveness import LOST_EXIT_CODE
-from bagpipe.runtime.protocol import TRAINED
-from bagpipe.runtime.world import LOOPBACK, free_port
+from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE
+from bagpipe.runtime.protocol import SERVER_LOST, TRAINED
+from bagpipe.runtime.world import LOOPBACK, World, connect_store, free_port
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,11 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
                                            preexec_fn=_die_with_parent)
             children.append(Child(role, index, rank, process, log_path))
         (run_dir / "pids.json").write_text(json.dumps({f"{c.role}{c.index}": c.process.pid for c in children}))
-        _supervise(children, run_dir, total=iterations, show_progress=show_progress)
+        job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
+                          timeout=config.timeout)
+        _supervise(children, run_dir, total=iterations, show_progress=show_progress,
+                   covered=_covered_servers(config), grace_s=job_world.liveness_s + TAKEOVER_MARGIN_S,
+                   tell=_Teller(job_world))
     except BaseException:
         _stop_all(children)
         for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
@@ -108,6 +112,16 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     return json.loads((run_dir / SUMMARY).read_text())
 
 
+TAKEOVER_MARGIN_S = 10.0  # beyond the liveness window: how long a lost data server's parity server may take
+
+
+def _covered_servers(config: TrainConfig) -> set[int]:
+    """The servers (by index) whose loss parity covers: the data servers, with --parity."""
+    if not config.parity:
+        return set()
+    return set(range(config.servers - config.servers // (config.parity + 1)))
+
+
 class _MetricsTail:
     """What the roles have appended to metrics.jsonl so far: the iterations done, and whether
     training has ended (every row gathered by the oracle), read incrementally."""
@@ -115,6 +129,7 @@ class _MetricsTail:
     def __init__(self, path: Path) -> None:
         self.path, self.offset = path, 0
         self.iteration, self.loss, self.trained = 0, None, False
+        self.servers_lost: set[int] = set()  # data servers the oracle moved to their parity servers
 
     def read(self) -> None:
         try:
@@ -132,16 +147,37 @@ class _MetricsTail:
                 continue
             if record.get("event") == TRAINED:
                 self.trained = True
+            elif record.get("event") == SERVER_LOST:
+                self.servers_lost.add(record["server"])
             elif "train_loss" in record and record["iteration"] > self.iteration:
                 self.iteration, self.loss = record["iteration"], record["train_loss"]
 
 
-def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progress: bool) -> None:
+class _Teller:
+    """Tells the job's store that a process has ended (the oracle's heartbeat watch takes it as lost at once,
+    instead of after its liveness window): a client opened when first needed."""
+
+    def __init__(self, world: World) -> None:
+        self.world, self._store = world, None
+
+    def exited(self, child: Child) -> None:
+        try:
+            if self._store is None:
+                self._store = connect_store(self.world, timeout=self.world.timeout)
+            self._store.set(f"{EXITED_PREFIX}{child.rank}", _describe(child.process.returncode))
+        except (RuntimeError, OSError, TimeoutError) as err:  # the heartbeats will tell, later
+            log.warning("could not tell the job that %s ended: %s", child.label, err)
+
+
+def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progress: bool,
+               covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None) -> None:
     """Until every role has exited: fail on the first that fails, except a non-oracle role lost after
-    training ended (the run no longer needs it: a warning)."""
+    training ended (the run no longer needs it: a warning), and a ``covered`` server (with --parity) that the
+    oracle has moved to its parity server within ``grace_s`` of its exit (training goes on)."""
     bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress)
     metrics = _MetricsTail(run_dir / "metrics.jsonl")
     excused: set[int] = set()
+    takeover_due: dict[int, float] = {}  # rank of a covered server that ended -> until when the oracle may take over
     try:
         while True:
             metrics.read()
@@ -150,6 +186,18 @@ def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progres
                 bar.set_postfix(loss=f"{metrics.loss:.4f}")
             codes = {c.rank: c.process.poll() for c in children}
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
+            for child in failed:
+                if child.role == "server" and child.index in covered and not metrics.trained:
+                    if child.index in metrics.servers_lost:
+                        log.warning("%s exited (%s); its shard is served by its parity server from now on",
+                                    child.label, _describe(child.process.returncode))
+                        excused.add(child.rank)
+                    elif child.rank not in takeover_due:
+                        takeover_due[child.rank] = time.monotonic() + grace_s
+                        if tell is not None:
+                            tell.exited(child)
+            now = time.monotonic()
+            failed = [c for c in failed if c.rank not in excused and takeover_due.get(c.rank, 0.0) <= now]
             if failed and metrics.trained and all(c.role != "oracle" for c in failed):
                 for child in failed:
                     log.warning("%s exited (%s) after training ended; the run does not need it",

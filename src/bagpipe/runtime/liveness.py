@@ -22,6 +22,7 @@ BEAT_S = 1.0
 LOST_EXIT_CODE = 3  # a role that ends because a peer was lost: the peer, not this role, failed
 BEAT_PREFIX = "bagpipe/beat/"
 LEFT_PREFIX = "bagpipe/left/"
+EXITED_PREFIX = "bagpipe/exited/"  # set by a local launcher that saw the process end: lost at once
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -52,8 +53,11 @@ class Liveness:
         self.watch = [rank for rank in watch if rank != world.rank]
         self.on_lost = on_lost
         self.fatal = True  # False once the job no longer needs its peers: a lost one is only a warning
+        # (the oracle's) a lost peer the job can go on without: recover(rank) is True once it is taken care of
+        self.recover: Callable[[int], bool] | None = None
         self.lost: set[int] = set()
         self.left: set[int] = set()
+        self._exited: dict[int, str] = {}  # rank -> how it ended, as its launcher saw it: judged lost at once
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed)
         self._answered = time.monotonic()  # the store's last answer
         self._asking_since: float | None = None
@@ -109,6 +113,8 @@ class Liveness:
                 if self._store.check([f"{LEFT_PREFIX}{rank}"]):
                     self.left.add(rank)
                     continue
+                if rank not in self._exited and self._store.check([f"{EXITED_PREFIX}{rank}"]):
+                    self._exited[rank] = self._store.get(f"{EXITED_PREFIX}{rank}").decode()
                 count = self._store.add(f"{BEAT_PREFIX}{rank}", 0)
                 if count and count != self._seen.get(rank, (0, 0.0))[0]:
                     self._seen[rank] = (count, time.monotonic())
@@ -123,6 +129,9 @@ class Liveness:
             if asking is not None and now - asking > limit:
                 self._lose(0, self._store_silent(now - asking))
                 return
+            for rank, how in list(self._exited.items()):
+                if rank not in self.left and rank not in self.lost:
+                    self._lose(rank, f"lost {self.world.label(rank)} (rank {rank}): its process ended ({how})")
             if now - self._answered > 2 * BEAT_S + 1.0:
                 continue  # this process's own view is stale (starved or busy): judge no one on it
             for rank, (_, changed) in list(self._seen.items()):
@@ -139,7 +148,14 @@ class Liveness:
 
     def _lose(self, rank: int, message: str) -> None:
         self.lost.add(rank)
-        if self.fatal:
-            self.on_lost(message)
-        else:
+        if not self.fatal:
             log.warning("%s (the job no longer needs it)", message)
+            return
+        log.warning("%s", message)
+        try:
+            recovered = self.recover is not None and self.recover(rank)
+        except Exception as err:  # noqa: BLE001 - why it could not be recovered ends the role below
+            message = f"{message}; it could not be recovered from: {err}"
+            recovered = False
+        if not recovered:
+            self.on_lost(message)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import queue
 import shutil
@@ -42,14 +43,17 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
-from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, World, host_store, init_rpc, publish_status, read_hellos,
-                                    refuse_job, wait_for_ranks)
+from bagpipe.runtime.protocol import SERVER_LOST, TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
+from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, Routes, World, host_store, init_rpc, publish_status,
+                                    read_hellos, refuse_job, wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
 PULL_MAX_STEPS = 8  # plan messages per pull
+# what a lost server adds to the run's figures (its own were lost with it)
+LOST_SERVER_DUMP = {"bytes_sent": 0, "fetches": 0, "fetches_waited": 0, "rows_written": 0, "storage": {},
+                    "peak_rss_bytes": 0, "cpu_s": 0.0, "lost": True}
 FINAL_ROWS = "final-rows.tmp"  # the servers' shards after the last iteration, until model/ holds them
 
 
@@ -74,8 +78,11 @@ class Oracle:
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
         self.evaluates = (config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0)
         self.evaluations: BackgroundEvaluations | None = None
+        self.routes = Routes(world)
+        self.failures: list[dict] = []  # lost roles the job went on without
+        self.planned = self.start  # the last iteration planned
         self.checkpoints = JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
-                                          resumed_at=resume[1] if resume else None,
+                                          resumed_at=resume[1] if resume else None, routes=self.routes,
                                           on_evaluable=self._evaluable if self.evaluates else None)
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=world.num_trainers, policy=config.policy,
@@ -113,7 +120,7 @@ class Oracle:
         rows = [BatchRows(space.num_rows) for space in layout.spaces]
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         for steps in plan_spaces(key_stream(), self.planner_configs):
-            iteration = steps[0].iteration
+            iteration = self.planned = steps[0].iteration
             batch = pending.popleft() if iteration < self.iterations else None
             if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
                 for slot_key, step in zip(resident, steps):
@@ -196,6 +203,36 @@ class Oracle:
 
     def checkpoint_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
         self.checkpoints.receive_cache(boundary, dense, dense_optimizer, parts, extra)
+
+    def lose_server(self, rank: int, *, store, run: RunDir) -> bool:
+        """A lost peer (``rank``): with parity, a data server's shard moves to its group's parity server, which
+        serves it from then on (the trainers send their failed requests there again); True if so. A parity
+        server, or a second loss in a group, is not covered: False (the job ends as without parity)."""
+        from bagpipe.runtime import server
+
+        role, shard = self.world.role_of(rank)
+        if not self.world.parity or role != "server" or shard >= self.world.num_shards:
+            return False
+        parity_server = self.world.parity_server(shard)
+        if any(f["parity_server"] == parity_server for f in self.failures):
+            raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers "
+                               f"{', '.join(str(s) for s in self._group(shard))}): parity covers one loss per "
+                               f"group; resume from the newest checkpoint (--resume)")
+        started = time.perf_counter()
+        rpc.rpc_sync(World.server_name(parity_server), server.rpc_stand_in, args=(shard,), timeout=self.world.timeout)
+        self.routes.move(store, shard, parity_server)
+        failure = {"role": f"server {shard}", "rank": rank, "parity_server": parity_server,
+                   "planned_iteration": self.planned, "at": time.time(),
+                   "moved_in_s": round(time.perf_counter() - started, 3)}
+        self.failures.append(failure)
+        run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server)
+        log.warning("server %d lost: its shard is served by server %d (its parity server) from now on", shard,
+                    parity_server)
+        return True
+
+    def _group(self, shard: int) -> list[int]:
+        first = shard - shard % self.world.parity
+        return list(range(first, first + self.world.parity))
 
     def server_ready(self, name: str) -> None:
         with self.changed:
@@ -306,6 +343,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
              world.num_servers, sum(oracle.job.cache_rows), oracle.layout.num_rows, config.lookahead, config.policy)
     store.set(JOB_KEY, oracle.job.to_json())
     init_rpc(world, store)
+    liveness.recover = functools.partial(oracle.lose_server, store=store, run=run)
     if oracle.evaluates:
         oracle.evaluations = BackgroundEvaluations(
             build_model(config, dataset.schema), oracle.layout, dataset.test, batch_size=config.eval_batch_size,
@@ -320,7 +358,9 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
         if config.parity and config.check_parity:
             check_parity(world)
-        shards = [rpc.rpc_sync(World.server_name(s), server.rpc_dump, timeout=world.timeout)
+        lost = {int(f["role"].split()[1]) for f in oracle.failures}
+        shards = [LOST_SERVER_DUMP if s in lost else rpc.rpc_sync(World.server_name(s), server.rpc_dump,
+                                                                  timeout=world.timeout)
                   for s in range(world.num_servers)]
     finally:
         oracle.stop.set()
@@ -439,6 +479,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "trainers": oracle.world.num_trainers,
         "servers": oracle.world.num_servers,
         **({"parity": [s["parity"] for s in shards if "parity" in s]} if oracle.world.parity else {}),
+        "failures": oracle.failures,
         "model": config.model.name,
         "cache_rows": sum(oracle.job.cache_rows),
         "total_rows": layout.num_rows,

@@ -31,7 +31,8 @@ from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
 from bagpipe.storage.bits import row_bits
 from bagpipe.storage.disk import record_bytes, storage_path
-from bagpipe.storage.parity import ParityRows
+from bagpipe.storage.parity import ParityRows, StandIn, TwoLossesInAGroup
+from bagpipe.storage.rowstore import shard_num_rows
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ class Server:
                    version: int) -> torch.futures.Future:
         """Store a write-back; the future completes once it is safe: at once, or with parity once the group's
         parity server has folded its delta in (so no write-back acknowledged is lost with this server)."""
+        inject_fault(f"write-back {version}")  # received, not stored
         folded = self.stores[space].write_back(keys.numpy(), rows, state, version=version)
+        inject_fault(f"delta sent {version}")  # stored and its delta on its way, not acknowledged
         with self._lock:
             self.rows_written += len(keys)
         if folded is not None:
@@ -77,6 +80,11 @@ class Server:
     def read_range(self, space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, state, versions = self.stores[space].read_range(start, stop)
         return torch.from_numpy(rows), torch.from_numpy(state), torch.from_numpy(versions)
+
+    def read_rows(self, space: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, state, versions = self.stores[space].read(local.numpy())
+        return rows, state, torch.from_numpy(versions)
+
 
     def begin_checkpoint(self, boundary: int, expected_rows: list[int], since: int | None, directory: str, *,
                          shard: int, num_shards: int, timeout: float) -> None:
@@ -118,6 +126,60 @@ class Server:
                 "storage": dict(sum((Counter(store.rows.stats()) for store in self.stores), Counter()))}
 
 
+class StandInServer(Server):
+    """A lost data server's shard, served by its group's parity server from the moment the oracle moves it
+    there (storage.parity.StandIn per space): a row not rebuilt yet is reconstructed when first asked for, and
+    a background thread rebuilds the rest; then the shard stays here, whole."""
+
+    def __init__(self, stand_ins: list[StandIn], *, shard: int) -> None:
+        super().__init__([stand_in.store for stand_in in stand_ins])
+        self.stand_ins, self.shard = stand_ins, shard
+        self.started = time.perf_counter()
+        self.rebuilt_after_s: float | None = None
+        self._rebuilder = threading.Thread(target=self._rebuild, name="rebuild", daemon=True)
+        self._rebuilder.start()
+
+    def fetch(self, space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
+        self.stand_ins[space].ensure(self.stores[space]._local(keys.numpy()))
+        return super().fetch(space, keys, versions)
+
+    def write_back(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
+                   version: int) -> torch.futures.Future:
+        new = torch.from_numpy(self.stand_ins[space].new_rows(keys.numpy(), version))  # a repeat: no-op
+        return super().write_back(space, keys[new], rows[new], state[new], version)
+
+    def begin_checkpoint(self, *args, **kwargs) -> None:
+        self._rebuilder.join()  # a snapshot reads every row: the shard must be whole first
+        super().begin_checkpoint(*args, **kwargs)
+
+    def _rebuild(self) -> None:
+        background_priority()
+        for stand_in in self.stand_ins:
+            while stand_in.rebuild():
+                pass
+        self.rebuilt_after_s = time.perf_counter() - self.started
+        log.info("shard %d rebuilt from its parity group in %.2f s (%d rows)", self.shard, self.rebuilt_after_s,
+                 sum(stand_in.store.num_rows for stand_in in self.stand_ins))
+
+    def dump(self) -> dict:
+        return {**super().dump(), "rebuilt_after_s": self.rebuilt_after_s,
+                "rows": sum(stand_in.store.num_rows for stand_in in self.stand_ins),
+                "rows_reconstructed_on_demand": sum(stand_in.rows_reconstructed for stand_in in self.stand_ins)}
+
+
+class RemoteMember:
+    """A surviving member of a parity group as storage.parity.read_member reads one: by RPC."""
+
+    def __init__(self, shard: int, space: int, *, num_rows: int, dim: int, state_width: int, timeout: float) -> None:
+        self.shard, self.space, self.timeout = shard, space, timeout
+        self.num_rows, self.dim, self.state_width = num_rows, dim, state_width
+
+    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        rows, state, versions = rpc.rpc_sync(World.server_name(self.shard), rpc_read_rows,
+                                             args=(self.space, torch.from_numpy(np.asarray(local, dtype=np.int64))),
+                                             timeout=self.timeout)
+        return rows, state, versions.numpy()
+
 def _send_delta(parity_name: str, space: int, member: int, timeout: float, local: np.ndarray, delta: np.ndarray,
                 before: np.ndarray, version: int) -> torch.futures.Future:
     return rpc.rpc_async(parity_name, rpc_parity_apply, timeout=timeout,
@@ -131,6 +193,29 @@ class ParityServer:
     def __init__(self, parities: list[ParityRows], *, group: int, shards: list[int]) -> None:
         self.parities, self.group, self.shards = parities, group, shards
         self.checked: dict | None = None
+        self.standing_in: StandInServer | None = None
+
+    def stand_in(self, shard: int, *, job: JobInfo, num_shards: int, timeout: float) -> StandInServer:
+        """Serve lost data shard ``shard`` of this group from now on (one loss per group: parity covers one)."""
+        if self.standing_in is not None:
+            raise TwoLossesInAGroup(f"server {shard} lost while server {self.standing_in.shard} of the same parity "
+                                    f"group is served by its parity server: parity covers one loss per group")
+        config, layout = job.config, job.layout
+        optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
+        member = self.shards.index(shard)
+        stand_ins = []
+        for space, parity in enumerate(self.parities):
+            dim = layout.spaces[space].dim
+            fresh = RowStore(layout=layout, space=space, optimizer=optimizer, seed=config["seed"], shard=shard,
+                             num_shards=num_shards)
+            fresh.parity_sink = functools.partial(_fold_here, parity, member)
+            survivors = {index: RemoteMember(other, space, num_rows=shard_num_rows(layout, space, other, num_shards),
+                                             dim=dim, state_width=optimizer.state_width(dim), timeout=timeout)
+                         for index, other in enumerate(self.shards) if other != shard}
+            stand_ins.append(StandIn(fresh, member=member, parity=parity, survivors=survivors, timeout=timeout))
+        self.standing_in = StandInServer(stand_ins, shard=shard)
+        log.warning("serving lost server %d's shard from its parity group; rebuilding it in the background", shard)
+        return self.standing_in
 
     def apply(self, space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
               version: int) -> None:
@@ -147,8 +232,11 @@ class ParityServer:
                 expected = np.zeros((stop - start, parity.width), dtype=np.uint32)
                 versions = np.full((stop - start, parity.k), -1, dtype=np.int64)
                 for member, shard in enumerate(self.shards):
-                    rows, state, have = rpc.rpc_sync(World.server_name(shard), rpc_read_range,
-                                                      args=(space, start, stop), timeout=timeout)
+                    if self.standing_in is not None and shard == self.standing_in.shard:  # served here
+                        rows, state, have = self.standing_in.read_range(space, start, stop)
+                    else:
+                        rows, state, have = rpc.rpc_sync(World.server_name(shard), rpc_read_range,
+                                                          args=(space, start, stop), timeout=timeout)
                     expected[:len(rows)] ^= row_bits(rows, state)
                     versions[:len(rows), member] = have.numpy()
                 bits, held = parity.read(np.arange(start, stop))
@@ -158,12 +246,25 @@ class ParityServer:
         return self.checked
 
     def dump(self) -> dict:
-        return {"bytes_sent": 0, "fetches": 0, "fetches_waited": 0, "rows_written": 0, "storage": {},
-                "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
+        standing_in = self.standing_in.dump() if self.standing_in is not None else {}
+        return {"bytes_sent": standing_in.get("bytes_sent", 0), "fetches": standing_in.get("fetches", 0),
+                "fetches_waited": standing_in.get("fetches_waited", 0), "rows_written": standing_in.get("rows_written", 0),
+                "storage": {}, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
                 "parity": {"group": self.group, "shards": self.shards,
                            "deltas_applied": sum(p.deltas_applied for p in self.parities),
                            "pending_rows": sum(p.pending_rows() for p in self.parities),
-                           **({"check": self.checked} if self.checked is not None else {})}}
+                           **({"check": self.checked} if self.checked is not None else {}),
+                           **({"standing_in": {"shard": self.standing_in.shard,
+                                               "rebuilt_after_s": standing_in["rebuilt_after_s"],
+                                               "rows": standing_in["rows"],
+                                               "rows_reconstructed_on_demand":
+                                                   standing_in["rows_reconstructed_on_demand"]}}
+                              if self.standing_in is not None else {})}}
+
+
+def _fold_here(parity: ParityRows, member: int, local: np.ndarray, delta: np.ndarray, before: np.ndarray,
+               version: int) -> None:
+    parity.apply(member, local, delta, before, version)
 
 
 def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
@@ -184,6 +285,7 @@ _WORLD: World | None = None
 
 
 _PARITY: ParityServer | None = None
+_JOB: JobInfo | None = None
 
 
 @rpc.functions.async_execution
@@ -214,9 +316,19 @@ def rpc_dump() -> dict:
     return _PARITY.dump() if _PARITY is not None else _SERVER.dump()
 
 
-def rpc_begin_checkpoint(boundary: int, expected_rows: list[int], since: int | None, directory: str) -> None:
-    _SERVER.begin_checkpoint(boundary, expected_rows, since, directory, shard=_WORLD.role[1],
-                             num_shards=_WORLD.num_shards, timeout=_WORLD.timeout)
+def rpc_begin_checkpoint(boundary: int, expected_rows: list[int], since: int | None, directory: str,
+                         shard: int) -> None:
+    _SERVER.begin_checkpoint(boundary, expected_rows, since, directory, shard=shard, num_shards=_WORLD.num_shards,
+                             timeout=_WORLD.timeout)
+
+
+def rpc_read_rows(space: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _SERVER.read_rows(space, local)
+
+
+def rpc_stand_in(shard: int) -> None:
+    global _SERVER
+    _SERVER = _PARITY.stand_in(shard, job=_JOB, num_shards=_WORLD.num_shards, timeout=_WORLD.timeout)
 
 
 @rpc.functions.async_execution
@@ -230,11 +342,11 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     ``given``: the settings this server's command line gave (an embedding size, table sizes), which
     the oracle agrees with every other role's at check-in.
     """
-    global _SERVER, _WORLD, _PARITY
+    global _SERVER, _WORLD, _PARITY, _JOB
     store, world = check_in(world, "server", given=given)
     role, index = world.role
     liveness = Liveness(world, watch=[0])
-    job = JobInfo.from_json(wait_for_job(world, store))
+    _JOB = job = JobInfo.from_json(wait_for_job(world, store))
     _WORLD = world = dataclasses.replace(world, parity=job.config["parity"])
     init_rpc(world, store)
     config, layout = job.config, job.layout

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,11 +38,12 @@ from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.world import World, check_in, init_rpc, trainer_group, wait_for_job
+from bagpipe.runtime.world import Routes, World, check_in, init_rpc, trainer_group, wait_for_job
 
 log = logging.getLogger(__name__)
 
 _END = object()
+WRITE_POLL_S = 0.05  # how often the writer looks at its write-backs in flight while none is queued
 
 
 class TrainerRuntime:
@@ -59,6 +61,7 @@ class TrainerRuntime:
         self.caches = [RowCache(capacity=share, dim=space.dim, optimizer=self.row_optimizer, device=device)
                        for space, share in zip(self.layout.spaces, job.cache_rows)]
         self.group = trainer_group(world, store, self.index)
+        self.routes = Routes(world)  # a lost server's shard moves to its parity server (--parity)
         self.stats = TrainerStats()
         self.step: StepMessage | None = None
         self.writeback_delay = writeback_delay  # tests only: delays every write-back on purpose
@@ -108,27 +111,50 @@ class TrainerRuntime:
             for shard in range(self.world.num_shards):
                 index = torch.nonzero(shards == shard).flatten()
                 if len(index):
-                    future = rpc.rpc_async(World.server_name(shard), server.rpc_fetch,
-                                           args=(space, keys[index], versions[index]), timeout=self.world.timeout)
-                    requests.append((shard, index, future))
+                    requests.append((shard, index, self._send(server.rpc_fetch, shard,
+                                                              (space, keys[index], versions[index]))))
             fetches.append(requests)
         return fetches
 
-    def _write(self) -> None:
-        in_flight = []
+    def _send(self, handler, shard: int, args: tuple) -> "_Request":
+        sent_to = self.routes.server(shard)
+        return _Request(handler, shard, args, sent_to,
+                        rpc.rpc_async(World.server_name(sent_to), handler, args=args, timeout=self.world.timeout))
+
+    def _answer(self, request: "_Request", *, what: str):
+        """The answer to ``request``; a request to a server that was lost is sent again to the server its
+        shard has moved to (``--parity``), which answers it as the lost one would have (a write-back it
+        has already is a no-op there)."""
         while True:
-            item = self._writes.get()
+            try:
+                return request.future.wait()
+            except RuntimeError as err:
+                self.routes.failover(request.shard, request.sent_to,
+                                     RuntimeError(f"{what} at server {request.sent_to} failed: {err}"))
+                request = self._send(request.handler, request.shard, request.args)
+
+    def _write(self) -> None:
+        in_flight: list[_Request] = []
+        while True:
+            try:  # with write-backs in flight, look at them now and then: a failed one is sent again at once,
+                # since a fetch (and so the compute thread, and the next write-back) may be waiting for it
+                item = self._writes.get(timeout=WRITE_POLL_S if in_flight else None)
+            except queue.Empty:
+                item = None
             if item is _END:
                 break
-            if self.writeback_delay:
-                time.sleep(self.writeback_delay)
-            shard, args = item
-            in_flight.append((shard, rpc.rpc_async(World.server_name(shard), server.rpc_write_back, args=args,
-                                                   timeout=self.world.timeout)))
-            while in_flight and in_flight[0][1].done():
-                _check(*in_flight.pop(0), what="write-back")
-        for shard, future in in_flight:
-            _check(shard, future, what="write-back")
+            if item is not None:
+                if self.writeback_delay:
+                    time.sleep(self.writeback_delay)
+                shard, args = item
+                in_flight.append(self._send(server.rpc_write_back, shard, args))
+            done = [request.future.done() for request in in_flight]  # once: one may finish meanwhile
+            answered = [request for request, finished in zip(in_flight, done) if finished]
+            in_flight = [request for request, finished in zip(in_flight, done) if not finished]
+            for request in answered:
+                self._answer(request, what="write-back")
+        for request in in_flight:
+            self._answer(request, what="write-back")
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -177,8 +203,8 @@ class TrainerRuntime:
             rows = torch.empty(len(fetch_keys), dim)
             state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(dim))
             waited = time.perf_counter()
-            for shard, index, future in requests:
-                rows[index], state[index] = _check(shard, future, what="fetch")
+            for _, index, request in requests:
+                rows[index], state[index] = self._answer(request, what="fetch")
             self._stalled("fetch_wait_s", waited)
             cache.install(step.fetch_slots.numpy(), fetch_keys, rows, state)
             self.stats.rows_fetched += len(fetch_keys)
@@ -314,11 +340,15 @@ class TrainerRuntime:
         self._stopping.set()
 
 
-def _check(shard: int, future, *, what: str):
-    try:
-        return future.wait()
-    except RuntimeError as err:
-        raise RuntimeError(f"{what} at server {shard} failed: {err}") from None
+@dataclass(frozen=True)
+class _Request:
+    """An RPC to the server of a data shard, kept until answered so that it can be sent again elsewhere."""
+
+    handler: object
+    shard: int
+    args: tuple
+    sent_to: int  # the server it went to
+    future: torch.futures.Future
 
 
 def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:

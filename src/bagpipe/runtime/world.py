@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,11 +80,15 @@ class World:
     @property
     def role(self) -> tuple[str, int]:
         """(role, index within the role) of this rank."""
-        if self.rank == 0:
+        return self.role_of(self.rank)
+
+    def role_of(self, rank: int) -> tuple[str, int]:
+        """(role, index within the role) of ``rank``."""
+        if rank == 0:
             return "oracle", 0
-        if self.rank <= self.num_trainers:
-            return "trainer", self.rank - 1
-        return "server", self.rank - 1 - self.num_trainers
+        if rank <= self.num_trainers:
+            return "trainer", rank - 1
+        return "server", rank - 1 - self.num_trainers
 
     @staticmethod
     def server_name(index: int) -> str:
@@ -101,7 +106,7 @@ class World:
 
     def label(self, rank: int) -> str:
         """``trainer 1``: the role and index of ``rank``, as messages name it."""
-        role, index = World(rank=rank, world_size=self.world_size, num_trainers=self.num_trainers).role
+        role, index = self.role_of(rank)
         return role if role == "oracle" else f"{role} {index}"
 
     @property
@@ -388,3 +393,52 @@ def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGr
     prefixed = dist.PrefixStore("bagpipe/trainers", store)
     return dist.ProcessGroupGloo(prefixed, index, world.num_trainers, options)
 
+
+
+ROUTE_PREFIX = "bagpipe/route/"
+
+
+class Routes:
+    """Which server holds each data shard: its own, until the oracle moves the shard of a lost server to its
+    group's parity server (``--parity``), which then serves it (``bagpipe/route/SHARD`` in the store)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self._moved: dict[int, int] = {}
+        self._store = None  # a client of its own, opened when first needed
+        self._lock = threading.Lock()
+
+    def server(self, shard: int) -> int:
+        return self._moved.get(shard, shard)
+
+    def name(self, shard: int) -> str:
+        return World.server_name(self.server(shard))
+
+    def move(self, store, shard: int, to: int) -> None:
+        """The oracle's side: shard ``shard`` is served by server ``to`` from now on."""
+        self._moved[shard] = to
+        store.set(f"{ROUTE_PREFIX}{shard}", str(to))
+
+    def failover(self, shard: int, sent_to: int, err: BaseException) -> None:
+        """A request for ``shard`` to server ``sent_to`` failed with ``err``: return once the shard is served by
+        another server (the oracle moves it within its liveness window of the loss), else raise ``err`` (no
+        parity, or no move within the timeout: the failure was not a covered loss)."""
+        if not self.world.parity:
+            raise err
+        deadline = time.monotonic() + self.world.timeout
+        key = f"{ROUTE_PREFIX}{shard}"
+        with self._lock:
+            if self.server(shard) != sent_to:
+                return
+            if self._store is None:
+                self._store = connect_store(self.world, timeout=self.world.timeout)
+            while time.monotonic() < deadline:
+                if self._store.check([key]):
+                    moved = int(self._store.get(key))
+                    if moved != sent_to:
+                        self._moved[shard] = moved
+                        log.warning("shard %d is served by server %d from now on (%s)", shard, moved,
+                                    str(err).splitlines()[0])
+                        return
+                time.sleep(0.1)
+        raise err

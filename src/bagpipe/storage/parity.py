@@ -23,6 +23,7 @@ Components with no knowledge of processes (the servers' wiring puts an RPC where
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -48,6 +49,9 @@ class ParityRows:
         self.versions = np.full((num_rows, k), -1, dtype=np.int64)  # [position, member]: the version held
         self.deltas_applied = 0
         self.generation = 0  # counts the applies that changed anything: what a reader waits past
+        # rows written back to each member, by version (each once: a repeated delta is not counted): what a
+        # stand-in's snapshot waits for, since the lost member's own count was lost with it
+        self.received: list[Counter] = [Counter() for _ in range(k)]
         self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []  # deltas ahead of their turn
         self._changed = threading.Condition()
 
@@ -112,6 +116,7 @@ class ParityRows:
             self.bits[rows] ^= delta[due]
             self.versions[rows, member] = version
             self.deltas_applied += int(due.sum())
+            self.received[member][version] += int(due.sum())
         return bool(due.any()), bool((done | due).all())
 
     def pending_rows(self) -> int:
@@ -167,6 +172,8 @@ class StandIn:
     def __init__(self, store: RowStore, *, member: int, parity: ParityRows,
                  survivors: dict[int, RowStore], timeout: float = 30.0) -> None:
         self.store, self.member, self.parity, self.survivors = store, member, parity, survivors
+        # write-backs to this member are counted by the parity, the lost member's before the loss included
+        store.received, store.counts_write_backs = parity.received[member], False
         self.timeout = timeout
         self.rebuilt = np.zeros(store.num_rows, dtype=bool)
         self.rows_reconstructed = 0
@@ -215,8 +222,18 @@ class StandIn:
         return self.store.fetch(keys, versions, timeout=timeout)
 
     def write_back(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
-        self.ensure(self.store._local(keys))  # the parity needs the old row to fold the new one in
-        self.store.write_back(keys, rows, state, version=version)
+        new = self.new_rows(keys, version)
+        if new.any():
+            chosen = torch.from_numpy(np.flatnonzero(new))
+            self.store.write_back(keys[new], rows[chosen], state[chosen], version=version)
+
+    def new_rows(self, keys: np.ndarray, version: int) -> np.ndarray:
+        """Which of a write-back's rows this member does not hold yet: a write-back sent again after its
+        server was lost may have reached the parity before (the rows are then already at ``version``).
+        Rebuilds the rows first (the parity needs the old rows to fold the new ones in)."""
+        local = self.store._local(keys)
+        self.ensure(local)
+        return self.store.read(local)[2] < version
 
 
 class ParityGroups:

@@ -86,6 +86,7 @@ class RowStore:
                 start += len(block)
         self.num_rows = self.rows.num_rows
         self.received: Counter = Counter()  # rows written back, by version
+        self.counts_write_backs = True  # False: someone else counts them into ``received`` (a parity's stand-in)
         self._snapshot: _Snapshot | None = None
         self._changed = threading.Condition()
         self.fetches_waited = 0  # fetches that arrived before the write-back they must observe
@@ -162,7 +163,8 @@ class RowStore:
         with self._changed:
             if self._snapshot is not None and version >= self._snapshot.boundary:
                 self._snapshot.save(self.rows, local)
-            self.received[version] += len(local)
+            if self.counts_write_backs:
+                self.received[version] += len(local)
             if self.parity_sink is not None:
                 old_rows, old_state, before = self.rows.read(local)
                 delta = row_bits(old_rows, old_state) ^ row_bits(rows, state)
