@@ -10,11 +10,18 @@ optimizer state; every write-back's delta goes to it and is acknowledged once fo
 every repeat; medians of the steady-state samples/s and their ratio (and each repeat's), the parity server's CPU
 time per iteration and peak RSS against a data server's, and the deltas it folded in. The last repeat with parity
 also checks the parity against its group at the end (--check-parity, after the timed iterations).
+
+Recovery (--recovery, one more run with parity, metrics every 10 iterations): data server 1 is SIGKILLed when it
+receives the write-back of iteration --iterations / 2 (BAGPIPE_FAULTS); the job goes on with its shard served by
+the parity server. From metrics.jsonl and summary.json: samples/s of the windows before the loss, of the windows
+while the shard was being rebuilt (and the 100 iterations after the move), the time the loss cost (the window
+around it, against a median window), how long moving the shard took, and the rebuild's time per million rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -36,6 +43,36 @@ def job(data: Path, run_dir: Path, *, iterations: int, data_servers: int, parity
                        check_parity=check, cache_rows=TOTAL_ROWS // 20, timeout=120.0, model=MODEL)
 
 
+def recovery(data: Path, work: Path, args) -> dict:
+    kill_at = args.iterations // 2
+    config = dataclasses.replace(job(data, work / "recovery", iterations=args.iterations, data_servers=args.parity,
+                                     parity=args.parity, check=True), log_every=10)
+    summary = launch_local(config, show_progress=False, overwrite=True,
+                           env={"BAGPIPE_FAULTS": f"server1@write-back {kill_at}:kill"})
+    windows = [record for record in map(json.loads, (work / "recovery" / "metrics.jsonl").read_text().splitlines())
+               if "window_samples_per_s" in record]
+    (failure,) = summary["failures"]
+    standing_in = summary["parity"][0]["standing_in"]
+    moved_at, rebuilt_at = failure["at"], failure["at"] + standing_in["rebuilt_after_s"]
+    durations = [b["time"] - a["time"] for a, b in zip(windows, windows[1:])]
+    hit = next(i for i, w in enumerate(windows) if w["iteration"] > kill_at)  # the window the loss fell in
+    before = [w["window_samples_per_s"] for w in windows[2:hit - 1]]  # past warm-up, before the loss
+    during = [w["window_samples_per_s"] for w in windows if moved_at < w["time"] <= rebuilt_at]
+    after = [w["window_samples_per_s"] for w in windows[hit + 1:hit + 11]]
+    normal = statistics.median(durations)
+    return {"kill_at_iteration": kill_at, "failure": failure, "standing_in": standing_in,
+            "samples_per_s_before": statistics.median(before),
+            "samples_per_s_while_rebuilding": statistics.median(during) if during else None,
+            "windows_while_rebuilding": len(during),
+            "samples_per_s_100_iterations_after": statistics.median(after),
+            "ratio_after_to_before": statistics.median(after) / statistics.median(before),
+            "loss_cost_s": max(durations[hit - 2:hit + 8]) - normal,  # the slowest window around the loss
+            "window_durations_around_loss_s": [round(d, 3) for d in durations[hit - 2:hit + 8]],
+            "median_window_s": normal,
+            "rebuild_s_per_million_rows": 1e6 * standing_in["rebuilt_after_s"] / standing_in["rows"],
+            "parity_check": summary["parity"][0]["check"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=None, help="data and run dirs (default: a new temporary dir)")
@@ -43,6 +80,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--parity", type=int, default=3, help="data servers, all in one parity group")
+    parser.add_argument("--recovery", action="store_true", help="also: a run that loses data server 1 midway")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the runs with and without parity")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_parity_"))
     data = data_set(work, zipf=1.2, iterations=args.iterations)
@@ -51,6 +90,11 @@ def main() -> None:
     server_cpu: dict[str, list[float]] = {"data server": [], "parity server": []}  # CPU ms per iteration
     server_rss: dict[str, list[float]] = {"data server": [], "parity server": []}  # MiB
     parity_stats, foreign = [], []
+    if args.no_overhead:
+        result = {"settings": vars(args), "recovery": recovery(data, work, args)}
+        write(args.out, result)
+        print(json.dumps(result["recovery"], indent=1))
+        return
     for repeat in range(args.repeats):
         for kind, parity in kinds.items():
             check = parity > 0 and repeat == args.repeats - 1
@@ -74,14 +118,20 @@ def main() -> None:
               "server_cpu_ms_per_iteration": {role: statistics.median(v) for role, v in server_cpu.items()},
               "server_peak_rss_mb": {role: statistics.median(v) for role, v in server_rss.items()},
               "parity": parity_stats[-1], "other_cpu_median": statistics.median(foreign)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.recovery:
+        result["recovery"] = recovery(data, work, args)
+    write(args.out, result)
     print(f"no parity {medians['none']:,.0f} samples/s, --parity {args.parity} {medians['parity']:,.0f} samples/s "
           f"({result['ratio_parity_to_none']:.3f}x; pairwise {[round(r, 3) for r in result['pairwise_ratios']]}); "
           f"CPU ms per iteration {result['server_cpu_ms_per_iteration']}, peak RSS MiB {result['server_peak_rss_mb']}; "
           f"parity {parity_stats[-1]}; other CPU {result['other_cpu_median']:.1%}")
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
+
+
+def write(path: str, result: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 in; a lost shard is rebuilt bit for bit, optimizer state included; training through a loss equals training
 without one, bit for bit; a second loss in a group is refused."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -247,3 +249,19 @@ def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(s
     (parity,) = summary["parity"]
     assert parity["standing_in"]["shard"] == lost and parity["standing_in"]["rebuilt_after_s"] is not None
     assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
+
+
+def test_a_second_server_lost_in_a_group_fails_the_job_clearly_and_leaves_no_process(small_binary, tmp_path):
+    """Two data servers of one group killed (the second while the first is served by the parity server):
+    parity covers one loss per group, so the job fails, saying so and naming the way on."""
+    from test_runtime import alive, job_config
+
+    from bagpipe.runtime.launch import JobFailed, launch_local
+
+    config = job_config(small_binary, tmp_path / "bagpipe", servers=4, parity=3, iterations=60, timeout=20.0)
+    with pytest.raises(JobFailed, match=r"server 2 is the second server lost in its parity group \(servers 0, 1, "
+                                        r"2\): parity covers one loss per group; resume from the newest checkpoint"):
+        launch_local(config, show_progress=False,
+                     env={"BAGPIPE_FAULTS": "server1@write-back 20:kill,server2@write-back 40:kill"})
+    pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
+    assert not [pid for pid in pids if alive(pid)]

@@ -27,7 +27,7 @@ from bagpipe.data.batches import batches_per_epoch
 from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY
-from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE
+from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
 from bagpipe.runtime.protocol import SERVER_LOST, TRAINED
 from bagpipe.runtime.world import LOOPBACK, World, connect_store, free_port
 
@@ -237,7 +237,9 @@ def _blame(children: list[Child], failed: list[Child]) -> str:
             return (f"{culprit.label} stopped responding (its process is still there: stopped, or hung); "
                     f"{witness.label} reported: {error}")
         if culprit.process.returncode != LOST_EXIT_CODE:
-            return f"{culprit.label} failed ({_describe(culprit.process.returncode)}): {_last_error(culprit)}"
+            why_fatal = f"; {witness.label}: {error}" if NOT_RECOVERED in error else ""  # e.g. a second loss
+            return (f"{culprit.label} failed ({_describe(culprit.process.returncode)}): {_last_error(culprit)}"
+                    f"{why_fatal}")
         seen.add(culprit.rank)
         witness = culprit
 

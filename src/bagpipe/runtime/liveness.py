@@ -23,6 +23,7 @@ LOST_EXIT_CODE = 3  # a role that ends because a peer was lost: the peer, not th
 BEAT_PREFIX = "bagpipe/beat/"
 LEFT_PREFIX = "bagpipe/left/"
 EXITED_PREFIX = "bagpipe/exited/"  # set by a local launcher that saw the process end: lost at once
+NOT_RECOVERED = "it could not be recovered from"  # in a lost peer's message: why the job cannot go on without it
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -155,7 +156,7 @@ class Liveness:
         try:
             recovered = self.recover is not None and self.recover(rank)
         except Exception as err:  # noqa: BLE001 - why it could not be recovered ends the role below
-            message = f"{message}; it could not be recovered from: {err}"
+            message = f"{message}; {NOT_RECOVERED}: {err}"
             recovered = False
         if not recovered:
             self.on_lost(message)

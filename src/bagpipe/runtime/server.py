@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -136,17 +137,39 @@ class StandInServer(Server):
         self.stand_ins, self.shard = stand_ins, shard
         self.started = time.perf_counter()
         self.rebuilt_after_s: float | None = None
+        # Rebuilding a row reads the survivors by RPC and may wait for the parity to catch up: never on an RPC
+        # thread, which the parity's own deltas need (a pool of them all waiting here would wait forever).
+        self._work = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stand-in")
         self._rebuilder = threading.Thread(target=self._rebuild, name="rebuild", daemon=True)
         self._rebuilder.start()
 
     def fetch(self, space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
-        self.stand_ins[space].ensure(self.stores[space]._local(keys.numpy()))
-        return super().fetch(space, keys, versions)
+        def fetch_rebuilt() -> torch.futures.Future:
+            self.stand_ins[space].ensure(self.stores[space]._local(keys.numpy()))
+            return super(StandInServer, self).fetch(space, keys, versions)
+
+        return self._off_rpc_thread(fetch_rebuilt)
 
     def write_back(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
                    version: int) -> torch.futures.Future:
-        new = torch.from_numpy(self.stand_ins[space].new_rows(keys.numpy(), version))  # a repeat: no-op
-        return super().write_back(space, keys[new], rows[new], state[new], version)
+        def write_new() -> torch.futures.Future:
+            new = torch.from_numpy(self.stand_ins[space].new_rows(keys.numpy(), version))  # a repeat: no-op
+            return super(StandInServer, self).write_back(space, keys[new], rows[new], state[new], version)
+
+        return self._off_rpc_thread(write_new)
+
+    def _off_rpc_thread(self, work) -> torch.futures.Future:
+        """``work()`` (which returns a future) on the stand-in's thread; its answer, as a future now."""
+        answer: torch.futures.Future = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                work().add_done_callback(functools.partial(_pass_on, answer))
+            except BaseException as err:  # noqa: BLE001 - the caller's RPC gets it
+                answer.set_exception(err)
+
+        self._work.submit(run)
+        return answer
 
     def begin_checkpoint(self, *args, **kwargs) -> None:
         self._rebuilder.join()  # a snapshot reads every row: the shard must be whole first
@@ -165,6 +188,13 @@ class StandInServer(Server):
         return {**super().dump(), "rebuilt_after_s": self.rebuilt_after_s,
                 "rows": sum(stand_in.store.num_rows for stand_in in self.stand_ins),
                 "rows_reconstructed_on_demand": sum(stand_in.rows_reconstructed for stand_in in self.stand_ins)}
+
+
+def _pass_on(to: torch.futures.Future, done: torch.futures.Future) -> None:
+    try:
+        to.set_result(done.value())
+    except BaseException as err:  # noqa: BLE001 - handed on
+        to.set_exception(err)
 
 
 class RemoteMember:

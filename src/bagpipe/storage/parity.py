@@ -176,7 +176,7 @@ class StandIn:
         store.received, store.counts_write_backs = parity.received[member], False
         self.timeout = timeout
         self.rebuilt = np.zeros(store.num_rows, dtype=bool)
-        self.rows_reconstructed = 0
+        self.rows_reconstructed = 0  # by a fetch or a write-back that needed them, before the rebuild reached them
         self._next = 0  # rebuild's position
         self._lock = threading.Lock()
 
@@ -184,8 +184,8 @@ class StandIn:
     def complete(self) -> bool:
         return bool(self.rebuilt.all())
 
-    def ensure(self, local: np.ndarray) -> None:
-        """Reconstruct the rows of ``local`` not rebuilt yet."""
+    def ensure(self, local: np.ndarray, *, asked: bool = True) -> None:
+        """Reconstruct the rows of ``local`` not rebuilt yet (``asked``: by a fetch or write-back, counted)."""
         with self._lock:
             missing = np.unique(np.asarray(local, dtype=np.int64)[~self.rebuilt[local]])
             while len(missing):
@@ -196,6 +196,7 @@ class StandIn:
                 done = missing[consistent]
                 if len(done):
                     self._install(done, lost[consistent], versions[consistent])
+                    self.rows_reconstructed += len(done) if asked else 0
                 missing = missing[~consistent]
                 if len(missing) and not self.parity.wait_past(seen, self.timeout):
                     raise TimeoutError(f"{len(missing)} rows of lost shard {self.store.shard} could not be read "
@@ -207,13 +208,12 @@ class StandIn:
             chosen = np.flatnonzero(versions == version)
             self.store.put(local[chosen], rows[chosen], state[chosen], version=version)
         self.rebuilt[local] = True
-        self.rows_reconstructed += len(local)
 
     def rebuild(self, max_rows: int = REBUILD_CHUNK_ROWS) -> int:
         """Rebuild up to ``max_rows`` more rows (in position order); return how many were left to rebuild."""
         start = self._next
         stop = min(start + max_rows, self.store.num_rows)
-        self.ensure(np.arange(start, stop, dtype=np.int64))
+        self.ensure(np.arange(start, stop, dtype=np.int64), asked=False)
         self._next = stop
         return int(self.store.num_rows - np.count_nonzero(self.rebuilt))
 
