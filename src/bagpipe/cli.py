@@ -611,6 +611,13 @@ SLICED_THREADS = 1  # threads of each role of a local job, and of a reference th
 _WAKEUP: list = []  # the socket pair Ctrl-C's wakeup byte travels through, kept for the process
 
 
+def _say_unlocked(message: str) -> None:
+    """One ERROR line as the log handlers write it, straight to stderr, taking no lock."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    handler = next((h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler)), None)
+    os.write(2, ((handler.format(record) if handler else message) + "\n").encode())
+
+
 def _exit_on_interrupt() -> None:
     """Ctrl-C ends a role at once, with one line, even while its main thread waits in native code
     (Python raises KeyboardInterrupt only once such a wait returns): the signal's wakeup byte
@@ -623,8 +630,7 @@ def _exit_on_interrupt() -> None:
     def watch() -> None:
         while signal.SIGINT not in reader.recv(64):
             pass
-        log.error("interrupted (Ctrl-C)")
-        logging.shutdown()
+        _say_unlocked("interrupted (Ctrl-C)")  # logging's locks may be held by a thread that never lets go
         os._exit(130)
 
     threading.Thread(target=watch, name="interrupt", daemon=True).start()

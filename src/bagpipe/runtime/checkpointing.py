@@ -16,6 +16,7 @@ snapshots (``write_final``), never gathered into one process.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -46,7 +47,8 @@ class JobCheckpoints:
         self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
         # rows the plan has written back since the job started, per space and server: what a snapshot awaits
         self.evicted = np.zeros((num_spaces, world.num_shards), dtype=np.int64)
-        self.previous = resumed_at  # the last checkpoint's boundary: a delta holds the rows written since
+        self.previous = self.resumed_at = resumed_at  # the last checkpoint's boundary: a delta holds the rows since
+        self._abandoned: set[int] = set()  # checkpoints given up (a server lost while writing its part)
         self._cache_parts: dict[int, tuple] = {}
         self._arrived = threading.Condition()
         self._job: Background | None = None  # the checkpoint being committed
@@ -84,9 +86,15 @@ class JobCheckpoints:
 
         futures = []
         for shard in range(self.world.num_shards):  # parity servers hold no rows of their own
-            name = self.routes.name(shard)  # a lost server's shard: its parity server, standing in
-            rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout,
-                         args=(boundary, self.evicted[:, shard].tolist(), since, str(directory), shard))
+            args = (boundary, self.evicted[:, shard].tolist(), since, str(directory), shard)
+            try:
+                name = self.routes.name(shard)  # a lost server's shard: its parity server, standing in
+                rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout, args=args)
+            except RuntimeError:
+                if not self._lost_meanwhile(shard):
+                    raise
+                name = self.routes.name(shard)  # none of its write-backs of this boundary has happened yet
+                rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout, args=args)
             futures.append(rpc.rpc_async(name, server.rpc_checkpoint_written, args=(boundary,),
                                          timeout=self.world.timeout + 3 * self.world.timeout))
         return futures
@@ -104,13 +112,39 @@ class JobCheckpoints:
     def receive_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
         """Trainer 0's part (an RPC handler): its cached rows, dense weights and optimizer state at ``boundary``."""
         with self._arrived:
-            self._cache_parts[boundary] = (dense, dense_optimizer, parts, extra)
+            if boundary not in self._abandoned:
+                self._cache_parts[boundary] = (dense, dense_optimizer, parts, extra)
             self._arrived.notify_all()
+
+    def _lost_meanwhile(self, shard: int) -> bool:
+        """Whether ``shard``'s server, whose part just failed, is a loss the job goes on without (--parity):
+        the oracle moves its shard within the liveness window."""
+        if not self.world.parity:
+            return False
+        deadline = time.monotonic() + self.world.liveness_s + 10.0
+        while self.routes.server(shard) == shard and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.routes.server(shard) != shard
 
     def _finish(self, boundary: int, full: bool, futures: list) -> None:
         background_priority()
         started = time.perf_counter()
-        entries = [entry for future in futures for entry in future.wait()]
+        entries = []
+        for shard, future in enumerate(futures):
+            try:
+                entries += future.wait()
+            except RuntimeError as err:
+                if not self._lost_meanwhile(shard):
+                    raise
+                # Its part died with it, and the rows it had kept as of the boundary may be gone: a later
+                # checkpoint, taken from its stand-in, will do.
+                log.warning("checkpoint at iteration %d abandoned: server %d was lost while writing its part (%s)",
+                            boundary, shard, str(err).splitlines()[0])
+                with self._arrived:
+                    self._abandoned.add(boundary)
+                    self._cache_parts.pop(boundary, None)
+                shutil.rmtree(self.writer.root / f"{step_name(boundary)}.tmp", ignore_errors=True)
+                return
         with self._arrived:
             if not self._arrived.wait_for(lambda: boundary in self._cache_parts, timeout=4 * self.world.timeout):
                 raise TimeoutError(f"trainer 0 sent no part of the checkpoint at iteration {boundary}")
@@ -128,8 +162,10 @@ class JobCheckpoints:
                  time.perf_counter() - started)
 
     def wait(self) -> None:
-        """Until the checkpoint in progress is committed; its failure raised here."""
+        """Until the checkpoint in progress is committed (or abandoned); its failure raised here."""
         job, self._job = self._job, None
         if job is not None:
             job.join(failed="a checkpoint failed")
+            if self.previous in self._abandoned:  # the next delta holds what changed since the last one kept
+                self.previous = self.written[-1] if self.written else self.resumed_at
 

@@ -99,6 +99,7 @@ class Server:
         def write() -> None:
             background_priority()
             try:
+                self.before_snapshot()
                 entries = [write_snapshot(Path(directory), name=f"server{shard}.space{space}", space=space,
                                           chunks=store.snapshot_chunks(timeout=timeout), num_rows=store.num_rows,
                                           dim=store.dim, state_width=store.state_width, start=shard,
@@ -110,6 +111,9 @@ class Server:
                 future.set_exception(err)
 
         threading.Thread(target=write, name="checkpoint", daemon=True).start()
+
+    def before_snapshot(self) -> None:
+        """Called on a snapshot's writer thread before it reads the rows (its copy-on-write has begun)."""
 
     def restore(self, directory: Path, chain: list[dict], *, shard: int, num_shards: int) -> None:
         """This shard's rows of a checkpoint's chain (base first, later parts override), at its boundary."""
@@ -171,9 +175,10 @@ class StandInServer(Server):
         self._work.submit(run)
         return answer
 
-    def begin_checkpoint(self, *args, **kwargs) -> None:
-        self._rebuilder.join()  # a snapshot reads every row: the shard must be whole first
-        super().begin_checkpoint(*args, **kwargs)
+    def before_snapshot(self) -> None:
+        # A snapshot reads every row: the shard must be whole first. Its copy-on-write has begun meanwhile, and
+        # a write-back here rebuilds its rows before they are overwritten, so what it keeps is right.
+        self._rebuilder.join()
 
     def _rebuild(self) -> None:
         background_priority()
