@@ -26,12 +26,14 @@ EXITED_PREFIX = "bagpipe/exited/"  # set by a local launcher that saw the proces
 NOT_RECOVERED = "it could not be recovered from"  # in a lost peer's message: why the job cannot go on without it
 
 
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# how gloo, TensorPipe and a TCPStore client say that the process at the other end has ended
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "EOF: end of file",
+             "Connection was likely closed")
 
 
 def is_peer_gone(err: BaseException) -> bool:
-    """Whether ``err`` is a collective (gloo) failing because a peer's process ended: a symptom of
-    that peer's failure, not a failure of this role."""
+    """Whether ``err`` is a collective (gloo), an RPC or the job's store failing because a peer's process
+    ended: a symptom of that peer's failure, not a failure of this role."""
     return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_GONE)
 
 
@@ -83,17 +85,16 @@ class Liveness:
         return [r for r in ranks if r not in self.left and r not in self.lost]
 
     def await_verdict(self, symptom: BaseException) -> None:
-        """A collective failed because a peer ended (``symptom``): let the heartbeats name which peer
+        """A collective or a request failed because a peer ended (``symptom``): let the heartbeats name which peer
         (``on_lost`` ends this process), waiting at most the liveness window; if none is named by
         then, end as a lost peer anyway, quoting the symptom."""
         if not self.fatal:
             return
         deadline = time.monotonic() + self.world.liveness_s + 2 * BEAT_S + 1.0
-        log.warning("a peer of the gradient group is gone (%s): waiting for the heartbeats to name it",
-                    str(symptom).splitlines()[0])
+        log.warning("a peer is gone (%s): waiting for the heartbeats to name it", str(symptom).splitlines()[0])
         while time.monotonic() < deadline and not self.lost:
             time.sleep(0.1)
-        self.on_lost(f"lost a trainer of the gradient group: {str(symptom).splitlines()[0]}")
+        self.on_lost(f"lost a peer: {str(symptom).splitlines()[0]}")
 
     def _beat(self) -> None:
         try:

@@ -25,7 +25,7 @@ from bagpipe.faults import inject_fault
 from bagpipe.heap import bounded_heap
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
-from bagpipe.runtime.liveness import Liveness
+from bagpipe.runtime.liveness import Liveness, is_peer_gone
 from bagpipe.runtime.protocol import JobInfo
 from bagpipe.runtime.world import STOP_KEY, World, check_in, init_rpc, wait_for_job
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
@@ -413,10 +413,15 @@ def run_server(world: World, *, given: dict | None = None) -> None:
 def serve_until_stopped(world: World, store, liveness: Liveness, *, stores: list[RowStore]) -> None:
     """Tell the oracle this server is ready, then serve until it says training has ended."""
     rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,), timeout=world.timeout)
-    while not store.check([STOP_KEY]):
-        time.sleep(0.2)
-        for row_store in stores:
-            row_store.expire_waiting(timeout=world.timeout)
+    try:
+        while not store.check([STOP_KEY]):
+            time.sleep(0.2)
+            for row_store in stores:
+                row_store.expire_waiting(timeout=world.timeout)
+    except RuntimeError as err:
+        if is_peer_gone(err):  # the store's host, the oracle, has ended: the heartbeats name it
+            liveness.await_verdict(err)
+        raise
     liveness.stop()
     rpc.shutdown(graceful=False)  # the oracle has all it needs: no request is in flight
     for row_store in stores:
