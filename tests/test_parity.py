@@ -227,7 +227,8 @@ def test_a_job_with_parity_servers_trains_exactly_and_its_parity_matches_its_gro
     assert parity["check"]["mismatched_rows"] == [0] and parity["check"]["rows"][0] > 0
 
 
-@pytest.mark.parametrize("optimizer, fault", [("adagrad", "server1@write-back 20:kill"),
+@pytest.mark.parametrize("optimizer, fault", [("sgd", "server0@write-back 27:kill"),
+                                              ("adagrad", "server1@write-back 20:kill"),
                                               ("adam", "server2@delta sent 33:kill")])
 def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(small_binary, tmp_path, optimizer,
                                                                                  fault):
