@@ -121,7 +121,7 @@ class JobCheckpoints:
         the oracle moves its shard within the liveness window."""
         if not self.world.parity:
             return False
-        deadline = time.monotonic() + self.world.liveness_s + 10.0
+        deadline = time.monotonic() + self.world.takeover_s
         while self.routes.server(shard) == shard and time.monotonic() < deadline:
             time.sleep(0.1)
         return self.routes.server(shard) != shard

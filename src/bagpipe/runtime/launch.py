@@ -99,10 +99,10 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
             children.append(Child(role, index, rank, process, log_path))
         (run_dir / "pids.json").write_text(json.dumps({f"{c.role}{c.index}": c.process.pid for c in children}))
         job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
-                          timeout=config.timeout)
-        _supervise(children, run_dir, total=iterations, show_progress=show_progress,
-                   covered=_covered_servers(config), grace_s=job_world.liveness_s + TAKEOVER_MARGIN_S,
-                   tell=_Teller(job_world))
+                          timeout=config.timeout, parity=config.parity)
+        covered = set(range(job_world.num_shards)) if config.parity else set()  # losses parity covers
+        _supervise(children, run_dir, total=iterations, show_progress=show_progress, covered=covered,
+                   grace_s=job_world.takeover_s, tell=_Teller(job_world))
     except BaseException:
         _stop_all(children)
         for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
@@ -110,16 +110,6 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
         raise
     _stop_all(children)
     return json.loads((run_dir / SUMMARY).read_text())
-
-
-TAKEOVER_MARGIN_S = 10.0  # beyond the liveness window: how long a lost data server's parity server may take
-
-
-def _covered_servers(config: TrainConfig) -> set[int]:
-    """The servers (by index) whose loss parity covers: the data servers, with --parity."""
-    if not config.parity:
-        return set()
-    return set(range(config.servers - config.servers // (config.parity + 1)))
 
 
 class _MetricsTail:

@@ -215,13 +215,13 @@ class Oracle:
             return False
         parity_server = self.world.parity_server(shard)
         if any(f["parity_server"] == parity_server for f in self.failures):
-            raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers "
-                               f"{', '.join(str(s) for s in self._group(shard))}): parity covers one loss per "
-                               f"group; resume from the newest checkpoint (--resume)")
+            group = ", ".join(str(s) for s in self.world.parity_group(shard))
+            raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers {group}): "
+                               f"parity covers one loss per group; resume from the newest checkpoint (--resume)")
         started = time.perf_counter()
         rpc.rpc_sync(World.server_name(parity_server), server.rpc_stand_in, args=(shard,), timeout=self.world.timeout)
         self.routes.move(store, shard, parity_server)
-        failure = {"role": f"server {shard}", "rank": rank, "parity_server": parity_server,
+        failure = {"role": f"server {shard}", "server": shard, "rank": rank, "parity_server": parity_server,
                    "planned_iteration": self.planned, "at": time.time(),
                    "moved_in_s": round(time.perf_counter() - started, 3)}
         self.failures.append(failure)
@@ -229,10 +229,6 @@ class Oracle:
         log.warning("server %d lost: its shard is served by server %d (its parity server) from now on", shard,
                     parity_server)
         return True
-
-    def _group(self, shard: int) -> list[int]:
-        first = shard - shard % self.world.parity
-        return list(range(first, first + self.world.parity))
 
     def server_ready(self, name: str) -> None:
         with self.changed:
@@ -358,7 +354,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
         if config.parity and config.check_parity:
             check_parity(world)
-        lost = {int(f["role"].split()[1]) for f in oracle.failures}
+        lost = {f["server"] for f in oracle.failures}
         shards = [LOST_SERVER_DUMP if s in lost else rpc.rpc_sync(World.server_name(s), server.rpc_dump,
                                                                   timeout=world.timeout)
                   for s in range(world.num_servers)]

@@ -243,7 +243,7 @@ class ParityServer:
             dim = layout.spaces[space].dim
             fresh = RowStore(layout=layout, space=space, optimizer=optimizer, seed=config["seed"], shard=shard,
                              num_shards=num_shards)
-            fresh.parity_sink = functools.partial(_fold_here, parity, member)
+            fresh.parity_sink = functools.partial(parity.apply, member)
             survivors = {index: RemoteMember(other, space, num_rows=shard_num_rows(layout, space, other, num_shards),
                                              dim=dim, state_width=optimizer.state_width(dim), timeout=timeout)
                          for index, other in enumerate(self.shards) if other != shard}
@@ -282,9 +282,8 @@ class ParityServer:
 
     def dump(self) -> dict:
         standing_in = self.standing_in.dump() if self.standing_in is not None else {}
-        return {"bytes_sent": standing_in.get("bytes_sent", 0), "fetches": standing_in.get("fetches", 0),
-                "fetches_waited": standing_in.get("fetches_waited", 0), "rows_written": standing_in.get("rows_written", 0),
-                "storage": {}, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
+        served = {key: standing_in.get(key, 0) for key in ("bytes_sent", "fetches", "fetches_waited", "rows_written")}
+        return {**served, "storage": {}, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
                 "parity": {"group": self.group, "shards": self.shards,
                            "deltas_applied": sum(p.deltas_applied for p in self.parities),
                            "pending_rows": sum(p.pending_rows() for p in self.parities),
@@ -295,11 +294,6 @@ class ParityServer:
                                                "rows_reconstructed_on_demand":
                                                    standing_in["rows_reconstructed_on_demand"]}}
                               if self.standing_in is not None else {})}}
-
-
-def _fold_here(parity: ParityRows, member: int, local: np.ndarray, delta: np.ndarray, before: np.ndarray,
-               version: int) -> None:
-    parity.apply(member, local, delta, before, version)
 
 
 def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
@@ -433,7 +427,7 @@ def start_parity(world: World, job: JobInfo, index: int, row_optimizer) -> Parit
     seed, or restored from the checkpoint being resumed)."""
     config, layout = job.config, job.layout
     group = index - world.num_shards
-    shards = list(range(group * world.parity, (group + 1) * world.parity))
+    shards = world.parity_group(group * world.parity)
     if job.resume:  # the members as restored, held here while their parity is made
         directory, chain = resume_chain(config["run_dir"], job.resume)
         members = []

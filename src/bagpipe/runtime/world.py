@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 18000  # the original system's
 ROLES = ("oracle", "server", "trainer")
+TAKEOVER_MARGIN_S = 10.0  # beyond the liveness window: how long a lost data server's parity server may take
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +78,11 @@ class World:
         """The index (among the servers) of the parity server of data shard ``shard``'s group."""
         return self.num_shards + shard // self.parity
 
+    def parity_group(self, shard: int) -> list[int]:
+        """The data shards of ``shard``'s parity group."""
+        first = shard - shard % self.parity
+        return list(range(first, first + self.parity))
+
     @property
     def role(self) -> tuple[str, int]:
         """(role, index within the role) of this rank."""
@@ -113,6 +119,12 @@ class World:
     def liveness_s(self) -> float:
         """Silence after which a peer counts as lost: well inside the timeout of any wait on it."""
         return max(3.0, min(10.0, self.timeout / 2))
+
+    @property
+    def takeover_s(self) -> float:
+        """How long after a data server's loss its parity server may take to stand in (--parity): the
+        liveness window and a margin for the move."""
+        return self.liveness_s + TAKEOVER_MARGIN_S
 
     @property
     def name(self) -> str:

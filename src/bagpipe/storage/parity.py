@@ -22,6 +22,7 @@ Components with no knowledge of processes (the servers' wiring puts an RPC where
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -63,7 +64,7 @@ class ParityRows:
         for index, member in enumerate(members):
             for start in range(0, member.num_rows, REBUILD_CHUNK_ROWS):
                 stop = min(start + REBUILD_CHUNK_ROWS, member.num_rows)
-                rows, state, versions = member.rows.read_range(start, stop)
+                rows, state, versions = member.read_range(start, stop)
                 parity.bits[start:stop] ^= row_bits(rows, state)
                 parity.versions[start:stop, index] = versions
         return parity
@@ -176,13 +177,18 @@ class StandIn:
         store.received, store.counts_write_backs = parity.received[member], False
         self.timeout = timeout
         self.rebuilt = np.zeros(store.num_rows, dtype=bool)
+        self.rows_rebuilt = 0  # of rebuilt, kept as a count: a rebuild asks after every chunk
         self.rows_reconstructed = 0  # by a fetch or a write-back that needed them, before the rebuild reached them
         self._next = 0  # rebuild's position
         self._lock = threading.Lock()
 
     @property
     def complete(self) -> bool:
-        return bool(self.rebuilt.all())
+        return self.rows_rebuilt == self.store.num_rows
+
+    @property
+    def rows_left(self) -> int:
+        return self.store.num_rows - self.rows_rebuilt
 
     def ensure(self, local: np.ndarray, *, asked: bool = True) -> None:
         """Reconstruct the rows of ``local`` not rebuilt yet (``asked``: by a fetch or write-back, counted)."""
@@ -207,7 +213,8 @@ class StandIn:
         for version in np.unique(versions).tolist():
             chosen = np.flatnonzero(versions == version)
             self.store.put(local[chosen], rows[chosen], state[chosen], version=version)
-        self.rebuilt[local] = True
+        self.rebuilt[local] = True  # none of them was: ensure installs only rows missing
+        self.rows_rebuilt += len(local)
 
     def rebuild(self, max_rows: int = REBUILD_CHUNK_ROWS) -> int:
         """Rebuild up to ``max_rows`` more rows (in position order); return how many were left to rebuild."""
@@ -215,7 +222,7 @@ class StandIn:
         stop = min(start + max_rows, self.store.num_rows)
         self.ensure(np.arange(start, stop, dtype=np.int64), asked=False)
         self._next = stop
-        return int(self.store.num_rows - np.count_nonzero(self.rebuilt))
+        return self.rows_left
 
     def fetch(self, keys: np.ndarray, versions: np.ndarray, *, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
         self.ensure(self.store._local(keys))
@@ -252,7 +259,7 @@ class ParityGroups:
 
     def _attach(self, shard: int, store: RowStore) -> None:
         parity, member = self.parities[shard // self.k], shard % self.k
-        store.parity_sink = lambda local, delta, before, version: parity.apply(member, local, delta, before, version)
+        store.parity_sink = functools.partial(parity.apply, member)
 
     def lose(self, shard: int) -> None:
         """Shard ``shard`` is gone (its rows with it): serve it from its group while a fresh one is rebuilt."""
@@ -281,8 +288,7 @@ class ParityGroups:
         return left
 
     def rows_to_rebuild(self) -> int:
-        return sum(int(member.store.num_rows - np.count_nonzero(member.rebuilt)) for member in self.members
-                   if isinstance(member, StandIn))
+        return sum(member.rows_left for member in self.members if isinstance(member, StandIn))
 
     @property
     def stores(self) -> list[RowStore]:
