@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class RunDir:
         if not append:
             (self.path / "metrics.jsonl").write_text("")
         self._metrics = open(self.path / "metrics.jsonl", "a")
+        self._logging = threading.Lock()  # events are logged from RPC and background threads too
 
     def write_json(self, name: str, payload: dict) -> None:
         (self.path / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
@@ -83,8 +85,10 @@ class RunDir:
 
     def log_metrics(self, **record) -> None:
         record.setdefault("time", round(time.time(), 3))
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        line = json.dumps(record) + "\n"
+        with self._logging:
+            self._metrics.write(line)
+            self._metrics.flush()
 
     def finish(self, summary: dict) -> None:
         """Write summary.json, the mark of a finished run: the last file a run writes."""

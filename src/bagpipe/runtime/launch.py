@@ -28,7 +28,7 @@ from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY
 from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
-from bagpipe.runtime.protocol import SERVER_LOST, TRAINED
+from bagpipe.runtime.protocol import SERVER_LOST, TRAINED, TRAINER_DONE
 from bagpipe.runtime.world import LOOPBACK, World, connect_store, free_port
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class _MetricsTail:
         self.path, self.offset = path, 0
         self.iteration, self.loss, self.trained = 0, None, False
         self.servers_lost: set[int] = set()  # data servers the oracle moved to their parity servers
+        self.trainers_done: set[int] = set()  # trainers whose report the oracle has: the job no longer needs them
 
     def read(self) -> None:
         try:
@@ -139,6 +140,8 @@ class _MetricsTail:
                 self.trained = True
             elif record.get("event") == SERVER_LOST:
                 self.servers_lost.add(record["server"])
+            elif record.get("event") == TRAINER_DONE:
+                self.trainers_done.add(record["trainer"])
             elif "train_loss" in record and record["iteration"] > self.iteration:
                 self.iteration, self.loss = record["iteration"], record["train_loss"]
 
@@ -162,7 +165,8 @@ class _Teller:
 def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progress: bool,
                covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None) -> None:
     """Until every role has exited: fail on the first that fails, except a non-oracle role lost after
-    training ended (the run no longer needs it: a warning), and a ``covered`` server (with --parity) that the
+    training ended or a trainer lost after its report reached the oracle (the run no longer needs them: a
+    warning), and a ``covered`` server (with --parity) that the
     oracle has moved to its parity server within ``grace_s`` of its exit (training goes on)."""
     bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress)
     metrics = _MetricsTail(run_dir / "metrics.jsonl")
@@ -170,11 +174,12 @@ def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progres
     takeover_due: dict[int, float] = {}  # rank of a covered server that ended -> until when the oracle may take over
     try:
         while True:
+            # Exit codes first, then the log: what a role's peers logged before it ended is read with its end.
+            codes = {c.rank: c.process.poll() for c in children}
             metrics.read()
             if metrics.iteration > bar.n:
                 bar.update(metrics.iteration - bar.n)
                 bar.set_postfix(loss=f"{metrics.loss:.4f}")
-            codes = {c.rank: c.process.poll() for c in children}
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
             for child in failed:
                 if child.role == "server" and child.index in covered and not metrics.trained:
@@ -188,18 +193,28 @@ def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progres
                             tell.exited(child)
             now = time.monotonic()
             failed = [c for c in failed if c.rank not in excused and takeover_due.get(c.rank, 0.0) <= now]
-            if failed and metrics.trained and all(c.role != "oracle" for c in failed):
-                for child in failed:
-                    log.warning("%s exited (%s) after training ended; the run does not need it",
+            needed = [c for c in failed if not _done_with(c, metrics)]
+            for child in failed:
+                if child not in needed:
+                    log.warning("%s exited (%s) after its part of the training ended; the run does not need it",
                                 child.label, _describe(child.process.returncode))
-                excused.update(c.rank for c in failed)
-            elif failed:
+                    excused.add(child.rank)
+            failed = needed
+            if failed:
                 raise JobFailed(_blame(children, failed) + f"; logs in {failed[0].log_path.parent}")
             if all(code is not None for code in codes.values()):
                 break
             time.sleep(0.1)
     finally:
         bar.close()
+
+
+def _done_with(child: Child, metrics: _MetricsTail) -> bool:
+    """Whether the run no longer needs ``child``: training has ended (not the oracle: it writes the run's
+    results), or it is a trainer whose report the oracle has."""
+    if child.role == "oracle":
+        return False
+    return metrics.trained or (child.role == "trainer" and child.index in metrics.trainers_done)
 
 
 _LOST_PEER = re.compile(r"^lost .*?\(rank (\d+)\)")

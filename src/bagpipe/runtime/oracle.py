@@ -43,7 +43,7 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import SERVER_LOST, TRAINED, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
+from bagpipe.runtime.protocol import SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
 from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, Routes, World, host_store, init_rpc, publish_status,
                                     read_hellos, refuse_job, wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
@@ -78,6 +78,7 @@ class Oracle:
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
         self.evaluates = (config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0)
         self.evaluations: BackgroundEvaluations | None = None
+        self.run: RunDir | None = None  # the run dir events are logged to (run_oracle sets it once open)
         self.routes = Routes(world)
         self.failures: list[dict] = []  # lost roles the job went on without
         self.planned = self.start  # the last iteration planned
@@ -204,8 +205,20 @@ class Oracle:
     def checkpoint_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
         self.checkpoints.receive_cache(boundary, dense, dense_optimizer, parts, extra)
 
-    def lose_server(self, rank: int, *, store, run: RunDir) -> bool:
-        """A lost peer (``rank``): with parity, a data server's shard moves to its group's parity server, which
+    def lose_peer(self, rank: int, *, store) -> bool:
+        """A lost peer (``rank``); True if the job goes on without it: a trainer that has reported done (every
+        row it wrote is back on the servers) is no longer needed; a data server may be covered by parity."""
+        role, index = self.world.role_of(rank)
+        if role == "trainer":
+            with self.changed:
+                reported = index in self.done
+            if reported:
+                log.warning("trainer %d ended after reporting done: the job no longer needs it", index)
+            return reported
+        return self.lose_server(rank, store=store)
+
+    def lose_server(self, rank: int, *, store) -> bool:
+        """A lost data server (``rank``): with parity, a data server's shard moves to its group's parity server, which
         serves it from then on (the trainers send their failed requests there again); True if so. A parity
         server, or a second loss in a group, is not covered: False (the job ends as without parity)."""
         from bagpipe.runtime import server
@@ -225,7 +238,7 @@ class Oracle:
                    "planned_iteration": self.planned, "at": time.time(),
                    "moved_in_s": round(time.perf_counter() - started, 3)}
         self.failures.append(failure)
-        run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server)
+        self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server)
         log.warning("server %d lost: its shard is served by server %d (its parity server) from now on", shard,
                     parity_server)
         return True
@@ -239,6 +252,10 @@ class Oracle:
         with self.changed:
             self.done[trainer] = (stats, dense_state)
             self.changed.notify_all()
+        # Logged before the trainer has its answer (so before it can end): the launcher reads it as the
+        # trainer's part of the job done, whatever becomes of its process after (logged at the last iteration:
+        # a resumed run forgets it with the iterations it trains again).
+        self.run.log_metrics(event=TRAINER_DONE, trainer=trainer, iteration=self.iterations)
 
     # -- the main thread ---------------------------------------------------------------------
     def wait_for_trainers(self) -> None:
@@ -328,7 +345,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         raise
     world = dataclasses.replace(world, parity=config.parity)
     _ORACLE = oracle = Oracle(config, world, dataset, resume=checkpoint if resume else None)
-    run = RunDir(config.run_dir, append=resume)
+    oracle.run = run = RunDir(config.run_dir, append=resume)
     if resume:
         discard_after(config.run_dir, oracle.start)
         run.forget_metrics_after(oracle.start)
@@ -339,7 +356,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
              world.num_servers, sum(oracle.job.cache_rows), oracle.layout.num_rows, config.lookahead, config.policy)
     store.set(JOB_KEY, oracle.job.to_json())
     init_rpc(world, store)
-    liveness.recover = functools.partial(oracle.lose_server, store=store, run=run)
+    liveness.recover = functools.partial(oracle.lose_peer, store=store)
     if oracle.evaluates:
         oracle.evaluations = BackgroundEvaluations(
             build_model(config, dataset.schema), oracle.layout, dataset.test, batch_size=config.eval_batch_size,
@@ -351,6 +368,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     final_dir = run.path / FINAL_ROWS
     try:
         oracle.wait_for_trainers()
+        inject_fault("trainers reported")
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
         if config.parity and config.check_parity:
             check_parity(world)
