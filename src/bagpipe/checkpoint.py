@@ -207,7 +207,7 @@ class CheckpointWriter:
         self._job: Background | None = None  # the write in flight
         for stale in self.root.glob("*.tmp"):  # a write that a crash interrupted
             shutil.rmtree(stale, ignore_errors=True)
-        newest = valid_checkpoints(run_dir)
+        newest = valid_checkpoints(run_dir, newest_only=True)
         if newest:
             self.last = newest[0][0].name
             self.chain = _chain_length(self.root, self.last)
@@ -321,9 +321,10 @@ def _check(directory: Path) -> dict:
     return manifest
 
 
-def valid_checkpoints(run_dir: str | Path) -> list[tuple[Path, list[dict]]]:
+def valid_checkpoints(run_dir: str | Path, *, newest_only: bool = False) -> list[tuple[Path, list[dict]]]:
     """Every checkpoint of ``run_dir`` whose whole chain is intact, newest first, with its chain's
-    manifests (the full base first); a broken one is skipped with a warning naming it."""
+    manifests (the full base first); a broken one is skipped with a warning naming it. ``newest_only``:
+    the newest intact one alone (the older ones are not read)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
@@ -333,6 +334,8 @@ def valid_checkpoints(run_dir: str | Path) -> list[tuple[Path, list[dict]]]:
             found.append((directory, _chain(directory)))
         except (ValueError, OSError) as err:
             log.warning("skipping checkpoint %s: %s", directory, err)
+        if found and newest_only:
+            break
     return found
 
 
@@ -485,7 +488,7 @@ def load_dense(directory: Path, manifest: dict) -> dict:
 def load_latest(run_dir: str | Path, *, num_rows: list[int]) -> TrainState | None:
     """The newest intact checkpoint of ``run_dir`` as one TrainState with every space's rows in full
     (``num_rows`` per space); None if there is none."""
-    found = valid_checkpoints(run_dir)
+    found = valid_checkpoints(run_dir, newest_only=True)
     if not found:
         return None
     directory, chain = found[0]
