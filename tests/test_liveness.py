@@ -189,10 +189,14 @@ def test_the_launcher_follows_who_lost_whom_to_the_role_that_stopped(tmp_path):
     for first in (server, oracle, trainer0):  # whoever's log is oldest is the first witness
         for c in children:
             os.utime(c.log_path, (1000 if c is first else 2000,) * 2)
-        message = _blame(children, [oracle, trainer0, server])
-        assert message.startswith("trainer 1 (rank 2) stopped responding"), message
+        message, restartable = _blame(children, [oracle, trainer0, server])
+        assert message.startswith("trainer 1 (rank 2) stopped responding") and restartable, message
     trainer1.process.returncode = -9  # gone rather than stopped: named with how it ended
-    assert _blame(children, [oracle, server]).startswith("trainer 1 (rank 2) failed (killed by SIGKILL)")
+    message, restartable = _blame(children, [oracle, server])
+    assert message.startswith("trainer 1 (rank 2) failed (killed by SIGKILL)") and restartable
+    trainer1.process.returncode = 1  # its own error: a restart would meet it again
+    message, restartable = _blame(children, [oracle, server])
+    assert message.startswith("trainer 1 (rank 2) failed (exit code 1)") and not restartable
 
 
 def test_a_trainer_that_lost_its_gradient_group_defers_to_the_one_that_names_the_stopped_role(tmp_path):
@@ -215,5 +219,5 @@ def test_a_trainer_that_lost_its_gradient_group_defers_to_the_one_that_names_the
     trainer1 = Child("trainer", 1, 2, _Exited(LOST_EXIT_CODE), logs["trainer1"])
     os.utime(logs["trainer1"], (1000, 1000))  # trainer 1 ended first
     os.utime(logs["trainer0"], (2000, 2000))
-    message = _blame([oracle, trainer0, trainer1], [trainer0, trainer1])
-    assert message.startswith("oracle 0 (rank 0) stopped responding"), message
+    message, restartable = _blame([oracle, trainer0, trainer1], [trainer0, trainer1])
+    assert message.startswith("oracle 0 (rank 0) stopped responding") and restartable, message

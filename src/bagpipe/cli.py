@@ -163,6 +163,9 @@ def _add_checkpoint_flags(p):
                    "not by time" + _default("checkpoint_every_s"))
     g.add_argument("--keep-checkpoints", type=int, default=None, help="checkpoints kept (the newest; and the "
                    "bases they restore from)" + _default("keep_checkpoints"))
+    g.add_argument("--max-restarts", type=int, default=None, help="--mode bagpipe, local launcher: a job that loses "
+                   "a process (killed, hung) that parity does not cover is started again from its newest checkpoint, "
+                   "at most N times; 0: never" + _default("max_restarts"))
     return g
 
 

@@ -161,6 +161,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     checkpoint_every_s: float = 0.0
     keep_checkpoints: int = 2
+    # --mode bagpipe: a job that loses a process parity does not cover is started again by the local launcher
+    # from its newest checkpoint, at most this many times (0: never; without a checkpoint it fails)
+    max_restarts: int = 3
     # --mode bagpipe: where each embedding server keeps its shard: "memory", or "disk" (a file of fixed-size
     # records in storage_dir, default RUN_DIR/storage, with storage_budget_mb of DRAM per server for hot rows)
     storage: str = "memory"
@@ -201,7 +204,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every",
-                     "eval_every"):
+                     "eval_every", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout"):
@@ -286,7 +289,7 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
 RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "checkpoint_every",
-                     "checkpoint_every_s", "keep_checkpoints", "max_eval_rows", "eval_batch_size", "eval_every",
+                     "checkpoint_every_s", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every",
                      "master_port",
                      "storage", "storage_dir", "storage_budget_mb")
 

@@ -2,8 +2,11 @@
 
 ``BAGPIPE_FAULTS`` lists faults separated by commas, each ``ROLE@POINT:ACTION``: ``trainer1@iteration
 40:stop`` sends trainer 1 SIGSTOP after iteration 40, ``trainer0@done:kill`` SIGKILLs trainer 0 once
-it has reported done, ``oracle@data ready:pause=8`` has the oracle sleep 8 s there. The points are where ``inject_fault`` is called, the role is what the process
-was named with ``set_role`` (its world name); with the variable unset, nothing happens.
+it has reported done, ``oracle@data ready:pause=8`` has the oracle sleep 8 s there, ``trainer0@iteration
+5:fail`` has trainer 0 raise an error there. The points are where ``inject_fault`` is called, the role
+is what the process was named with ``set_role`` (its world name); with the variable unset, nothing happens.
+A fault happens in the job's first attempt only; ``trainer1#1@iteration 40:kill`` names the launcher's
+first restart instead (``BAGPIPE_ATTEMPT``, which the launcher sets).
 """
 
 from __future__ import annotations
@@ -12,22 +15,32 @@ import os
 import signal
 import time
 
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "pause": None}  # pause=S: sleep S seconds there
+# pause=S: sleep S seconds there; fail: raise an error there (a role's own error, not a process lost)
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "pause": None, "fail": None}
 
 
-def _parse(spec: str) -> dict[tuple[str, str], tuple[str, float]]:
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _parse(spec: str, attempt: int = 0) -> dict[tuple[str, str], tuple[str, float]]:
+    """The faults of ``spec`` meant for the job's attempt ``attempt`` (0: the first run, 1: its first restart)."""
     faults = {}
     for fault in filter(None, (part.strip() for part in spec.split(","))):
         where, _, action = fault.rpartition(":")
         role, _, point = where.partition("@")
+        role, _, meant_for = role.partition("#")
         name, _, seconds = action.partition("=")
-        if name not in ACTIONS or not role or not point or bool(seconds) != (name == "pause"):
-            raise ValueError(f"BAGPIPE_FAULTS: expected ROLE@POINT:kill|stop|pause=SECONDS, got {fault!r}")
-        faults[(role, point)] = (name, float(seconds or 0))
+        if (name not in ACTIONS or not role or not point or bool(seconds) != (name == "pause")
+                or not (meant_for or "0").isdigit()):
+            raise ValueError(f"BAGPIPE_FAULTS: expected ROLE[#ATTEMPT]@POINT:kill|stop|fail|pause=SECONDS, "
+                             f"got {fault!r}")
+        if int(meant_for or 0) == attempt:
+            faults[(role, point)] = (name, float(seconds or 0))
     return faults
 
 
-_FAULTS = _parse(os.environ.get("BAGPIPE_FAULTS", ""))
+_FAULTS = _parse(os.environ.get("BAGPIPE_FAULTS", ""), int(os.environ.get("BAGPIPE_ATTEMPT", "0")))
 _ROLE = ""
 
 
@@ -43,5 +56,7 @@ def inject_fault(point: str) -> None:
         action, seconds = _FAULTS[(_ROLE, point)]
         if action == "pause":
             time.sleep(seconds)
+        elif action == "fail":
+            raise InjectedFault(f"a fault injected at {point!r} (BAGPIPE_FAULTS)")
         else:
             os.kill(os.getpid(), ACTIONS[action])

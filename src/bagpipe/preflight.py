@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # Settings that only the distributed job reads, and the one only the reference reads.
 JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cleanup_fraction", "prefetch_depth",
-                "timeout", "master_port", "parity", "check_parity")
+                "timeout", "master_port", "parity", "check_parity", "max_restarts")
 REFERENCE_SETTINGS = ("slices",)
 
 

@@ -76,12 +76,8 @@ class RunDir:
     def forget_metrics_after(self, iteration: int) -> None:
         """Drop the metrics logged past ``iteration`` (a resumed run logs those iterations again)."""
         self._metrics.close()
-        path = self.path / "metrics.jsonl"
-        kept = [line for line in path.read_text().splitlines() if _logged_by(line, iteration)]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
-        self._metrics = open(path, "a")
+        forget_metrics_after(self.path, iteration)
+        self._metrics = open(self.path / "metrics.jsonl", "a")
 
     def log_metrics(self, **record) -> None:
         record.setdefault("time", round(time.time(), 3))
@@ -97,6 +93,15 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+
+
+def forget_metrics_after(run_dir: str | Path, iteration: int) -> None:
+    """Drop the lines of a run's metrics log past ``iteration``, and any torn line (atomically)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    kept = [line for line in path.read_text().splitlines() if _logged_by(line, iteration)]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _logged_by(line: str, iteration: int) -> bool:

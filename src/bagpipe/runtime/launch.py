@@ -22,13 +22,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bagpipe.checkpoint import valid_checkpoints
 from bagpipe.config import TrainConfig, dump_toml
 from bagpipe.data.batches import batches_per_epoch
 from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
-from bagpipe.rundir import SUMMARY
+from bagpipe.rundir import SUMMARY, forget_metrics_after, write_json_atomic
 from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
-from bagpipe.runtime.protocol import SERVER_LOST, TRAINED, TRAINER_DONE
+from bagpipe.runtime.protocol import RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE
 from bagpipe.runtime.world import LOOPBACK, World, connect_store, free_port
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,14 @@ GRACE_S = 5.0
 
 
 class JobFailed(RuntimeError):
-    pass
+    """A role failed: the job ended. ``restartable``: the cause was a process lost (killed, or hung), not an
+    error of its own; ``iteration``: the last iteration the job logged before; ``seen_at``: when the launcher
+    saw it (wall time)."""
+
+    def __init__(self, message: str, *, restartable: bool = False, iteration: int = 0) -> None:
+        super().__init__(message)
+        self.restartable, self.iteration = restartable, iteration
+        self.seen_at = time.time()
 
 
 @dataclass
@@ -68,6 +76,10 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     Everything is checked and the data converted before any role starts (so a refused job leaves
     an earlier run in the run dir as it was); ``resume``: continue the run in the run dir from its
     newest valid checkpoint (the roles' logs are appended to); ``env`` adds variables for the roles (tests).
+    A job that loses a process parity does not cover (killed, or hung; not one that failed by its own error,
+    which would fail again the same way) is started again from its newest checkpoint, at most
+    ``config.max_restarts`` times; summary.json's "restarts" says what failed, when, and how long the job
+    took to train again and to get back to where it was.
     """
     if resume:
         dataset = prepare_data(config, show_progress=show_progress)
@@ -80,45 +92,111 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     (run_dir / "logs").mkdir(exist_ok=resume)
     job_file = run_dir / "job.toml"
     job_file.write_text(dump_toml(config))
+    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+    restarts: list[dict] = []
+    while True:
+        child_env["BAGPIPE_ATTEMPT"] = str(len(restarts))  # faults meant for this attempt (faults.py)
+        try:
+            _run_once(config, job_file, total=iterations, resume=resume, env=child_env, show_progress=show_progress,
+                      trainer_args=list(extra_trainer_args or []), restart=restarts[-1] if restarts else None)
+            break
+        except JobFailed as failed:
+            restart = _restart(config, failed, done=len(restarts))
+            restarts.append(restart)
+            resume = True
+    summary = json.loads((run_dir / SUMMARY).read_text())
+    if restarts:
+        summary["restarts"] = restarts
+        write_json_atomic(run_dir / SUMMARY, summary)
+    return summary
+
+
+def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, env: dict[str, str],
+              show_progress: bool, trainer_args: list[str], restart: dict | None) -> None:
+    """Start every role of the job (``resume``: from the newest checkpoint) and supervise them to the end;
+    JobFailed if one fails. ``restart``: the record of the restart this run is, completed as it trains."""
+    run_dir = Path(config.run_dir)
+    read_from = 0  # where in metrics.jsonl this run's records start
+    if resume and (boundary := _newest_boundary(run_dir)) is not None:
+        # What was logged past the checkpoint is forgotten (the oracle does the same, finding the same lines),
+        # and what is kept is an earlier run's: the launcher reads only what this one logs.
+        forget_metrics_after(run_dir, boundary)
+        read_from = (run_dir / "metrics.jsonl").stat().st_size
     port = config.master_port or free_port()
     world_size = 1 + config.servers + config.trainers
     world = ["--world-size", str(world_size), "--world-size-trainers", str(config.trainers),
              "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout)]
-    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
     roles = [("oracle", 0, ["--config", str(job_file), "--prepared", *(["--resume"] if resume else [])])]
-    roles += [("trainer", t, list(extra_trainer_args or [])) for t in range(config.trainers)]
+    roles += [("trainer", t, trainer_args) for t in range(config.trainers)]
     roles += [("server", s, []) for s in range(config.servers)]
     children: list[Child] = []
     try:
         for rank, (role, index, args) in enumerate(roles):
             log_path = run_dir / "logs" / f"{role}{index}.log"
             with open(log_path, "a" if resume else "w") as out:
+                if restart is not None:
+                    out.write(f"=== restart {restart['attempt']}: the job starts again from its checkpoint at "
+                              f"iteration {restart['resumed_from']} ===\n")
+                    out.flush()
                 command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
-                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env,
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                            preexec_fn=_die_with_parent)
             children.append(Child(role, index, rank, process, log_path))
         (run_dir / "pids.json").write_text(json.dumps({f"{c.role}{c.index}": c.process.pid for c in children}))
         job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
                           timeout=config.timeout, parity=config.parity)
         covered = set(range(job_world.num_shards)) if config.parity else set()  # losses parity covers
-        _supervise(children, run_dir, total=iterations, show_progress=show_progress, covered=covered,
-                   grace_s=job_world.takeover_s, tell=_Teller(job_world))
+        _supervise(children, _MetricsTail(run_dir / "metrics.jsonl", offset=read_from), total=total,
+                   show_progress=show_progress, covered=covered, grace_s=job_world.takeover_s,
+                   tell=_Teller(job_world), restart=restart)
     except BaseException:
         _stop_all(children)
         for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         raise
     _stop_all(children)
-    return json.loads((run_dir / SUMMARY).read_text())
+
+
+def _restart(config: TrainConfig, failed: JobFailed, *, done: int) -> dict:
+    """The record of the restart that follows ``failed`` (``done`` restarts before it), its checkpoint's
+    metrics kept and the later ones forgotten; ``failed`` raised again, saying why, if the job cannot go on."""
+    why, boundary = None, None
+    if not failed.restartable:
+        why = "it failed by its own error, which a restart would meet again"
+    elif done >= config.max_restarts:
+        why = f"--max-restarts {config.max_restarts}" + (" reached" if config.max_restarts else "")
+    elif not config.checkpoints:
+        why = "the run writes no checkpoints (--checkpoint-every, --checkpoint-every-s)"
+    elif (boundary := _newest_boundary(config.run_dir)) is None:
+        why = "no checkpoint written yet"
+    if why is not None:
+        if config.checkpoints and config.max_restarts:
+            raise JobFailed(f"{failed}; not restarted: {why}") from None
+        raise failed
+    restart = {"attempt": done + 1, "failed": str(failed), "failed_at": round(failed.seen_at, 3),
+               "stopped_in_s": round(time.time() - failed.seen_at, 3),  # every other role stopped
+               "iteration_reached": failed.iteration, "resumed_from": boundary,
+               "iterations_redone": max(failed.iteration - boundary, 0)}
+    log.warning("%s; starting the job again from its checkpoint at iteration %d (restart %d of at most %d)",
+                failed, boundary, done + 1, config.max_restarts)
+    return restart
+
+
+def _newest_boundary(run_dir: Path) -> int | None:
+    """The iteration boundary of the run's newest intact checkpoint (the one a resumed job starts from)."""
+    found = valid_checkpoints(run_dir, newest_only=True)
+    return found[0][1][-1]["iteration"] if found else None
 
 
 class _MetricsTail:
     """What the roles have appended to metrics.jsonl so far: the iterations done, and whether
     training has ended (every row gathered by the oracle), read incrementally."""
 
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, 0
+    def __init__(self, path: Path, *, offset: int = 0) -> None:
+        self.path, self.offset = path, offset
         self.iteration, self.loss, self.trained = 0, None, False
+        self.resumed_at: float | None = None  # when a resumed job's first iteration ended (wall time)
+        self.reached: dict[int, float] = {}  # iteration logged -> when (wall time)
         self.servers_lost: set[int] = set()  # data servers the oracle moved to their parity servers
         self.trainers_done: set[int] = set()  # trainers whose report the oracle has: the job no longer needs them
 
@@ -142,8 +220,15 @@ class _MetricsTail:
                 self.servers_lost.add(record["server"])
             elif record.get("event") == TRAINER_DONE:
                 self.trainers_done.add(record["trainer"])
+            elif record.get("event") == RESUMED:
+                self.resumed_at = record["time"]
             elif "train_loss" in record and record["iteration"] > self.iteration:
                 self.iteration, self.loss = record["iteration"], record["train_loss"]
+                self.reached[self.iteration] = record["time"]
+
+    def caught_up_at(self, iteration: int) -> float | None:
+        """When the job first logged an iteration at or past ``iteration`` (wall time), if it has."""
+        return min((at for logged, at in self.reached.items() if logged >= iteration), default=None)
 
 
 class _Teller:
@@ -162,14 +247,15 @@ class _Teller:
             log.warning("could not tell the job that %s ended: %s", child.label, err)
 
 
-def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progress: bool,
-               covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None) -> None:
-    """Until every role has exited: fail on the first that fails, except a non-oracle role lost after
-    training ended or a trainer lost after its report reached the oracle (the run no longer needs them: a
-    warning), and a ``covered`` server (with --parity) that the
-    oracle has moved to its parity server within ``grace_s`` of its exit (training goes on)."""
+def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show_progress: bool,
+               covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None,
+               restart: dict | None = None) -> None:
+    """Until every role has exited (``metrics``: what they log): fail on the first that fails, except a
+    non-oracle role lost after training ended or a trainer lost after its report reached the oracle (the run
+    no longer needs them: a warning), and a ``covered`` server (with --parity) that the oracle has moved to its
+    parity server within ``grace_s`` of its exit (training goes on). ``restart``: the record of the restart
+    this run is, given when it trained again and when it got back to where it failed."""
     bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress)
-    metrics = _MetricsTail(run_dir / "metrics.jsonl")
     excused: set[int] = set()
     takeover_due: dict[int, float] = {}  # rank of a covered server that ended -> until when the oracle may take over
     try:
@@ -180,6 +266,8 @@ def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progres
             if metrics.iteration > bar.n:
                 bar.update(metrics.iteration - bar.n)
                 bar.set_postfix(loss=f"{metrics.loss:.4f}")
+            if restart is not None:
+                _timed(restart, metrics)
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
             for child in failed:
                 if child.role == "server" and child.index in covered and not metrics.trained:
@@ -201,12 +289,28 @@ def _supervise(children: list[Child], run_dir: Path, *, total: int, show_progres
                     excused.add(child.rank)
             failed = needed
             if failed:
-                raise JobFailed(_blame(children, failed) + f"; logs in {failed[0].log_path.parent}")
+                message, restartable = _blame(children, failed)
+                raise JobFailed(f"{message}; logs in {failed[0].log_path.parent}", restartable=restartable,
+                                iteration=metrics.iteration)
             if all(code is not None for code in codes.values()):
                 break
             time.sleep(0.1)
     finally:
         bar.close()
+
+
+def _timed(restart: dict, metrics: _MetricsTail) -> None:
+    """Note in a restart's record how long after the failure the job trained again, and got back to the
+    iteration it had reached."""
+    if "resumed_in_s" not in restart and metrics.resumed_at is not None:
+        restart["resumed_in_s"] = round(metrics.resumed_at - restart["failed_at"], 3)
+    if "caught_up_in_s" not in restart:
+        if restart["iterations_redone"] == 0:  # nothing to train again: back where it was once it trains
+            caught_up = metrics.resumed_at
+        else:
+            caught_up = metrics.caught_up_at(restart["iteration_reached"])
+        if caught_up is not None:
+            restart["caught_up_in_s"] = round(caught_up - restart["failed_at"], 3)
 
 
 def _done_with(child: Child, metrics: _MetricsTail) -> bool:
@@ -220,14 +324,16 @@ def _done_with(child: Child, metrics: _MetricsTail) -> bool:
 _LOST_PEER = re.compile(r"^lost .*?\(rank (\d+)\)")
 
 
-def _blame(children: list[Child], failed: list[Child]) -> str:
-    """The failure to report: a role that failed by itself, before one that ended because it lost
-    a peer; that one names the peer, which may have ended the same way (the chain is followed) or
-    still be there: stopped, or hung."""
+def _blame(children: list[Child], failed: list[Child]) -> tuple[str, bool]:
+    """The failure to report, and whether it was a process lost (killed, or hung: a restart may go on) rather
+    than a role's own error: a role that failed by itself, before one that ended because it lost a peer; that
+    one names the peer, which may have ended the same way (the chain is followed) or still be there: stopped,
+    or hung."""
     own = [c for c in failed if c.process.returncode != LOST_EXIT_CODE]
     if own:
         first = min(own, key=_exit_time)
-        return f"{first.label} failed ({_describe(first.process.returncode)}): {_last_error(first)}"
+        return (f"{first.label} failed ({_describe(first.process.returncode)}): {_last_error(first)}",
+                first.process.returncode < 0)
     # the first to end that names the peer it lost (one that could not tell comes last)
     witness = min(failed, key=lambda c: (_LOST_PEER.search(_last_error(c)) is None, _exit_time(c)))
     by_rank = {c.rank: c for c in children}
@@ -237,14 +343,14 @@ def _blame(children: list[Child], failed: list[Child]) -> str:
         named = _LOST_PEER.search(error)
         culprit = by_rank.get(int(named.group(1))) if named else None
         if culprit is None or culprit.rank in seen:
-            return f"{witness.label} failed: {error}"
+            return f"{witness.label} failed: {error}", True
         if culprit.process.poll() is None:
             return (f"{culprit.label} stopped responding (its process is still there: stopped, or hung); "
-                    f"{witness.label} reported: {error}")
+                    f"{witness.label} reported: {error}", True)
         if culprit.process.returncode != LOST_EXIT_CODE:
             why_fatal = f"; {witness.label}: {error}" if NOT_RECOVERED in error else ""  # e.g. a second loss
             return (f"{culprit.label} failed ({_describe(culprit.process.returncode)}): {_last_error(culprit)}"
-                    f"{why_fatal}")
+                    f"{why_fatal}", culprit.process.returncode < 0)
         seen.add(culprit.rank)
         witness = culprit
 

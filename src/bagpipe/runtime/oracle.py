@@ -408,7 +408,7 @@ def check_parity(world: World) -> None:
 
 def resume_point(config: TrainConfig, world: World) -> tuple[str, int]:
     """The newest valid checkpoint of the run (name, boundary); a ValueError if it cannot be continued."""
-    found = valid_checkpoints(config.run_dir)
+    found = valid_checkpoints(config.run_dir, newest_only=True)
     if not found:
         raise ValueError(f"--resume: {config.run_dir} has no valid checkpoint to resume from (a run checkpoints with "
                          f"--checkpoint-every N or --checkpoint-every-s S)")

@@ -17,6 +17,7 @@ from bagpipe.embeddings import EmbeddingLayout, TableConfig
 
 TRAINED = "trained"  # the metrics event after which every row is back on the servers and gathered
 TRAINER_DONE = "trainer done"  # the metrics event of a trainer that reported: the job no longer needs it
+RESUMED = "resumed"  # the metrics event of a resumed job's first iteration done (trainer 0 logs it)
 SERVER_LOST = "server lost"  # the metrics event of a data server lost and served by its parity server from then on
 
 

@@ -35,7 +35,7 @@ from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
-from bagpipe.runtime.protocol import JobInfo, SpaceStep, StepMessage, TrainerStats
+from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.world import Routes, World, check_in, init_rpc, trainer_group, wait_for_job
@@ -420,6 +420,8 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         now = time.perf_counter()
         if iteration == start:
             stats.extra["first_iteration_at"] = time.time()
+            if leader and start:  # a resumed job trains again: when, the launcher reports (its restarts)
+                run.log_metrics(event=RESUMED, iteration=iteration + 1)
         timer.record(iteration - start, config.batch_size, now - tick)
         tick = now
         losses.append(loss)
