@@ -1,7 +1,7 @@
 """What erasure-coded servers cost: samples/s of the same job with a parity server and without one.
 
     .venv/bin/python benchmarks/bench_parity.py [--repeats 3] [--iterations 600] [--parity 3]
-        [--out runs/bench_parity/result.json] [--work-dir DIR]
+        [--recovery] [--restart] [--no-overhead] [--out runs/bench_parity/result.json] [--work-dir DIR]
 
 One `--mode bagpipe` job (DLRM, Adagrad, 2 trainers, a 5% cache per trainer) on Zipf 1.2 data (bench_scaling's:
 the Criteo Kaggle tables capped at 100k rows, 840,543 rows), its rows on --parity data servers, run without
@@ -16,6 +16,13 @@ receives the write-back of iteration --iterations / 2 (BAGPIPE_FAULTS); the job 
 the parity server. From metrics.jsonl and summary.json: samples/s of the windows before the loss, of the windows
 while the shard was being rebuilt (and the 100 iterations after the move), the time the loss cost (the window
 around it, against a median window), how long moving the shard took, and the rebuild's time per million rows.
+
+Restart (--restart, one more run with parity and a checkpoint every --checkpoint-every iterations, metrics every
+10): trainer 1 (which parity does not cover) is SIGKILLed a third of the way between two checkpoints past the
+middle; the local launcher stops the job and starts it again from the newest checkpoint. From summary.json's
+"restarts": the seconds from the death to every role stopped, to training resumed (trainer 0's first iteration)
+and to the iteration reached before the death, the iterations trained again, against the median time of an
+iteration before the death.
 """
 
 from __future__ import annotations
@@ -73,6 +80,24 @@ def recovery(data: Path, work: Path, args) -> dict:
             "parity_check": summary["parity"][0]["check"]}
 
 
+def restart(data: Path, work: Path, args) -> dict:
+    every = args.checkpoint_every
+    kill_at = (args.iterations // 2 // every) * every + every // 3
+    config = dataclasses.replace(job(data, work / "restart", iterations=args.iterations, data_servers=args.parity,
+                                     parity=args.parity, check=False), log_every=10, checkpoint_every=every)
+    summary = launch_local(config, show_progress=False, overwrite=True,
+                           env={"BAGPIPE_FAULTS": f"trainer1@iteration {kill_at}:kill"})
+    (record,) = summary["restarts"]
+    windows = [w for w in map(json.loads, (work / "restart" / "metrics.jsonl").read_text().splitlines())
+               if "window_samples_per_s" in w and w["time"] < record["failed_at"]]
+    seconds_per_iteration = statistics.median(BATCH / w["window_samples_per_s"] for w in windows[2:])
+    return {"kill_at_iteration": kill_at, "checkpoint_every": every, "restart": record,
+            "median_iteration_s_before": seconds_per_iteration,
+            # the restart's cost in iterations' time: from the death until back where the job was
+            "caught_up_in_iterations": record["caught_up_in_s"] / seconds_per_iteration,
+            "samples_per_s": summary["samples_per_s"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=None, help="data and run dirs (default: a new temporary dir)")
@@ -81,6 +106,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--parity", type=int, default=3, help="data servers, all in one parity group")
     parser.add_argument("--recovery", action="store_true", help="also: a run that loses data server 1 midway")
+    parser.add_argument("--restart", action="store_true", help="also: a run that loses trainer 1 midway and is "
+                        "started again from its newest checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="--restart: the run's checkpoint interval")
     parser.add_argument("--no-overhead", action="store_true", help="skip the runs with and without parity")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_parity_"))
@@ -90,10 +118,12 @@ def main() -> None:
     server_cpu: dict[str, list[float]] = {"data server": [], "parity server": []}  # CPU ms per iteration
     server_rss: dict[str, list[float]] = {"data server": [], "parity server": []}  # MiB
     parity_stats, foreign = [], []
+    extras = {name: measure for name, measure in (("recovery", recovery), ("restart", restart))
+              if getattr(args, name)}
     if args.no_overhead:
-        result = {"settings": vars(args), "recovery": recovery(data, work, args)}
+        result = {"settings": vars(args), **{name: measure(data, work, args) for name, measure in extras.items()}}
         write(args.out, result)
-        print(json.dumps(result["recovery"], indent=1))
+        print(json.dumps({name: result[name] for name in extras}, indent=1))
         return
     for repeat in range(args.repeats):
         for kind, parity in kinds.items():
@@ -118,8 +148,8 @@ def main() -> None:
               "server_cpu_ms_per_iteration": {role: statistics.median(v) for role, v in server_cpu.items()},
               "server_peak_rss_mb": {role: statistics.median(v) for role, v in server_rss.items()},
               "parity": parity_stats[-1], "other_cpu_median": statistics.median(foreign)}
-    if args.recovery:
-        result["recovery"] = recovery(data, work, args)
+    for name, measure in extras.items():
+        result[name] = measure(data, work, args)
     write(args.out, result)
     print(f"no parity {medians['none']:,.0f} samples/s, --parity {args.parity} {medians['parity']:,.0f} samples/s "
           f"({result['ratio_parity_to_none']:.3f}x; pairwise {[round(r, 3) for r in result['pairwise_ratios']]}); "
