@@ -22,6 +22,7 @@ from test_runtime import alive, assert_same_parameters, job_config, reference_of
     ("sgd", 3, "trainer1@iteration 33:kill"),  # a trainer: parity does not cover it
     ("adam", 3, "oracle@planned 45:kill"),  # the oracle (it hosts the store: every role goes with it)
     ("adagrad", 0, "server1@write-back 40:kill"),  # a server, with no parity
+    ("adagrad", 3, "server3@delta 30:kill"),  # the parity server: parity covers the data servers only
 ])
 def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_export(small_binary, tmp_path,
                                                                                    optimizer, parity, fault):

@@ -116,7 +116,7 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
     """Start every role of the job (``resume``: from the newest checkpoint) and supervise them to the end;
     JobFailed if one fails. ``restart``: the record of the restart this run is, completed as it trains."""
     run_dir = Path(config.run_dir)
-    read_from = 0  # where in metrics.jsonl this run's records start
+    read_from, boundary = 0, None  # where in metrics.jsonl this run's records start; the iteration it starts at
     if resume and (boundary := _newest_boundary(run_dir)) is not None:
         # What was logged past the checkpoint is forgotten (the oracle does the same, finding the same lines),
         # and what is kept is an earlier run's: the launcher reads only what this one logs.
@@ -146,9 +146,9 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
         job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
                           timeout=config.timeout, parity=config.parity)
         covered = set(range(job_world.num_shards)) if config.parity else set()  # losses parity covers
-        _supervise(children, _MetricsTail(run_dir / "metrics.jsonl", offset=read_from), total=total,
-                   show_progress=show_progress, covered=covered, grace_s=job_world.takeover_s,
-                   tell=_Teller(job_world), restart=restart)
+        metrics = _MetricsTail(run_dir / "metrics.jsonl", offset=read_from, iteration=boundary or 0)
+        _supervise(children, metrics, total=total, show_progress=show_progress, covered=covered,
+                   grace_s=job_world.takeover_s, tell=_Teller(job_world), restart=restart)
     except BaseException:
         _stop_all(children)
         for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
@@ -192,9 +192,9 @@ class _MetricsTail:
     """What the roles have appended to metrics.jsonl so far: the iterations done, and whether
     training has ended (every row gathered by the oracle), read incrementally."""
 
-    def __init__(self, path: Path, *, offset: int = 0) -> None:
+    def __init__(self, path: Path, *, offset: int = 0, iteration: int = 0) -> None:
         self.path, self.offset = path, offset
-        self.iteration, self.loss, self.trained = 0, None, False
+        self.iteration, self.loss, self.trained = iteration, None, False
         self.resumed_at: float | None = None  # when a resumed job's first iteration ended (wall time)
         self.reached: dict[int, float] = {}  # iteration logged -> when (wall time)
         self.servers_lost: set[int] = set()  # data servers the oracle moved to their parity servers
@@ -255,7 +255,7 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
     no longer needs them: a warning), and a ``covered`` server (with --parity) that the oracle has moved to its
     parity server within ``grace_s`` of its exit (training goes on). ``restart``: the record of the restart
     this run is, given when it trained again and when it got back to where it failed."""
-    bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress)
+    bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress, initial=metrics.iteration)
     excused: set[int] = set()
     takeover_due: dict[int, float] = {}  # rank of a covered server that ended -> until when the oracle may take over
     try:

@@ -227,6 +227,8 @@ class ParityServer:
 
     def __init__(self, parities: list[ParityRows], *, group: int, shards: list[int]) -> None:
         self.parities, self.group, self.shards = parities, group, shards
+        self.messages = 0  # delta messages received (one per write-back of a member)
+        self._counting = threading.Lock()
         self.checked: dict | None = None
         self.standing_in: StandInServer | None = None
 
@@ -254,6 +256,8 @@ class ParityServer:
 
     def apply(self, space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
               version: int) -> None:
+        with self._counting:
+            self.messages += 1
         self.parities[space].apply(member, local.numpy(), delta.numpy().view(np.uint32), before.numpy(), version)
 
     def check(self, *, timeout: float, chunk_rows: int = 1 << 14) -> dict:
@@ -286,6 +290,7 @@ class ParityServer:
         return {**served, "storage": {}, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
                 "parity": {"group": self.group, "shards": self.shards,
                            "deltas_applied": sum(p.deltas_applied for p in self.parities),
+                           "messages": self.messages,
                            "pending_rows": sum(p.pending_rows() for p in self.parities),
                            **({"check": self.checked} if self.checked is not None else {}),
                            **({"standing_in": {"shard": self.standing_in.shard,
@@ -334,6 +339,7 @@ def rpc_read_range(space: int, start: int, stop: int) -> tuple[torch.Tensor, tor
 
 def rpc_parity_apply(space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
                      version: int) -> None:
+    inject_fault(f"delta {version}")  # a parity server given a delta, before folding it in
     _PARITY.apply(space, member, local, delta, before, version)
 
 
