@@ -22,6 +22,7 @@ def test_toml_then_flags(tmp_path):
     ({"cleanup_fraction": 2.0}, r"cleanup_fraction must be in \[0, 1\), got 2.0"),
     ({"slices": 0}, "slices must be positive"),
     ({"iterations": -3}, "iterations must not be negative"),
+    ({"max_restarts": -1}, "max_restarts must not be negative, got -1"),
     ({"arch_mlp_bot": "13-x-16"}, "arch_mlp_bot"),
     ({"arch_mlp_top": "64-2"}, "must end in 1"),
     ({"mode": "magic"}, "mode must be one of"),
