@@ -137,9 +137,12 @@ class Liveness:
             if now - self._answered > 2 * BEAT_S + 1.0:
                 continue  # this process's own view is stale (starved or busy): judge no one on it
             for rank, (_, changed) in list(self._seen.items()):
-                if rank not in self.left and rank not in self.lost and now - changed > limit:
+                # Silence is counted over reads the store answered: a peer whose beats stopped reaching a store
+                # that then stopped answering (its host stopped) is not blamed for the store's silence.
+                silent = self._answered - changed
+                if rank not in self.left and rank not in self.lost and silent > limit:
                     self._lose(rank, f"lost {self.world.label(rank)} (rank {rank}): no heartbeat for "
-                                     f"{now - changed:.0f} s: it is stopped, hung or gone")
+                                     f"{silent:.0f} s: it is stopped, hung or gone")
 
     def _store_silent(self, seconds: float) -> str:
         where = f"{self.world.master_addr}:{self.world.master_port}"
