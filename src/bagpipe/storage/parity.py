@@ -55,6 +55,36 @@ class ParityRows:
         self.received: list[Counter] = [Counter() for _ in range(k)]
         self._pending: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []  # deltas ahead of their turn
         self._changed = threading.Condition()
+        # a parity made while its members train (a replacement's): [position, member] whether that member's row
+        # is in the bits yet; a delta waits for its row to be installed. None: every row is.
+        self.installed: np.ndarray | None = None
+
+    @classmethod
+    def empty(cls, *, num_rows: int, width: int, k: int) -> "ParityRows":
+        """A parity to be made from its members' rows as they stand while they train (``install``), deltas
+        arriving meanwhile folded in once their row is there (or dropped if the row read already holds them)."""
+        parity = cls(num_rows=num_rows, width=width, k=k)
+        parity.installed = np.zeros((num_rows, k), dtype=bool)
+        return parity
+
+    def install(self, member: int, start: int, bits: np.ndarray, versions: np.ndarray) -> None:
+        """``member``'s rows ``start:start + len(bits)`` as read from it (bits and versions, read together under
+        its lock), XORed in; then the deltas that waited for them."""
+        stop = start + len(bits)
+        with self._changed:
+            if self.installed[start:stop, member].any():
+                raise ValueError(f"member {member}'s rows {start}:{stop} are installed already")
+            self.bits[start:stop] ^= bits
+            self.versions[start:stop, member] = versions
+            self.installed[start:stop, member] = True
+            self._fold_pending()
+            self.generation += 1
+            self._changed.notify_all()
+
+    def complete(self) -> bool:
+        """Whether every member's rows are in the bits."""
+        with self._changed:
+            return self.installed is None or bool(self.installed.all())
 
     @classmethod
     def of(cls, members: list[RowStore]) -> "ParityRows":
@@ -91,20 +121,24 @@ class ParityRows:
         local, before = np.asarray(local, dtype=np.int64), np.asarray(before, dtype=np.int64)
         with self._changed:
             self._pending.append((member, local, np.asarray(delta, dtype=BITS), before, version))
-            changed, progress = False, True
-            while progress:  # a row folded in may be the one another delta waits for
-                progress = False
-                still = []
-                for entry in self._pending:
-                    folded, complete = self._fold(*entry)
-                    progress |= folded
-                    if not complete:
-                        still.append(entry)
-                self._pending = still
-                changed |= progress
-            if changed:
+            if self._fold_pending():
                 self.generation += 1
                 self._changed.notify_all()
+
+    def _fold_pending(self) -> bool:
+        """Fold in what of the waiting deltas can be (under the lock); whether anything was."""
+        changed, progress = False, True
+        while progress:  # a row folded in may be the one another delta waits for
+            progress = False
+            still = []
+            for entry in self._pending:
+                folded, complete = self._fold(*entry)
+                progress |= folded
+                if not complete:
+                    still.append(entry)
+            self._pending = still
+            changed |= progress
+        return changed
 
     def _fold(self, member: int, local: np.ndarray, delta: np.ndarray, before: np.ndarray,
               version: int) -> tuple[bool, bool]:
@@ -112,6 +146,10 @@ class ParityRows:
         held = self.versions[local, member]
         done = held >= version
         due = (held == before) & ~done
+        if self.installed is not None:  # a row not read from its member yet: the delta waits for it
+            there = self.installed[local, member]
+            done &= there
+            due &= there
         if due.any():
             rows = local[due]
             self.bits[rows] ^= delta[due]
