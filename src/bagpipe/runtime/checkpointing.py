@@ -29,7 +29,7 @@ from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter,
                                 save_dense, step_name, write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.threads import Background
-from bagpipe.runtime.world import Routes, World
+from bagpipe.runtime.world import NoEpochs, Routes, World
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class JobCheckpoints:
         committed (its rows read lazily, from files opened before any later prune)."""
         self.config, self.world, self.routes = config, world, routes
         self.on_evaluable = on_evaluable
+        self.epochs = NoEpochs()  # the oracle's Epochs once it is in the RPC world: requests resent after a re-formation
         self.writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints) if self.periodic else None
         self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
         # rows the plan has written back since the job started, per space and server: what a snapshot awaits
@@ -89,15 +90,32 @@ class JobCheckpoints:
             args = (boundary, self.evicted[:, shard].tolist(), since, str(directory), shard)
             try:
                 name = self.routes.name(shard)  # a lost server's shard: its parity server, standing in
-                rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout, args=args)
+                self.epochs.call(name, server.rpc_begin_checkpoint, args)  # sent again after a re-formation
             except RuntimeError:
                 if not self._lost_meanwhile(shard):
                     raise
                 name = self.routes.name(shard)  # none of its write-backs of this boundary has happened yet
-                rpc.rpc_sync(name, server.rpc_begin_checkpoint, timeout=self.world.timeout, args=args)
-            futures.append(rpc.rpc_async(name, server.rpc_checkpoint_written, args=(boundary,),
-                                         timeout=self.world.timeout + 3 * self.world.timeout))
+                self.epochs.call(name, server.rpc_begin_checkpoint, args)
+            futures.append(self._written(name, boundary))
         return futures
+
+    def _written(self, name: str, boundary: int) -> tuple:
+        """(epoch, future) of a server's part of the checkpoint at ``boundary``, once written."""
+        from bagpipe.runtime import server
+
+        return self.epochs.epoch, rpc.rpc_async(name, server.rpc_checkpoint_written, args=(boundary,),
+                                                timeout=self.world.timeout + 3 * self.world.timeout)
+
+    def _wait_written(self, shard: int, boundary: int, sent: tuple) -> list:
+        """A server's part entries; asked again if the RPC world was re-formed meanwhile (the part is kept)."""
+        while True:
+            sent_in, future = sent
+            try:
+                return future.wait()
+            except RuntimeError:
+                if not self.epochs.resend_after(sent_in):
+                    raise
+                sent = self._written(self.routes.name(shard), boundary)
 
     def write_final(self, boundary: int, directory: Path) -> ChainRows:
         """The job's rows after its last iteration ``boundary`` (when every row is back on its server: the
@@ -105,8 +123,8 @@ class JobCheckpoints:
         read lazily from there."""
         self.wait()
         directory.mkdir(parents=True, exist_ok=True)
-        entries = [entry for future in self._begin_snapshots(boundary, directory, since=None)
-                   for entry in future.wait()]
+        entries = [entry for shard, sent in enumerate(self._begin_snapshots(boundary, directory, since=None))
+                   for entry in self._wait_written(shard, boundary, sent)]
         return ChainRows([(directory, entries)])
 
     def receive_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
@@ -130,9 +148,9 @@ class JobCheckpoints:
         background_priority()
         started = time.perf_counter()
         entries = []
-        for shard, future in enumerate(futures):
+        for shard, sent in enumerate(futures):
             try:
-                entries += future.wait()
+                entries += self._wait_written(shard, boundary, sent)
             except RuntimeError as err:
                 if not self._lost_meanwhile(shard):
                     raise

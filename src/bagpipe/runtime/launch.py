@@ -130,25 +130,41 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
     roles += [("trainer", t, trainer_args) for t in range(config.trainers)]
     roles += [("server", s, []) for s in range(config.servers)]
     children: list[Child] = []
-    try:
-        for rank, (role, index, args) in enumerate(roles):
-            log_path = run_dir / "logs" / f"{role}{index}.log"
-            with open(log_path, "a" if resume else "w") as out:
-                if restart is not None:
-                    out.write(f"=== restart {restart['attempt']}: the job starts again from its checkpoint at "
-                              f"iteration {restart['resumed_from']} ===\n")
-                    out.flush()
-                command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
-                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                           preexec_fn=_die_with_parent)
-            children.append(Child(role, index, rank, process, log_path))
+
+    def start(rank: int, *, append: bool, note: str | None) -> Child:
+        role, index, args = roles[rank]
+        log_path = run_dir / "logs" / f"{role}{index}.log"
+        with open(log_path, "a" if append else "w") as out:
+            if note is not None:
+                out.write(f"=== {note} ===\n")
+                out.flush()
+            command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                       preexec_fn=_die_with_parent)
+        return Child(role, index, rank, process, log_path)
+
+    def replace(lost: Child) -> Child:
+        """The same command started again for a lost process, which joins the job as its replacement."""
+        child = start(lost.rank, append=True, note=f"a replacement for the lost process ({_describe(lost.process.returncode)})")
+        children[children.index(lost)] = child
+        write_pids()
+        return child
+
+    def write_pids() -> None:
         (run_dir / "pids.json").write_text(json.dumps({f"{c.role}{c.index}": c.process.pid for c in children}))
+
+    try:
+        note = (None if restart is None else f"restart {restart['attempt']}: the job starts again from its "
+                                             f"checkpoint at iteration {restart['resumed_from']}")
+        for rank in range(len(roles)):
+            children.append(start(rank, append=resume, note=note))
+        write_pids()
         job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
                           timeout=config.timeout, parity=config.parity)
-        covered = set(range(job_world.num_shards)) if config.parity else set()  # losses parity covers
+        covered = set(range(job_world.num_servers)) if config.parity else set()  # losses parity may cover
         metrics = _MetricsTail(run_dir / "metrics.jsonl", offset=read_from, iteration=boundary or 0)
         _supervise(children, metrics, total=total, show_progress=show_progress, covered=covered,
-                   grace_s=job_world.takeover_s, tell=_Teller(job_world), restart=restart)
+                   grace_s=job_world.takeover_s, tell=_Teller(job_world), restart=restart, replace=replace)
     except BaseException:
         _stop_all(children)
         for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
@@ -198,6 +214,7 @@ class _MetricsTail:
         self.resumed_at: float | None = None  # when a resumed job's first iteration ended (wall time)
         self.reached: dict[int, float] = {}  # iteration logged -> when (wall time)
         self.servers_lost: set[int] = set()  # data servers the oracle moved to their parity servers
+        self.servers_replaced: set[int] = set()  # lost servers the oracle awaits a replacement process for
         self.trainers_done: set[int] = set()  # trainers whose report the oracle has: the job no longer needs them
 
     def read(self) -> None:
@@ -218,6 +235,8 @@ class _MetricsTail:
                 self.trained = True
             elif record.get("event") == SERVER_LOST:
                 self.servers_lost.add(record["server"])
+                if record.get("replaced"):
+                    self.servers_replaced.add(record["server"])
             elif record.get("event") == TRAINER_DONE:
                 self.trainers_done.add(record["trainer"])
             elif record.get("event") == RESUMED:
@@ -249,11 +268,12 @@ class _Teller:
 
 def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show_progress: bool,
                covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None,
-               restart: dict | None = None) -> None:
+               restart: dict | None = None, replace=None) -> None:
     """Until every role has exited (``metrics``: what they log): fail on the first that fails, except a
     non-oracle role lost after training ended or a trainer lost after its report reached the oracle (the run
-    no longer needs them: a warning), and a ``covered`` server (with --parity) that the oracle has moved to its
-    parity server within ``grace_s`` of its exit (training goes on). ``restart``: the record of the restart
+    no longer needs them: a warning), and a ``covered`` server (with --parity) that the oracle has taken care
+    of within ``grace_s`` of its exit (training goes on): a data server's shard moved to its parity server, or
+    a parity server to be replaced, which ``replace(child)`` starts. ``restart``: the record of the restart
     this run is, given when it trained again and when it got back to where it failed."""
     bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress, initial=metrics.iteration)
     excused: set[int] = set()
@@ -271,7 +291,14 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
             for child in failed:
                 if child.role == "server" and child.index in covered and not metrics.trained:
-                    if child.index in metrics.servers_lost:
+                    if child.index in metrics.servers_replaced and replace is not None:
+                        metrics.servers_replaced.discard(child.index)
+                        metrics.servers_lost.discard(child.index)
+                        log.warning("%s exited (%s); starting its replacement (training goes on meanwhile)",
+                                    child.label, _describe(child.process.returncode))
+                        takeover_due.pop(child.rank, None)
+                        replace(child)
+                    elif child.index in metrics.servers_lost:
                         log.warning("%s exited (%s); its shard is served by its parity server from now on",
                                     child.label, _describe(child.process.returncode))
                         excused.add(child.rank)
@@ -280,7 +307,8 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
                         if tell is not None:
                             tell.exited(child)
             now = time.monotonic()
-            failed = [c for c in failed if c.rank not in excused and takeover_due.get(c.rank, 0.0) <= now]
+            failed = [c for c in failed if c in children  # not one replaced just now
+                      and c.rank not in excused and takeover_due.get(c.rank, 0.0) <= now]
             needed = [c for c in failed if not _done_with(c, metrics)]
             for child in failed:
                 if child not in needed:

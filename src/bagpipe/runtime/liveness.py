@@ -74,6 +74,14 @@ class Liveness:
         self._stop.set()
         self._store.set(f"{LEFT_PREFIX}{self.world.rank}", "1")
 
+    def readmit(self, rank: int) -> None:
+        """``rank`` was lost and a replacement process holds it now: watch it afresh (judged once it beats)."""
+        self._store.delete_key(f"{EXITED_PREFIX}{rank}")
+        self._exited.pop(rank, None)
+        self._seen.pop(rank, None)
+        self.left.discard(rank)
+        self.lost.discard(rank)
+
     def wait_until_gone(self, ranks: list[int], *, timeout: float) -> list[int]:
         """Wait until each of ``ranks`` has left or is lost; return those still there after ``timeout``."""
         deadline = time.monotonic() + timeout

@@ -44,13 +44,15 @@ from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
-from bagpipe.runtime.world import (JOB_KEY, STOP_KEY, Routes, World, host_store, init_rpc, publish_status,
-                                    read_hellos, refuse_job, wait_for_ranks)
+from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
+                                    Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
+                                    wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
 PULL_MAX_STEPS = 8  # plan messages per pull
+PULL_WAIT_S = 1.0  # how long a pull waits for a plan message before answering with none
 # what a lost server adds to the run's figures (its own were lost with it)
 LOST_SERVER_DUMP = {"bytes_sent": 0, "fetches": 0, "fetches_waited": 0, "rows_written": 0, "storage": {},
                     "peak_rss_bytes": 0, "cpu_s": 0.0, "lost": True}
@@ -91,6 +93,13 @@ class Oracle:
                                 for space, share in zip(self.layout.spaces, shares)]
         depth = max(2 * config.prefetch_depth, 2 * PULL_MAX_STEPS)
         self.queues = [queue.Queue(maxsize=depth) for _ in range(world.num_trainers)]
+        # per trainer, the plan messages pulled but not acknowledged yet (a pull's answer lost to a re-formation
+        # of the RPC world is pulled again)
+        self.unacknowledged: list[deque] = [deque() for _ in range(world.num_trainers)]
+        self.epochs = NoEpochs()  # run_oracle's Epochs once the oracle is in the RPC world
+        self.store = None  # the job's store (run_oracle)
+        self.replacing: dict[int, dict] = {}  # rank -> the failure record of a lost process being replaced
+        self.liveness: Liveness | None = None
         self.servers_ready: set[str] = set()
         self.done: dict[int, tuple[TrainerStats, dict | None]] = {}
         self.changed = threading.Condition()
@@ -178,10 +187,18 @@ class Oracle:
                     raise TimeoutError(f"servers ready after {self.world.timeout:.0f} s: "
                                        f"{sorted(self.servers_ready)} of {self.world.num_servers}")
 
-    def pull(self, trainer: int, max_steps: int) -> list[StepMessage]:
+    def pull(self, trainer: int, after: int, max_steps: int) -> list[StepMessage]:
+        """The next plan messages of ``trainer``, which has those up to iteration ``after``: the ones it was sent
+        and did not get (the answer lost to a re-formation of the RPC world) again, else new ones; none after
+        PULL_WAIT_S without any (the trainer asks again: an RPC thread is not held for long)."""
         self._await_servers()
-        deadline = time.monotonic() + self.world.timeout
+        sent = self.unacknowledged[trainer]
+        while sent and sent[0].iteration <= after:
+            sent.popleft()
+        if sent:
+            return list(sent)
         out = self.queues[trainer]
+        deadline = time.monotonic() + PULL_WAIT_S
         messages = []
         while not messages:
             if self.failure is not None:
@@ -190,13 +207,13 @@ class Oracle:
                 messages.append(out.get(timeout=0.2))
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the oracle produced no plan for trainer {trainer} in "
-                                       f"{self.world.timeout:.0f} s") from None
+                    return []
         while len(messages) < max_steps and not messages[-1].final:
             try:
                 messages.append(out.get_nowait())
             except queue.Empty:
                 break
+        sent.extend(messages)
         return messages
 
     def _evaluable(self, boundary: int, dense: dict, rows: ChainRows) -> None:
@@ -224,15 +241,24 @@ class Oracle:
         from bagpipe.runtime import server
 
         role, shard = self.world.role_of(rank)
-        if not self.world.parity or role != "server" or shard >= self.world.num_shards:
+        if not self.world.parity or role != "server":
             return False
+        if shard >= self.world.num_shards:
+            return self._replace_parity_server(rank, shard)
+        if self.replacing:
+            raise RuntimeError(f"server {shard} lost while a replacement for a lost process is made: the job's RPC "
+                               f"world cannot be re-formed without it; resume from the newest checkpoint (--resume)")
         parity_server = self.world.parity_server(shard)
-        if any(f["parity_server"] == parity_server for f in self.failures):
+        if any(f.get("parity_server") == parity_server for f in self.failures):
             group = ", ".join(str(s) for s in self.world.parity_group(shard))
             raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers {group}): "
                                f"parity covers one loss per group; resume from the newest checkpoint (--resume)")
+        if parity_server in {self.world.role_of(r)[1] for r in self.replacing}:
+            raise RuntimeError(f"server {shard} lost while its group's parity server (server {parity_server}) is "
+                               f"being replaced: parity covers one loss per group; resume from the newest checkpoint "
+                               f"(--resume)")
         started = time.perf_counter()
-        rpc.rpc_sync(World.server_name(parity_server), server.rpc_stand_in, args=(shard,), timeout=self.world.timeout)
+        self.epochs.call(World.server_name(parity_server), server.rpc_stand_in, (shard,))
         self.routes.move(store, shard, parity_server)
         failure = {"role": f"server {shard}", "server": shard, "rank": rank, "parity_server": parity_server,
                    "planned_iteration": self.planned, "at": time.time(),
@@ -242,6 +268,71 @@ class Oracle:
         log.warning("server %d lost: its shard is served by server %d (its parity server) from now on", shard,
                     parity_server)
         return True
+
+    def _replace_parity_server(self, rank: int, index: int) -> bool:
+        """A lost parity server (no rows are lost: its group's data servers hold them and acknowledge their
+        write-backs without it meanwhile): have a replacement started (the launcher starts one; on several
+        machines, the same command started again), re-form the RPC world around it once it is ready, and let it
+        make the parity from its group's rows while training goes on. True if that can be done; False when the
+        RPC world cannot be re-formed (a process of it is gone for good, or some trainer has left): the job then
+        fails as without parity (the launcher restarts it from its newest checkpoint)."""
+        gone = [f["rank"] for f in self.failures if not f.get("replaced")]
+        with self.changed:
+            reported = bool(self.done)
+        if gone or reported or self.store is None:
+            why = (f"{', '.join(self.world.label(r) for r in gone)} gone for good" if gone
+                   else "a trainer has left the job" if reported else "the job is not under way")
+            log.warning("server %d (a parity server) lost: no replacement, since the RPC world cannot be re-formed "
+                        "(%s)", index, why)
+            return False
+        epoch = self.epochs.announced() + 1
+        group = self.world.parity_group((index - self.world.num_shards) * self.world.parity)
+        failure = {"role": f"server {index}", "server": index, "rank": rank, "parity_of": group,
+                   "planned_iteration": self.planned, "at": time.time(), "epoch": epoch}
+        self.failures.append(failure)
+        self.replacing[rank] = failure
+        self.store.delete_key(f"{JOINING_PREFIX}{rank}")
+        self.store.set(f"{REPLACE_PREFIX}{rank}", str(epoch))
+        self.run.log_metrics(event=SERVER_LOST, server=index, rank=rank, replaced=True, epoch=epoch)
+        log.warning("server %d (the parity server of servers %s) lost: its group goes on without parity until a "
+                    "replacement has made it again", index, ", ".join(map(str, group)))
+        threading.Thread(target=self._await_replacement, args=(rank, epoch), name="replacement", daemon=True).start()
+        return True
+
+    def _await_replacement(self, rank: int, epoch: int) -> None:
+        """Once the replacement for ``rank`` is ready, announce the RPC world of ``epoch`` it joins."""
+        failure, started = self.replacing[rank], time.perf_counter()
+        key = f"{JOINING_PREFIX}{rank}"
+        deadline = time.monotonic() + self.world.timeout
+        try:
+            while not self.store.check([key]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no replacement for {self.world.label(rank)} (rank {rank}) joined within "
+                                       f"{self.world.timeout:.0f} s: start the same command again")
+                time.sleep(0.05)
+            failure["joined_in_s"] = round(time.time() - failure["at"], 3)
+            if self.liveness is not None:
+                self.liveness.readmit(rank)
+            with self.changed:  # a trainer that has reported leaves the RPC world: announced before, it takes part
+                if self.done:
+                    log.warning("the replacement for %s is ready after training ended: the job does not need it",
+                                self.world.label(rank))
+                    return
+                self.store.set(EPOCH_KEY, str(epoch))
+            log.info("a replacement for %s (rank %d) is ready after %.2f s: the RPC world is re-formed around it "
+                     "(epoch %d)", self.world.label(rank), rank, time.perf_counter() - started, epoch)
+        except BaseException as err:  # noqa: BLE001 - the job cannot go on: its trainers' next pull says why
+            with self.changed:
+                self.failure = self.failure or err
+                self.changed.notify_all()
+
+    def replaced(self, rank: int, info: dict) -> None:
+        """The replacement for ``rank`` has made what it holds (an RPC handler)."""
+        failure = self.replacing.pop(rank)
+        failure.update(replaced=True, recovered_in_s=round(time.time() - failure["at"], 3),
+                       **{key: round(value, 3) for key, value in info.items()})
+        log.info("%s (rank %d) is replaced and whole again, %.2f s after it was lost", self.world.label(rank), rank,
+                 failure["recovered_in_s"])
 
     def server_ready(self, name: str) -> None:
         with self.changed:
@@ -287,8 +378,12 @@ def rpc_ready(name: str) -> None:
     _ORACLE.server_ready(name)
 
 
-def rpc_pull(trainer: int, max_steps: int) -> list[StepMessage]:
-    return _ORACLE.pull(trainer, max_steps)
+def rpc_pull(trainer: int, after: int, max_steps: int) -> list[StepMessage]:
+    return _ORACLE.pull(trainer, after, max_steps)
+
+
+def rpc_replaced(rank: int, info: dict) -> None:
+    _ORACLE.replaced(rank, info)
 
 
 def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
@@ -356,6 +451,8 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
              world.num_servers, sum(oracle.job.cache_rows), oracle.layout.num_rows, config.lookahead, config.policy)
     store.set(JOB_KEY, oracle.job.to_json())
     init_rpc(world, store)
+    oracle.epochs = oracle.checkpoints.epochs = epochs = Epochs(world, store)
+    oracle.store, oracle.liveness = store, liveness
     liveness.recover = functools.partial(oracle.lose_peer, store=store)
     if oracle.evaluates:
         oracle.evaluations = BackgroundEvaluations(
@@ -370,11 +467,13 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         oracle.wait_for_trainers()
         inject_fault("trainers reported")
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
+        for failure in oracle.replacing.values():  # no rows are lost with a parity server: the run does not need it
+            log.warning("training ended before %s's replacement had made its parity: the run goes without it",
+                        failure["role"])
+        lost = {f["server"] for f in oracle.failures if not f.get("replaced")}
         if config.parity and config.check_parity:
-            check_parity(world)
-        lost = {f["server"] for f in oracle.failures}
-        shards = [LOST_SERVER_DUMP if s in lost else rpc.rpc_sync(World.server_name(s), server.rpc_dump,
-                                                                  timeout=world.timeout)
+            check_parity(world, epochs, skip=lost)
+        shards = [LOST_SERVER_DUMP if s in lost else epochs.call(World.server_name(s), server.rpc_dump)
                   for s in range(world.num_servers)]
     finally:
         oracle.stop.set()
@@ -386,6 +485,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     staying = liveness.wait_until_gone(others, timeout=world.timeout)
     if staying:
         log.warning("%s still there %.0f s after the end", ", ".join(world.label(r) for r in staying), world.timeout)
+    epochs.stop()
     liveness.stop()
     rpc.shutdown(graceful=False)  # every role has left: no request is in flight
     train_s = time.perf_counter() - started
@@ -393,13 +493,15 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
                   started_at=started_at)
 
 
-def check_parity(world: World) -> None:
-    """Have every parity server compare its parity with its group's rows (every write-back has landed):
-    a mismatch fails the run, naming the server and the rows."""
+def check_parity(world: World, epochs: Epochs, *, skip: set[int] = frozenset()) -> None:
+    """Have every parity server (but those ``skip``ped: lost) compare its parity with its group's rows (every
+    write-back has landed): a mismatch fails the run, naming the server and the rows."""
     from bagpipe.runtime import server
 
     for index in range(world.num_shards, world.num_servers):
-        checked = rpc.rpc_sync(World.server_name(index), server.rpc_check_parity, timeout=4 * world.timeout)
+        if index in skip:
+            continue
+        checked = epochs.call(World.server_name(index), server.rpc_check_parity, timeout=4 * world.timeout)
         if any(checked["mismatched_rows"]):
             raise RuntimeError(f"the parity on server {index} differs from its group's rows at "
                                f"{sum(checked['mismatched_rows'])} of {sum(checked['rows'])} positions")
@@ -494,6 +596,10 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "servers": oracle.world.num_servers,
         **({"parity": [s["parity"] for s in shards if "parity" in s]} if oracle.world.parity else {}),
         "failures": oracle.failures,
+        **({"epochs": oracle.epochs.reformed,  # each re-formation of the RPC world (a replacement joined)
+            # write-backs the data servers acknowledged while their parity server was lost
+            "unprotected_write_backs": sum(s.get("unprotected_write_backs", 0) for s in shards)}
+           if oracle.epochs.reformed else {}),
         "model": config.model.name,
         "cache_rows": sum(oracle.job.cache_rows),
         "total_rows": layout.num_rows,

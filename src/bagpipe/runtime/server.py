@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import queue
 import threading
 import time
 from collections import Counter
@@ -27,7 +28,8 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
 from bagpipe.runtime.liveness import Liveness, is_peer_gone
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.world import STOP_KEY, World, check_in, init_rpc, wait_for_job
+from bagpipe.runtime.world import (EPOCH_KEY, JOINING_PREFIX, STOP_KEY, Epochs, NoEpochs, World, check_in, init_rpc,
+                                    wait_for_job)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
 from bagpipe.storage.bits import row_bits
@@ -47,6 +49,7 @@ class Server:
         self.fetches = 0
         self.rows_written = 0
         self.checkpoints: dict[int, torch.futures.Future] = {}  # boundary -> its part's manifest entries, once written
+        self.deltas: DeltaSender | None = None  # with --parity: where its write-backs' deltas go
         self._lock = threading.Lock()
 
     def fetch(self, space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
@@ -72,11 +75,12 @@ class Server:
         done.set_result(None)
         return done
 
-    def send_deltas_to(self, parity_name: str, *, member: int, timeout: float) -> None:
+    def send_deltas_to(self, parity_name: str, *, member: int, epochs: Epochs, timeout: float) -> None:
         """Erasure coding: every write-back's old ^ new bits go to ``parity_name`` (this shard is ``member``
         of its group there)."""
+        self.deltas = DeltaSender(parity_name, member=member, epochs=epochs, timeout=timeout)
         for space, store in enumerate(self.stores):
-            store.parity_sink = functools.partial(_send_delta, parity_name, space, member, timeout)
+            store.parity_sink = functools.partial(self.deltas.send, space)
 
     def read_range(self, space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, state, versions = self.stores[space].read_range(start, stop)
@@ -91,6 +95,10 @@ class Server:
                          shard: int, num_shards: int, timeout: float) -> None:
         """Start the shard's part of the checkpoint at ``boundary`` (see RowStore.begin_snapshot): kept as of
         now, written to ``directory`` in the background while training goes on."""
+        if boundary in self.checkpoints:  # asked again after a re-formation of the RPC world: begun already
+            return
+        for older in [b for b in self.checkpoints if b < boundary]:  # the oracle has committed or abandoned them
+            del self.checkpoints[older]
         for store, rows in zip(self.stores, expected_rows):
             store.begin_snapshot(boundary, expected_rows=rows, since=since)
         future: torch.futures.Future = torch.futures.Future()
@@ -128,6 +136,7 @@ class Server:
         return {"bytes_sent": self.bytes_sent,
                 "fetches": self.fetches, "fetches_waited": sum(store.fetches_waited for store in self.stores),
                 "rows_written": self.rows_written, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
+                **({"unprotected_write_backs": self.deltas.unprotected} if self.deltas is not None else {}),
                 "storage": dict(sum((Counter(store.rows.stats()) for store in self.stores), Counter()))}
 
 
@@ -205,38 +214,121 @@ def _pass_on(to: torch.futures.Future, done: torch.futures.Future) -> None:
 class RemoteMember:
     """A surviving member of a parity group as storage.parity.read_member reads one: by RPC."""
 
-    def __init__(self, shard: int, space: int, *, num_rows: int, dim: int, state_width: int, timeout: float) -> None:
-        self.shard, self.space, self.timeout = shard, space, timeout
+    def __init__(self, shard: int, space: int, *, num_rows: int, dim: int, state_width: int, epochs: Epochs) -> None:
+        self.shard, self.space, self.epochs = shard, space, epochs
         self.num_rows, self.dim, self.state_width = num_rows, dim, state_width
 
     def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        rows, state, versions = rpc.rpc_sync(World.server_name(self.shard), rpc_read_rows,
-                                             args=(self.space, torch.from_numpy(np.asarray(local, dtype=np.int64))),
-                                             timeout=self.timeout)
+        rows, state, versions = self.epochs.call(World.server_name(self.shard), rpc_read_rows,
+                                                 (self.space, torch.from_numpy(np.asarray(local, dtype=np.int64))))
         return rows, state, versions.numpy()
 
-def _send_delta(parity_name: str, space: int, member: int, timeout: float, local: np.ndarray, delta: np.ndarray,
-                before: np.ndarray, version: int) -> torch.futures.Future:
-    return rpc.rpc_async(parity_name, rpc_parity_apply, timeout=timeout,
-                         args=(space, member, torch.from_numpy(local), torch.from_numpy(delta.view(np.int32)),
-                               torch.from_numpy(before), version))
+
+class DeltaSender:
+    """A data server's deltas to its group's parity server. A write-back is acknowledged once its delta has
+    arrived there (``send``'s future). A delta that failed to a re-formation of the RPC world is sent again. If
+    the parity server is lost, write-backs are acknowledged without it and their deltas dropped: the group has
+    no redundancy until a replacement has made the parity again (a loss in it meanwhile is the checkpoints' to
+    cover), and the replacement reads this server's rows in the new RPC world, after every such write-back, so
+    its parity holds them all."""
+
+    def __init__(self, parity_name: str, *, member: int, epochs: Epochs, timeout: float) -> None:
+        self.parity_name, self.member, self.epochs, self.timeout = parity_name, member, epochs, timeout
+        self.unprotected = 0  # write-backs acknowledged while the parity server was lost
+        self._lost_in: int | None = None  # the epoch in which the parity server was found lost
+        self._lock = threading.Lock()
+        self._failed: queue.Queue = queue.Queue()
+        threading.Thread(target=self._recover, name="deltas", daemon=True).start()
+
+    def send(self, space: int, local: np.ndarray, delta: np.ndarray, before: np.ndarray,
+             version: int) -> torch.futures.Future:
+        """The delta of a write-back (under the store's lock: a row's deltas leave in order); a future that
+        completes when the write-back may be acknowledged."""
+        answer: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._lost_in is not None and self.epochs.epoch == self._lost_in:  # no parity server to send to
+                self.unprotected += 1
+                answer.set_result(None)
+                return answer
+        self._send((space, self.member, torch.from_numpy(local), torch.from_numpy(delta.view(np.int32)),
+                    torch.from_numpy(before), version), answer)
+        return answer
+
+    def _send(self, entry: tuple, answer: torch.futures.Future) -> None:
+        sent_in = self.epochs.epoch
+        try:
+            sent = rpc.rpc_async(self.parity_name, rpc_parity_apply, args=entry, timeout=self.timeout)
+        except RuntimeError as err:  # no RPC agent: the world is being re-formed
+            self._failed.put((entry, answer, sent_in, err))
+            return
+        sent.add_done_callback(functools.partial(self._arrived, entry, answer, sent_in))
+
+    def _arrived(self, entry: tuple, answer: torch.futures.Future, sent_in: int, sent: torch.futures.Future) -> None:
+        try:
+            sent.value()
+        except BaseException as err:  # noqa: BLE001 - judged on the recovery thread (it may wait)
+            self._failed.put((entry, answer, sent_in, err))
+            return
+        answer.set_result(None)
+
+    def _recover(self) -> None:
+        while True:
+            entry, answer, sent_in, err = self._failed.get()
+            if not isinstance(err, RuntimeError):  # the parity server's own error (raised there): the write-back's
+                answer.set_exception(err)
+                continue
+            with self._lock:
+                lost = self._lost_in is not None and sent_in == self._lost_in
+            if not lost and self.epochs.resend_after(sent_in):
+                self._send(entry, answer)
+                continue
+            with self._lock:
+                if self._lost_in is None or self._lost_in < sent_in:
+                    self._lost_in = sent_in
+                    log.warning("the parity server %s is lost (%s): write-backs are acknowledged without parity "
+                                "until its replacement has made it again", self.parity_name, str(err).splitlines()[0])
+                self.unprotected += 1
+            answer.set_result(None)
 
 
 class ParityServer:
     """The parity of one group of data shards (a ParityRows per space), behind the RPC handlers below."""
 
-    def __init__(self, parities: list[ParityRows], *, group: int, shards: list[int]) -> None:
-        self.parities, self.group, self.shards = parities, group, shards
+    def __init__(self, parities: list[ParityRows], *, group: int, shards: list[int], epochs: Epochs) -> None:
+        self.parities, self.group, self.shards, self.epochs = parities, group, shards, epochs
         self.messages = 0  # delta messages received (one per write-back of a member)
         self._counting = threading.Lock()
         self.checked: dict | None = None
         self.standing_in: StandInServer | None = None
+        self.made_in_s: float | None = None  # a replacement's: how long making the parity from its group took
+
+    def make(self, *, chunk_rows: int = 1 << 14) -> None:
+        """A replacement's parity, made from its group's rows as they stand while they train: each member's rows
+        read in chunks (bits and versions together) and installed; deltas arriving meanwhile wait for their row."""
+        started = time.perf_counter()
+        for space, parity in enumerate(self.parities):
+            for member, shard in enumerate(self.shards):
+                for start in range(0, parity.num_rows, chunk_rows):
+                    stop = min(start + chunk_rows, parity.num_rows)
+                    rows, state, versions = self.epochs.call(World.server_name(shard), rpc_read_range,
+                                                             (space, start, stop))
+                    bits = np.zeros((stop - start, parity.width), dtype=np.uint32)
+                    held = np.full(stop - start, -1, dtype=np.int64)  # past a shorter member's end: zeros
+                    bits[:len(rows)], held[:len(rows)] = row_bits(rows, state), versions.numpy()
+                    parity.install(member, start, bits, held)
+        self.made_in_s = time.perf_counter() - started
+        log.info("the parity of servers %s made from their rows in %.2f s (%d positions)",
+                 ", ".join(map(str, self.shards)), self.made_in_s, sum(p.num_rows for p in self.parities))
 
     def stand_in(self, shard: int, *, job: JobInfo, num_shards: int, timeout: float) -> StandInServer:
         """Serve lost data shard ``shard`` of this group from now on (one loss per group: parity covers one)."""
         if self.standing_in is not None:
             raise TwoLossesInAGroup(f"server {shard} lost while server {self.standing_in.shard} of the same parity "
                                     f"group is served by its parity server: parity covers one loss per group")
+        if self.made_in_s is not None or not all(parity.complete() for parity in self.parities):
+            # its counts of each member's write-backs (what a stand-in's snapshots wait for) begin at its making
+            raise TwoLossesInAGroup(f"server {shard} lost after its group's parity server was replaced: this job's "
+                                    f"replacement parity servers do not stand in (the checkpoints cover it)")
         config, layout = job.config, job.layout
         optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
         member = self.shards.index(shard)
@@ -247,7 +339,8 @@ class ParityServer:
                              num_shards=num_shards)
             fresh.parity_sink = functools.partial(parity.apply, member)
             survivors = {index: RemoteMember(other, space, num_rows=shard_num_rows(layout, space, other, num_shards),
-                                             dim=dim, state_width=optimizer.state_width(dim), timeout=timeout)
+                                             dim=dim, state_width=optimizer.state_width(dim),
+                                             epochs=self.epochs)
                          for index, other in enumerate(self.shards) if other != shard}
             stand_ins.append(StandIn(fresh, member=member, parity=parity, survivors=survivors, timeout=timeout))
         self.standing_in = StandInServer(stand_ins, shard=shard)
@@ -274,8 +367,8 @@ class ParityServer:
                     if self.standing_in is not None and shard == self.standing_in.shard:  # served here
                         rows, state, have = self.standing_in.read_range(space, start, stop)
                     else:
-                        rows, state, have = rpc.rpc_sync(World.server_name(shard), rpc_read_range,
-                                                          args=(space, start, stop), timeout=timeout)
+                        rows, state, have = self.epochs.call(World.server_name(shard), rpc_read_range,
+                                                             (space, start, stop), timeout=timeout)
                     expected[:len(rows)] ^= row_bits(rows, state)
                     versions[:len(rows), member] = have.numpy()
                 bits, held = parity.read(np.arange(start, stop))
@@ -291,6 +384,7 @@ class ParityServer:
                 "parity": {"group": self.group, "shards": self.shards,
                            "deltas_applied": sum(p.deltas_applied for p in self.parities),
                            "messages": self.messages,
+                           **({"made_in_s": round(self.made_in_s, 3)} if self.made_in_s is not None else {}),
                            "pending_rows": sum(p.pending_rows() for p in self.parities),
                            **({"check": self.checked} if self.checked is not None else {}),
                            **({"standing_in": {"shard": self.standing_in.shard,
@@ -368,14 +462,15 @@ def rpc_stand_in(shard: int) -> None:
 
 @rpc.functions.async_execution
 def rpc_checkpoint_written(boundary: int) -> torch.futures.Future:
-    return _SERVER.checkpoints.pop(boundary)
+    return _SERVER.checkpoints[boundary]  # kept: asked again if the answer was lost to a re-formation
 
 
 def run_server(world: World, *, given: dict | None = None) -> None:
     """Serve one shard until the oracle says training has ended (a lost oracle is the heartbeats' to tell).
 
     ``given``: the settings this server's command line gave (an embedding size, table sizes), which
-    the oracle agrees with every other role's at check-in.
+    the oracle agrees with every other role's at check-in. The same command started again for a server
+    whose process was lost, while the oracle awaits its replacement, joins as that replacement.
     """
     global _SERVER, _WORLD, _PARITY, _JOB
     store, world = check_in(world, "server", given=given)
@@ -383,16 +478,32 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     liveness = Liveness(world, watch=[0])
     _JOB = job = JobInfo.from_json(wait_for_job(world, store))
     _WORLD = world = dataclasses.replace(world, parity=job.config["parity"])
-    init_rpc(world, store)
     config, layout = job.config, job.layout
     row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
     started = time.perf_counter()
+    if world.epoch:  # a replacement: ready before the RPC world is re-formed around it (training goes on)
+        if index < world.num_shards:
+            raise ValueError(f"server {index} holds a data shard: a lost data server's shard is served by its "
+                             f"parity server, not by a replacement process")
+        # the parity's structure first: its members' deltas arrive as soon as the RPC world has this process
+        _PARITY = replacement_parity(world, job, index, row_optimizer, NoEpochs())
+        epochs = _join_as_replacement(world, store)
+        if epochs is None:  # training ended before the job needed it
+            liveness.stop()
+            return
+        _PARITY.epochs = epochs
+        _PARITY.make()
+        epochs.call("oracle", oracle.rpc_replaced, (world.rank, {"made_in_s": _PARITY.made_in_s}))
+        serve_until_stopped(world, store, liveness, epochs, stores=[])
+        return
+    init_rpc(world, store)
+    epochs = Epochs(world, store)
     if index >= world.num_shards:
-        _PARITY = start_parity(world, job, index, row_optimizer)
+        _PARITY = start_parity(world, job, index, row_optimizer, epochs)
         log.info("server %d holds the parity of servers %s (%d positions); ready in %.1f s", index,
                  ", ".join(map(str, _PARITY.shards)), sum(p.num_rows for p in _PARITY.parities),
                  time.perf_counter() - started)
-        serve_until_stopped(world, store, liveness, stores=[])
+        serve_until_stopped(world, store, liveness, epochs, stores=[])
         return
     specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
     _SERVER = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"], shard=index,
@@ -402,17 +513,32 @@ def run_server(world: World, *, given: dict | None = None) -> None:
         _SERVER.restore(directory, chain, shard=index, num_shards=world.num_shards)
     if world.parity:
         _SERVER.send_deltas_to(World.server_name(world.parity_server(index)), member=index % world.parity,
-                               timeout=world.timeout)
+                               epochs=epochs, timeout=world.timeout)
     where = "in memory" if specs[0].kind == "memory" else (f"on disk in {specs[0].directory}, "
                                                            f"{config['storage_budget_mb']:g} MiB of it in memory")
     log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in _SERVER.stores),
              layout.num_rows, where, time.perf_counter() - started)
-    serve_until_stopped(world, store, liveness, stores=_SERVER.stores)
+    serve_until_stopped(world, store, liveness, epochs, stores=_SERVER.stores)
 
 
-def serve_until_stopped(world: World, store, liveness: Liveness, *, stores: list[RowStore]) -> None:
+def _join_as_replacement(world: World, store) -> Epochs | None:
+    """Say this replacement is ready, and join the RPC world the oracle then re-forms around it; None if
+    training ends first (the oracle announces no new world then)."""
+    store.set(f"{JOINING_PREFIX}{world.rank}", str(world.epoch))
+    log.info("ready: waiting for the job's RPC world to be re-formed around this process (epoch %d)", world.epoch)
+    while not (store.check([EPOCH_KEY]) and int(store.get(EPOCH_KEY)) >= world.epoch):
+        if store.check([STOP_KEY]):
+            log.warning("training ended before the job's RPC world was re-formed around this replacement: "
+                        "it is not needed")
+            return None
+        time.sleep(0.05)
+    init_rpc(world, store, epoch=world.epoch)
+    return Epochs(world, store)
+
+
+def serve_until_stopped(world: World, store, liveness: Liveness, epochs: Epochs, *, stores: list[RowStore]) -> None:
     """Tell the oracle this server is ready, then serve until it says training has ended."""
-    rpc.rpc_sync("oracle", oracle.rpc_ready, args=(world.name,), timeout=world.timeout)
+    epochs.call("oracle", oracle.rpc_ready, (world.name,))
     try:
         while not store.check([STOP_KEY]):
             time.sleep(0.2)
@@ -422,13 +548,28 @@ def serve_until_stopped(world: World, store, liveness: Liveness, *, stores: list
         if is_peer_gone(err):  # the store's host, the oracle, has ended: the heartbeats name it
             liveness.await_verdict(err)
         raise
+    epochs.stop()
     liveness.stop()
     rpc.shutdown(graceful=False)  # the oracle has all it needs: no request is in flight
     for row_store in stores:
         row_store.close()
 
 
-def start_parity(world: World, job: JobInfo, index: int, row_optimizer) -> ParityServer:
+def replacement_parity(world: World, job: JobInfo, index: int, row_optimizer, epochs: Epochs) -> ParityServer:
+    """A lost parity server's replacement: its parity empty, to be made (``ParityServer.make``) from its group's
+    rows while they train."""
+    layout, group = job.layout, index - world.num_shards
+    shards = world.parity_group(group * world.parity)
+    parities = []
+    for space in range(len(layout.spaces)):
+        dim = layout.spaces[space].dim
+        parities.append(ParityRows.empty(
+            num_rows=max(shard_num_rows(layout, space, shard, world.num_shards) for shard in shards),
+            width=dim + row_optimizer.state_width(dim), k=len(shards)))
+    return ParityServer(parities, group=group, shards=shards, epochs=epochs)
+
+
+def start_parity(world: World, job: JobInfo, index: int, row_optimizer, epochs: Epochs) -> ParityServer:
     """The parity server of group ``index - num_shards``: the parity of its members as they start (from the
     seed, or restored from the checkpoint being resumed)."""
     config, layout = job.config, job.layout
@@ -449,4 +590,4 @@ def start_parity(world: World, job: JobInfo, index: int, row_optimizer) -> Parit
         parities = [ParityRows.initial(layout, space, shards=shards, num_shards=world.num_shards,
                                        state_width=row_optimizer.state_width(layout.spaces[space].dim),
                                        seed=config["seed"]) for space in range(len(layout.spaces))]
-    return ParityServer(parities, group=group, shards=shards)
+    return ParityServer(parities, group=group, shards=shards, epochs=epochs)

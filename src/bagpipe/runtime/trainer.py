@@ -38,7 +38,7 @@ from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.world import Routes, World, check_in, init_rpc, trainer_group, wait_for_job
+from bagpipe.runtime.world import Epochs, Routes, World, check_in, init_rpc, trainer_group, wait_for_job
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class TrainerRuntime:
         self.caches = [RowCache(capacity=share, dim=space.dim, optimizer=self.row_optimizer, device=device)
                        for space, share in zip(self.layout.spaces, job.cache_rows)]
         self.group = trainer_group(world, store, self.index)
+        self.epochs = Epochs(world, store)  # requests that fail to a re-formation of the RPC world are sent again
         self.routes = Routes(world)  # a lost server's shard moves to its parity server (--parity)
         self.stats = TrainerStats()
         self.step: StepMessage | None = None
@@ -87,10 +88,11 @@ class TrainerRuntime:
             self._stopping.set()
 
     def _prefetch(self) -> None:
+        after = -1  # the last plan message received: the oracle sends the ones after it
         while not self._stopping.is_set():
-            messages = rpc.rpc_sync("oracle", oracle.rpc_pull, args=(self.index, oracle.PULL_MAX_STEPS),
-                                    timeout=self.world.timeout)
+            messages = self.epochs.call("oracle", oracle.rpc_pull, (self.index, after, oracle.PULL_MAX_STEPS))
             for message in messages:
+                after = message.iteration
                 fetches = self._issue_fetches(message)
                 while not self._stopping.is_set():
                     try:
@@ -117,20 +119,26 @@ class TrainerRuntime:
         return fetches
 
     def _send(self, handler, shard: int, args: tuple) -> "_Request":
-        sent_to = self.routes.server(shard)
-        return _Request(handler, shard, args, sent_to,
-                        rpc.rpc_async(World.server_name(sent_to), handler, args=args, timeout=self.world.timeout))
+        sent_to, epoch = self.routes.server(shard), self.epochs.epoch
+        try:
+            future = rpc.rpc_async(World.server_name(sent_to), handler, args=args, timeout=self.world.timeout)
+        except RuntimeError as err:  # no RPC agent: the world is being re-formed (the answer says so)
+            future = torch.futures.Future()
+            future.set_exception(err)
+        return _Request(handler, shard, args, sent_to, future, epoch)
 
     def _answer(self, request: "_Request", *, what: str):
-        """The answer to ``request``; a request to a server that was lost is sent again to the server its
-        shard has moved to (``--parity``), which answers it as the lost one would have (a write-back it
-        has already is a no-op there)."""
+        """The answer to ``request``; a request that failed to a re-formation of the RPC world is sent again
+        once it is re-formed, and one to a server that was lost to the server its shard has moved to
+        (``--parity``), which answers it as the lost one would have (a write-back it has already is a no-op
+        there)."""
         while True:
             try:
                 return request.future.wait()
             except RuntimeError as err:
-                self.routes.failover(request.shard, request.sent_to,
-                                     RuntimeError(f"{what} at server {request.sent_to} failed: {err}"))
+                if not self.epochs.resend_after(request.epoch):
+                    self.routes.failover(request.shard, request.sent_to,
+                                         RuntimeError(f"{what} at server {request.sent_to} failed: {err}"))
                 request = self._send(request.handler, request.shard, request.args)
 
     def _write(self) -> None:
@@ -314,24 +322,30 @@ class TrainerRuntime:
             parts.append(RowPart(space=space, keys=cache.slot_key[slots].copy(),
                                  rows=cache.weights.index_select(0, index).cpu().numpy(),
                                  state=cache.state.index_select(0, index).cpu().numpy()))
-        self._checkpoint_sends.append(rpc.rpc_async("oracle", oracle.rpc_checkpoint_cache,
-                                                    args=(iteration, dense, dense_optimizer, parts, extra),
-                                                    timeout=self.world.timeout))
+        args = (iteration, dense, dense_optimizer, parts, extra)
+        self._checkpoint_sends.append((args, self.epochs.epoch, rpc.rpc_async(
+            "oracle", oracle.rpc_checkpoint_cache, args=args, timeout=self.world.timeout)))
 
     def close(self, *, dense_state: dict | None = None) -> None:
         """Report to the oracle (after the final flush) and leave the job."""
-        for future in self._checkpoint_sends:
-            future.wait()
+        for args, epoch, future in self._checkpoint_sends:
+            try:
+                future.wait()
+            except RuntimeError:
+                if not self.epochs.resend_after(epoch):
+                    raise
+                self.epochs.call("oracle", oracle.rpc_checkpoint_cache, args)  # the oracle keeps the last one sent
         self._stopping.set()
-        rpc.rpc_sync("oracle", oracle.rpc_trainer_done, args=(self.index, self.stats, dense_state),
-                     timeout=self.world.timeout)
+        self.epochs.call("oracle", oracle.rpc_trainer_done, (self.index, self.stats, dense_state))
         inject_fault("done")
+        self.epochs.stop()
         self.liveness.stop()
         rpc.shutdown(graceful=False)  # the oracle has this trainer's report: nothing is in flight
 
     def abort(self) -> None:
         self._stopping.set()
         self._writes.put(_END)
+        self.epochs.stop()
 
     def fail(self, message: str) -> None:
         """A peer this trainer needs is lost: the compute thread's next step raises ``message``."""
@@ -349,6 +363,7 @@ class _Request:
     args: tuple
     sent_to: int  # the server it went to
     future: torch.futures.Future
+    epoch: int  # the RPC world it was sent in
 
 
 def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:

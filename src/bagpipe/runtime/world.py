@@ -51,6 +51,7 @@ class World:
     master_port: int = DEFAULT_PORT
     timeout: float = 60.0
     parity: int = 0  # servers in groups of `parity` data shards and one parity server (the job's; 0: none)
+    epoch: int = 0  # the RPC world this process joins: 0, or a later one for a replacement (Epochs)
 
     def __post_init__(self) -> None:
         if not 0 < self.master_port < 65535:
@@ -285,7 +286,11 @@ def check_in(world: World, role: str, *, given: dict | None = None) -> tuple[dis
     world = dataclasses.replace(world, num_trainers=theirs["trainers"])
     _check_role(world, role)
     set_role(world.name)
-    _claim(world, store)
+    epoch = _claim(world, store)
+    if epoch:  # a replacement: faults meant for it name it NAME/EPOCH (faults.py)
+        set_role(f"{world.name}/{epoch}")
+        log.warning("%s joins the job as the replacement of its lost process (RPC world %d)", world.name, epoch)
+        return store, dataclasses.replace(world, epoch=epoch)
     store.set(f"{HELLO_PREFIX}{world.rank}", json.dumps({"role": role, "given": given or {}}))
     return store, world
 
@@ -309,17 +314,25 @@ REFUSED_KEY = "bagpipe/refused"  # why the oracle refused the job, for the roles
 STOP_KEY = "bagpipe/stop"  # set by the oracle when training has ended: servers leave
 STATUS_KEY = "bagpipe/status"
 HELLO_PREFIX = "bagpipe/hello/"
+EPOCH_KEY = "bagpipe/epoch"  # the RPC world every process is to be in (Epochs): set by the oracle
+REPLACE_PREFIX = "bagpipe/replace/"  # RANK -> the epoch a replacement for that rank's lost process joins
+JOINING_PREFIX = "bagpipe/joining/"  # RANK -> set by the replacement once it is ready to join
 
 
 def _shape(world: World) -> str:
     return json.dumps({"world_size": world.world_size, "trainers": world.num_trainers})
 
 
-def _claim(world: World, store: dist.Store) -> None:
-    """Refuse a second process that checks in with a rank another one already holds."""
+def _claim(world: World, store: dist.Store) -> int:
+    """Refuse a second process that checks in with a rank another one already holds, unless the oracle awaits
+    a replacement for that rank's lost process: then the epoch of the RPC world the replacement joins."""
     if store.add(f"bagpipe/claim/{world.rank}", 1) > 1:
+        wanted = f"{REPLACE_PREFIX}{world.rank}"
+        if store.check([wanted]) and not store.check([f"{JOINING_PREFIX}{world.rank}"]):
+            return int(store.get(wanted))
         raise ValueError(f"--worker-id {world.rank} ({world.label(world.rank)}) is already taken by another "
                          f"process of this job: give each process its own --worker-id")
+    return 0
 
 
 def wait_for_ranks(world: World, store: dist.Store) -> None:
@@ -368,19 +381,25 @@ _RENDEZVOUS: dict[str, tuple] = {}
 
 
 def _rendezvous(url: str, **kwargs):
-    """RPC's rendezvous on the store every rank already checked in at (no second port)."""
-    store, rank, world_size = _RENDEZVOUS["store"]
-    yield dist.PrefixStore("bagpipe/rpc", store), rank, world_size
+    """RPC's rendezvous on the store every rank already checked in at (no second port), under its epoch's prefix."""
+    store, rank, world_size, epoch = _RENDEZVOUS["store"]
+    yield dist.PrefixStore(f"bagpipe/rpc/{epoch}", store), rank, world_size
 
 
 dist.register_rendezvous_handler("bagpipe", _rendezvous)
 
 
-def init_rpc(world: World, store: dist.Store) -> None:
-    """Join the RPC world (TensorPipe) through ``store``; loopback only when the master is."""
+def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
+    """Join the RPC world (TensorPipe) of ``epoch`` through ``store``; loopback only when the master is."""
     if world.is_loopback:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    _RENDEZVOUS["store"] = (store, world.rank, world.world_size)
+    _RENDEZVOUS["store"] = (store, world.rank, world.world_size, epoch)
+    # torch prefixes each init_rpc of a process with how many it made before, and numbers the all-gathers it
+    # makes (one in init_rpc) per process: a replacement's first init must meet the survivors' second, so the
+    # epoch's prefix above does the first's job and both counts start again at 0 in every process of the world
+    rpc._init_counter = 0
+    rpc.api._all_gather_sequence_id.clear()
+    rpc.api._all_gather_sequence_id_to_states.clear()
     # TensorPipe's shared-memory transport busy-polls: on a few cores it takes CPU from compute
     # (measured: ~13% more CPU per iteration over the whole job than "uv", which is TCP). The
     # environment can choose other transports and channels (comma-separated TensorPipe names).
@@ -405,6 +424,110 @@ def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGr
     prefixed = dist.PrefixStore("bagpipe/trainers", store)
     return dist.ProcessGroupGloo(prefixed, index, world.num_trainers, options)
 
+
+
+class Epochs:
+    """The job's RPC world, by epoch. Torch RPC's world is static and a dead process's name cannot be taken, so
+    when the oracle has a replacement for a lost process ready it announces a new epoch (``EPOCH_KEY``): every
+    process then shuts its RPC agent down and joins the new world, the replacement in the lost one's rank,
+    under a store prefix of the epoch's own (as torchft re-forms its groups). Requests in flight meanwhile fail;
+    ``resend_after`` tells their senders to send them again (every request that may be sent twice is idempotent:
+    fetches, versioned write-backs and deltas, plan pulls acknowledged by iteration).
+
+    A watcher thread polls the key through a store client of its own."""
+
+    POLL_S = 0.1
+    GRACE_S = 1.0  # how long a failed request waits to learn that it failed to a re-formation
+
+    def __init__(self, world: World, store: dist.Store) -> None:
+        self.world, self.epoch = world, world.epoch
+        self._rpc_store = store  # the client init_rpc rendezvouses through
+        self._store = connect_store(world, timeout=world.timeout)
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self.reformed: list[dict] = []  # (epoch, seconds): each re-formation this process took part in
+        self._thread = threading.Thread(target=self._watch, name="epochs", daemon=True)
+        self._thread.start()
+
+    def announced(self) -> int:
+        try:
+            return int(self._store.get(EPOCH_KEY)) if self._store.check([EPOCH_KEY]) else 0
+        except (RuntimeError, OSError):  # the store's host is gone: the heartbeats tell
+            return self.epoch
+
+    def stop(self) -> None:
+        """Stop following epochs (before this process leaves the RPC world for good): a re-formation announced
+        by now is still taken part in, since the others cannot form the new world without this process."""
+        self._stop.set()
+        self._thread.join()
+        epoch = self.announced()
+        if epoch > self.epoch:
+            self._reform(epoch)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            epoch = self.announced()
+            if epoch > self.epoch:
+                self._reform(epoch)
+
+    def _reform(self, epoch: int) -> None:
+        started = time.perf_counter()
+        log.info("the job's RPC world is re-formed (epoch %d): leaving epoch %d", epoch, self.epoch)
+        rpc.shutdown(graceful=False)
+        init_rpc(self.world, self._rpc_store, epoch=epoch)
+        seconds = time.perf_counter() - started
+        log.info("in the RPC world of epoch %d after %.2f s", epoch, seconds)
+        with self._changed:
+            self.epoch = epoch
+            self.reformed.append({"epoch": epoch, "seconds": round(seconds, 3)})
+            self._changed.notify_all()
+
+    def resend_after(self, sent_in: int) -> bool:
+        """A request sent in epoch ``sent_in`` failed: True, once this process is in a later world, if the
+        failure was (or may have been) the re-formation's, so the request is to be sent again; False if no new
+        epoch is announced within ``GRACE_S`` (the failure is the request's own)."""
+        deadline = time.monotonic() + self.GRACE_S
+        while True:
+            if self.epoch > sent_in:
+                return True
+            announced = self.announced()
+            if announced > sent_in:
+                with self._changed:
+                    if not self._changed.wait_for(lambda: self.epoch >= announced, timeout=self.world.timeout):
+                        raise TimeoutError(f"the job's RPC world was not re-formed (epoch {announced}) within "
+                                           f"{self.world.timeout:.0f} s")
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def call(self, to: str, handler, args: tuple = (), *, timeout: float | None = None):
+        """``rpc_sync`` that sends the request again after a re-formation."""
+        while True:
+            sent_in = self.epoch
+            try:
+                return rpc.rpc_sync(to, handler, args=args, timeout=timeout or self.world.timeout)
+            except RuntimeError:
+                if not self.resend_after(sent_in):
+                    raise
+
+
+class NoEpochs:
+    """A process that does not follow epochs (a script's trainer): every failure is the request's own."""
+
+    epoch = 0
+    reformed: list = []
+
+    @staticmethod
+    def resend_after(sent_in: int) -> bool:
+        return False
+
+    @staticmethod
+    def call(to: str, handler, args: tuple = (), *, timeout: float | None = None):
+        return rpc.rpc_sync(to, handler, args=args, timeout=timeout)
+
+    def stop(self) -> None:
+        pass
 
 
 ROUTE_PREFIX = "bagpipe/route/"

@@ -1,0 +1,121 @@
+"""Replacement processes: a lost parity server is replaced while training goes on. Its replacement makes the
+parity from its group's rows as they stand (deltas arriving meanwhile wait for their row, or are no-ops where the
+row read holds them already), the job's RPC world is re-formed around it (runtime.world.Epochs), and the job ends
+bit for bit as without the loss, its new parity equal to its group."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bagpipe.storage.parity import ParityRows
+from test_parity import member_bits, members
+
+ITERATIONS = 300
+WRITEBACK_DELAY = ["--writeback-delay", "0.01"]  # a slower network: the job trains ~10 s, long enough for a
+# replacement to start (a few seconds of Python and torch on 2 busy cores) while it trains
+
+
+def _write_backs(stores, rng, versions, sink):
+    for version in versions:
+        for index, store in enumerate(stores):
+            store.parity_sink = lambda local, delta, before, v, index=index: sink((index, local, delta, before, v))
+            local = rng.choice(store.num_rows, size=int(rng.integers(1, 12)), replace=False)
+            keys = local * 3 + index
+            store.write_back(keys, torch.from_numpy(rng.standard_normal((len(keys), 4)).astype(np.float32)),
+                             torch.from_numpy(rng.standard_normal((len(keys), 9)).astype(np.float32)), version=version)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_parity_made_while_its_members_train_equals_the_parity_of_their_rows(seed):
+    """Chunks of each member installed between write-backs; the deltas of write-backs before a chunk was read
+    (kept while the parity server was lost, sent late, some twice) and after it (some before their row is
+    installed), in shuffled order: the made parity is the XOR of the members' rows, versions too."""
+    rng = np.random.default_rng(seed)
+    stores = members()
+    early: list = []
+    _write_backs(stores, rng, range(10), early.append)  # while no parity server was there: kept
+    num_rows = max(store.num_rows for store in stores)
+    parity = ParityRows.empty(num_rows=num_rows, width=13, k=3)
+    late: list = []
+    chunks = [(index, start) for index in range(3) for start in range(0, num_rows, 16)]
+    for step, (index, start) in enumerate(rng.permutation(chunks)):
+        _write_backs(stores, rng, [10 + step], late.append)
+        store = stores[index]
+        bits, versions = member_bits(store)
+        stop = min(start + 16, num_rows)
+        chunk_bits = np.zeros((stop - start, 13), dtype=np.uint32)
+        held = np.full(stop - start, -1, dtype=np.int64)
+        mine = max(min(stop, store.num_rows) - start, 0)
+        chunk_bits[:mine], held[:mine] = bits[start:start + mine], versions[start:start + mine]
+        parity.install(int(index), int(start), chunk_bits, held)
+        for i in rng.permutation(len(late))[: len(late) // 2]:  # some deltas arrive while chunks go in
+            parity.apply(*late[i])
+    assert parity.complete()
+    deltas = early + late
+    for i in [*rng.permutation(len(deltas)), *rng.choice(len(deltas), size=20)]:
+        parity.apply(*deltas[i])
+    assert parity.pending_rows() == 0
+    expected = ParityRows.of(stores)
+    assert (parity.bits == expected.bits).all() and (parity.versions == expected.versions).all()
+
+
+def test_a_delta_for_a_row_not_installed_waits_for_it():
+    stores = members("sgd")
+    parity = ParityRows.empty(num_rows=max(s.num_rows for s in stores), width=4, k=3)  # SGD: no state
+    deltas: list = []
+    for index, store in enumerate(stores):  # the rows as they start
+        bits, versions = member_bits(store)
+        full = np.zeros((parity.num_rows, 4), dtype=np.uint32)
+        held = np.full(parity.num_rows, -1, dtype=np.int64)
+        full[:store.num_rows], held[:store.num_rows] = bits, versions
+        if index:
+            parity.install(index, 0, full, held)
+        else:
+            first = (full, held)
+    stores[0].parity_sink = lambda *entry: deltas.append((0, *entry))
+    stores[0].write_back(np.array([0, 3]), torch.ones(2, 4), torch.zeros(2, 0), version=0)
+    parity.apply(*deltas[0])
+    assert parity.pending_rows() == 2 and not parity.complete()  # member 0's rows are not there yet
+    parity.install(0, 0, *first)  # read before the write-back: the delta then folds in
+    assert parity.pending_rows() == 0
+    expected = ParityRows.of(stores)
+    assert (parity.bits == expected.bits).all() and (parity.versions == expected.versions).all()
+
+
+@pytest.mark.parametrize("optimizer, fault", [("adagrad", "server3@delta 20:kill"),
+                                              ("adam", "server3@delta 35:kill")])
+def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(
+        small_binary, tmp_path, optimizer, fault):
+    """2 trainers, 3 data servers and 1 parity server, SIGKILLed on receiving a delta: no restart; the launcher
+    starts a replacement, the RPC world is re-formed around it, it makes the parity from its group while they
+    train, and the job ends with the export of the sliced reference bit for bit, the new parity equal to its
+    group's rows (--check-parity) and no process left behind."""
+    from test_runtime import alive, assert_same_parameters, job_config, reference_of
+
+    from bagpipe.rundir import export
+    from bagpipe.runtime.launch import launch_local
+
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
+                        check_parity=True, iterations=ITERATIONS, timeout=20.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault},
+                           extra_trainer_args=WRITEBACK_DELAY)
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    assert "restarts" not in summary
+    (failure,) = summary["failures"]
+    assert failure["role"] == "server 3" and failure["parity_of"] == [0, 1, 2] and failure["replaced"]
+    assert 0 < failure["joined_in_s"] <= failure["recovered_in_s"]
+    # training went on while the replacement started: iterations were logged between the loss and its joining
+    records = [json.loads(line) for line in (tmp_path / "bagpipe" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r["iteration"] for r in records if "train_loss" in r
+               and failure["at"] < r["time"] < failure["at"] + failure["joined_in_s"]]
+    assert len(trained) >= 5, trained
+    assert [e["epoch"] for e in summary["epochs"]] == [1] and summary["unprotected_write_backs"] > 0
+    (parity,) = summary["parity"]
+    assert parity["made_in_s"] is not None and parity["pending_rows"] == 0
+    assert parity["check"]["mismatched_rows"] == [0] and parity["check"]["rows"][0] > 0
+    log = (tmp_path / "bagpipe" / "logs" / "server3.log").read_text()
+    assert "=== a replacement for the lost process (killed by SIGKILL) ===" in log
+    pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
+    assert not [pid for pid in pids if alive(pid)]
