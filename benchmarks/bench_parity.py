@@ -1,7 +1,7 @@
 """What erasure-coded servers cost: samples/s of the same job with a parity server and without one.
 
     .venv/bin/python benchmarks/bench_parity.py [--repeats 3] [--iterations 600] [--parity 3]
-        [--recovery] [--restart] [--no-overhead] [--out runs/bench_parity/result.json] [--work-dir DIR]
+        [--recovery] [--restart] [--replacement] [--no-overhead] [--out runs/bench_parity/result.json] [--work-dir DIR]
 
 One `--mode bagpipe` job (DLRM, Adagrad, 2 trainers, a 5% cache per trainer) on Zipf 1.2 data (bench_scaling's:
 the Criteo Kaggle tables capped at 100k rows, 840,543 rows), its rows on --parity data servers, run without
@@ -16,6 +16,14 @@ receives the write-back of iteration --iterations / 2 (BAGPIPE_FAULTS); the job 
 the parity server. From metrics.jsonl and summary.json: samples/s of the windows before the loss, of the windows
 while the shard was being rebuilt (and the 100 iterations after the move), the time the loss cost (the window
 around it, against a median window), how long moving the shard took, and the rebuild's time per million rows.
+
+Replacement (--replacement, one more run with parity, metrics every 10): the parity server is SIGKILLed when it
+receives a delta of iteration --iterations / 2; the launcher starts a replacement, the RPC world is re-formed
+around it and it makes the parity from its group while training goes on. From metrics.jsonl and summary.json:
+samples/s of the windows before the loss, while the replacement starts (loss to joined), while it makes the parity
+(joined to whole) and after; the seconds from the loss to the replacement joined and to its parity whole; the
+re-formation's seconds; the time the loss cost (the slowest window around it against a median window); and how long
+making the parity took per million rows of the group.
 
 Restart (--restart, one more run with parity and a checkpoint every --checkpoint-every iterations, metrics every
 10): trainer 1 (which parity does not cover) is SIGKILLed a third of the way between two checkpoints past the
@@ -80,6 +88,41 @@ def recovery(data: Path, work: Path, args) -> dict:
             "parity_check": summary["parity"][0]["check"]}
 
 
+def replacement(data: Path, work: Path, args) -> dict:
+    kill_at = args.iterations // 2
+    config = dataclasses.replace(job(data, work / "replacement", iterations=args.iterations,
+                                     data_servers=args.parity, parity=args.parity, check=True), log_every=10)
+    summary = launch_local(config, show_progress=False, overwrite=True,
+                           env={"BAGPIPE_FAULTS": f"server{args.parity}@delta {kill_at}:kill"})
+    windows = [record for record in map(json.loads, (work / "replacement" / "metrics.jsonl").read_text().splitlines())
+               if "window_samples_per_s" in record]
+    (failure,) = summary["failures"]
+    lost_at = failure["at"]
+    joined_at, recovered_at = lost_at + failure["joined_in_s"], lost_at + failure["recovered_in_s"]
+    durations = [b["time"] - a["time"] for a, b in zip(windows, windows[1:])]
+    hit = next(i for i, w in enumerate(windows) if w["time"] > lost_at)  # the window the loss fell in
+    before = [w["window_samples_per_s"] for w in windows[2:hit - 1]]  # past warm-up, before the loss
+    starting = [w["window_samples_per_s"] for w in windows if lost_at < w["time"] <= joined_at]
+    making = [w["window_samples_per_s"] for w in windows if joined_at < w["time"] <= recovered_at]
+    after = [w["window_samples_per_s"] for w in windows if w["time"] > recovered_at][:10]
+    rows = TOTAL_ROWS
+    median = statistics.median
+    return {"kill_at_iteration": kill_at, "failure": failure, "epochs": summary["epochs"],
+            "unprotected_write_backs": summary["unprotected_write_backs"],
+            "samples_per_s_before": median(before),
+            "samples_per_s_while_the_replacement_starts": median(starting) if starting else None,
+            "windows_while_the_replacement_starts": len(starting),
+            "samples_per_s_while_the_parity_is_made": median(making) if making else None,
+            "windows_while_the_parity_is_made": len(making),
+            "samples_per_s_100_iterations_after": median(after) if after else None,
+            "ratio_during_to_before": median(starting + making) / median(before) if starting + making else None,
+            "loss_cost_s": max(durations[hit - 2:hit + 8]) - median(durations),  # the slowest window around it
+            "window_durations_around_loss_s": [round(d, 3) for d in durations[hit - 2:hit + 8]],
+            "median_window_s": median(durations),
+            "made_s_per_million_rows": 1e6 * failure["made_in_s"] / rows,
+            "parity_check": summary["parity"][0]["check"], "samples_per_s": summary["samples_per_s"]}
+
+
 def restart(data: Path, work: Path, args) -> dict:
     every = args.checkpoint_every
     kill_at = (args.iterations // 2 // every) * every + every // 3
@@ -108,6 +151,8 @@ def main() -> None:
     parser.add_argument("--recovery", action="store_true", help="also: a run that loses data server 1 midway")
     parser.add_argument("--restart", action="store_true", help="also: a run that loses trainer 1 midway and is "
                         "started again from its newest checkpoint")
+    parser.add_argument("--replacement", action="store_true", help="also: a run that loses its parity server "
+                        "midway, replaced while training goes on")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="--restart: the run's checkpoint interval")
     parser.add_argument("--no-overhead", action="store_true", help="skip the runs with and without parity")
     args = parser.parse_args()
@@ -118,8 +163,8 @@ def main() -> None:
     server_cpu: dict[str, list[float]] = {"data server": [], "parity server": []}  # CPU ms per iteration
     server_rss: dict[str, list[float]] = {"data server": [], "parity server": []}  # MiB
     parity_stats, foreign = [], []
-    extras = {name: measure for name, measure in (("recovery", recovery), ("restart", restart))
-              if getattr(args, name)}
+    extras = {name: measure for name, measure in (("recovery", recovery), ("restart", restart),
+                                                  ("replacement", replacement)) if getattr(args, name)}
     if args.no_overhead:
         result = {"settings": vars(args), **{name: measure(data, work, args) for name, measure in extras.items()}}
         write(args.out, result)
