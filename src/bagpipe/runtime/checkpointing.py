@@ -29,7 +29,7 @@ from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter,
                                 save_dense, step_name, write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.threads import Background
-from bagpipe.runtime.world import NoEpochs, Routes, World
+from bagpipe.runtime.world import NoEpochs, Routes, World, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class JobCheckpoints:
         while True:
             sent_in, future = sent
             try:
-                return future.wait()
+                return unwrap(future.wait())
             except RuntimeError:
                 if not self.epochs.resend_after(sent_in):
                     raise

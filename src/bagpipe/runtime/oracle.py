@@ -276,7 +276,8 @@ class Oracle:
         make the parity from its group's rows while training goes on. True if that can be done; False when the
         RPC world cannot be re-formed (a process of it is gone for good, or some trainer has left): the job then
         fails as without parity (the launcher restarts it from its newest checkpoint)."""
-        gone = [f["rank"] for f in self.failures if not f.get("replaced")]
+        # (a replacement for this rank lost before it was whole is replaced in turn: its group's rows are all there)
+        gone = [f["rank"] for f in self.failures if not f.get("replaced") and f["rank"] != rank]
         with self.changed:
             reported = bool(self.done)
         if gone or reported or self.store is None:
@@ -289,6 +290,9 @@ class Oracle:
         group = self.world.parity_group((index - self.world.num_shards) * self.world.parity)
         failure = {"role": f"server {index}", "server": index, "rank": rank, "parity_of": group,
                    "planned_iteration": self.planned, "at": time.time(), "epoch": epoch}
+        earlier = self.replacing.pop(rank, None)
+        if earlier is not None:
+            earlier["replaced"] = False  # its replacement was lost too, before it was whole: this one takes over
         self.failures.append(failure)
         self.replacing[rank] = failure
         self.store.delete_key(f"{JOINING_PREFIX}{rank}")
@@ -306,6 +310,8 @@ class Oracle:
         deadline = time.monotonic() + self.world.timeout
         try:
             while not self.store.check([key]):
+                if self.replacing.get(rank) is not failure:  # that replacement was lost: a later one is awaited
+                    return
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no replacement for {self.world.label(rank)} (rank {rank}) joined within "
                                        f"{self.world.timeout:.0f} s: start the same command again")
@@ -314,6 +320,8 @@ class Oracle:
             if self.liveness is not None:
                 self.liveness.readmit(rank)
             with self.changed:  # a trainer that has reported leaves the RPC world: announced before, it takes part
+                if self.replacing.get(rank) is not failure:
+                    return
                 if self.done:
                     log.warning("the replacement for %s is ready after training ended: the job does not need it",
                                 self.world.label(rank))
@@ -470,7 +478,8 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         for failure in oracle.replacing.values():  # no rows are lost with a parity server: the run does not need it
             log.warning("training ended before %s's replacement had made its parity: the run goes without it",
                         failure["role"])
-        lost = {f["server"] for f in oracle.failures if not f.get("replaced")}
+        latest = {f["server"]: f for f in oracle.failures}  # a server's last loss says whether it is back
+        lost = {server for server, f in latest.items() if not f.get("replaced")}
         if config.parity and config.check_parity:
             check_parity(world, epochs, skip=lost)
         shards = [LOST_SERVER_DUMP if s in lost else epochs.call(World.server_name(s), server.rpc_dump)

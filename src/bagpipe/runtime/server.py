@@ -414,17 +414,18 @@ _WORLD: World | None = None
 
 _PARITY: ParityServer | None = None
 _JOB: JobInfo | None = None
+_EPOCHS: Epochs | None = None  # this server's: the futures its handlers return are answered through it
 
 
 @rpc.functions.async_execution
 def rpc_fetch(space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
-    return _SERVER.fetch(space, keys, versions)
+    return _EPOCHS.answer(_SERVER.fetch(space, keys, versions))
 
 
 @rpc.functions.async_execution
 def rpc_write_back(space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
                    version: int) -> torch.futures.Future:
-    return _SERVER.write_back(space, keys, rows, state, version)
+    return _EPOCHS.answer(_SERVER.write_back(space, keys, rows, state, version))
 
 
 def rpc_read_range(space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -462,7 +463,7 @@ def rpc_stand_in(shard: int) -> None:
 
 @rpc.functions.async_execution
 def rpc_checkpoint_written(boundary: int) -> torch.futures.Future:
-    return _SERVER.checkpoints[boundary]  # kept: asked again if the answer was lost to a re-formation
+    return _EPOCHS.answer(_SERVER.checkpoints[boundary])  # kept: asked again if lost to a re-formation
 
 
 def run_server(world: World, *, given: dict | None = None) -> None:
@@ -472,7 +473,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     the oracle agrees with every other role's at check-in. The same command started again for a server
     whose process was lost, while the oracle awaits its replacement, joins as that replacement.
     """
-    global _SERVER, _WORLD, _PARITY, _JOB
+    global _SERVER, _WORLD, _PARITY, _JOB, _EPOCHS
     store, world = check_in(world, "server", given=given)
     role, index = world.role
     liveness = Liveness(world, watch=[0])
@@ -487,17 +488,18 @@ def run_server(world: World, *, given: dict | None = None) -> None:
                              f"parity server, not by a replacement process")
         # the parity's structure first: its members' deltas arrive as soon as the RPC world has this process
         _PARITY = replacement_parity(world, job, index, row_optimizer, NoEpochs())
-        epochs = _join_as_replacement(world, store)
+        _EPOCHS = epochs = _join_as_replacement(world, store)
         if epochs is None:  # training ended before the job needed it
             liveness.stop()
             return
         _PARITY.epochs = epochs
         _PARITY.make()
+        inject_fault("parity made")
         epochs.call("oracle", oracle.rpc_replaced, (world.rank, {"made_in_s": _PARITY.made_in_s}))
         serve_until_stopped(world, store, liveness, epochs, stores=[])
         return
     init_rpc(world, store)
-    epochs = Epochs(world, store)
+    _EPOCHS = epochs = Epochs(world, store)
     if index >= world.num_shards:
         _PARITY = start_parity(world, job, index, row_optimizer, epochs)
         log.info("server %d holds the parity of servers %s (%d positions); ready in %.1f s", index,

@@ -38,7 +38,7 @@ from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.world import Epochs, Routes, World, check_in, init_rpc, trainer_group, wait_for_job
+from bagpipe.runtime.world import Epochs, Routes, World, check_in, init_rpc, trainer_group, unwrap, wait_for_job
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class TrainerRuntime:
         there)."""
         while True:
             try:
-                return request.future.wait()
+                return unwrap(request.future.wait())
             except RuntimeError as err:
                 if not self.epochs.resend_after(request.epoch):
                     self.routes.failover(request.shard, request.sent_to,

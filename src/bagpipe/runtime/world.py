@@ -16,6 +16,7 @@ a trusted network.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import json
 import logging
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
@@ -446,6 +448,8 @@ class Epochs:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self.reformed: list[dict] = []  # (epoch, seconds): each re-formation this process took part in
+        self._answers: set = set()  # answers handed to this epoch's RPC agent, not completed yet
+        self._answering = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="epochs", daemon=True)
         self._thread.start()
 
@@ -470,9 +474,33 @@ class Epochs:
             if epoch > self.epoch:
                 self._reform(epoch)
 
+    def answer(self, future: torch.futures.Future) -> torch.futures.Future:
+        """What an ``async_execution`` handler returns for ``future``: a future of the current RPC agent's own,
+        completed with ``future``'s result, or failed when the agent is shut down for a re-formation before that.
+        (A future the agent waits on must not outlive it: completing it later runs the dead agent's callback.)"""
+        proxy: torch.futures.Future = torch.futures.Future()
+        with self._answering:
+            self._answers.add(proxy)
+        future.add_done_callback(functools.partial(self._pass_on, proxy))
+        return proxy
+
+    def _pass_on(self, proxy: torch.futures.Future, future: torch.futures.Future) -> None:
+        with self._answering:
+            if proxy not in self._answers:  # failed at a re-formation already
+                return
+            self._answers.discard(proxy)
+            try:
+                proxy.set_result(future.value())
+            except BaseException as err:  # noqa: BLE001 - the caller's RPC gets it
+                proxy.set_exception(err)
+
     def _reform(self, epoch: int) -> None:
         started = time.perf_counter()
         log.info("the job's RPC world is re-formed (epoch %d): leaving epoch %d", epoch, self.epoch)
+        with self._answering:  # while the agent that waits on them is alive (their callers send them again)
+            answers, self._answers = self._answers, set()
+            for proxy in answers:
+                proxy.set_exception(RuntimeError(f"the job's RPC world is re-formed (epoch {epoch})"))
         rpc.shutdown(graceful=False)
         init_rpc(self.world, self._rpc_store, epoch=epoch)
         seconds = time.perf_counter() - started
@@ -510,6 +538,14 @@ class Epochs:
             except RuntimeError:
                 if not self.resend_after(sent_in):
                     raise
+
+
+def unwrap(answer):
+    """An RPC's answer; raised if it is an error: a future an ``async_execution`` handler returned that failed
+    reaches its caller as the exception object (seen with the answers failed at a re-formation)."""
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
 
 
 class NoEpochs:
