@@ -300,7 +300,8 @@ def test_a_checkpoint_whose_server_is_lost_while_writing_it_is_abandoned_and_the
         small_binary, tmp_path):
     """Server 1 killed writing its part of the checkpoint at 20: that checkpoint is given up, training goes on,
     and the next delta holds everything since 10; a trainer killed at 43 (not covered) ends the job, which
-    the launcher starts again from 40 (10's base, 30's and 40's deltas), to the reference's export."""
+    the launcher starts again from 40 (10's base, 30's and 40's deltas), or from 30 if 40 was not committed yet
+    (it races the trainers' next 3 iterations): either way across the abandoned one, to the reference's export."""
     from test_runtime import assert_same_parameters, job_config, reference_of
 
     from bagpipe.checkpoint import checkpoints_dir, step_name
@@ -312,7 +313,16 @@ def test_a_checkpoint_whose_server_is_lost_while_writing_it_is_abandoned_and_the
     summary = launch_local(config, show_progress=False,
                            env={"BAGPIPE_FAULTS": "server1@checkpoint 20 written:kill,trainer1@iteration 43:kill"})
     [restart] = summary["restarts"]
-    assert restart["failed"].startswith("trainer 1") and restart["resumed_from"] == summary["resumed_at"] == 40
+    assert restart["failed"].startswith("trainer 1") and restart["resumed_from"] == summary["resumed_at"]
+    assert summary["resumed_at"] in (30, 40)
     kept = {d.name for d in checkpoints_dir(config.run_dir).iterdir()}
-    assert {step_name(10), step_name(30), step_name(40)} <= kept and step_name(20) not in kept
+    assert {step_name(10), step_name(30)} <= kept and step_name(20) not in kept
     assert_same_parameters(export(config.run_dir, tmp_path / "run.pt"), reference_of(config, tmp_path / "ref"))
+
+
+def test_row_bits_of_no_rows_and_of_no_state():
+    """A write-back that brings nothing new (a repeat at a stand-in) and SGD's empty state have bits too."""
+    from bagpipe.storage.bits import row_bits
+
+    assert row_bits(np.zeros((0, 4), np.float32), np.zeros((0, 9), np.float32)).shape == (0, 13)
+    assert row_bits(torch.ones(3, 4), torch.zeros(3, 0)).shape == (3, 4)

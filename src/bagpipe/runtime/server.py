@@ -167,6 +167,10 @@ class StandInServer(Server):
                    version: int) -> torch.futures.Future:
         def write_new() -> torch.futures.Future:
             new = torch.from_numpy(self.stand_ins[space].new_rows(keys.numpy(), version))  # a repeat: no-op
+            if not new.any():
+                done: torch.futures.Future = torch.futures.Future()
+                done.set_result(None)
+                return done
             return super(StandInServer, self).write_back(space, keys[new], rows[new], state[new], version)
 
         return self._off_rpc_thread(write_new)

@@ -12,7 +12,12 @@ def row_bits(rows: torch.Tensor | np.ndarray, state: torch.Tensor | np.ndarray) 
     """Rows ``[n, dim]`` and their optimizer state ``[n, state_width]`` as one matrix of raw bit patterns."""
     rows, state = (np.ascontiguousarray(x.numpy() if isinstance(x, torch.Tensor) else x, dtype=np.float32)
                    for x in (rows, state))
-    return np.concatenate([rows.reshape(len(rows), -1).view(BITS), state.reshape(len(state), -1).view(BITS)], axis=1)
+    return np.concatenate([_matrix(rows).view(BITS), _matrix(state).view(BITS)], axis=1)
+
+
+def _matrix(values: np.ndarray) -> np.ndarray:
+    """``[n, width]``, also for no rows or no state (numpy cannot infer a -1 from a size of 0)."""
+    return values if values.ndim == 2 else values.reshape(len(values), -1)
 
 
 def from_bits(bits: np.ndarray, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
