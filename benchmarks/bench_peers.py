@@ -122,7 +122,7 @@ def run_bagpipe_before(args, data: Path, run_dir: Path, cache_rows: int) -> dict
                "--warmup-iterations", str(args.warmup), "--log-every", "20", "--max-eval-rows", str(BATCH),
                "--trainers", "2", "--servers", "1", "--cache-rows", str(cache_rows), "--lookahead", "200",
                "--timeout", "120", "--emb-dim", str(DIM), "--arch-mlp-bot", BOTTOM, "--arch-mlp-top", TOP,
-               "--no-progress"]
+               "--no-progress", "--overwrite"]  # a repeat replaces the last run
     env = dict(os.environ, PYTHONPATH=str(Path(args.before_src).resolve()))
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr, timeout=1800)
     summary = json.loads((run_dir / "summary.json").read_text())
