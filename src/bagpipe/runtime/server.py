@@ -314,12 +314,7 @@ class ParityServer:
             for member, shard in enumerate(self.shards):
                 for start in range(0, parity.num_rows, chunk_rows):
                     stop = min(start + chunk_rows, parity.num_rows)
-                    rows, state, versions = self.epochs.call(World.server_name(shard), rpc_read_range,
-                                                             (space, start, stop))
-                    bits = np.zeros((stop - start, parity.width), dtype=np.uint32)
-                    held = np.full(stop - start, -1, dtype=np.int64)  # past a shorter member's end: zeros
-                    bits[:len(rows)], held[:len(rows)] = row_bits(rows, state), versions.numpy()
-                    parity.install(member, start, bits, held)
+                    parity.install(member, start, *self._member_bits(space, shard, start, stop, width=parity.width))
         self.made_in_s = time.perf_counter() - started
         log.info("the parity of servers %s made from their rows in %.2f s (%d positions)",
                  ", ".join(map(str, self.shards)), self.made_in_s, sum(p.num_rows for p in self.parities))
@@ -368,18 +363,28 @@ class ParityServer:
                 expected = np.zeros((stop - start, parity.width), dtype=np.uint32)
                 versions = np.full((stop - start, parity.k), -1, dtype=np.int64)
                 for member, shard in enumerate(self.shards):
-                    if self.standing_in is not None and shard == self.standing_in.shard:  # served here
-                        rows, state, have = self.standing_in.read_range(space, start, stop)
-                    else:
-                        rows, state, have = self.epochs.call(World.server_name(shard), rpc_read_range,
-                                                             (space, start, stop), timeout=timeout)
-                    expected[:len(rows)] ^= row_bits(rows, state)
-                    versions[:len(rows), member] = have.numpy()
+                    bits, versions[:, member] = self._member_bits(space, shard, start, stop, width=parity.width,
+                                                                  timeout=timeout)
+                    expected ^= bits
                 bits, held = parity.read(np.arange(start, stop))
                 wrong += int(np.count_nonzero((bits != expected).any(axis=1) | (held != versions).any(axis=1)))
             mismatched.append(wrong)
         self.checked = {"mismatched_rows": mismatched, "rows": [parity.num_rows for parity in self.parities]}
         return self.checked
+
+    def _member_bits(self, space: int, shard: int, start: int, stop: int, *, width: int,
+                     timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Member ``shard``'s positions ``start:stop`` as the parity counts them: bits and versions, read together
+        (from the stand-in here if this server serves that shard); zeros and -1 past a shorter member's end."""
+        if self.standing_in is not None and shard == self.standing_in.shard:
+            rows, state, have = self.standing_in.read_range(space, start, stop)
+        else:
+            rows, state, have = self.epochs.call(World.server_name(shard), rpc_read_range, (space, start, stop),
+                                                 timeout=timeout)
+        bits = np.zeros((stop - start, width), dtype=np.uint32)
+        versions = np.full(stop - start, -1, dtype=np.int64)
+        bits[:len(rows)], versions[:len(rows)] = row_bits(rows, state), have.numpy()
+        return bits, versions
 
     def dump(self) -> dict:
         standing_in = self.standing_in.dump() if self.standing_in is not None else {}
