@@ -251,7 +251,10 @@ def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(s
     (failure,) = summary["failures"]
     assert failure["role"] == f"server {lost}" and failure["parity_server"] == 3
     (parity,) = summary["parity"]
-    assert parity["standing_in"]["shard"] == lost and parity["standing_in"]["rebuilt_after_s"] is not None
+    # the parity server stands in to the end, or until a replacement process takes the shard back (this job
+    # is short: one seldom joins in time; test_replacement's jobs are long enough)
+    served = parity.get("standing_in") or parity["handed_back"][0]
+    assert served["shard"] == lost and served["rebuilt_after_s"] is not None
     assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
 
 

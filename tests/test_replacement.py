@@ -128,3 +128,52 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == losses
     pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
     assert not [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.parametrize("optimizer, fault", [("adagrad", "server1@write-back 20:kill"),
+                                              ("adam", "server0@delta sent 33:kill"),
+                                              # the replacement killed too, once it has copied the shard (faults
+                                              # name it server1/EPOCH), and one killed taking the shard over
+                                              ("sgd", "server1@write-back 20:kill,server1/1@shard copied:kill"),
+                                              ("adagrad", "server2@write-back 20:kill,server2/1@take over:kill")])
+def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_training_goes_on(
+        small_binary, tmp_path, optimizer, fault):
+    """2 trainers, 3 data servers and 1 parity server; a data server SIGKILLed mid-write-back: its parity server
+    stands in for it, the launcher starts a replacement, the RPC world is re-formed around it, it copies the shard
+    from the stand-in while training goes on, and takes it back (the stand-in frozen, the rows written meanwhile
+    read again, the route moved back). The job ends with the sliced reference's export bit for bit, the parity
+    equal to its group with the replacement in it, and no process left behind."""
+    from test_runtime import alive, assert_same_parameters, job_config, reference_of
+
+    from bagpipe.rundir import export
+    from bagpipe.runtime.launch import launch_local
+
+    lost = int(fault[len("server")])
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
+                        check_parity=True, iterations=ITERATIONS, timeout=20.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault},
+                           extra_trainer_args=WRITEBACK_DELAY)
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    assert "restarts" not in summary
+    losses = fault.count("kill")
+    assert [f["role"] for f in summary["failures"]] == [f"server {lost}"] * losses
+    assert all(f["parity_server"] == 3 and f["epoch"] == epoch + 1 for epoch, f in enumerate(summary["failures"]))
+    assert [f["replaced"] for f in summary["failures"]] == [False] * (losses - 1) + [True]
+    last = summary["failures"][-1]
+    assert 0 < last["joined_in_s"] <= last["recovered_in_s"] and last["rows_copied"] > 0
+    assert 0 < last["handover_s"] < 5 and last["copied_in_s"] > 0
+    records = [json.loads(line) for line in (tmp_path / "bagpipe" / "metrics.jsonl").read_text().splitlines()]
+    first = summary["failures"][0]
+    trained = [r["iteration"] for r in records if "train_loss" in r
+               and first["at"] < r["time"] < first["at"] + first["joined_in_s"]]
+    assert len(trained) >= 5, trained  # training went on while the replacement started
+    assert [r["server"] for r in records if r.get("event") == "server back"] == [lost]
+    (parity,) = summary["parity"]
+    assert "standing_in" not in parity
+    (back,) = parity["handed_back"]
+    assert back["shard"] == lost and back["rebuilt_after_s"] is not None
+    assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
+    log = (tmp_path / "bagpipe" / "logs" / f"server{lost}.log").read_text()
+    assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == losses
+    pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
+    assert not [pid for pid in pids if alive(pid)]

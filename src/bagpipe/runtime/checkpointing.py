@@ -15,6 +15,7 @@ snapshots (``write_final``), never gathered into one process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
@@ -54,6 +55,8 @@ class JobCheckpoints:
         self._arrived = threading.Condition()
         self._job: Background | None = None  # the checkpoint being committed
         self.written: list[int] = []
+        self._beginning = threading.Lock()  # held while a checkpoint begins, and while ``paused``
+        self.closed = False  # the final rows are being written: training has ended
 
     @property
     def periodic(self) -> bool:
@@ -72,13 +75,25 @@ class JobCheckpoints:
         start a checkpoint there if one is due. Waits for the previous one to be committed first."""
         if not (self.schedule.due(boundary) or self.evaluates(boundary)):
             return False
-        self.wait()
-        full = self.writer.wants_full() or self.previous is None
-        directory = self.writer.stage(boundary)
-        futures = self._begin_snapshots(boundary, directory, since=None if full else self.previous)
-        self._job = Background(lambda: self._finish(boundary, full, futures), name="checkpoint")
-        self.previous = boundary
+        with self._beginning:
+            self.wait()
+            full = self.writer.wants_full() or self.previous is None
+            directory = self.writer.stage(boundary)
+            futures = self._begin_snapshots(boundary, directory, since=None if full else self.previous)
+            self._job = Background(lambda: self._finish(boundary, full, futures), name="checkpoint")
+            self.previous = boundary
         return True
+
+    @contextlib.contextmanager
+    def paused(self):
+        """While the body runs no checkpoint is in progress (one is committed first; none begins): a shard may
+        change hands (a stand-in's snapshot is not cut short). Yields False, at once, once training has ended."""
+        with self._beginning:
+            if self.closed:
+                yield False
+                return
+            self.wait()
+            yield True
 
     def _begin_snapshots(self, boundary: int, directory: Path, *, since: int | None) -> list:
         """Ask every server to write its shard as of ``boundary`` into ``directory`` (every row, or those
@@ -121,10 +136,12 @@ class JobCheckpoints:
         """The job's rows after its last iteration ``boundary`` (when every row is back on its server: the
         last plan step writes every cached row back), each server writing its own shard into ``directory``;
         read lazily from there."""
-        self.wait()
-        directory.mkdir(parents=True, exist_ok=True)
-        entries = [entry for shard, sent in enumerate(self._begin_snapshots(boundary, directory, since=None))
-                   for entry in self._wait_written(shard, boundary, sent)]
+        with self._beginning:
+            self.closed = True
+            self.wait()
+            directory.mkdir(parents=True, exist_ok=True)
+            entries = [entry for shard, sent in enumerate(self._begin_snapshots(boundary, directory, since=None))
+                       for entry in self._wait_written(shard, boundary, sent)]
         return ChainRows([(directory, entries)])
 
     def receive_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:

@@ -43,7 +43,8 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo, SpaceStep, StepMessage, TrainerStats, schema_dict
+from bagpipe.runtime.protocol import (SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo, SpaceStep, StepMessage,
+                                       TrainerStats, schema_dict)
 from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
                                     Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
                                     wait_for_ranks)
@@ -235,9 +236,10 @@ class Oracle:
         return self.lose_server(rank, store=store)
 
     def lose_server(self, rank: int, *, store) -> bool:
-        """A lost data server (``rank``): with parity, a data server's shard moves to its group's parity server, which
-        serves it from then on (the trainers send their failed requests there again); True if so. A parity
-        server, or a second loss in a group, is not covered: False (the job ends as without parity)."""
+        """A lost server (``rank``), with parity: a data server's shard moves to its group's parity server, which
+        serves it while a replacement process is made (when the RPC world can be re-formed around one) that then
+        takes the shard back; a parity server is replaced. True if so; False when parity does not cover the loss
+        (the job ends as without parity)."""
         from bagpipe.runtime import server
 
         role, shard = self.world.role_of(rank)
@@ -245,61 +247,77 @@ class Oracle:
             return False
         if shard >= self.world.num_shards:
             return self._replace_parity_server(rank, shard)
-        if self.replacing:
-            raise RuntimeError(f"server {shard} lost while a replacement for a lost process is made: the job's RPC "
-                               f"world cannot be re-formed without it; resume from the newest checkpoint (--resume)")
         parity_server = self.world.parity_server(shard)
-        if any(f.get("parity_server") == parity_server for f in self.failures):
+        with self.changed:
+            earlier = self.replacing.get(rank)
+        failure = {"role": f"server {shard}", "server": shard, "rank": rank, "parity_server": parity_server,
+                   "planned_iteration": self.planned, "at": time.time()}
+        if earlier is not None:  # its replacement was lost before it took the shard back: the stand-in serves on
+            self.failures.append(failure)
+            replaced = self._ask_for_replacement(rank, failure)
+            self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server,
+                                 replaced=replaced, **({"epoch": failure["epoch"]} if replaced else {}))
+            log.warning("server %d's replacement lost before it took its shard back: the shard is still served by "
+                        "server %d", shard, parity_server)
+            return True
+        if any(f.get("parity_server") == parity_server and not f.get("replaced") for f in self.failures):
             group = ", ".join(str(s) for s in self.world.parity_group(shard))
             raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers {group}): "
                                f"parity covers one loss per group; resume from the newest checkpoint (--resume)")
-        if parity_server in {self.world.role_of(r)[1] for r in self.replacing}:
-            raise RuntimeError(f"server {shard} lost while its group's parity server (server {parity_server}) is "
-                               f"being replaced: parity covers one loss per group; resume from the newest checkpoint "
-                               f"(--resume)")
+        if self.replacing:
+            raise RuntimeError(f"server {shard} lost while a replacement for a lost process is made: the job's RPC "
+                               f"world cannot be re-formed without it; resume from the newest checkpoint (--resume)")
         started = time.perf_counter()
         self.epochs.call(World.server_name(parity_server), server.rpc_stand_in, (shard,))
         self.routes.move(store, shard, parity_server)
-        failure = {"role": f"server {shard}", "server": shard, "rank": rank, "parity_server": parity_server,
-                   "planned_iteration": self.planned, "at": time.time(),
-                   "moved_in_s": round(time.perf_counter() - started, 3)}
+        failure["moved_in_s"] = round(time.perf_counter() - started, 3)
         self.failures.append(failure)
-        self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server)
-        log.warning("server %d lost: its shard is served by server %d (its parity server) from now on", shard,
-                    parity_server)
+        replaced = self._ask_for_replacement(rank, failure)
+        self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server, replaced=replaced,
+                             **({"epoch": failure["epoch"]} if replaced else {}))
+        log.warning("server %d lost: its shard is served by server %d (its parity server) %s", shard, parity_server,
+                    "until a replacement takes it back" if replaced else "from now on")
         return True
 
     def _replace_parity_server(self, rank: int, index: int) -> bool:
         """A lost parity server (no rows are lost: its group's data servers hold them and acknowledge their
-        write-backs without it meanwhile): have a replacement started (the launcher starts one; on several
-        machines, the same command started again), re-form the RPC world around it once it is ready, and let it
-        make the parity from its group's rows while training goes on. True if that can be done; False when the
-        RPC world cannot be re-formed (a process of it is gone for good, or some trainer has left): the job then
-        fails as without parity (the launcher restarts it from its newest checkpoint)."""
+        write-backs without it meanwhile): have a replacement made that makes the parity from its group's rows
+        while training goes on. True if that can be done; False when the RPC world cannot be re-formed (see
+        ``_ask_for_replacement``): the job then fails as without parity (the launcher restarts it from its newest
+        checkpoint)."""
+        group = self.world.parity_group((index - self.world.num_shards) * self.world.parity)
+        failure = {"role": f"server {index}", "server": index, "rank": rank, "parity_of": group,
+                   "planned_iteration": self.planned, "at": time.time()}
         # (a replacement for this rank lost before it was whole is replaced in turn: its group's rows are all there)
+        if not self._ask_for_replacement(rank, failure):
+            return False
+        self.failures.append(failure)
+        self.run.log_metrics(event=SERVER_LOST, server=index, rank=rank, replaced=True, epoch=failure["epoch"])
+        log.warning("server %d (the parity server of servers %s) lost: its group goes on without parity until a "
+                    "replacement has made it again", index, ", ".join(map(str, group)))
+        return True
+
+    def _ask_for_replacement(self, rank: int, failure: dict) -> bool:
+        """Have a replacement for lost ``rank`` started (the local launcher starts one on the ``server lost``
+        event; on several machines, the same command started again joins as it) and re-form the RPC world around
+        it once it is ready (``_await_replacement``). False, with a warning, when the RPC world cannot be
+        re-formed: a process of it is gone for good, or some trainer has left the job."""
         gone = [f["rank"] for f in self.failures if not f.get("replaced") and f["rank"] != rank]
         with self.changed:
             reported = bool(self.done)
         if gone or reported or self.store is None:
             why = (f"{', '.join(self.world.label(r) for r in gone)} gone for good" if gone
                    else "a trainer has left the job" if reported else "the job is not under way")
-            log.warning("server %d (a parity server) lost: no replacement, since the RPC world cannot be re-formed "
-                        "(%s)", index, why)
+            log.warning("%s lost: no replacement, since the RPC world cannot be re-formed (%s)",
+                        self.world.label(rank), why)
             return False
-        epoch = self.epochs.announced() + 1
-        group = self.world.parity_group((index - self.world.num_shards) * self.world.parity)
-        failure = {"role": f"server {index}", "server": index, "rank": rank, "parity_of": group,
-                   "planned_iteration": self.planned, "at": time.time(), "epoch": epoch}
+        failure["epoch"] = epoch = self.epochs.announced() + 1
         earlier = self.replacing.pop(rank, None)
         if earlier is not None:
             earlier["replaced"] = False  # its replacement was lost too, before it was whole: this one takes over
-        self.failures.append(failure)
         self.replacing[rank] = failure
         self.store.delete_key(f"{JOINING_PREFIX}{rank}")
         self.store.set(f"{REPLACE_PREFIX}{rank}", str(epoch))
-        self.run.log_metrics(event=SERVER_LOST, server=index, rank=rank, replaced=True, epoch=epoch)
-        log.warning("server %d (the parity server of servers %s) lost: its group goes on without parity until a "
-                    "replacement has made it again", index, ", ".join(map(str, group)))
         threading.Thread(target=self._await_replacement, args=(rank, epoch), name="replacement", daemon=True).start()
         return True
 
@@ -329,6 +347,47 @@ class Oracle:
                 self.store.set(EPOCH_KEY, str(epoch))
             log.info("a replacement for %s (rank %d) is ready after %.2f s: the RPC world is re-formed around it "
                      "(epoch %d)", self.world.label(rank), rank, time.perf_counter() - started, epoch)
+        except BaseException as err:  # noqa: BLE001 - the job cannot go on: its trainers' next pull says why
+            with self.changed:
+                self.failure = self.failure or err
+                self.changed.notify_all()
+
+    def ready_to_take_over(self, rank: int) -> None:
+        """A lost data server's replacement has copied its shard from the stand-in (an RPC handler): have the
+        stand-in hand it over (``_take_over``, on a thread of its own)."""
+        threading.Thread(target=self._take_over, args=(rank, self.replacing.get(rank)), name="take-over",
+                         daemon=True).start()
+
+    def _take_over(self, rank: int, failure: dict | None) -> None:
+        """Between checkpoints (a stand-in's snapshot must not be cut short): freeze the stand-in, let the
+        replacement catch up with it, route the shard to the replacement, and have the stand-in let go."""
+        from bagpipe.runtime import server
+
+        shard = self.world.role_of(rank)[1]
+        parity = World.server_name(self.world.parity_server(shard))
+        try:
+            with self.checkpoints.paused() as open_:
+                if failure is None or self.replacing.get(rank) is not failure:
+                    return  # that replacement was lost: a later one is awaited
+                if not open_:
+                    log.warning("training ended before server %d's replacement took its shard back: its parity "
+                                "server served it to the end", shard)
+                    return
+                started = time.perf_counter()
+                versions, received = self.epochs.call(parity, server.rpc_hand_over, (shard,))
+                try:  # not sent again after a re-formation: that would be to another replacement
+                    figures = rpc.rpc_sync(World.server_name(shard), server.rpc_take_over, (versions, received),
+                                           timeout=self.world.timeout)
+                except RuntimeError as err:
+                    self.epochs.call(parity, server.rpc_keep_standing_in, (shard,))
+                    log.warning("server %d's replacement was lost while taking its shard back (%s): its parity server "
+                                "serves it on", shard, str(err).splitlines()[0])
+                    return
+                with self.changed:  # at once: the replacement lost from now on is a loss of the shard again
+                    self.routes.move(self.store, shard, shard)
+                    self.replaced(rank, {**figures, "handover_s": time.perf_counter() - started})
+                self.run.log_metrics(event=SERVER_BACK, server=shard, rank=rank)
+                self.epochs.call(parity, server.rpc_handed_back, (shard,))
         except BaseException as err:  # noqa: BLE001 - the job cannot go on: its trainers' next pull says why
             with self.changed:
                 self.failure = self.failure or err
@@ -392,6 +451,10 @@ def rpc_pull(trainer: int, after: int, max_steps: int) -> list[StepMessage]:
 
 def rpc_replaced(rank: int, info: dict) -> None:
     _ORACLE.replaced(rank, info)
+
+
+def rpc_ready_to_take_over(rank: int) -> None:
+    _ORACLE.ready_to_take_over(rank)
 
 
 def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
@@ -475,9 +538,8 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         oracle.wait_for_trainers()
         inject_fault("trainers reported")
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
-        for failure in oracle.replacing.values():  # no rows are lost with a parity server: the run does not need it
-            log.warning("training ended before %s's replacement had made its parity: the run goes without it",
-                        failure["role"])
+        for failure in oracle.replacing.values():  # its rows are on its group's servers: the run does not need it
+            log.warning("training ended before %s's replacement was whole: the run goes without it", failure["role"])
         latest = {f["server"]: f for f in oracle.failures}  # a server's last loss says whether it is back
         lost = {server for server, f in latest.items() if not f.get("replaced")}
         if config.parity and config.check_parity:

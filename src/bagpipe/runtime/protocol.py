@@ -18,7 +18,8 @@ from bagpipe.embeddings import EmbeddingLayout, TableConfig
 TRAINED = "trained"  # the metrics event after which every row is back on the servers and gathered
 TRAINER_DONE = "trainer done"  # the metrics event of a trainer that reported: the job no longer needs it
 RESUMED = "resumed"  # the metrics event of a resumed job's first iteration done (trainer 0 logs it)
-SERVER_LOST = "server lost"  # the metrics event of a data server lost and served by its parity server from then on
+SERVER_LOST = "server lost"  # the metrics event of a lost server (a data server's shard moved to its parity server)
+SERVER_BACK = "server back"  # the metrics event of a lost data server's replacement that took its shard back
 
 
 @dataclass(frozen=True)

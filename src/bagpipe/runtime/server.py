@@ -28,8 +28,8 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
 from bagpipe.runtime.liveness import Liveness, is_peer_gone
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.world import (EPOCH_KEY, JOINING_PREFIX, STOP_KEY, Epochs, NoEpochs, World, check_in, init_rpc,
-                                    wait_for_job)
+from bagpipe.runtime.world import (EPOCH_KEY, JOINING_PREFIX, STOP_KEY, Epochs, NoEpochs, ShardMoved, World,
+                                    check_in, init_rpc, wait_for_job)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
 from bagpipe.storage.bits import row_bits
@@ -38,6 +38,8 @@ from bagpipe.storage.parity import ParityRows, StandIn, TwoLossesInAGroup
 from bagpipe.storage.rowstore import shard_num_rows
 
 log = logging.getLogger(__name__)
+
+CHUNK_ROWS = 1 << 14  # rows a replacement reads at a time from the members of its group or from a stand-in
 
 
 class Server:
@@ -143,13 +145,16 @@ class Server:
 class StandInServer(Server):
     """A lost data server's shard, served by its group's parity server from the moment the oracle moves it
     there (storage.parity.StandIn per space): a row not rebuilt yet is reconstructed when first asked for, and
-    a background thread rebuilds the rest; then the shard stays here, whole."""
+    a background thread rebuilds the rest; then the shard stays here, whole, until a replacement process takes
+    it back (``freeze``: from then on every fetch and write-back is answered ``ShardMoved``)."""
 
     def __init__(self, stand_ins: list[StandIn], *, shard: int) -> None:
         super().__init__([stand_in.store for stand_in in stand_ins])
         self.stand_ins, self.shard = stand_ins, shard
         self.started = time.perf_counter()
         self.rebuilt_after_s: float | None = None
+        self.rebuilt: torch.futures.Future = torch.futures.Future()  # completes once the shard is whole here
+        self.frozen = False  # handing the shard on: requests are refused (their senders follow the route)
         # Rebuilding a row reads the survivors by RPC and may wait for the parity to catch up: never on an RPC
         # thread, which the parity's own deltas need (a pool of them all waiting here would wait forever).
         self._work = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stand-in")
@@ -158,6 +163,7 @@ class StandInServer(Server):
 
     def fetch(self, space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
         def fetch_rebuilt() -> torch.futures.Future:
+            self._refuse_if_frozen()
             self.stand_ins[space].ensure(self.stores[space]._local(keys.numpy()))
             return super(StandInServer, self).fetch(space, keys, versions)
 
@@ -166,6 +172,7 @@ class StandInServer(Server):
     def write_back(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
                    version: int) -> torch.futures.Future:
         def write_new() -> torch.futures.Future:
+            self._refuse_if_frozen()
             new = torch.from_numpy(self.stand_ins[space].new_rows(keys.numpy(), version))  # a repeat: no-op
             if not new.any():
                 done: torch.futures.Future = torch.futures.Future()
@@ -188,6 +195,31 @@ class StandInServer(Server):
         self._work.submit(run)
         return answer
 
+    def _refuse_if_frozen(self) -> None:
+        if self.frozen:
+            raise ShardMoved(f"server {self.shard}'s shard is handed back to its replacement")
+
+    def freeze(self) -> tuple[list[torch.Tensor], list[dict]]:
+        """Stop serving the shard (a replacement takes it back): once the requests queued before are done, every
+        fetch and write-back is answered ``ShardMoved``, parked fetches included. Returns what the replacement
+        needs to catch up: each space's row versions and count of rows written back by version (what a
+        checkpoint's snapshot waits for)."""
+        def freeze_now() -> tuple[list[torch.Tensor], list[dict]]:
+            self.frozen = True
+            moved = ShardMoved(f"server {self.shard}'s shard is handed back to its replacement")
+            for store in self.stores:
+                store.fail_waiting(moved)
+            versions = [torch.from_numpy(np.concatenate(
+                [store.read_range(start, start + CHUNK_ROWS)[2] for start in range(0, store.num_rows, CHUNK_ROWS)]
+                or [np.zeros(0, dtype=np.int64)])) for store in self.stores]
+            return versions, [dict(store.received) for store in self.stores]
+
+        return self._work.submit(freeze_now).result()  # after the work queued before it
+
+    def unfreeze(self) -> None:
+        """Serve the shard again (its replacement was lost while taking it back)."""
+        self._work.submit(lambda: setattr(self, "frozen", False)).result()
+
     def before_snapshot(self) -> None:
         # A snapshot reads every row: the shard must be whole first. Its copy-on-write has begun meanwhile, and
         # a write-back here rebuilds its rows before they are overwritten, so what it keeps is right.
@@ -195,10 +227,15 @@ class StandInServer(Server):
 
     def _rebuild(self) -> None:
         background_priority()
-        for stand_in in self.stand_ins:
-            while stand_in.rebuild():
-                pass
+        try:
+            for stand_in in self.stand_ins:
+                while stand_in.rebuild():
+                    pass
+        except BaseException as err:  # noqa: BLE001 - a replacement waiting for the shard is told
+            self.rebuilt.set_exception(err)
+            raise
         self.rebuilt_after_s = time.perf_counter() - self.started
+        self.rebuilt.set_result(None)
         log.info("shard %d rebuilt from its parity group in %.2f s (%d rows)", self.shard, self.rebuilt_after_s,
                  sum(stand_in.store.num_rows for stand_in in self.stand_ins))
 
@@ -304,9 +341,10 @@ class ParityServer:
         self._counting = threading.Lock()
         self.checked: dict | None = None
         self.standing_in: StandInServer | None = None
+        self.given_back: list[dict] = []  # the shards it stood in for that their replacements took back
         self.made_in_s: float | None = None  # a replacement's: how long making the parity from its group took
 
-    def make(self, *, chunk_rows: int = 1 << 14) -> None:
+    def make(self, *, chunk_rows: int = CHUNK_ROWS) -> None:
         """A replacement's parity, made from its group's rows as they stand while they train: each member's rows
         read in chunks (bits and versions together) and installed; deltas arriving meanwhile wait for their row."""
         started = time.perf_counter()
@@ -321,6 +359,8 @@ class ParityServer:
 
     def stand_in(self, shard: int, *, job: JobInfo, num_shards: int, timeout: float) -> StandInServer:
         """Serve lost data shard ``shard`` of this group from now on (one loss per group: parity covers one)."""
+        if self.standing_in is not None and self.standing_in.frozen and self.standing_in.shard == shard:
+            self.handed_back(shard)  # its replacement took it back and was lost before this server let go
         if self.standing_in is not None:
             raise TwoLossesInAGroup(f"server {shard} lost while server {self.standing_in.shard} of the same parity "
                                     f"group is served by its parity server: parity covers one loss per group")
@@ -346,13 +386,42 @@ class ParityServer:
         log.warning("serving lost server %d's shard from its parity group; rebuilding it in the background", shard)
         return self.standing_in
 
+    def _serving(self, shard: int) -> StandInServer:
+        if self.standing_in is None or self.standing_in.shard != shard:
+            raise RuntimeError(f"the parity server of servers {', '.join(map(str, self.shards))} does not stand in "
+                               f"for server {shard}")
+        return self.standing_in
+
+    def hand_over(self, shard: int) -> tuple[list[torch.Tensor], list[dict]]:
+        """Stop serving lost shard ``shard`` (its replacement takes it back; see StandInServer.freeze)."""
+        return self._serving(shard).freeze()
+
+    def keep_standing_in(self, shard: int) -> None:
+        """The replacement taking ``shard`` back was lost meanwhile: serve it again."""
+        self._serving(shard).unfreeze()
+        log.warning("serving server %d's shard again: its replacement was lost while taking it back", shard)
+
+    def handed_back(self, shard: int) -> None:
+        """``shard``'s replacement holds it and the route names it: let go of the rows (requests that still
+        arrive are answered ``ShardMoved``)."""
+        standing_in = self._serving(shard)
+        figures = standing_in.dump()
+        self.given_back.append({"shard": shard, "handed_back_after_s": round(time.perf_counter() -
+                                                                              standing_in.started, 3),
+                                 **{key: figures[key] for key in ("rebuilt_after_s", "rows",
+                                                                  "rows_reconstructed_on_demand", "bytes_sent",
+                                                                  "fetches", "fetches_waited", "rows_written")}})
+        standing_in.stores, standing_in.stand_ins = [], []
+        self.standing_in = None
+        log.info("server %d's shard is back on its replacement: no longer served here", shard)
+
     def apply(self, space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
               version: int) -> None:
         with self._counting:
             self.messages += 1
         self.parities[space].apply(member, local.numpy(), delta.numpy().view(np.uint32), before.numpy(), version)
 
-    def check(self, *, timeout: float, chunk_rows: int = 1 << 14) -> dict:
+    def check(self, *, timeout: float, chunk_rows: int = CHUNK_ROWS) -> dict:
         """Compare the parity with the XOR of its members' rows and their versions, read from them in chunks;
         the rows that differ, by space (none, unless a delta was lost or misapplied)."""
         mismatched = []
@@ -388,7 +457,8 @@ class ParityServer:
 
     def dump(self) -> dict:
         standing_in = self.standing_in.dump() if self.standing_in is not None else {}
-        served = {key: standing_in.get(key, 0) for key in ("bytes_sent", "fetches", "fetches_waited", "rows_written")}
+        served = {key: standing_in.get(key, 0) + sum(shard[key] for shard in self.given_back)
+                  for key in ("bytes_sent", "fetches", "fetches_waited", "rows_written")}
         return {**served, "storage": {}, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
                 "parity": {"group": self.group, "shards": self.shards,
                            "deltas_applied": sum(p.deltas_applied for p in self.parities),
@@ -401,7 +471,58 @@ class ParityServer:
                                                "rows": standing_in["rows"],
                                                "rows_reconstructed_on_demand":
                                                    standing_in["rows_reconstructed_on_demand"]}}
-                              if self.standing_in is not None else {})}}
+                              if self.standing_in is not None else {}),
+                           **({"handed_back": self.given_back} if self.given_back else {})}}
+
+
+class ShardTakeOver:
+    """A lost data server's replacement taking its shard back from the stand-in on its group's parity server,
+    while training goes on there. ``copy``: once the stand-in has rebuilt the shard, every row is read from it in
+    chunks (rows, state and versions, each chunk as it stands) into this process's stores. ``take_over`` (the
+    oracle calls it once the stand-in is frozen: see StandInServer.freeze): the rows whose version moved since
+    their chunk was read are read again, the write-back counts are taken over, and from then on this server is
+    the shard's (its write-backs' deltas go to the parity server, as any member's)."""
+
+    def __init__(self, server: Server, *, shard: int, parity_server: str, member: int, epochs: Epochs,
+                 timeout: float) -> None:
+        self.server, self.shard, self.parity_server, self.member = server, shard, parity_server, member
+        self.epochs, self.timeout = epochs, timeout
+        self.copied: list[np.ndarray] = [np.full(store.num_rows, -1, dtype=np.int64) for store in server.stores]
+        self.copied_in_s: float | None = None
+
+    def copy(self, *, chunk_rows: int = CHUNK_ROWS) -> None:
+        started = time.perf_counter()
+        # (it may be rebuilding still: the replacement started as soon as the loss was known)
+        self.epochs.call(self.parity_server, rpc_stand_in_rebuilt, (self.shard,), timeout=10 * self.timeout)
+        for space, store in enumerate(self.server.stores):
+            for start in range(0, store.num_rows, chunk_rows):
+                rows, state, versions = self.epochs.call(self.parity_server, rpc_read_range,
+                                                         (space, start, start + chunk_rows))
+                local = np.arange(start, start + len(rows), dtype=np.int64)
+                store.put(local, rows, state, version=versions.numpy())
+                self.copied[space][local] = versions.numpy()
+        self.copied_in_s = time.perf_counter() - started
+        log.info("server %d's shard copied from its stand-in in %.2f s (%d rows)", self.shard, self.copied_in_s,
+                 sum(store.num_rows for store in self.server.stores))
+
+    def take_over(self, versions: list[torch.Tensor], received: list[dict]) -> dict:
+        """The frozen stand-in's row versions and write-back counts: catch up with it and serve the shard."""
+        started = time.perf_counter()
+        again = 0
+        for space, store in enumerate(self.server.stores):
+            moved = np.flatnonzero(versions[space].numpy() != self.copied[space])
+            for start in range(0, len(moved), CHUNK_ROWS):
+                local = torch.from_numpy(moved[start:start + CHUNK_ROWS])
+                rows, state, have = rpc.rpc_sync(self.parity_server, rpc_read_rows, (space, local),
+                                                 timeout=self.timeout)
+                store.put(local.numpy(), rows, state, version=have.numpy())
+            again += len(moved)
+            store.received = Counter({int(version): count for version, count in received[space].items()})
+        self.server.send_deltas_to(self.parity_server, member=self.member, epochs=self.epochs, timeout=self.timeout)
+        log.info("server %d's shard taken back from its stand-in (%d rows written meanwhile read again in %.2f s)",
+                 self.shard, again, time.perf_counter() - started)
+        return {"copied_in_s": round(self.copied_in_s, 3), "rows_copied": sum(len(c) for c in self.copied),
+                "rows_copied_again": again}
 
 
 def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
@@ -422,6 +543,7 @@ _WORLD: World | None = None
 
 
 _PARITY: ParityServer | None = None
+_TAKING_OVER: ShardTakeOver | None = None  # a lost data server's replacement, until it has its shard
 _JOB: JobInfo | None = None
 _EPOCHS: Epochs | None = None  # this server's: the futures its handlers return are answered through it
 
@@ -471,6 +593,32 @@ def rpc_stand_in(shard: int) -> None:
 
 
 @rpc.functions.async_execution
+def rpc_stand_in_rebuilt(shard: int) -> torch.futures.Future:
+    return _EPOCHS.answer(_PARITY._serving(shard).rebuilt)
+
+
+def rpc_hand_over(shard: int) -> tuple[list[torch.Tensor], list[dict]]:
+    return _PARITY.hand_over(shard)
+
+
+def rpc_keep_standing_in(shard: int) -> None:
+    _PARITY.keep_standing_in(shard)
+
+
+def rpc_handed_back(shard: int) -> None:
+    _PARITY.handed_back(shard)
+
+
+def rpc_take_over(versions: list[torch.Tensor], received: list[dict]) -> dict:
+    """A replacement data server's: the frozen stand-in's state; serve the shard once caught up with it."""
+    global _SERVER, _TAKING_OVER
+    inject_fault("take over")
+    figures = _TAKING_OVER.take_over(versions, received)
+    _SERVER, _TAKING_OVER = _TAKING_OVER.server, None
+    return figures
+
+
+@rpc.functions.async_execution
 def rpc_checkpoint_written(boundary: int) -> torch.futures.Future:
     return _EPOCHS.answer(_SERVER.checkpoints[boundary])  # kept: asked again if lost to a re-formation
 
@@ -493,8 +641,8 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     started = time.perf_counter()
     if world.epoch:  # a replacement: ready before the RPC world is re-formed around it (training goes on)
         if index < world.num_shards:
-            raise ValueError(f"server {index} holds a data shard: a lost data server's shard is served by its "
-                             f"parity server, not by a replacement process")
+            _replace_data_server(world, store, liveness, job, row_optimizer)
+            return
         # the parity's structure first: its members' deltas arrive as soon as the RPC world has this process
         _PARITY = replacement_parity(world, job, index, row_optimizer, NoEpochs())
         _EPOCHS = epochs = _join_as_replacement(world, store)
@@ -530,6 +678,32 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in _SERVER.stores),
              layout.num_rows, where, time.perf_counter() - started)
     serve_until_stopped(world, store, liveness, epochs, stores=_SERVER.stores)
+
+
+def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, row_optimizer) -> None:
+    """A lost data server's replacement: its stores made first (so it is ready before the RPC world is re-formed
+    around it), then its shard copied from the stand-in while training goes on; the oracle then has the stand-in
+    hand the shard over (``rpc_take_over``) and routes it here again."""
+    global _TAKING_OVER, _EPOCHS
+    index = world.role[1]
+    config, layout = job.config, job.layout
+    specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
+    stores = [RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"], shard=index,
+                       num_shards=world.num_shards, storage=spec) for s, spec in enumerate(specs)]
+    epochs = _join_as_replacement(world, store)
+    if epochs is None:  # training ended before the job needed it
+        liveness.stop()
+        for row_store in stores:
+            row_store.close()
+        return
+    _EPOCHS = epochs
+    taking_over = ShardTakeOver(Server(stores), shard=index, parity_server=World.server_name(world.parity_server(index)),
+                                member=index % world.parity, epochs=epochs, timeout=world.timeout)
+    taking_over.copy()
+    _TAKING_OVER = taking_over
+    inject_fault("shard copied")
+    epochs.call("oracle", oracle.rpc_ready_to_take_over, (world.rank,))
+    serve_until_stopped(world, store, liveness, epochs, stores=stores)
 
 
 def _join_as_replacement(world: World, store) -> Epochs | None:

@@ -38,7 +38,8 @@ from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.world import Epochs, Routes, World, check_in, init_rpc, trainer_group, unwrap, wait_for_job
+from bagpipe.runtime.world import (Epochs, Routes, ShardMoved, World, check_in, init_rpc, trainer_group, unwrap,
+                                    wait_for_job)
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,22 @@ class TrainerRuntime:
         """The answer to ``request``; a request that failed to a re-formation of the RPC world is sent again
         once it is re-formed, and one to a server that was lost to the server its shard has moved to
         (``--parity``), which answers it as the lost one would have (a write-back it has already is a no-op
-        there)."""
+        there); one that a stand-in answered with ``ShardMoved`` goes where the shard went (its replacement)."""
+        handed_on_since = None
         while True:
             try:
                 return unwrap(request.future.wait())
+            except ShardMoved as err:  # its stand-in hands the shard back to a replacement: sent where it goes
+                handed_on_since = handed_on_since or time.monotonic()
+                if time.monotonic() - handed_on_since > self.world.timeout:
+                    raise RuntimeError(f"{what} at server {request.sent_to}: shard {request.shard} was not handed "
+                                       f"on within {self.world.timeout:.0f} s ({err})") from err
+                self.routes.follow(request.shard, request.sent_to, err)
+                request = self._send(request.handler, request.shard, request.args)
             except RuntimeError as err:
-                if not self.epochs.resend_after(request.epoch):
+                # (one to a server whose shard has moved since goes where it is now at once: the prefetches sent
+                # to a lost server each waiting out the re-formation grace cost a second per iteration)
+                if self.routes.server(request.shard) == request.sent_to and not self.epochs.resend_after(request.epoch):
                     self.routes.failover(request.shard, request.sent_to,
                                          RuntimeError(f"{what} at server {request.sent_to} failed: {err}"))
                 request = self._send(request.handler, request.shard, request.args)

@@ -569,9 +569,15 @@ class NoEpochs:
 ROUTE_PREFIX = "bagpipe/route/"
 
 
+class ShardMoved(RuntimeError):
+    """Answered by a server for a shard it is handing on (a lost data server's stand-in, once the replacement
+    takes the shard back): the request is to be sent again where the store's route says, once it moves."""
+
+
 class Routes:
     """Which server holds each data shard: its own, until the oracle moves the shard of a lost server to its
-    group's parity server (``--parity``), which then serves it (``bagpipe/route/SHARD`` in the store)."""
+    group's parity server (``--parity``), which then serves it until a replacement process takes it back
+    (``bagpipe/route/SHARD`` in the store)."""
 
     def __init__(self, world: World) -> None:
         self.world = world
@@ -596,11 +602,21 @@ class Routes:
         parity, or no move within the timeout: the failure was not a covered loss)."""
         if not self.world.parity:
             raise err
-        deadline = time.monotonic() + self.world.timeout
+        if not self._await_move(shard, sent_to, err, wait_s=self.world.timeout):
+            raise err
+
+    def follow(self, shard: int, sent_to: int, err: ShardMoved, *, wait_s: float = 0.5) -> None:
+        """Server ``sent_to`` answered that it hands ``shard`` on: wait (up to ``wait_s``) for the store to name
+        the server that has it now. Returns either way: the caller sends again where the route says (a handover
+        that failed leaves the shard where it was, served again)."""
+        self._await_move(shard, sent_to, err, wait_s=wait_s)
+
+    def _await_move(self, shard: int, sent_to: int, err: BaseException, *, wait_s: float) -> bool:
+        deadline = time.monotonic() + wait_s
         key = f"{ROUTE_PREFIX}{shard}"
         with self._lock:
             if self.server(shard) != sent_to:
-                return
+                return True
             if self._store is None:
                 self._store = connect_store(self.world, timeout=self.world.timeout)
             while time.monotonic() < deadline:
@@ -610,6 +626,6 @@ class Routes:
                         self._moved[shard] = moved
                         log.warning("shard %d is served by server %d from now on (%s)", shard, moved,
                                     str(err).splitlines()[0])
-                        return
-                time.sleep(0.1)
-        raise err
+                        return True
+                time.sleep(0.05)
+        return False

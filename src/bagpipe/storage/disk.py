@@ -86,7 +86,8 @@ class DiskRows:
     def versions(self, local: np.ndarray) -> np.ndarray:
         return self._split(self._read_records(np.asarray(local, dtype=np.int64), cache=True))[2]
 
-    def write(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
+    def write(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *,
+              version: int | np.ndarray) -> None:
         """Write-backs land in the cache (dirty); the file gets them in batches, as they are evicted."""
         local = np.asarray(local, dtype=np.int64)
         records = np.empty((len(local), self.width), dtype=np.float32)

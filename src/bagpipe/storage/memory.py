@@ -24,7 +24,8 @@ class MemoryRows:
     def versions(self, local: np.ndarray) -> np.ndarray:
         return self._versions[local]
 
-    def write(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
+    def write(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *,
+              version: int | np.ndarray) -> None:
         index = torch.from_numpy(np.asarray(local, dtype=np.int64))
         self.weights.index_copy_(0, index, rows)
         if self.state_width:

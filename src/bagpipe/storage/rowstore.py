@@ -162,10 +162,27 @@ class RowStore:
                 f"version {int(wanted[behind])} after {timeout:.0f} s (has {int(versions[behind])})"))
         return len(expired)
 
+    def fail_waiting(self, err: BaseException) -> int:
+        """Fail every parked fetch with ``err`` (a shard handed on: they are to be sent where it went)."""
+        with self._changed:
+            waiting, self._waiting = self._waiting, []
+        for _, _, future, _ in waiting:
+            if not future.done():
+                future.set_exception(err)
+        return len(waiting)
+
     def write_back(self, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int):
-        """Store a write-back; return what the parity sink returned (a future, over RPC), else None."""
+        """Store a write-back; return what the parity sink returned (a future, over RPC), else None. Rows at
+        ``version`` already are left alone (a write-back sent again: its answer was lost to a re-formation of the
+        RPC world, or it was handed on by a stand-in that had it), so a repeat is neither counted nor folded."""
         local = self._local(keys)
         with self._changed:
+            fresh = self.rows.versions(local) < version
+            if not fresh.all():
+                chosen = torch.from_numpy(np.flatnonzero(fresh))
+                local, rows, state = local[fresh], rows.index_select(0, chosen), state.index_select(0, chosen)
+                if not len(local):
+                    return None
             if self._snapshot is not None and version >= self._snapshot.boundary:
                 self._snapshot.save(self.rows, local)
             if self.counts_write_backs:
@@ -179,9 +196,9 @@ class RowStore:
         _complete(ready)  # outside the lock: completing runs the RPC's reply callbacks
         return folded
 
-    def put(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int) -> None:
-        """Rows placed as they stood at ``version`` (a rebuilt shard's): not a write-back, so neither counted
-        nor folded into a parity, which holds them already."""
+    def put(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *, version: int | np.ndarray) -> None:
+        """Rows placed as they stood at ``version`` (one, or one per row: a rebuilt or copied shard's): not a
+        write-back, so neither counted nor folded into a parity, which holds them already."""
         with self._changed:
             self.rows.write(np.asarray(local, dtype=np.int64), rows, state, version=version)
             ready = self._ready_fetches()
