@@ -13,9 +13,12 @@ also checks the parity against its group at the end (--check-parity, after the t
 
 Recovery (--recovery, one more run with parity, metrics every 10 iterations): data server 1 is SIGKILLed when it
 receives the write-back of iteration --iterations / 2 (BAGPIPE_FAULTS); the job goes on with its shard served by
-the parity server. From metrics.jsonl and summary.json: samples/s of the windows before the loss, of the windows
-while the shard was being rebuilt (and the 100 iterations after the move), the time the loss cost (the window
-around it, against a median window), how long moving the shard took, and the rebuild's time per million rows.
+the parity server while the launcher starts a replacement, which copies the shard from it and takes it back. From
+metrics.jsonl and summary.json: samples/s of the windows before the loss, of the windows while the shard was being
+rebuilt (and the 100 iterations after the move), the time the loss cost (the window around it, against a median
+window), how long moving the shard took, and the rebuild's time per million rows; and, once replaced, the seconds
+from the loss to the replacement joined and to the shard taken back, its copy per million rows, the handover's
+seconds (the stand-in frozen to the route moved back) and the samples/s from the loss to the shard taken back.
 
 Replacement (--replacement, one more run with parity, metrics every 10): the parity server is SIGKILLed when it
 receives a delta of iteration --iterations / 2; the launcher starts a replacement, the RPC world is re-formed
@@ -67,7 +70,8 @@ def recovery(data: Path, work: Path, args) -> dict:
     windows = [record for record in map(json.loads, (work / "recovery" / "metrics.jsonl").read_text().splitlines())
                if "window_samples_per_s" in record]
     (failure,) = summary["failures"]
-    standing_in = summary["parity"][0]["standing_in"]
+    parity = summary["parity"][0]
+    standing_in = parity.get("standing_in") or parity["handed_back"][0]  # handed back once replaced
     moved_at, rebuilt_at = failure["at"], failure["at"] + standing_in["rebuilt_after_s"]
     durations = [b["time"] - a["time"] for a, b in zip(windows, windows[1:])]
     hit = next(i for i, w in enumerate(windows) if w["iteration"] > kill_at)  # the window the loss fell in
@@ -75,17 +79,30 @@ def recovery(data: Path, work: Path, args) -> dict:
     during = [w["window_samples_per_s"] for w in windows if moved_at < w["time"] <= rebuilt_at]
     after = [w["window_samples_per_s"] for w in windows[hit + 1:hit + 11]]
     normal = statistics.median(durations)
-    return {"kill_at_iteration": kill_at, "failure": failure, "standing_in": standing_in,
-            "samples_per_s_before": statistics.median(before),
-            "samples_per_s_while_rebuilding": statistics.median(during) if during else None,
-            "windows_while_rebuilding": len(during),
-            "samples_per_s_100_iterations_after": statistics.median(after),
-            "ratio_after_to_before": statistics.median(after) / statistics.median(before),
-            "loss_cost_s": max(durations[hit - 2:hit + 8]) - normal,  # the slowest window around the loss
-            "window_durations_around_loss_s": [round(d, 3) for d in durations[hit - 2:hit + 8]],
-            "median_window_s": normal,
-            "rebuild_s_per_million_rows": 1e6 * standing_in["rebuilt_after_s"] / standing_in["rows"],
-            "parity_check": summary["parity"][0]["check"]}
+    result = {"kill_at_iteration": kill_at, "failure": failure, "standing_in": standing_in,
+              "samples_per_s_before": statistics.median(before),
+              "samples_per_s_while_rebuilding": statistics.median(during) if during else None,
+              "windows_while_rebuilding": len(during),
+              "samples_per_s_100_iterations_after": statistics.median(after),
+              "ratio_after_to_before": statistics.median(after) / statistics.median(before),
+              "loss_cost_s": max(durations[hit - 2:hit + 8]) - normal,  # the slowest window around the loss
+              "window_durations_around_loss_s": [round(d, 3) for d in durations[hit - 2:hit + 8]],
+              "median_window_s": normal,
+              "rebuild_s_per_million_rows": 1e6 * standing_in["rebuilt_after_s"] / standing_in["rows"],
+              "parity_check": parity["check"]}
+    if failure.get("replaced"):  # a replacement process copied the shard from the stand-in and took it back
+        taken_back_at = failure["at"] + failure["recovered_in_s"]
+        until = [w["window_samples_per_s"] for w in windows if moved_at < w["time"] <= taken_back_at]
+        result.update({
+            "joined_in_s": failure["joined_in_s"], "taken_back_in_s": failure["recovered_in_s"],
+            "copied_in_s": failure["copied_in_s"], "handover_s": failure["handover_s"],
+            "rows_copied": failure["rows_copied"], "rows_copied_again": failure["rows_copied_again"],
+            "copy_s_per_million_rows": 1e6 * failure["copied_in_s"] / failure["rows_copied"],
+            "samples_per_s_until_taken_back": statistics.median(until) if until else None,
+            "windows_until_taken_back": len(until),
+            "ratio_until_taken_back_to_before": statistics.median(until) / statistics.median(before) if until
+            else None})
+    return result
 
 
 def replacement(data: Path, work: Path, args) -> dict:

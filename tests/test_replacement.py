@@ -1,7 +1,8 @@
-"""Replacement processes: a lost parity server is replaced while training goes on. Its replacement makes the
-parity from its group's rows as they stand (deltas arriving meanwhile wait for their row, or are no-ops where the
-row read holds them already), the job's RPC world is re-formed around it (runtime.world.Epochs), and the job ends
-bit for bit as without the loss, its new parity equal to its group."""
+"""Replacement processes, while training goes on: a lost parity server's replacement makes the parity from its
+group's rows as they stand (deltas arriving meanwhile wait for their row, or are no-ops where the row read holds them
+already); a lost data server's replacement copies its shard from the stand-in while it is written back to, then
+takes it back (the stand-in frozen, the rows written meanwhile read again). The job's RPC world is re-formed around
+each (runtime.world.Epochs), and the job ends bit for bit as without the loss, its parity equal to its group."""
 
 import json
 
@@ -84,13 +85,70 @@ def test_a_delta_for_a_row_not_installed_waits_for_it():
     assert (parity.bits == expected.bits).all() and (parity.versions == expected.versions).all()
 
 
-@pytest.mark.parametrize("optimizer, fault", [("adagrad", "server3@delta 20:kill"),
-                                              ("adam", "server3@delta 35:kill"),
-                                              # the replacement killed too, once it has made the parity
-                                              # (faults name it server3/EPOCH)
-                                              ("sgd", "server3@delta 20:kill,server3/1@parity made:kill")])
+class _TrainedWhileRead:
+    """A stand-in's store as a replacement reads it (ShardTakeOver's source), written back to between reads."""
+
+    def __init__(self, store, rng) -> None:
+        self.store, self.rng, self.version = store, rng, 0
+
+    def write(self, count: int = 1) -> None:
+        for _ in range(count):
+            local = self.rng.choice(self.store.num_rows, size=int(self.rng.integers(1, 12)), replace=False)
+            self.store.write_back(local * 3 + 1, torch.from_numpy(self.rng.standard_normal((len(local), 4))
+                                                                  .astype(np.float32)),
+                                  torch.from_numpy(self.rng.standard_normal((len(local), 9)).astype(np.float32)),
+                                  version=self.version)
+            self.version += 1
+
+    def rebuilt(self) -> None:
+        pass
+
+    def read_range(self, space, start, stop):
+        self.write(int(self.rng.integers(0, 3)))  # training goes on between the chunks
+        rows, state, versions = self.store.read_range(start, stop)
+        return torch.from_numpy(rows), torch.from_numpy(state), versions
+
+    def read_rows(self, space, local):
+        return self.store.read(local)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_shard_copied_while_it_is_written_back_to_is_taken_over_bit_for_bit(seed):
+    """A replacement copies a stand-in's shard in chunks while write-backs land there between the reads; once
+    the stand-in is frozen, its versions and counts bring the copy level: rows, optimizer state, versions and
+    write-back counts equal the stand-in's, and a write-back sent again to the replacement is a no-op."""
+    from bagpipe.runtime.server import Server, ShardTakeOver
+
+    rng = np.random.default_rng(seed)
+    source = _TrainedWhileRead(members()[1], rng)
+    source.write(20)  # before the replacement started
+    replacement = Server([members()[1]])
+    taking_over = ShardTakeOver(replacement, source, shard=1)
+    taking_over.copy(chunk_rows=8)
+    source.write(5)  # after the copy, before the freeze
+    frozen = source.store.read_range(0, source.store.num_rows)
+    figures = taking_over.take_over([frozen[2]], [dict(source.store.received)])
+    assert figures["rows_copied"] == source.store.num_rows and figures["rows_copied_again"] > 0
+    mine = replacement.stores[0]
+    for got, want in zip(mine.read_range(0, mine.num_rows), frozen):
+        assert np.array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
+                              want.view(np.uint32) if want.dtype == np.float32 else want)
+    assert mine.received == source.store.received
+    # a write-back the stand-in had, sent again to the replacement (its answer lost): left alone, not counted
+    row = int(np.flatnonzero(frozen[2] == source.version - 1)[0])
+    mine.write_back(np.array([row * 3 + 1]), torch.full((1, 4), 7.0), torch.zeros(1, 9), version=source.version - 1)
+    assert np.array_equal(mine.read_range(row, row + 1)[0], frozen[0][row:row + 1])
+    assert mine.received == source.store.received
+
+
+@pytest.mark.parametrize("optimizer, fault, iterations", [
+    ("adagrad", "server3@delta 20:kill", ITERATIONS),
+    ("adam", "server3@delta 35:kill", ITERATIONS),
+    # the replacement killed too, once it has made the parity (faults name it server3/EPOCH): two replacements
+    # start one after the other, so the job trains longer
+    ("sgd", "server3@delta 20:kill,server3/1@parity made:kill", 2 * ITERATIONS)])
 def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(
-        small_binary, tmp_path, optimizer, fault):
+        small_binary, tmp_path, optimizer, fault, iterations):
     """2 trainers, 3 data servers and 1 parity server, SIGKILLed on receiving a delta: no restart; the launcher
     starts a replacement, the RPC world is re-formed around it, it makes the parity from its group while they
     train, and the job ends with the export of the sliced reference bit for bit, the new parity equal to its
@@ -101,7 +159,7 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     from bagpipe.runtime.launch import launch_local
 
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
-                        check_parity=True, iterations=ITERATIONS, timeout=20.0)
+                        check_parity=True, iterations=iterations, timeout=20.0)
     summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault},
                            extra_trainer_args=WRITEBACK_DELAY)
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
@@ -130,14 +188,15 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     assert not [pid for pid in pids if alive(pid)]
 
 
-@pytest.mark.parametrize("optimizer, fault", [("adagrad", "server1@write-back 20:kill"),
-                                              ("adam", "server0@delta sent 33:kill"),
-                                              # the replacement killed too, once it has copied the shard (faults
-                                              # name it server1/EPOCH), and one killed taking the shard over
-                                              ("sgd", "server1@write-back 20:kill,server1/1@shard copied:kill"),
-                                              ("adagrad", "server2@write-back 20:kill,server2/1@take over:kill")])
+@pytest.mark.parametrize("optimizer, fault, iterations", [
+    ("adagrad", "server1@write-back 20:kill", ITERATIONS),
+    ("adam", "server0@delta sent 33:kill", ITERATIONS),
+    # the replacement killed too, once it has copied the shard (faults name it server1/EPOCH), and one killed
+    # taking the shard over: two replacements start one after the other, so the job trains longer
+    ("sgd", "server1@write-back 20:kill,server1/1@shard copied:kill", 2 * ITERATIONS),
+    ("adagrad", "server2@write-back 20:kill,server2/1@take over:kill", 2 * ITERATIONS)])
 def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_training_goes_on(
-        small_binary, tmp_path, optimizer, fault):
+        small_binary, tmp_path, optimizer, fault, iterations):
     """2 trainers, 3 data servers and 1 parity server; a data server SIGKILLed mid-write-back: its parity server
     stands in for it, the launcher starts a replacement, the RPC world is re-formed around it, it copies the shard
     from the stand-in while training goes on, and takes it back (the stand-in frozen, the rows written meanwhile
@@ -150,7 +209,7 @@ def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_trainin
 
     lost = int(fault[len("server")])
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
-                        check_parity=True, iterations=ITERATIONS, timeout=20.0)
+                        check_parity=True, iterations=iterations, timeout=20.0)
     summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault},
                            extra_trainer_args=WRITEBACK_DELAY)
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))

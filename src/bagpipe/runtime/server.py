@@ -478,51 +478,66 @@ class ParityServer:
 class ShardTakeOver:
     """A lost data server's replacement taking its shard back from the stand-in on its group's parity server,
     while training goes on there. ``copy``: once the stand-in has rebuilt the shard, every row is read from it in
-    chunks (rows, state and versions, each chunk as it stands) into this process's stores. ``take_over`` (the
-    oracle calls it once the stand-in is frozen: see StandInServer.freeze): the rows whose version moved since
-    their chunk was read are read again, the write-back counts are taken over, and from then on this server is
-    the shard's (its write-backs' deltas go to the parity server, as any member's)."""
+    chunks (rows, state and versions, each chunk as it stands) into ``server``'s stores. ``take_over`` (once the
+    stand-in is frozen: see StandInServer.freeze): the rows whose version moved since their chunk was read are
+    read again (versions only grow: they are exactly the rows written meanwhile) and the write-back counts are
+    taken over; from then on ``server`` is the shard's. ``source`` reads the stand-in: ``rebuilt()``,
+    ``read_range(space, start, stop)`` and ``read_rows(space, local)`` (RemoteStandIn: by RPC)."""
 
-    def __init__(self, server: Server, *, shard: int, parity_server: str, member: int, epochs: Epochs,
-                 timeout: float) -> None:
-        self.server, self.shard, self.parity_server, self.member = server, shard, parity_server, member
-        self.epochs, self.timeout = epochs, timeout
+    def __init__(self, server: Server, source, *, shard: int) -> None:
+        self.server, self.source, self.shard = server, source, shard
         self.copied: list[np.ndarray] = [np.full(store.num_rows, -1, dtype=np.int64) for store in server.stores]
         self.copied_in_s: float | None = None
 
     def copy(self, *, chunk_rows: int = CHUNK_ROWS) -> None:
         started = time.perf_counter()
-        # (it may be rebuilding still: the replacement started as soon as the loss was known)
-        self.epochs.call(self.parity_server, rpc_stand_in_rebuilt, (self.shard,), timeout=10 * self.timeout)
+        self.source.rebuilt()  # (it may be rebuilding still: the replacement started as soon as the loss was known)
         for space, store in enumerate(self.server.stores):
             for start in range(0, store.num_rows, chunk_rows):
-                rows, state, versions = self.epochs.call(self.parity_server, rpc_read_range,
-                                                         (space, start, start + chunk_rows))
+                rows, state, versions = self.source.read_range(space, start, start + chunk_rows)
                 local = np.arange(start, start + len(rows), dtype=np.int64)
-                store.put(local, rows, state, version=versions.numpy())
-                self.copied[space][local] = versions.numpy()
+                store.put(local, rows, state, version=versions)
+                self.copied[space][local] = versions
         self.copied_in_s = time.perf_counter() - started
         log.info("server %d's shard copied from its stand-in in %.2f s (%d rows)", self.shard, self.copied_in_s,
                  sum(store.num_rows for store in self.server.stores))
 
-    def take_over(self, versions: list[torch.Tensor], received: list[dict]) -> dict:
-        """The frozen stand-in's row versions and write-back counts: catch up with it and serve the shard."""
+    def take_over(self, versions: list[np.ndarray], received: list[dict]) -> dict:
+        """The frozen stand-in's row versions and counts of write-backs by version, per space: catch up."""
         started = time.perf_counter()
         again = 0
         for space, store in enumerate(self.server.stores):
-            moved = np.flatnonzero(versions[space].numpy() != self.copied[space])
+            moved = np.flatnonzero(versions[space] != self.copied[space])
             for start in range(0, len(moved), CHUNK_ROWS):
-                local = torch.from_numpy(moved[start:start + CHUNK_ROWS])
-                rows, state, have = rpc.rpc_sync(self.parity_server, rpc_read_rows, (space, local),
-                                                 timeout=self.timeout)
-                store.put(local.numpy(), rows, state, version=have.numpy())
+                local = moved[start:start + CHUNK_ROWS]
+                rows, state, have = self.source.read_rows(space, local)
+                store.put(local, rows, state, version=have)
             again += len(moved)
             store.received = Counter({int(version): count for version, count in received[space].items()})
-        self.server.send_deltas_to(self.parity_server, member=self.member, epochs=self.epochs, timeout=self.timeout)
         log.info("server %d's shard taken back from its stand-in (%d rows written meanwhile read again in %.2f s)",
                  self.shard, again, time.perf_counter() - started)
         return {"copied_in_s": round(self.copied_in_s, 3), "rows_copied": sum(len(c) for c in self.copied),
                 "rows_copied_again": again}
+
+
+class RemoteStandIn:
+    """The stand-in for ``shard`` on parity server ``name``, as ShardTakeOver reads it: by RPC."""
+
+    def __init__(self, name: str, shard: int, *, epochs: Epochs, timeout: float) -> None:
+        self.name, self.shard, self.epochs, self.timeout = name, shard, epochs, timeout
+
+    def rebuilt(self) -> None:
+        self.epochs.call(self.name, rpc_stand_in_rebuilt, (self.shard,), timeout=10 * self.timeout)
+
+    def read_range(self, space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        rows, state, versions = self.epochs.call(self.name, rpc_read_range, (space, start, stop))
+        return rows, state, versions.numpy()
+
+    def read_rows(self, space: int, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        # not sent again after a re-formation: the take-over is the oracle's to give up then
+        rows, state, versions = rpc.rpc_sync(self.name, rpc_read_rows, (space, torch.from_numpy(local)),
+                                             timeout=self.timeout)
+        return rows, state, versions.numpy()
 
 
 def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
@@ -613,7 +628,10 @@ def rpc_take_over(versions: list[torch.Tensor], received: list[dict]) -> dict:
     """A replacement data server's: the frozen stand-in's state; serve the shard once caught up with it."""
     global _SERVER, _TAKING_OVER
     inject_fault("take over")
-    figures = _TAKING_OVER.take_over(versions, received)
+    figures = _TAKING_OVER.take_over([v.numpy() for v in versions], received)
+    index = _WORLD.role[1]
+    _TAKING_OVER.server.send_deltas_to(World.server_name(_WORLD.parity_server(index)), member=index % _WORLD.parity,
+                                       epochs=_EPOCHS, timeout=_WORLD.timeout)
     _SERVER, _TAKING_OVER = _TAKING_OVER.server, None
     return figures
 
@@ -697,8 +715,8 @@ def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, 
             row_store.close()
         return
     _EPOCHS = epochs
-    taking_over = ShardTakeOver(Server(stores), shard=index, parity_server=World.server_name(world.parity_server(index)),
-                                member=index % world.parity, epochs=epochs, timeout=world.timeout)
+    source = RemoteStandIn(World.server_name(world.parity_server(index)), index, epochs=epochs, timeout=world.timeout)
+    taking_over = ShardTakeOver(Server(stores), source, shard=index)
     taking_over.copy()
     _TAKING_OVER = taking_over
     inject_fault("shard copied")
@@ -722,12 +740,14 @@ def _join_as_replacement(world: World, store) -> Epochs | None:
 
 
 def serve_until_stopped(world: World, store, liveness: Liveness, epochs: Epochs, *, stores: list[RowStore]) -> None:
-    """Tell the oracle this server is ready, then serve until it says training has ended."""
+    """Tell the oracle this server is ready, then serve until it says training has ended (its fetches parked for
+    longer than the timeout failed meanwhile: those of ``stores``, or of the shard a parity server stands in for)."""
     epochs.call("oracle", oracle.rpc_ready, (world.name,))
     try:
         while not store.check([STOP_KEY]):
             time.sleep(0.2)
-            for row_store in stores:
+            standing_in = _PARITY.standing_in if _PARITY is not None else None
+            for row_store in stores or (standing_in.stores if standing_in is not None else []):
                 row_store.expire_waiting(timeout=world.timeout)
     except RuntimeError as err:
         if is_peer_gone(err):  # the store's host, the oracle, has ended: the heartbeats name it
