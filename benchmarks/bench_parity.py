@@ -93,6 +93,7 @@ def recovery(data: Path, work: Path, args) -> dict:
     if failure.get("replaced"):  # a replacement process copied the shard from the stand-in and took it back
         taken_back_at = failure["at"] + failure["recovered_in_s"]
         until = [w["window_samples_per_s"] for w in windows if moved_at < w["time"] <= taken_back_at]
+        back = [w["window_samples_per_s"] for w in windows if w["time"] > taken_back_at][:10]
         result.update({
             "joined_in_s": failure["joined_in_s"], "taken_back_in_s": failure["recovered_in_s"],
             "copied_in_s": failure["copied_in_s"], "handover_s": failure["handover_s"],
@@ -101,7 +102,8 @@ def recovery(data: Path, work: Path, args) -> dict:
             "samples_per_s_until_taken_back": statistics.median(until) if until else None,
             "windows_until_taken_back": len(until),
             "ratio_until_taken_back_to_before": statistics.median(until) / statistics.median(before) if until
-            else None})
+            else None,
+            "samples_per_s_100_iterations_after_taken_back": statistics.median(back) if back else None})
     return result
 
 
