@@ -141,6 +141,40 @@ def test_a_shard_copied_while_it_is_written_back_to_is_taken_over_bit_for_bit(se
     assert mine.received == source.store.received
 
 
+def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iterations: int) -> dict:
+    """A 2-trainer, 3+1-server job (--check-parity) with ``fault``: its summary, once its export is found equal to
+    the sliced reference's bit for bit with no restart."""
+    from test_runtime import assert_same_parameters, job_config, reference_of
+
+    from bagpipe.rundir import export
+    from bagpipe.runtime.launch import launch_local
+
+    config = job_config(data, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3, check_parity=True,
+                        iterations=iterations, timeout=20.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault},
+                           extra_trainer_args=WRITEBACK_DELAY)
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    assert "restarts" not in summary
+    return summary
+
+
+def _went_on_and_left_nothing(tmp_path, summary: dict, *, server: int, losses: int) -> list[dict]:
+    """Training went on while the first replacement started (iterations logged between the loss and its joining),
+    ``server``'s log shows a replacement per loss, and no process of the job is left; the metrics records."""
+    from test_runtime import alive
+
+    records = [json.loads(line) for line in (tmp_path / "bagpipe" / "metrics.jsonl").read_text().splitlines()]
+    first = summary["failures"][0]
+    trained = [r["iteration"] for r in records if "train_loss" in r
+               and first["at"] < r["time"] < first["at"] + first["joined_in_s"]]
+    assert len(trained) >= 5, trained
+    log = (tmp_path / "bagpipe" / "logs" / f"server{server}.log").read_text()
+    assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == losses
+    pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
+    assert not [pid for pid in pids if alive(pid)]
+    return records
+
+
 @pytest.mark.parametrize("optimizer, fault, iterations", [
     ("adagrad", "server3@delta 20:kill", ITERATIONS),
     ("adam", "server3@delta 35:kill", ITERATIONS),
@@ -153,17 +187,7 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     starts a replacement, the RPC world is re-formed around it, it makes the parity from its group while they
     train, and the job ends with the export of the sliced reference bit for bit, the new parity equal to its
     group's rows (--check-parity) and no process left behind."""
-    from test_runtime import alive, assert_same_parameters, job_config, reference_of
-
-    from bagpipe.rundir import export
-    from bagpipe.runtime.launch import launch_local
-
-    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
-                        check_parity=True, iterations=iterations, timeout=20.0)
-    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault},
-                           extra_trainer_args=WRITEBACK_DELAY)
-    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
-    assert "restarts" not in summary
+    summary = _job_through_losses(small_binary, tmp_path, optimizer=optimizer, fault=fault, iterations=iterations)
     losses = fault.count("kill")
     assert len(summary["failures"]) == losses
     for failure in summary["failures"]:
@@ -171,21 +195,13 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     # a replacement lost before it reported its parity whole is replaced in turn; the last one is whole
     assert [f["replaced"] for f in summary["failures"]] == [False] * (losses - 1) + [True]
     assert summary["failures"][-1]["joined_in_s"] <= summary["failures"][-1]["recovered_in_s"]
-    failure = summary["failures"][0]
     # training went on while the replacement started: iterations were logged between the loss and its joining
-    records = [json.loads(line) for line in (tmp_path / "bagpipe" / "metrics.jsonl").read_text().splitlines()]
-    trained = [r["iteration"] for r in records if "train_loss" in r
-               and failure["at"] < r["time"] < failure["at"] + failure["joined_in_s"]]
-    assert len(trained) >= 5, trained
+    _went_on_and_left_nothing(tmp_path, summary, server=3, losses=losses)
     assert [e["epoch"] for e in summary["epochs"]] == list(range(1, losses + 1))
     assert summary["unprotected_write_backs"] > 0
     (parity,) = summary["parity"]
     assert parity["made_in_s"] is not None and parity["pending_rows"] == 0
     assert parity["check"]["mismatched_rows"] == [0] and parity["check"]["rows"][0] > 0
-    log = (tmp_path / "bagpipe" / "logs" / "server3.log").read_text()
-    assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == losses
-    pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
-    assert not [pid for pid in pids if alive(pid)]
 
 
 @pytest.mark.parametrize("optimizer, fault, iterations", [
@@ -202,18 +218,8 @@ def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_trainin
     from the stand-in while training goes on, and takes it back (the stand-in frozen, the rows written meanwhile
     read again, the route moved back). The job ends with the sliced reference's export bit for bit, the parity
     equal to its group with the replacement in it, and no process left behind."""
-    from test_runtime import alive, assert_same_parameters, job_config, reference_of
-
-    from bagpipe.rundir import export
-    from bagpipe.runtime.launch import launch_local
-
     lost = int(fault[len("server")])
-    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3,
-                        check_parity=True, iterations=iterations, timeout=20.0)
-    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault},
-                           extra_trainer_args=WRITEBACK_DELAY)
-    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
-    assert "restarts" not in summary
+    summary = _job_through_losses(small_binary, tmp_path, optimizer=optimizer, fault=fault, iterations=iterations)
     losses = fault.count("kill")
     assert [f["role"] for f in summary["failures"]] == [f"server {lost}"] * losses
     assert all(f["parity_server"] == 3 and f["epoch"] == epoch + 1 for epoch, f in enumerate(summary["failures"]))
@@ -221,18 +227,10 @@ def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_trainin
     last = summary["failures"][-1]
     assert 0 < last["joined_in_s"] <= last["recovered_in_s"] and last["rows_copied"] > 0
     assert 0 < last["handover_s"] < 5 and last["copied_in_s"] > 0
-    records = [json.loads(line) for line in (tmp_path / "bagpipe" / "metrics.jsonl").read_text().splitlines()]
-    first = summary["failures"][0]
-    trained = [r["iteration"] for r in records if "train_loss" in r
-               and first["at"] < r["time"] < first["at"] + first["joined_in_s"]]
-    assert len(trained) >= 5, trained  # training went on while the replacement started
+    records = _went_on_and_left_nothing(tmp_path, summary, server=lost, losses=losses)
     assert [r["server"] for r in records if r.get("event") == "server back"] == [lost]
     (parity,) = summary["parity"]
     assert "standing_in" not in parity
     (back,) = parity["handed_back"]
     assert back["shard"] == lost and back["rebuilt_after_s"] is not None
     assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
-    log = (tmp_path / "bagpipe" / "logs" / f"server{lost}.log").read_text()
-    assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == losses
-    pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
-    assert not [pid for pid in pids if alive(pid)]

@@ -171,16 +171,12 @@ class StandInServer(Server):
 
     def write_back(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
                    version: int) -> torch.futures.Future:
-        def write_new() -> torch.futures.Future:
+        def write_rebuilt() -> torch.futures.Future:  # (a repeat is left alone by the store)
             self._refuse_if_frozen()
-            new = torch.from_numpy(self.stand_ins[space].new_rows(keys.numpy(), version))  # a repeat: no-op
-            if not new.any():
-                done: torch.futures.Future = torch.futures.Future()
-                done.set_result(None)
-                return done
-            return super(StandInServer, self).write_back(space, keys[new], rows[new], state[new], version)
+            self.stand_ins[space].ensure(self.stores[space]._local(keys.numpy()))  # the parity needs the old rows
+            return super(StandInServer, self).write_back(space, keys, rows, state, version)
 
-        return self._off_rpc_thread(write_new)
+        return self._off_rpc_thread(write_rebuilt)
 
     def _off_rpc_thread(self, work) -> torch.futures.Future:
         """``work()`` (which returns a future) on the stand-in's thread; its answer, as a future now."""
@@ -197,7 +193,10 @@ class StandInServer(Server):
 
     def _refuse_if_frozen(self) -> None:
         if self.frozen:
-            raise ShardMoved(f"server {self.shard}'s shard is handed back to its replacement")
+            raise self._moved()
+
+    def _moved(self) -> ShardMoved:
+        return ShardMoved(f"server {self.shard}'s shard is handed back to its replacement")
 
     def freeze(self) -> tuple[list[torch.Tensor], list[dict]]:
         """Stop serving the shard (a replacement takes it back): once the requests queued before are done, every
@@ -206,9 +205,8 @@ class StandInServer(Server):
         checkpoint's snapshot waits for)."""
         def freeze_now() -> tuple[list[torch.Tensor], list[dict]]:
             self.frozen = True
-            moved = ShardMoved(f"server {self.shard}'s shard is handed back to its replacement")
             for store in self.stores:
-                store.fail_waiting(moved)
+                store.fail_waiting(self._moved())
             versions = [torch.from_numpy(np.concatenate(
                 [store.read_range(start, start + CHUNK_ROWS)[2] for start in range(0, store.num_rows, CHUNK_ROWS)]
                 or [np.zeros(0, dtype=np.int64)])) for store in self.stores]
@@ -629,9 +627,7 @@ def rpc_take_over(versions: list[torch.Tensor], received: list[dict]) -> dict:
     global _SERVER, _TAKING_OVER
     inject_fault("take over")
     figures = _TAKING_OVER.take_over([v.numpy() for v in versions], received)
-    index = _WORLD.role[1]
-    _TAKING_OVER.server.send_deltas_to(World.server_name(_WORLD.parity_server(index)), member=index % _WORLD.parity,
-                                       epochs=_EPOCHS, timeout=_WORLD.timeout)
+    _send_deltas(_TAKING_OVER.server, _WORLD, _EPOCHS)
     _SERVER, _TAKING_OVER = _TAKING_OVER.server, None
     return figures
 
@@ -683,19 +679,30 @@ def run_server(world: World, *, given: dict | None = None) -> None:
         serve_until_stopped(world, store, liveness, epochs, stores=[])
         return
     specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
-    _SERVER = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"], shard=index,
-                               num_shards=world.num_shards, storage=spec) for s, spec in enumerate(specs)])
+    _SERVER = Server(_shard_stores(world, job, row_optimizer, specs))
     if job.resume:
         directory, chain = resume_chain(config["run_dir"], job.resume)
         _SERVER.restore(directory, chain, shard=index, num_shards=world.num_shards)
     if world.parity:
-        _SERVER.send_deltas_to(World.server_name(world.parity_server(index)), member=index % world.parity,
-                               epochs=epochs, timeout=world.timeout)
+        _send_deltas(_SERVER, world, epochs)
     where = "in memory" if specs[0].kind == "memory" else (f"on disk in {specs[0].directory}, "
                                                            f"{config['storage_budget_mb']:g} MiB of it in memory")
     log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in _SERVER.stores),
              layout.num_rows, where, time.perf_counter() - started)
     serve_until_stopped(world, store, liveness, epochs, stores=_SERVER.stores)
+
+
+def _shard_stores(world: World, job: JobInfo, row_optimizer, specs: list[StorageSpec]) -> list[RowStore]:
+    """This data server's shard of every space, initialised from the seed, where ``specs`` say."""
+    return [RowStore(layout=job.layout, space=s, optimizer=row_optimizer, seed=job.config["seed"],
+                     shard=world.role[1], num_shards=world.num_shards, storage=spec) for s, spec in enumerate(specs)]
+
+
+def _send_deltas(server: Server, world: World, epochs: Epochs) -> None:
+    """Erasure coding: ``server``'s write-backs' deltas go to its group's parity server."""
+    index = world.role[1]
+    server.send_deltas_to(World.server_name(world.parity_server(index)), member=index % world.parity, epochs=epochs,
+                          timeout=world.timeout)
 
 
 def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, row_optimizer) -> None:
@@ -704,10 +711,8 @@ def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, 
     hand the shard over (``rpc_take_over``) and routes it here again."""
     global _TAKING_OVER, _EPOCHS
     index = world.role[1]
-    config, layout = job.config, job.layout
-    specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
-    stores = [RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"], shard=index,
-                       num_shards=world.num_shards, storage=spec) for s, spec in enumerate(specs)]
+    specs = storage_specs(job.config, job.layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
+    stores = _shard_stores(world, job, row_optimizer, specs)
     epochs = _join_as_replacement(world, store)
     if epochs is None:  # training ended before the job needed it
         liveness.stop()
