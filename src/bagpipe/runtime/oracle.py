@@ -107,6 +107,7 @@ class Oracle:
         self.failure: BaseException | None = None
         self.bytes_sent = 0
         self.stop = threading.Event()
+        self.helpers: list[threading.Thread] = []  # replacements awaited, shards taken over (``_helper``)
 
     # -- the producer ------------------------------------------------------------------------
     def produce(self) -> None:
@@ -252,30 +253,26 @@ class Oracle:
             earlier = self.replacing.get(rank)
         failure = {"role": f"server {shard}", "server": shard, "rank": rank, "parity_server": parity_server,
                    "planned_iteration": self.planned, "at": time.time()}
-        if earlier is not None:  # its replacement was lost before it took the shard back: the stand-in serves on
-            self.failures.append(failure)
-            replaced = self._ask_for_replacement(rank, failure)
-            self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server,
-                                 replaced=replaced, **({"epoch": failure["epoch"]} if replaced else {}))
-            log.warning("server %d's replacement lost before it took its shard back: the shard is still served by "
-                        "server %d", shard, parity_server)
-            return True
-        if any(f.get("parity_server") == parity_server and not f.get("replaced") for f in self.failures):
-            group = ", ".join(str(s) for s in self.world.parity_group(shard))
-            raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers {group}): "
-                               f"parity covers one loss per group; resume from the newest checkpoint (--resume)")
-        if self.replacing:
-            raise RuntimeError(f"server {shard} lost while a replacement for a lost process is made: the job's RPC "
-                               f"world cannot be re-formed without it; resume from the newest checkpoint (--resume)")
-        started = time.perf_counter()
-        self.epochs.call(World.server_name(parity_server), server.rpc_stand_in, (shard,))
-        self.routes.move(store, shard, parity_server)
-        failure["moved_in_s"] = round(time.perf_counter() - started, 3)
+        if earlier is None:
+            if any(f.get("parity_server") == parity_server and not f.get("replaced") for f in self.failures):
+                group = ", ".join(str(s) for s in self.world.parity_group(shard))
+                raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers {group}): "
+                                   f"parity covers one loss per group; resume from the newest checkpoint (--resume)")
+            if self.replacing:
+                raise RuntimeError(f"server {shard} lost while a replacement for a lost process is made: the job's "
+                                   f"RPC world cannot be re-formed without it; resume from the newest checkpoint "
+                                   f"(--resume)")
+            started = time.perf_counter()
+            self.epochs.call(World.server_name(parity_server), server.rpc_stand_in, (shard,))
+            self.routes.move(store, shard, parity_server)
+            failure["moved_in_s"] = round(time.perf_counter() - started, 3)
+        # else its replacement was lost before it took the shard back: the stand-in serves on
         self.failures.append(failure)
         replaced = self._ask_for_replacement(rank, failure)
         self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server, replaced=replaced,
                              **({"epoch": failure["epoch"]} if replaced else {}))
-        log.warning("server %d lost: its shard is served by server %d (its parity server) %s", shard, parity_server,
+        log.warning("server %d%s lost: its shard is served by server %d (its parity server) %s", shard,
+                    "'s replacement" if earlier is not None else "", parity_server,
                     "until a replacement takes it back" if replaced else "from now on")
         return True
 
@@ -318,7 +315,7 @@ class Oracle:
         self.replacing[rank] = failure
         self.store.delete_key(f"{JOINING_PREFIX}{rank}")
         self.store.set(f"{REPLACE_PREFIX}{rank}", str(epoch))
-        threading.Thread(target=self._await_replacement, args=(rank, epoch), name="replacement", daemon=True).start()
+        self._helper(self._await_replacement, (rank, epoch), name="replacement")
         return True
 
     def _await_replacement(self, rank: int, epoch: int) -> None:
@@ -328,8 +325,8 @@ class Oracle:
         deadline = time.monotonic() + self.world.timeout
         try:
             while not self.store.check([key]):
-                if self.replacing.get(rank) is not failure:  # that replacement was lost: a later one is awaited
-                    return
+                if self.replacing.get(rank) is not failure or self.stop.is_set():  # lost too (a later one is
+                    return  # awaited), or the job has ended
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no replacement for {self.world.label(rank)} (rank {rank}) joined within "
                                        f"{self.world.timeout:.0f} s: start the same command again")
@@ -355,8 +352,20 @@ class Oracle:
     def ready_to_take_over(self, rank: int) -> None:
         """A lost data server's replacement has copied its shard from the stand-in (an RPC handler): have the
         stand-in hand it over (``_take_over``, on a thread of its own)."""
-        threading.Thread(target=self._take_over, args=(rank, self.replacing.get(rank)), name="take-over",
-                         daemon=True).start()
+        self._helper(self._take_over, (rank, self.replacing.get(rank)), name="take-over")
+
+    def _helper(self, target, args: tuple, *, name: str) -> None:
+        """Run ``target(*args)`` on a thread of its own, joined before the oracle leaves (``join_helpers``): one
+        still in a store call when the process exits aborts it (seen: "terminate called without an active
+        exception" after a replacement that never joined)."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self.helpers.append(thread)
+        thread.start()
+
+    def join_helpers(self, timeout: float) -> None:
+        """Once ``stop`` is set: wait for the helper threads (they end within a poll of it)."""
+        for thread in self.helpers:
+            thread.join(timeout=timeout)
 
     def _take_over(self, rank: int, failure: dict | None) -> None:
         """Between checkpoints (a stand-in's snapshot must not be cut short): freeze the stand-in, let the
@@ -548,6 +557,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
                   for s in range(world.num_servers)]
     finally:
         oracle.stop.set()
+        oracle.join_helpers(timeout=world.timeout)
     # Everything the run needs is here now: a role lost from here on costs nothing (the launcher reads this).
     run.log_metrics(event=TRAINED, iteration=oracle.iterations)
     liveness.fatal = False
