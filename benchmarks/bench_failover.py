@@ -42,7 +42,8 @@ def main() -> None:
                          cache_rows=700, lookahead=20, timeout=20.0, warmup_iterations=2, log_every=1,
                          max_eval_rows=2000, model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8",
                                                                arch_mlp_top="16-1"))
-    summary = launch_local(config, show_progress=False, overwrite=True, env={"BAGPIPE_FAULTS": args.fault},
+    summary = launch_local(config, show_progress=False, overwrite=True,
+                           env={"BAGPIPE_FAULTS": args.fault, "BAGPIPE_REPLACE_DATA_SERVERS": "1"},
                            extra_trainer_args=["--writeback-delay", "0.01"])
     lost_at = summary["failures"][0]["at"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
