@@ -72,8 +72,8 @@ def test_a_fetch_waits_for_its_write_back_on_disk_too(tmp_path):
     disk.write_back(key, torch.full((1, 8), 2.0), torch.full((1, 1), 4.0), version=2)
     assert not future.done()  # version 2 is not the 3 it waits for
     disk.write_back(key, torch.full((1, 8), 3.0), torch.full((1, 1), 9.0), version=3)
-    rows, state = future.wait()
-    assert rows[0, 0] == 3.0 and state[0, 0] == 9.0
+    rows, state, versions = future.wait()
+    assert rows[0, 0] == 3.0 and state[0, 0] == 9.0 and versions.tolist() == [3]
     disk.close()
 
 

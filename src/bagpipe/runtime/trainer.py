@@ -223,7 +223,8 @@ class TrainerRuntime:
             state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(dim))
             waited = time.perf_counter()
             for _, index, request in requests:
-                rows[index], state[index] = self._answer(request, what="fetch")
+                rows[index], state[index], have = self._answer(request, what="fetch")
+                check_fetched(*request.args, have, server=request.sent_to, iteration=iteration)
             self._stalled("fetch_wait_s", waited)
             cache.install(step.fetch_slots.numpy(), fetch_keys, rows, state)
             self.stats.rows_fetched += len(fetch_keys)
@@ -363,6 +364,18 @@ class TrainerRuntime:
         log.error("%s", message)
         self._failure = self._failure or RuntimeError(message)
         self._stopping.set()
+
+
+def check_fetched(space: int, keys: torch.Tensor, wanted: torch.Tensor, have: torch.Tensor, *, server: int,
+                  iteration: int) -> None:
+    """A fetch's answer holds every row at (or, after a resume, past) the version the plan asked for; anything
+    else is a server's fault, and training on it would silently leave the reference's path: raised."""
+    behind = torch.nonzero(have < wanted).flatten()
+    if len(behind):
+        first = int(behind[0])
+        raise RuntimeError(f"iteration {iteration}: server {server} answered a fetch of space {space} with "
+                           f"{len(behind)} rows older than asked for (first: key {int(keys[first])} at version "
+                           f"{int(have[first])}, asked for {int(wanted[first])})")
 
 
 @dataclass(frozen=True)

@@ -130,17 +130,18 @@ class RowStore:
             return self.rows.read(local)[:2]
 
     def fetch_async(self, keys: np.ndarray, versions: np.ndarray) -> torch.futures.Future:
-        """Like ``fetch``, without blocking a thread: the future completes when the rows are ready.
+        """Like ``fetch``, without blocking a thread: the future completes with the rows, their state and
+        their versions (what the caller checks) once each row has reached its requested version.
 
         The waiting side owns the timeout (an RPC's own deadline, for a remote fetch).
         """
         local = self._local(keys)
-        wanted = np.asarray(versions, dtype=np.int64)
+        wanted = np.array(versions, dtype=np.int64)  # a copy: ``versions`` may be a view of an RPC's buffer
         future: torch.futures.Future = torch.futures.Future()
         with self._changed:
             rows, state, have = self.rows.read(local)
             if (have >= wanted).all():
-                future.set_result((rows, state))
+                future.set_result((rows, state, torch.from_numpy(have)))
             else:
                 self.fetches_waited += 1
                 self._waiting.append((local, wanted, future, time.monotonic()))
@@ -220,7 +221,8 @@ class RowStore:
         ready, still = [], []
         for waiting in self._waiting:
             if (self.rows.versions(waiting[0]) >= waiting[1]).all():
-                ready.append((waiting[2], self.rows.read(waiting[0])[:2]))
+                rows, state, have = self.rows.read(waiting[0])
+                ready.append((waiting[2], (rows, state, torch.from_numpy(have))))
             else:
                 still.append(waiting)
         self._waiting = still
