@@ -428,6 +428,56 @@ def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGr
 
 
 
+class AgentAnswers:
+    """The answers of a process's ``async_execution`` handlers, as its current RPC agent waits on them. A future an
+    agent waits on must not outlive it (completing it later runs the dead agent's callback), so a re-formation fails
+    them (``leave``) before the agent is shut down, and fails at once those of the requests the agent still takes
+    until then; ``reopen`` once it is gone."""
+
+    def __init__(self) -> None:
+        self._pending: set = set()  # handed to the agent, not completed yet
+        self._leaving: int | None = None  # the epoch being formed, from ``leave`` until ``reopen``
+        self._lock = threading.Lock()
+
+    def answer(self, future: torch.futures.Future) -> torch.futures.Future:
+        """A future of the current agent's own, completed with ``future``'s result, or failed if the agent is shut
+        down for a re-formation first."""
+        proxy: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._leaving is not None:  # a request taken while the agent is shut down: sent again by its caller
+                proxy.set_exception(self._reformed(self._leaving))
+                return proxy
+            self._pending.add(proxy)
+        future.add_done_callback(functools.partial(self._pass_on, proxy))
+        return proxy
+
+    def _pass_on(self, proxy: torch.futures.Future, future: torch.futures.Future) -> None:
+        with self._lock:
+            if proxy not in self._pending:  # failed at a re-formation already
+                return
+            self._pending.discard(proxy)
+            try:
+                proxy.set_result(future.value())
+            except BaseException as err:  # noqa: BLE001 - the caller's RPC gets it
+                proxy.set_exception(err)
+
+    def leave(self, epoch: int) -> None:
+        """The agent is about to be shut down for the RPC world of ``epoch``: fail every answer it waits on, and
+        every one asked for until ``reopen``."""
+        with self._lock:
+            pending, self._pending, self._leaving = self._pending, set(), epoch
+            for proxy in pending:
+                proxy.set_exception(self._reformed(epoch))
+
+    def reopen(self) -> None:
+        with self._lock:
+            self._leaving = None
+
+    @staticmethod
+    def _reformed(epoch: int) -> RuntimeError:
+        return RuntimeError(f"the job's RPC world is re-formed (epoch {epoch})")
+
+
 class Epochs:
     """The job's RPC world, by epoch. Torch RPC's world is static and a dead process's name cannot be taken, so
     when the oracle has a replacement for a lost process ready it announces a new epoch (``EPOCH_KEY``): every
@@ -448,8 +498,7 @@ class Epochs:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self.reformed: list[dict] = []  # (epoch, seconds): each re-formation this process took part in
-        self._answers: set = set()  # answers handed to this epoch's RPC agent, not completed yet
-        self._answering = threading.Lock()
+        self._answers = AgentAnswers()  # those of this process's handlers, handed to the current RPC agent
         self._thread = threading.Thread(target=self._watch, name="epochs", daemon=True)
         self._thread.start()
 
@@ -475,33 +524,15 @@ class Epochs:
                 self._reform(epoch)
 
     def answer(self, future: torch.futures.Future) -> torch.futures.Future:
-        """What an ``async_execution`` handler returns for ``future``: a future of the current RPC agent's own,
-        completed with ``future``'s result, or failed when the agent is shut down for a re-formation before that.
-        (A future the agent waits on must not outlive it: completing it later runs the dead agent's callback.)"""
-        proxy: torch.futures.Future = torch.futures.Future()
-        with self._answering:
-            self._answers.add(proxy)
-        future.add_done_callback(functools.partial(self._pass_on, proxy))
-        return proxy
-
-    def _pass_on(self, proxy: torch.futures.Future, future: torch.futures.Future) -> None:
-        with self._answering:
-            if proxy not in self._answers:  # failed at a re-formation already
-                return
-            self._answers.discard(proxy)
-            try:
-                proxy.set_result(future.value())
-            except BaseException as err:  # noqa: BLE001 - the caller's RPC gets it
-                proxy.set_exception(err)
+        """What an ``async_execution`` handler returns for ``future`` (see AgentAnswers.answer)."""
+        return self._answers.answer(future)
 
     def _reform(self, epoch: int) -> None:
         started = time.perf_counter()
         log.info("the job's RPC world is re-formed (epoch %d): leaving epoch %d", epoch, self.epoch)
-        with self._answering:  # while the agent that waits on them is alive (their callers send them again)
-            answers, self._answers = self._answers, set()
-            for proxy in answers:
-                proxy.set_exception(RuntimeError(f"the job's RPC world is re-formed (epoch {epoch})"))
-        rpc.shutdown(graceful=False)
+        self._answers.leave(epoch)  # while the agent that waits on them is alive (their callers send them again)
+        rpc.shutdown(graceful=False)  # (waits for the handlers it runs)
+        self._answers.reopen()
         init_rpc(self.world, self._rpc_store, epoch=epoch)
         seconds = time.perf_counter() - started
         log.info("in the RPC world of epoch %d after %.2f s", epoch, seconds)
