@@ -237,3 +237,46 @@ def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_trainin
     (back,) = parity["handed_back"]
     assert back["shard"] == lost and back["rebuilt_after_s"] is not None
     assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
+
+
+def test_an_answer_the_rpc_agent_takes_while_it_is_shut_down_fails_at_once():
+    """A re-formation fails the answers the old RPC agent waits on before shutting it down, and those of requests
+    it still takes until then at once: none is left to complete later on the dead agent (whose callback would
+    run then); after ``reopen`` answers pass on again."""
+    from bagpipe.runtime.world import AgentAnswers
+
+    answers = AgentAnswers()
+    before, done = torch.futures.Future(), torch.futures.Future()
+    waiting, answered = answers.answer(before), answers.answer(done)
+    done.set_result(("rows", 1))
+    assert answered.wait() == ("rows", 1) and not waiting.done()
+    answers.leave(1)
+    taken_meanwhile = answers.answer(torch.futures.Future())
+    for failed in (waiting, taken_meanwhile):
+        assert failed.done()
+        with pytest.raises(RuntimeError, match="re-formed"):
+            failed.wait()
+    before.set_result("late")  # completed after the re-formation: not passed on
+    answers.reopen()
+    later = torch.futures.Future()
+    proxy = answers.answer(later)
+    later.set_exception(ValueError("the handler's own error"))
+    with pytest.raises(ValueError, match="own error"):
+        proxy.wait()
+
+
+def test_a_fetch_answered_with_rows_older_than_asked_for_is_refused():
+    """Fetch answers carry their rows' versions; a row older than the plan asked for (a server's fault, which would
+    leave the reference's path silently) stops training with the key and versions named; newer is a resume's."""
+    from bagpipe.runtime.trainer import check_fetched
+
+    keys, wanted = torch.tensor([3, 7, 11]), torch.tensor([4, 9, -1])
+    check_fetched(0, keys, wanted, torch.tensor([4, 9, -1]), server=1, iteration=10)
+    check_fetched(0, keys, wanted, torch.tensor([5, 12, 3]), server=1, iteration=10)  # restored at a later boundary
+    with pytest.raises(RuntimeError, match=r"server 2 answered a fetch of space 1 with 1 rows older than asked for "
+                                           r"\(first: key 7 at version 8, asked for 9\)"):
+        check_fetched(1, keys, wanted, torch.tensor([4, 8, -1]), server=2, iteration=10)
+    store = members("sgd")[0]
+    key = np.array([store.shard + store.num_shards])
+    store.write_back(key, torch.ones(1, 4), torch.zeros(1, 0), version=6)
+    assert store.fetch_async(key, np.array([6])).wait()[2].tolist() == [6]
