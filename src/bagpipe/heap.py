@@ -41,6 +41,14 @@ def bounded_heap(threshold_bytes: int = 1 << 20) -> None:
         libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes)
 
 
+def trim() -> None:
+    """Give back to the system what the heap holds free (after ``kept_heap``, up to its settled trim threshold
+    of freed memory stays mapped): what is resident after it is what the process holds."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 @contextmanager
 def kept_heap() -> Iterator[None]:
     """Within: large blocks come from the heap and stay there when freed, to be reused. After: the thresholds
