@@ -266,16 +266,19 @@ def test_an_answer_the_rpc_agent_takes_while_it_is_shut_down_fails_at_once():
 
 
 def test_a_fetch_answered_with_rows_older_than_asked_for_is_refused():
-    """Fetch answers carry their rows' versions; a row older than the plan asked for (a server's fault, which would
-    leave the reference's path silently) stops training with the key and versions named; newer is a resume's."""
+    """Fetch answers carry their rows' versions and echo their request's tag; a row older than the plan asked for,
+    or another request's answer (a fault that would leave the reference's path silently) stops training with the
+    key and versions named; newer is a resume's."""
     from bagpipe.runtime.trainer import check_fetched
 
     keys, wanted = torch.tensor([3, 7, 11]), torch.tensor([4, 9, -1])
-    check_fetched(0, keys, wanted, torch.tensor([4, 9, -1]), server=1, iteration=10)
-    check_fetched(0, keys, wanted, torch.tensor([5, 12, 3]), server=1, iteration=10)  # restored at a later boundary
+    check_fetched(0, keys, wanted, 5, torch.tensor([4, 9, -1]), 5, server=1, iteration=10)
+    check_fetched(0, keys, wanted, 5, torch.tensor([5, 12, 3]), 5, server=1, iteration=10)  # restored later on
     with pytest.raises(RuntimeError, match=r"server 2 answered a fetch of space 1 with 1 rows older than asked for "
                                            r"\(first: key 7 at version 8, asked for 9\)"):
-        check_fetched(1, keys, wanted, torch.tensor([4, 8, -1]), server=2, iteration=10)
+        check_fetched(1, keys, wanted, 5, torch.tensor([4, 8, -1]), 5, server=2, iteration=10)
+    with pytest.raises(RuntimeError, match="answered fetch 5 of space 0 with the answer to fetch 4"):
+        check_fetched(0, keys, wanted, 5, torch.tensor([4, 9, -1]), 4, server=1, iteration=10)
     store = members("sgd")[0]
     key = np.array([store.shard + store.num_shards])
     store.write_back(key, torch.ones(1, 4), torch.zeros(1, 0), version=6)

@@ -562,8 +562,19 @@ _EPOCHS: Epochs | None = None  # this server's: the futures its handlers return 
 
 
 @rpc.functions.async_execution
-def rpc_fetch(space: int, keys: torch.Tensor, versions: torch.Tensor) -> torch.futures.Future:
-    return _EPOCHS.answer(_SERVER.fetch(space, keys, versions))
+def rpc_fetch(space: int, keys: torch.Tensor, versions: torch.Tensor, tag: int) -> torch.futures.Future:
+    """Rows, state and versions of ``keys`` once at ``versions``, and ``tag`` (the caller's check that the answer
+    is its request's)."""
+    tagged: torch.futures.Future = torch.futures.Future()
+    _SERVER.fetch(space, keys, versions).add_done_callback(functools.partial(_pass_on_tagged, tagged, tag))
+    return _EPOCHS.answer(tagged)
+
+
+def _pass_on_tagged(to: torch.futures.Future, tag: int, done: torch.futures.Future) -> None:
+    try:
+        to.set_result((*done.value(), tag))
+    except BaseException as err:  # noqa: BLE001 - handed on (a ShardMoved included, as itself)
+        to.set_exception(err)
 
 
 @rpc.functions.async_execution

@@ -73,6 +73,7 @@ class TrainerRuntime:
         self._pending: list[deque] = [deque() for _ in self.layout.spaces]
         self._failure: BaseException | None = None
         self._checkpoint_sends: list = []
+        self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
         self._stopping = threading.Event()
         self._started = None
         self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
@@ -114,8 +115,9 @@ class TrainerRuntime:
             for shard in range(self.world.num_shards):
                 index = torch.nonzero(shards == shard).flatten()
                 if len(index):
+                    self._tags += 1
                     requests.append((shard, index, self._send(server.rpc_fetch, shard,
-                                                              (space, keys[index], versions[index]))))
+                                                              (space, keys[index], versions[index], self._tags))))
             fetches.append(requests)
         return fetches
 
@@ -223,8 +225,8 @@ class TrainerRuntime:
             state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(dim))
             waited = time.perf_counter()
             for _, index, request in requests:
-                rows[index], state[index], have = self._answer(request, what="fetch")
-                check_fetched(*request.args, have, server=request.sent_to, iteration=iteration)
+                rows[index], state[index], have, tag = self._answer(request, what="fetch")
+                check_fetched(*request.args, have, tag, server=request.sent_to, iteration=iteration)
             self._stalled("fetch_wait_s", waited)
             cache.install(step.fetch_slots.numpy(), fetch_keys, rows, state)
             self.stats.rows_fetched += len(fetch_keys)
@@ -366,10 +368,14 @@ class TrainerRuntime:
         self._stopping.set()
 
 
-def check_fetched(space: int, keys: torch.Tensor, wanted: torch.Tensor, have: torch.Tensor, *, server: int,
-                  iteration: int) -> None:
-    """A fetch's answer holds every row at (or, after a resume, past) the version the plan asked for; anything
-    else is a server's fault, and training on it would silently leave the reference's path: raised."""
+def check_fetched(space: int, keys: torch.Tensor, wanted: torch.Tensor, tag: int, have: torch.Tensor,
+                  answered: int, *, server: int, iteration: int) -> None:
+    """A fetch's answer is its request's (the tag it was sent with comes back) and holds every row at (or, after a
+    resume, past) the version the plan asked for; anything else is a fault of the servers or the RPC layer, and
+    training on it would silently leave the reference's path: raised."""
+    if answered != tag:
+        raise RuntimeError(f"iteration {iteration}: server {server} answered fetch {tag} of space {space} with the "
+                           f"answer to fetch {answered}")
     behind = torch.nonzero(have < wanted).flatten()
     if len(behind):
         first = int(behind[0])
