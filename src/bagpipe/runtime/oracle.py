@@ -23,7 +23,6 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed.rpc as rpc
 
 from bagpipe.cache import BatchRows, batch_view
@@ -44,8 +43,8 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import (SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo, SpaceStep, StepMessage,
-                                       TrainerStats, schema_dict)
+from bagpipe.runtime.protocol import (SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo, StepMessage,
+                                       TrainerStats, schema_dict, slice_messages)
 from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
                                     Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
                                     wait_for_ranks)
@@ -153,25 +152,9 @@ class Oracle:
             for space_rows, view in zip(rows, views):
                 space_rows.load(view)
             inject_fault(f"planned {iteration}")
-            parts = [None] * len(self.queues) if batch is None else batch.slices(len(self.queues))
-            for trainer, (out, part) in enumerate(zip(self.queues, parts)):
-                slice_keys = None if part is None else layout.keys(part.ids.numpy())
-                spaces = [SpaceStep(fetch_keys=torch.from_numpy(step.fetch_keys),
-                                    fetch_versions=torch.from_numpy(step.fetch_versions),
-                                    fetch_slots=torch.from_numpy(step.fetch_slots),
-                                    evict_keys=torch.from_numpy(step.evict_keys),
-                                    evict_slots=torch.from_numpy(step.evict_slots),
-                                    write_mask=torch.from_numpy(step.evict_writers == trainer),
-                                    batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
-                                    num_now=view.num_now,
-                                    positions=None if part is None else torch.from_numpy(
-                                        rows[s].at(slice_keys[s]).positions))  # each place's row in batch_keys
-                          for s, (step, view) in enumerate(zip(steps, views))]
-                message = StepMessage(iteration=iteration, final=batch is None,
-                                      dense_x=None if part is None else part.dense_x,
-                                      ids=None if part is None else part.ids,
-                                      target=None if part is None else part.target, spaces=spaces,
-                                      lookups=sum(step.lookups for step in steps), checkpoint=checkpoint)
+            messages = slice_messages(iteration, steps, views, rows, batch, layout, len(self.queues),
+                                      checkpoint=checkpoint)
+            for out, message in zip(self.queues, messages):
                 self.bytes_sent += message.nbytes()
                 while not self.stop.is_set():
                     try:

@@ -108,3 +108,32 @@ class TrainerStats:
     allreduce_bytes: int = 0  # of which gradient all-reduce buffers (blocking and background)
     samples_per_s: float = float("nan")  # steady state, as the reference counts it
     extra: dict = field(default_factory=dict)
+
+
+def slice_messages(iteration: int, steps, views, rows, batch, layout: EmbeddingLayout, num_trainers: int, *,
+                   checkpoint: bool = False) -> list[StepMessage]:
+    """Each trainer's message of one plan step (each space's ``PlanStep`` and ``BatchView``): the step, the same for
+    every trainer but for which evicted rows it writes back, and its slice of the global ``batch`` (None: the final
+    flush), with each of the slice's ids' place among the batch's rows (``rows``: each space's ``BatchRows``, loaded
+    with this step's view)."""
+    parts = [None] * num_trainers if batch is None else batch.slices(num_trainers)
+    messages = []
+    for trainer, part in enumerate(parts):
+        slice_keys = None if part is None else layout.keys(part.ids.numpy())
+        spaces = [SpaceStep(fetch_keys=torch.from_numpy(step.fetch_keys),
+                            fetch_versions=torch.from_numpy(step.fetch_versions),
+                            fetch_slots=torch.from_numpy(step.fetch_slots),
+                            evict_keys=torch.from_numpy(step.evict_keys),
+                            evict_slots=torch.from_numpy(step.evict_slots),
+                            write_mask=torch.from_numpy(step.evict_writers == trainer),
+                            batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
+                            num_now=view.num_now,
+                            positions=None if part is None else torch.from_numpy(
+                                rows[s].at(slice_keys[s]).positions))  # each place's row in batch_keys
+                  for s, (step, view) in enumerate(zip(steps, views))]
+        messages.append(StepMessage(iteration=iteration, final=batch is None,
+                                    dense_x=None if part is None else part.dense_x,
+                                    ids=None if part is None else part.ids,
+                                    target=None if part is None else part.target, spaces=spaces,
+                                    lookups=sum(step.lookups for step in steps), checkpoint=checkpoint))
+    return messages

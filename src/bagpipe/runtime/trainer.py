@@ -29,7 +29,6 @@ from bagpipe.checkpoint import RowPart, cloned_state, load_dense, resume_chain
 from bagpipe.config import TrainConfig, config_from_dict
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
-from bagpipe.models.layers import set_dropout_step
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
@@ -38,6 +37,7 @@ from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
+from bagpipe.runtime.redo import RedoLog, backward_slice, dense_share, main_share, row_shares
 from bagpipe.runtime.world import (Epochs, Routes, ShardMoved, World, check_in, init_rpc, trainer_group, unwrap,
                                     wait_for_job)
 
@@ -74,6 +74,7 @@ class TrainerRuntime:
         self._failure: BaseException | None = None
         self._checkpoint_sends: list = []
         self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
+        self.redo: RedoLog | None = None  # the last iterations' inputs (train_loop's, which has the model)
         self._stopping = threading.Event()
         self._started = None
         self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
@@ -280,22 +281,18 @@ class TrainerRuntime:
         message = self.step
         if all(lookup.rows.grad is None for lookup in lookups):
             raise RuntimeError("backward() did not reach the embeddings of this batch")
-        # [batch rows, D] per space: this slice's gradient of every batch row
-        grads = [(lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)).cpu()
-                 for lookup in lookups]
-        parts = [torch.zeros(0) if extra is None else extra.reshape(-1).cpu()]
-        parts += [g[:step.num_now].reshape(-1) for g, step in zip(grads, message.spaces)]
-        buffer = self.allreduce_finish(self.allreduce_start(torch.cat(parts)))
-        offset = parts[0].numel()
-        for space, (g, step) in enumerate(zip(grads, message.spaces)):
+        now_grads, later_grads = row_shares(lookups, message)
+        dense = 0 if extra is None else extra.numel()
+        buffer = self.allreduce_finish(self.allreduce_start(main_share(extra, now_grads)))
+        offset = dense
+        for space, (grads, step) in enumerate(zip(later_grads, message.spaces)):
             now, dim = step.num_now, self.layout.spaces[space].dim
             self.caches[space].apply(step.batch_slots[:now], buffer[offset:offset + now * dim].view(-1, dim))
             offset += now * dim
             if now < len(step.batch_slots):
-                later_grads = g[now:]  # a contiguous view: no copy
-                mean = self.allreduce_start(later_grads)
-                self._pending[space].append((message.iteration, step.batch_slots[now:].numpy(), later_grads, mean))
-        return None if extra is None else buffer[:parts[0].numel()]
+                mean = self.allreduce_start(grads)
+                self._pending[space].append((message.iteration, step.batch_slots[now:].numpy(), grads, mean))
+        return None if extra is None else buffer[:dense]
 
     def _apply_pending(self, space: int, *, upto: int, evicting: np.ndarray) -> None:
         """Apply a space's lazily synced updates from iterations <= upto, and any whose rows are evicted now."""
@@ -410,6 +407,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         dense_optimizer.load_state_dict(saved["dense_optimizer"])
         losses = list(chain[-1]["extra"].get("recent_losses", []))
     params = list(model.parameters())
+    runtime.redo = RedoLog(params)
     # The parameters the model names as complete first in the backward (DLRM: the top MLP): their
     # all-reduce starts then and runs while the rest of the backward computes (as DDP's buckets do).
     early = _EarlyBucket(runtime, model.early_params())
@@ -438,14 +436,10 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
                                     extra={"recent_losses": list(losses)})
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
-        set_dropout_step(model, seed=config.seed, iteration=message.iteration, part=runtime.index)
-        local_loss = model.loss(model(message.dense_x, embeddings), message.target)
-        clock.lap("forward")
-        dense_optimizer.zero_grad(set_to_none=True)
         early.reset()
-        local_loss.backward()
-        clock.lap("backward")
-        flat = torch.cat([p.grad.reshape(-1) for p in late_params] + [local_loss.detach().reshape(1)])
+        local_loss = backward_slice(model, message, embeddings, seed=config.seed, part=runtime.index, lap=clock.lap)
+        runtime.redo.keep(message.iteration, lookups)  # before the step: a replacement may need this slice again
+        flat = dense_share(late_params, local_loss)
         sync_before = stats.sync_s
         flat = runtime.sync(lookups, flat)
         early_flat = early.finish()

@@ -1,0 +1,141 @@
+"""A trainer's share of an iteration's gradient sums, and how another process computes a lost trainer's again.
+
+Every trainer holds the same rows and the same dense weights (the plan is global) and computes its slice's
+gradients from them. So what trainer k adds to iteration j's sums over trainers is a function of the dense
+parameters before j's step, the batch's rows as gathered for j (before j's updates), k's slice of the batch (its
+plan message) and (seed, j, k), which key the model's dropout. Any trainer can keep the first two (``RedoLog``, for
+the iterations whose sums may still be in flight when a peer is lost), and a replacement for trainer k, given them
+and k's message, computes k's share again bit for bit (``recompute``): the same code as the training loop's
+(``slice_shares``) on the same values.
+
+No process knowledge here: the trainer (runtime/trainer.py) keeps the log and sums the shares; a replacement sums
+the shares it recomputes in the sums that failed with the lost trainer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather
+from bagpipe.models.layers import set_dropout_step
+from bagpipe.runtime.protocol import StepMessage
+
+# The iterations a trainer keeps the inputs of: the one it computes and the one before, whose background sums (the
+# rows not used again at once) may still be in flight; the sums of any earlier one were waited for at a boundary.
+REDO_DEPTH = 2
+
+
+@dataclass
+class Shares:
+    """One trainer's operands of one iteration's sums over trainers, as it sends them."""
+
+    early: torch.Tensor  # the gradients of the model's early parameters (DLRM: the top MLP), summed first
+    main: torch.Tensor  # the other parameters' gradients, the loss, then per space the rows used next iteration's
+    later: list[torch.Tensor]  # per space, the gradients of the batch's other rows (summed in the background)
+
+
+def backward_slice(model: nn.Module, message: StepMessage, embeddings: Embeddings, *, seed: int, part: int,
+                   lap=None) -> torch.Tensor:
+    """Trainer ``part``'s forward and backward of its slice: every gradient in place (the model's ``.grad``, each
+    lookup's leaf); returns the slice's loss (detached). ``lap(phase)`` is called after each (the loop's clock)."""
+    set_dropout_step(model, seed=seed, iteration=message.iteration, part=part)
+    loss = model.loss(model(message.dense_x, embeddings), message.target)
+    if lap is not None:
+        lap("forward")
+    for p in model.parameters():
+        p.grad = None
+    loss.backward()
+    if lap is not None:
+        lap("backward")
+    return loss.detach()
+
+
+def dense_share(params: list[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+    """``params``' gradients and the loss, flat: the dense part of a trainer's blocking sum."""
+    return torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)])
+
+
+def row_shares(lookups: list[Lookup], message: StepMessage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per space, the gradients of the batch's rows used next iteration (synced at once) and of the others."""
+    grads = [(lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)).cpu()
+             for lookup in lookups]
+    now = [g[:step.num_now] for g, step in zip(grads, message.spaces)]
+    later = [g[step.num_now:] for g, step in zip(grads, message.spaces)]  # contiguous views: no copy
+    return now, later
+
+
+def main_share(dense: torch.Tensor | None, now: list[torch.Tensor]) -> torch.Tensor:
+    """The operand of the blocking sum: ``dense`` (``dense_share``, if any), then each space's rows used next."""
+    return torch.cat([torch.zeros(0) if dense is None else dense.reshape(-1)] + [g.reshape(-1) for g in now])
+
+
+def slice_shares(model: nn.Module, message: StepMessage, embeddings: Embeddings, lookups: list[Lookup], *,
+                 seed: int, part: int, early: list[nn.Parameter], late: list[nn.Parameter]) -> Shares:
+    """Trainer ``part``'s shares of the sums of ``message``'s iteration (``early`` and ``late``: the model's
+    parameters summed first and the rest, as the training loop splits them)."""
+    loss = backward_slice(model, message, embeddings, seed=seed, part=part)
+    now, later = row_shares(lookups, message)
+    early_share = torch.cat([p.grad.reshape(-1) for p in early]) if early else torch.zeros(0)
+    return Shares(early=early_share, main=main_share(dense_share(late, loss), now), later=later)
+
+
+@dataclass
+class Kept:
+    """What a trainer's iteration computed from, as any trainer had it."""
+
+    iteration: int
+    params: list[torch.Tensor]  # the model's parameters before the iteration's step (copies)
+    rows: list[torch.Tensor]  # per space, the batch's distinct rows as gathered for it (before its updates)
+
+
+class RedoLog:
+    """The inputs of a trainer's last ``depth`` iterations (``keep`` each before its dense step)."""
+
+    def __init__(self, params: list[nn.Parameter], depth: int = REDO_DEPTH) -> None:
+        self.params = list(params)
+        self._kept: deque[Kept] = deque()
+        self.depth = depth
+
+    def keep(self, iteration: int, lookups: list[Lookup]) -> None:
+        """``iteration``'s inputs: the parameters as they are now (before its step) and its lookups' rows (leaves
+        the loop never writes to: held, not copied)."""
+        reused = self._kept.popleft() if len(self._kept) == self.depth else None
+        with torch.no_grad():
+            params = [p.detach().clone() for p in self.params] if reused is None else \
+                [copy.copy_(p) for copy, p in zip(reused.params, self.params)]
+        self._kept.append(Kept(iteration, params, [lookup.rows.detach() for lookup in lookups]))
+
+    def kept(self, iteration: int) -> Kept:
+        for entry in self._kept:
+            if entry.iteration == iteration:
+                return entry
+        held = ", ".join(str(entry.iteration) for entry in self._kept) or "none"
+        raise KeyError(f"iteration {iteration}'s inputs are not kept (kept: {held})")
+
+    def iterations(self) -> list[int]:
+        return [entry.iteration for entry in self._kept]
+
+
+def recompute(model: nn.Module, kept: Kept, message: StepMessage, layout: EmbeddingLayout, *, seed: int,
+              part: int, early: list[nn.Parameter], late: list[nn.Parameter]) -> Shares:
+    """Trainer ``part``'s shares of ``kept``'s iteration, computed again on ``model`` (any model of the job's shape:
+    its parameters are overwritten with the kept ones; ``early`` and ``late`` split them as the loop does) from
+    ``message``, that trainer's plan message of the iteration."""
+    if message.iteration != kept.iteration:
+        raise ValueError(f"the message of iteration {message.iteration} with the inputs of {kept.iteration}")
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), kept.params):
+            p.copy_(value)
+    blocks, lookups = [], []
+    for space, rows, step in zip(layout.spaces, kept.rows, message.spaces):
+        everything = torch.arange(len(rows), device=rows.device)
+        block, lookup = gather(rows, everything, torch.as_tensor(step.positions, dtype=torch.int64).to(rows.device),
+                               padded=space.padded)
+        blocks.append(block)
+        lookups.append(lookup)
+    return slice_shares(model, message, Embeddings(blocks, layout, message.ids), lookups, seed=seed, part=part,
+                        early=early, late=late)

@@ -1,0 +1,148 @@
+"""A lost trainer's shares of the gradient sums, computed again from what a surviving trainer kept (runtime/redo.py).
+
+Two trainers are carried out in one process, as the runtime does (the plan's steps on one cache per space, each
+trainer's slice from the oracle's messages); what trainer 1 sent is compared with what a fresh model computes
+again from trainer 0's log, for the iteration under way and for the one before (after its step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bagpipe.cache import BatchRows, BatchView, RowCache, StepTables, batch_view
+from bagpipe.cached import carry_out
+from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.data.batches import iterate_batches
+from bagpipe.data.binary import open_dataset
+from bagpipe.embeddings import valid_keys
+from bagpipe.optim import make_row_optimizer
+from bagpipe.planner import PlannerConfig, plan_spaces
+from bagpipe.preflight import cache_rows_of, job_layout
+from bagpipe.reference import build_model
+from bagpipe.runtime.protocol import slice_messages
+from bagpipe.runtime.redo import RedoLog, Shares, recompute, slice_shares
+from bagpipe.storage import RowStore
+
+TRAINERS, BATCH, ITERATIONS = 2, 64, 8
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def assert_same_shares(ours: Shares, theirs: Shares, what: str) -> None:
+    assert same_bits(ours.early, theirs.early), f"{what}: early parameters' gradients differ"
+    assert same_bits(ours.main, theirs.main), f"{what}: the blocking sum's operand differs"
+    assert len(ours.later) == len(theirs.later)
+    for space, (a, b) in enumerate(zip(ours.later, theirs.later)):
+        assert same_bits(a, b), f"{what}: space {space}'s later rows' gradients differ"
+
+
+def split_params(model):
+    early = list(model.early_params())
+    return early, [p for p in model.parameters() if all(p is not q for q in early)]
+
+
+@pytest.mark.parametrize("model, optimizer, cache_rows", [
+    (ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"), "adagrad", 600),
+    # two spaces (factors and first-order weights), and dropout keyed by the trainer
+    (ModelConfig(name="deepfm", emb_dim=8, deep_mlp="16-16", dropout=0.3), "adam", 1100),
+])
+def test_a_lost_trainers_shares_computed_again_from_a_survivors_log_are_its_own_bit_for_bit(small_binary, model,
+                                                                                             optimizer, cache_rows):
+    config = TrainConfig(data=str(small_binary), run_dir="unused", model=model, optimizer=optimizer, lr=0.05, seed=3,
+                         batch_size=BATCH, iterations=ITERATIONS, cache_rows=cache_rows, trainers=TRAINERS)
+    dataset = open_dataset(small_binary)
+    layout = job_layout(config, dataset)
+    row_optimizer = make_row_optimizer(optimizer, lr=config.lr)
+    torch.manual_seed(config.seed)
+    survivor = build_model(config, dataset.schema)  # trainer 0 and 1 hold the same weights: one model for both
+    scratch = build_model(config, dataset.schema)  # the replacement's, its own initial weights overwritten
+    dense_optimizer = row_optimizer.dense_optimizer(survivor.parameters())
+    early, late = split_params(survivor)
+    scratch_early, scratch_late = split_params(scratch)
+    log = RedoLog(list(survivor.parameters()))
+    shares_of = cache_rows_of(config, layout)
+    caches = [RowCache(capacity=share, dim=space.dim, optimizer=row_optimizer)
+              for space, share in zip(layout.spaces, shares_of)]
+    stores = [[RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config.seed)]
+              for s in range(len(layout.spaces))]
+    planners = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=10, num_trainers=TRAINERS)
+                for space, share in zip(layout.spaces, shares_of)]
+    batches = list(iterate_batches(dataset.train, batch_size=BATCH, iterations=ITERATIONS))
+    rows = [BatchRows(space.num_rows) for space in layout.spaces]
+    before = None  # the previous iteration: (trainer 1's message, what it sent)
+    checked = 0
+    evicted = 0
+    for steps in plan_spaces(([valid_keys(k) for k in layout.keys(b.ids.numpy())] for b in batches), planners):
+        iteration = steps[0].iteration
+        for s, step in enumerate(steps):
+            carry_out(step, caches[s], stores[s], dim=layout.spaces[s].dim, row_optimizer=row_optimizer, timeout=5.0)
+            evicted += len(step.evict_keys)
+        if iteration == ITERATIONS:
+            break
+        views = [batch_view(step) for step in steps]
+        for space_rows, view in zip(rows, views):
+            space_rows.load(view)
+        messages = slice_messages(iteration, steps, views, rows, batches[iteration], layout, TRAINERS)
+        sent = []
+        for part, message in enumerate(messages):
+            step_views = [BatchView(s.batch_keys.numpy(), s.batch_slots.numpy(), s.num_now, s.positions)
+                          for s in message.spaces]
+            embeddings, lookups = StepTables(caches, step_views, layout).lookup(message.ids)
+            sent.append(slice_shares(survivor, message, embeddings, lookups, seed=config.seed, part=part,
+                                     early=early, late=late))
+            if part == 0:
+                log.keep(iteration, lookups)
+        # trainer 1 lost: its shares of this iteration, and of the one before (whose step is done by now)
+        assert_same_shares(recompute(scratch, log.kept(iteration), messages[1], layout, seed=config.seed, part=1,
+                                     early=scratch_early, late=scratch_late), sent[1], f"iteration {iteration}")
+        if before is not None:
+            assert_same_shares(recompute(scratch, log.kept(iteration - 1), before[0], layout, seed=config.seed,
+                                         part=1, early=scratch_early, late=scratch_late), before[1],
+                               f"iteration {iteration - 1}, after its step")
+            checked += 1
+        assert not same_bits(sent[0].main, sent[1].main)  # the slices differ: a wrong part would be seen
+        # the sums over trainers, in trainer order, applied as the trainers do
+        with torch.no_grad():
+            main = (sent[0].main + sent[1].main) / TRAINERS
+            dense = sum(p.numel() for p in late) + 1
+            offset = 0
+            for p in late:
+                p.grad = main[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            early_mean = (sent[0].early + sent[1].early) / TRAINERS
+            offset = 0
+            for p in early:
+                p.grad = early_mean[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            dense_optimizer.step()
+            offset = dense
+            for space, (cache, step) in enumerate(zip(caches, messages[0].spaces)):
+                now, dim = step.num_now, layout.spaces[space].dim
+                cache.apply(step.batch_slots[:now], main[offset:offset + now * dim].view(-1, dim))
+                offset += now * dim
+                cache.apply(step.batch_slots[now:], (sent[0].later[space] + sent[1].later[space]) / TRAINERS)
+        before = (messages[1], sent[1])
+    assert checked == ITERATIONS - 1 and evicted > 0  # rows moved through the cache meanwhile
+    assert log.iterations() == [ITERATIONS - 2, ITERATIONS - 1]
+    with pytest.raises(KeyError, match="not kept"):
+        log.kept(ITERATIONS - 3)
+
+
+def test_the_log_copies_the_parameters_so_a_step_after_it_does_not_change_what_it_kept():
+    model = torch.nn.Linear(3, 2)
+    log = RedoLog(list(model.parameters()), depth=2)
+    values = []
+    for iteration in range(4):
+        log.keep(iteration, [])
+        values.append([p.detach().clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    for iteration in (2, 3):
+        kept = log.kept(iteration)
+        assert all(torch.equal(a, b) for a, b in zip(kept.params, values[iteration]))
+    assert np.array_equal(log.iterations(), [2, 3])
