@@ -146,3 +146,56 @@ def test_the_log_copies_the_parameters_so_a_step_after_it_does_not_change_what_i
         kept = log.kept(iteration)
         assert all(torch.equal(a, b) for a, b in zip(kept.params, values[iteration]))
     assert np.array_equal(log.iterations(), [2, 3])
+
+
+def test_the_oracle_keeps_a_trainers_messages_from_before_its_last_step_and_tells_the_rows_written_by_all(
+        small_binary):
+    from bagpipe.runtime.oracle import Oracle
+    from bagpipe.runtime.protocol import StepMessage
+    from bagpipe.runtime.redo import REDO_DEPTH
+    from bagpipe.runtime.world import World
+
+    config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH, iterations=40, trainers=2,
+                         model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"))
+    oracle = Oracle(config, World(rank=0, world_size=4, num_trainers=2), open_dataset(small_binary))
+    oracle.servers_ready = {"server0"}
+    for iteration in range(12):
+        for out in oracle.queues:
+            out.put(StepMessage(iteration=iteration, final=False, dense_x=None, ids=None, target=None, spaces=[]))
+
+    def iterations(pulled):
+        return [m.iteration for m in pulled.messages]
+
+    assert iterations(oracle.pull(0, -1, 8, -1, -1)) == list(range(8))
+    assert iterations(oracle.pull(0, -1, 8, -1, -1)) == list(range(8))  # an answer lost: the same again
+    assert iterations(oracle.pull(0, 7, 8, 5, 4)) == [8, 9, 10, 11]
+    # trainer 0 stepped 5: a replacement for it may need iterations 5 - REDO_DEPTH + 1 on, and gets them
+    first = 5 - REDO_DEPTH + 1
+    assert iterations(oracle.pull(0, first - 1, 8, 5, 4)) == list(range(first, 12))
+    with pytest.raises(RuntimeError, match=f"from iteration {first - 1} are no longer kept"):
+        oracle.pull(0, first - 2, 8, 5, 4)
+    # trainer 1 has not said how far its write-backs are acknowledged: none are, for all the oracle knows
+    assert oracle.pull(0, 11, 8, 9, 8).written_by_all == -1
+    assert oracle.pull(1, -1, 8, 2, 3).written_by_all == 3
+    assert oracle.pull(1, 7, 8, 7, 6).written_by_all == 6
+    assert oracle.pull(1, 7, 8, 3, 2).written_by_all == 6  # a late pull does not take it back
+
+
+def test_written_back_is_the_version_every_write_back_is_acknowledged_to():
+    from bagpipe.runtime.trainer import WrittenBack
+
+    written = WrittenBack(start=0)
+    assert written.through() == -1
+    written.sending(3)
+    written.sending(3)
+    written.sending(4)
+    written.boundary(4)
+    assert written.through() == 2
+    written.acknowledged(3)
+    assert written.through() == 2  # one of version 3 is still in flight
+    written.acknowledged(4)
+    assert written.through() == 2
+    written.acknowledged(3)
+    assert written.through() == 4
+    written.boundary(5)  # a boundary with nothing of this trainer's to write back
+    assert written.through() == 5

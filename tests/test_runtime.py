@@ -83,6 +83,11 @@ def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy
     assert 0.0 < summary["cache_hit_rate"] < 1.0
     assert summary["iterations"] == ITERATIONS and summary["bytes_sent"] > 0
     assert 0.0 <= summary["embedding_stall_fraction"] < 1.0
+    # each trainer held the rows the others write back until all were acknowledged, not all of them to the end
+    if trainers > 1:
+        assert 0 < summary["others_evicted_peak_rows"] < summary["rows_written_back"] / 4
+    else:
+        assert summary["others_evicted_peak_rows"] == 0
 
 
 def test_default_settings_equal_the_sliced_reference_bit_for_bit(wide_tsv, tmp_path):

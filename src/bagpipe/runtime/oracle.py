@@ -43,8 +43,9 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import (SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo, StepMessage,
-                                       TrainerStats, schema_dict, slice_messages)
+from bagpipe.runtime.redo import REDO_DEPTH
+from bagpipe.runtime.protocol import (SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo,
+                                       Pulled, TrainerStats, schema_dict, slice_messages)
 from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
                                     Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
                                     wait_for_ranks)
@@ -95,9 +96,11 @@ class Oracle:
                                 for space, share in zip(self.layout.spaces, shares)]
         depth = max(2 * config.prefetch_depth, 2 * PULL_MAX_STEPS)
         self.queues = [queue.Queue(maxsize=depth) for _ in range(world.num_trainers)]
-        # per trainer, the plan messages pulled but not acknowledged yet (a pull's answer lost to a re-formation
-        # of the RPC world is pulled again)
-        self.unacknowledged: list[deque] = [deque() for _ in range(world.num_trainers)]
+        # per trainer, the plan messages sent from REDO_DEPTH before the last iteration it stepped on (a pull's
+        # answer lost to a re-formation of the RPC world is pulled again; see ``pull``)
+        self.sent: list[deque] = [deque() for _ in range(world.num_trainers)]
+        self.finished = [self.start - 1] * world.num_trainers  # per trainer, the last iteration it said it stepped
+        self.written = [self.start - 1] * world.num_trainers  # and the version its write-backs are acknowledged to
         self.epochs = NoEpochs()  # run_oracle's Epochs once the oracle is in the RPC world
         self.store = None  # the job's store (run_oracle)
         self.replacing: dict[int, dict] = {}  # rank -> the failure record of a lost process being replaced
@@ -174,16 +177,35 @@ class Oracle:
                     raise TimeoutError(f"servers ready after {self.world.timeout:.0f} s: "
                                        f"{sorted(self.servers_ready)} of {self.world.num_servers}")
 
-    def pull(self, trainer: int, after: int, max_steps: int) -> list[StepMessage]:
+    def pull(self, trainer: int, after: int, max_steps: int, finished: int | None = None,
+             written: int | None = None) -> Pulled:
         """The next plan messages of ``trainer``, which has those up to iteration ``after``: the ones it was sent
         and did not get (the answer lost to a re-formation of the RPC world) again, else new ones; none after
-        PULL_WAIT_S without any (the trainer asks again: an RPC thread is not held for long)."""
+        PULL_WAIT_S without any (the trainer asks again: an RPC thread is not held for long).
+
+        ``finished``: the last iteration the trainer has stepped; its messages are kept from REDO_DEPTH before it
+        on (a replacement for it may compute those iterations' shares again, runtime/redo.py). ``written``: the
+        last version all its write-backs up to are acknowledged; the answer says the lowest of all the trainers'
+        (every trainer keeps the rows others write back until then)."""
         self._await_servers()
-        sent = self.unacknowledged[trainer]
-        while sent and sent[0].iteration <= after:
-            sent.popleft()
-        if sent:
-            return list(sent)
+        kept = self.sent[trainer]
+        with self.changed:
+            if finished is not None:
+                self.finished[trainer] = max(self.finished[trainer], finished)
+            if written is not None:
+                self.written[trainer] = max(self.written[trainer], written)
+            written_by_all = min(self.written)
+        while kept and kept[0].iteration <= self.finished[trainer] - REDO_DEPTH:
+            kept.popleft()
+        if kept and after + 1 < kept[0].iteration:
+            raise RuntimeError(f"trainer {trainer}'s plan messages from iteration {after + 1} are no longer kept "
+                               f"(from {kept[0].iteration} on)")
+        again = [message for message in kept if message.iteration > after]
+        if again:
+            return Pulled(again, written_by_all)
+        if kept and after > kept[-1].iteration:
+            raise RuntimeError(f"trainer {trainer} pulled after iteration {after}, past the {kept[-1].iteration} "
+                               f"it was sent")
         out = self.queues[trainer]
         deadline = time.monotonic() + PULL_WAIT_S
         messages = []
@@ -194,14 +216,14 @@ class Oracle:
                 messages.append(out.get(timeout=0.2))
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    return []
+                    return Pulled([], written_by_all)
         while len(messages) < max_steps and not messages[-1].final:
             try:
                 messages.append(out.get_nowait())
             except queue.Empty:
                 break
-        sent.extend(messages)
-        return messages
+        kept.extend(messages)
+        return Pulled(messages, written_by_all)
 
     def _evaluable(self, boundary: int, dense: dict, rows: ChainRows) -> None:
         self.evaluations.submit(boundary, dense, rows)
@@ -404,6 +426,7 @@ class Oracle:
     def trainer_done(self, trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
         with self.changed:
             self.done[trainer] = (stats, dense_state)
+            self.written[trainer] = self.iterations  # the final flush's write-backs are acknowledged
             self.changed.notify_all()
         # Logged before the trainer has its answer (so before it can end): the launcher reads it as the
         # trainer's part of the job done, whatever becomes of its process after (logged at the last iteration:
@@ -440,8 +463,9 @@ def rpc_ready(name: str) -> None:
     _ORACLE.server_ready(name)
 
 
-def rpc_pull(trainer: int, after: int, max_steps: int) -> list[StepMessage]:
-    return _ORACLE.pull(trainer, after, max_steps)
+def rpc_pull(trainer: int, after: int, max_steps: int, finished: int | None = None,
+             written: int | None = None) -> Pulled:
+    return _ORACLE.pull(trainer, after, max_steps, finished, written)
 
 
 def rpc_replaced(rank: int, info: dict) -> None:
@@ -676,6 +700,8 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "rows_written_back": sum(s.rows_written_back for s in all_stats),
         "rows_moved_per_iteration": sum(s.rows_fetched + s.rows_written_back for s in all_stats)
         / max(oracle.iterations, 1),
+        # the most rows a trainer held at once that other trainers write back (until acknowledged by all)
+        "others_evicted_peak_rows": max(s.extra.get("others_evicted_peak_rows", 0) for s in all_stats),
         "cache_hit_rate": sum(s.batch_hits for s in all_stats) / batch_rows if batch_rows else float("nan"),
         "embedding_stall_fraction": float(np.mean([s.stall_s / s.loop_s if s.loop_s else 0.0
                                                    for s in all_stats])),

@@ -90,6 +90,14 @@ class StepMessage:
 
 
 @dataclass
+class Pulled:
+    """The oracle's answer to a trainer's pull."""
+
+    messages: list[StepMessage]  # the next plan messages (none: none is ready yet, ask again)
+    written_by_all: int  # every trainer's write-backs up to this version are acknowledged (what it last said)
+
+
+@dataclass
 class TrainerStats:
     """Counters a trainer reports when it finishes (summed or averaged by the oracle)."""
 

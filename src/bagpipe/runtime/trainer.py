@@ -12,6 +12,7 @@ own, in order, so the result equals synchronous training on the global batch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -75,6 +76,12 @@ class TrainerRuntime:
         self._checkpoint_sends: list = []
         self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
         self.redo: RedoLog | None = None  # the last iterations' inputs (train_loop's, which has the model)
+        self.finished = job.start - 1  # the last iteration stepped (the oracle keeps the messages from before it)
+        self.written = WrittenBack(job.start)  # how far this trainer's write-backs are acknowledged
+        # Rows evicted that other trainers write back, by version, until every trainer's write-backs up to it are
+        # acknowledged (``written_by_all``, from the oracle): those of a lost trainer are sent again from here.
+        self.others_evicted: deque = deque()
+        self.written_by_all = job.start - 1
         self._stopping = threading.Event()
         self._started = None
         self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
@@ -93,8 +100,10 @@ class TrainerRuntime:
     def _prefetch(self) -> None:
         after = -1  # the last plan message received: the oracle sends the ones after it
         while not self._stopping.is_set():
-            messages = self.epochs.call("oracle", oracle.rpc_pull, (self.index, after, oracle.PULL_MAX_STEPS))
-            for message in messages:
+            pulled = self.epochs.call("oracle", oracle.rpc_pull, (self.index, after, oracle.PULL_MAX_STEPS,
+                                                                 self.finished, self.written.through()))
+            self.written_by_all = pulled.written_by_all
+            for message in pulled.messages:
                 after = message.iteration
                 fetches = self._issue_fetches(message)
                 while not self._stopping.is_set():
@@ -175,8 +184,10 @@ class TrainerRuntime:
             in_flight = [request for request, finished in zip(in_flight, done) if not finished]
             for request in answered:
                 self._answer(request, what="write-back")
+                self.written.acknowledged(request.args[-1])
         for request in in_flight:
             self._answer(request, what="write-back")
+            self.written.acknowledged(request.args[-1])
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -198,11 +209,18 @@ class TrainerRuntime:
                     raise TimeoutError(f"trainer {self.index}: no plan from the oracle for "
                                        f"{self.world.timeout:.0f} s") from None
         self._stalled("plan_wait_s", waited)
+        if self.step is not None and not self.step.final:
+            self.finished = self.step.iteration
+        while self.others_evicted and self.others_evicted[0][0] <= self.written_by_all:
+            self.others_evicted.popleft()
         for space, (step, requests) in enumerate(zip(message.spaces, fetches)):
             self._boundary(space, message.iteration, step, requests)
             if not message.final:
                 self.stats.batch_rows += len(step.batch_keys)
                 self.stats.batch_hits += len(step.batch_keys) - len(step.fetch_keys)
+        self.written.boundary(message.iteration - 1)  # every write-back of this boundary is counted by now
+        kept = sum(len(entry[2]) for entry in self.others_evicted)
+        self.stats.extra["others_evicted_peak_rows"] = max(self.stats.extra.get("others_evicted_peak_rows", 0), kept)
         self.step = message
         if message.final:
             self._flush()
@@ -220,6 +238,9 @@ class TrainerRuntime:
             mine = step.write_mask
             if mine.any():
                 self._send_write_backs(space, step.evict_keys[mine], rows[mine], state[mine], version=iteration - 1)
+            others = ~mine
+            if self.group is not None and others.any():
+                self.others_evicted.append((iteration - 1, space, step.evict_keys[others], rows[others], state[others]))
         fetch_keys = step.fetch_keys.numpy()
         if len(fetch_keys):
             rows = torch.empty(len(fetch_keys), dim)
@@ -243,6 +264,7 @@ class TrainerRuntime:
         for shard in range(self.world.num_shards):
             index = torch.nonzero(shards == shard).flatten()
             if len(index):
+                self.written.sending(version)
                 self._writes.put((shard, (space, keys[index], rows[index], state[index], version)))
         self.stats.rows_written_back += len(keys)
         self.stats.bytes_sent += rows.numel() * 4 + state.numel() * 4 + keys.numel() * 8
@@ -363,6 +385,35 @@ class TrainerRuntime:
         log.error("%s", message)
         self._failure = self._failure or RuntimeError(message)
         self._stopping.set()
+
+
+class WrittenBack:
+    """The version up to which every write-back a trainer sent is acknowledged: the write-backs in flight, counted
+    by version (the compute thread sends them, the writer thread sees them answered)."""
+
+    def __init__(self, start: int) -> None:
+        self._in_flight: collections.Counter = collections.Counter()
+        self._last = start - 1  # the version of the last boundary whose write-backs were all sent
+        self._lock = threading.Lock()
+
+    def sending(self, version: int) -> None:
+        with self._lock:
+            self._in_flight[version] += 1
+
+    def boundary(self, version: int) -> None:
+        """Every write-back of ``version`` is sent (or counted by ``sending``)."""
+        with self._lock:
+            self._last = max(self._last, version)
+
+    def acknowledged(self, version: int) -> None:
+        with self._lock:
+            self._in_flight[version] -= 1
+            if not self._in_flight[version]:
+                del self._in_flight[version]
+
+    def through(self) -> int:
+        with self._lock:
+            return min(self._in_flight) - 1 if self._in_flight else self._last
 
 
 def check_fetched(space: int, keys: torch.Tensor, wanted: torch.Tensor, tag: int, have: torch.Tensor,
