@@ -29,7 +29,7 @@ from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, forget_metrics_after, write_json_atomic
 from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
-from bagpipe.runtime.protocol import RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE
+from bagpipe.runtime.protocol import REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE, TRAINER_LOST
 from bagpipe.runtime.world import LOOPBACK, World, connect_store, free_port
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,10 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
         write_pids()
         job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
                           timeout=config.timeout, parity=config.parity)
-        covered = set(range(job_world.num_servers)) if config.parity else set()  # losses parity may cover
+        # the ranks whose loss the job may go on through: servers with parity, trainers when they are replaced
+        covered = {job_world.server_rank(s) for s in range(job_world.num_servers)} if config.parity else set()
+        if env.get(REPLACE_TRAINERS) == "1" and config.trainers == 2:
+            covered |= {job_world.trainer_rank(t) for t in range(config.trainers)}
         metrics = _MetricsTail(run_dir / "metrics.jsonl", offset=read_from, iteration=boundary or 0)
         _supervise(children, metrics, total=total, show_progress=show_progress, covered=covered,
                    grace_s=job_world.takeover_s, tell=_Teller(job_world), restart=restart, replace=replace)
@@ -215,6 +218,7 @@ class _MetricsTail:
         self.reached: dict[int, float] = {}  # iteration logged -> when (wall time)
         self.servers_lost: set[int] = set()  # data servers the oracle moved to their parity servers
         self.servers_replaced: set[int] = set()  # lost servers the oracle awaits a replacement process for
+        self.trainers_replaced: set[int] = set()  # lost trainers the oracle awaits a replacement process for
         self.trainers_done: set[int] = set()  # trainers whose report the oracle has: the job no longer needs them
 
     def read(self) -> None:
@@ -237,6 +241,8 @@ class _MetricsTail:
                 self.servers_lost.add(record["server"])
                 if record.get("replaced"):
                     self.servers_replaced.add(record["server"])
+            elif record.get("event") == TRAINER_LOST:
+                self.trainers_replaced.add(record["trainer"])
             elif record.get("event") == TRAINER_DONE:
                 self.trainers_done.add(record["trainer"])
             elif record.get("event") == RESUMED:
@@ -290,15 +296,20 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
                 _timed(restart, metrics)
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
             for child in failed:
-                if child.role == "server" and child.index in covered and not metrics.trained:
-                    if child.index in metrics.servers_replaced and replace is not None:
-                        metrics.servers_replaced.discard(child.index)
-                        metrics.servers_lost.discard(child.index)
+                # (a trainer is replaced only when its process was lost: one that failed by its own error would
+                # fail again)
+                if (child.rank in covered and not _done_with(child, metrics)
+                        and (child.role == "server" or child.process.returncode < 0)):
+                    replaced = metrics.servers_replaced if child.role == "server" else metrics.trainers_replaced
+                    if child.index in replaced and replace is not None:
+                        replaced.discard(child.index)
+                        if child.role == "server":
+                            metrics.servers_lost.discard(child.index)
                         log.warning("%s exited (%s); starting its replacement (training goes on meanwhile)",
                                     child.label, _describe(child.process.returncode))
                         takeover_due.pop(child.rank, None)
                         replace(child)
-                    elif child.index in metrics.servers_lost:
+                    elif child.role == "server" and child.index in metrics.servers_lost:
                         log.warning("%s exited (%s); its shard is served by its parity server from now on",
                                     child.label, _describe(child.process.returncode))
                         excused.add(child.rank)

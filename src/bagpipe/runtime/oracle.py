@@ -43,9 +43,9 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
+from bagpipe.runtime.protocol import (REPLACE_TRAINERS, SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, TRAINER_LOST,
+                                       JobInfo, Pulled, TrainerStats, schema_dict, slice_messages)
 from bagpipe.runtime.redo import REDO_DEPTH
-from bagpipe.runtime.protocol import (SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, JobInfo,
-                                       Pulled, TrainerStats, schema_dict, slice_messages)
 from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
                                     Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
                                     wait_for_ranks)
@@ -78,7 +78,8 @@ class Oracle:
         self.job = JobInfo(config=config_to_dict(config), schema=schema_dict(dataset.schema),
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
-                           resume=resume[0] if resume else None, start=self.start)
+                           resume=resume[0] if resume else None, start=self.start,
+                           replace_trainers=os.environ.get(REPLACE_TRAINERS) == "1" and world.num_trainers == 2)
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
         self.evaluates = (config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0)
@@ -240,8 +241,24 @@ class Oracle:
                 reported = index in self.done
             if reported:
                 log.warning("trainer %d ended after reporting done: the job no longer needs it", index)
-            return reported
+                return True
+            return self.job.replace_trainers and self._replace_trainer(rank, index)
         return self.lose_server(rank, store=store)
+
+    def _replace_trainer(self, rank: int, index: int) -> bool:
+        """A lost trainer: have a replacement made, which adds its shares to the sums that failed with it and takes a
+        survivor's state (runtime/trainer.py ``replace_lost``) while the survivors wait in their sums. False when
+        the RPC world cannot be re-formed (the job then restarts from its newest checkpoint)."""
+        if self.replacing:
+            return False  # another replacement is under way: the survivors' sums could not be done again
+        failure = {"role": f"trainer {index}", "trainer": index, "rank": rank, "planned_iteration": self.planned,
+                   "at": time.time()}
+        if not self._ask_for_replacement(rank, failure):
+            return False
+        self.failures.append(failure)
+        self.run.log_metrics(event=TRAINER_LOST, trainer=index, rank=rank, replaced=True, epoch=failure["epoch"])
+        log.warning("trainer %d lost: the other trainers wait in their gradient sums for its replacement", index)
+        return True
 
     def lose_server(self, rank: int, *, store) -> bool:
         """A lost server (``rank``), with parity: a data server's shard moves to its group's parity server, which
@@ -559,7 +576,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
         for failure in oracle.replacing.values():  # its rows are on its group's servers: the run does not need it
             log.warning("training ended before %s's replacement was whole: the run goes without it", failure["role"])
-        latest = {f["server"]: f for f in oracle.failures}  # a server's last loss says whether it is back
+        latest = {f["server"]: f for f in oracle.failures if "server" in f}  # a server's last loss: is it back?
         lost = {server for server, f in latest.items() if not f.get("replaced")}
         if config.parity and config.check_parity:
             check_parity(world, epochs, skip=lost)

@@ -19,6 +19,8 @@ TRAINED = "trained"  # the metrics event after which every row is back on the se
 TRAINER_DONE = "trainer done"  # the metrics event of a trainer that reported: the job no longer needs it
 RESUMED = "resumed"  # the metrics event of a resumed job's first iteration done (trainer 0 logs it)
 SERVER_LOST = "server lost"  # the metrics event of a lost server (a data server's shard moved to its parity server)
+REPLACE_TRAINERS = "BAGPIPE_REPLACE_TRAINERS"  # "1": a lost trainer is replaced, with 2 trainers (experimental)
+TRAINER_LOST = "trainer lost"  # the metrics event of a lost trainer whose replacement the oracle awaits
 SERVER_BACK = "server back"  # the metrics event of a lost data server's replacement that took its shard back
 
 
@@ -32,6 +34,7 @@ class JobInfo:
     slice_size: int  # samples per trainer per iteration
     resume: str | None = None  # the checkpoint the job continues from (RUN_DIR/checkpoints/NAME), if any
     start: int = 0  # the iteration training starts with (the checkpoint's boundary when resuming)
+    replace_trainers: bool = False  # a lost trainer is replaced while training goes on (see runtime/redo.py)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

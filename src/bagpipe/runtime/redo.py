@@ -139,3 +139,19 @@ def recompute(model: nn.Module, kept: Kept, message: StepMessage, layout: Embedd
         lookups.append(lookup)
     return slice_shares(model, message, Embeddings(blocks, layout, message.ids), lookups, seed=seed, part=part,
                         early=early, late=late)
+
+
+class Recomputer:
+    """Trainer ``part``'s shares computed again (``recompute``) on a model of its own, made when first needed."""
+
+    def __init__(self, make_model, layout: EmbeddingLayout, *, seed: int, part: int) -> None:
+        self.make_model, self.layout, self.seed, self.part = make_model, layout, seed, part
+        self.model = self.early = self.late = None
+
+    def __call__(self, kept: Kept, message: StepMessage) -> Shares:
+        if self.model is None:
+            self.model = self.make_model()
+            self.early = list(self.model.early_params())
+            self.late = [p for p in self.model.parameters() if all(p is not q for q in self.early)]
+        return recompute(self.model, kept, message, self.layout, seed=self.seed, part=self.part, early=self.early,
+                         late=self.late)

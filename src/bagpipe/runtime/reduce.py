@@ -18,25 +18,40 @@ import torch.distributed as dist
 
 
 class Mean:
-    """A started reduction of ``buffer`` (contiguous, float32); ``wait`` leaves the mean in it."""
+    """A started reduction of ``buffer`` (contiguous, float32); ``wait`` leaves the mean in it.
 
-    def __init__(self, group: dist.ProcessGroup | None, buffer: torch.Tensor, *, timeout: float) -> None:
-        self.group, self.buffer = group, buffer
-        self.size = 1 if group is None else group.size()
+    A reduction that fails (a trainer was lost) raises from ``wait``; ``restart`` starts it again on another group
+    (the trainers' group re-formed around a replacement), from what ``buffer`` holds then."""
+
+    def __init__(self, group: dist.ProcessGroup | None, buffer: torch.Tensor, *, timeout: float, what=None) -> None:
+        self.buffer, self.what = buffer, what  # ``what``: the sum's name, for its owner (TrainerRuntime)
         self.timeout = timedelta(seconds=timeout)
-        self._work = self._received = None
-        if self.size == 1 or buffer.numel() == 0:
+        self._start(group)
+
+    def _start(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = 1 if group is None else group.size()
+        self._work = self._received = self._failed = None
+        if self.size == 1 or self.buffer.numel() == 0:
             return
-        if self.size == 2:
-            self._work = group.allreduce([buffer])
-            return
-        chunk = math.ceil(buffer.numel() / self.size)
-        padded = torch.zeros(self.size * chunk)
-        padded[:buffer.numel()] = buffer.view(-1)
-        self._received = torch.empty_like(padded)
-        self._work = group.alltoall_base(self._received, padded, [], [], dist.AllToAllOptions())
+        try:
+            if self.size == 2:
+                self._work = group.allreduce([self.buffer])
+                return
+            chunk = math.ceil(self.buffer.numel() / self.size)
+            padded = torch.zeros(self.size * chunk)
+            padded[:self.buffer.numel()] = self.buffer.view(-1)
+            self._received = torch.empty_like(padded)
+            self._work = group.alltoall_base(self._received, padded, [], [], dist.AllToAllOptions())
+        except RuntimeError as err:  # the group is broken already: raised by ``wait``
+            self._failed = err
+
+    def restart(self, group: dist.ProcessGroup) -> None:
+        self._start(group)
 
     def wait(self) -> torch.Tensor:
+        if self._failed is not None:
+            raise self._failed
         if self._work is None:
             return self.buffer
         self._work.wait(timeout=self.timeout)

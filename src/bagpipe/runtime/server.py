@@ -28,8 +28,8 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
 from bagpipe.runtime.liveness import Liveness, is_peer_gone
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.world import (EPOCH_KEY, JOINING_PREFIX, STOP_KEY, Epochs, NoEpochs, ShardMoved, World,
-                                    check_in, init_rpc, wait_for_job)
+from bagpipe.runtime.world import (STOP_KEY, Epochs, NoEpochs, ShardMoved, World, check_in, init_rpc,
+                                    join_rpc_as_replacement, wait_for_job)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
 from bagpipe.storage.bits import row_bits
@@ -670,7 +670,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
             return
         # the parity's structure first: its members' deltas arrive as soon as the RPC world has this process
         _PARITY = replacement_parity(world, job, index, row_optimizer, NoEpochs())
-        _EPOCHS = epochs = _join_as_replacement(world, store)
+        _EPOCHS = epochs = join_rpc_as_replacement(world, store)
         if epochs is None:  # training ended before the job needed it
             liveness.stop()
             return
@@ -724,7 +724,7 @@ def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, 
     index = world.role[1]
     specs = storage_specs(job.config, job.layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
     stores = _shard_stores(world, job, row_optimizer, specs)
-    epochs = _join_as_replacement(world, store)
+    epochs = join_rpc_as_replacement(world, store)
     if epochs is None:  # training ended before the job needed it
         liveness.stop()
         for row_store in stores:
@@ -738,21 +738,6 @@ def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, 
     inject_fault("shard copied")
     epochs.call("oracle", oracle.rpc_ready_to_take_over, (world.rank,))
     serve_until_stopped(world, store, liveness, epochs, stores=stores)
-
-
-def _join_as_replacement(world: World, store) -> Epochs | None:
-    """Say this replacement is ready, and join the RPC world the oracle then re-forms around it; None if
-    training ends first (the oracle announces no new world then)."""
-    store.set(f"{JOINING_PREFIX}{world.rank}", str(world.epoch))
-    log.info("ready: waiting for the job's RPC world to be re-formed around this process (epoch %d)", world.epoch)
-    while not (store.check([EPOCH_KEY]) and int(store.get(EPOCH_KEY)) >= world.epoch):
-        if store.check([STOP_KEY]):
-            log.warning("training ended before the job's RPC world was re-formed around this replacement: "
-                        "it is not needed")
-            return None
-        time.sleep(0.05)
-    init_rpc(world, store, epoch=world.epoch)
-    return Epochs(world, store)
 
 
 def serve_until_stopped(world: World, store, liveness: Liveness, epochs: Epochs, *, stores: list[RowStore]) -> None:

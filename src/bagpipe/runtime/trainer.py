@@ -38,9 +38,10 @@ from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.redo import RedoLog, backward_slice, dense_share, main_share, row_shares
-from bagpipe.runtime.world import (Epochs, Routes, ShardMoved, World, check_in, init_rpc, trainer_group, unwrap,
-                                    wait_for_job)
+from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, backward_slice, dense_share, main_share,
+                                  row_shares)
+from bagpipe.runtime.world import (REPLACE_PREFIX, STOP_KEY, Epochs, Routes, ShardMoved, World, check_in, init_rpc,
+                                    await_reformation, trainer_group, unwrap, wait_for_job)
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,10 @@ class TrainerRuntime:
     """One trainer's caches (one per embedding space), prefetcher, writer and gradient sync (no model knowledge)."""
 
     def __init__(self, world: World, store, *, job: JobInfo, liveness: Liveness, device: str = "cpu",
-                 writeback_delay: float = 0.0, prefetch_depth: int | None = None) -> None:
+                 writeback_delay: float = 0.0, prefetch_depth: int | None = None, replacing: bool = False) -> None:
+        """``replacing``: this process replaces a lost trainer (``replace_lost``, before any step)."""
         self.world = world
+        self.store = store
         self.liveness = liveness
         self.index = world.role[1]
         self.job = job
@@ -62,7 +65,9 @@ class TrainerRuntime:
         self.row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
         self.caches = [RowCache(capacity=share, dim=space.dim, optimizer=self.row_optimizer, device=device)
                        for space, share in zip(self.layout.spaces, job.cache_rows)]
-        self.group = trainer_group(world, store, self.index)
+        # a replacement forms the group of its epoch once it has what to add to the sums that failed (replace_lost)
+        self.group = None if replacing else trainer_group(world, store, self.index)
+        self._old_groups: list = []  # groups a lost trainer broke: kept, not destroyed (their work may hang)
         self.epochs = Epochs(world, store)  # requests that fail to a re-formation of the RPC world are sent again
         self.routes = Routes(world)  # a lost server's shard moves to its parity server (--parity)
         self.stats = TrainerStats()
@@ -76,6 +81,13 @@ class TrainerRuntime:
         self._checkpoint_sends: list = []
         self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
         self.redo: RedoLog | None = None  # the last iterations' inputs (train_loop's, which has the model)
+        self.recompute = None  # (kept inputs, message) -> this trainer's Shares again (train_loop's)
+        self.replaceable = job.replace_trainers
+        self.sums: list[Mean] = []  # the sums over trainers started and not yet waited for, in the order started
+        self.recent: deque = deque(maxlen=REDO_DEPTH + 1)  # this trainer's last plan messages, by the compute thread
+        self.recovery: Recovery | None = None  # what a lost trainer's replacement is given (by the lowest survivor)
+        self.handed_over: dict | None = None  # a replacement's: the state it was given
+        self._first: StepMessage | None = None  # a replacement's: the step it starts with, its boundary done
         self.finished = job.start - 1  # the last iteration stepped (the oracle keeps the messages from before it)
         self.written = WrittenBack(job.start)  # how far this trainer's write-backs are acknowledged
         # Rows evicted that other trainers write back, by version, until every trainer's write-backs up to it are
@@ -86,6 +98,12 @@ class TrainerRuntime:
         self._started = None
         self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
         self._writer = threading.Thread(target=self._guard, args=(self._write,), name="write-back", daemon=True)
+        if not replacing:
+            self.begin(after=-1)
+
+    def begin(self, *, after: int) -> None:
+        """Start pulling plan messages after iteration ``after`` and writing back."""
+        self._after = after
         self._prefetcher.start()
         self._writer.start()
 
@@ -98,7 +116,7 @@ class TrainerRuntime:
             self._stopping.set()
 
     def _prefetch(self) -> None:
-        after = -1  # the last plan message received: the oracle sends the ones after it
+        after = self._after  # the last plan message received: the oracle sends the ones after it
         while not self._stopping.is_set():
             pulled = self.epochs.call("oracle", oracle.rpc_pull, (self.index, after, oracle.PULL_MAX_STEPS,
                                                                  self.finished, self.written.through()))
@@ -198,6 +216,11 @@ class TrainerRuntime:
         """Carry out the next plan step and return its message; None after the final flush."""
         if self._started is None:
             self._started = time.perf_counter()
+        if self._first is not None:  # a replacement's first step: its boundary is in the state it was given
+            self.step, self._first = self._first, None
+            self.recent.append(self.step)
+            self.stats.iterations += 1
+            return self.step
         waited = time.perf_counter()
         while True:
             self._raise_if_failed()
@@ -219,6 +242,7 @@ class TrainerRuntime:
                 self.stats.batch_rows += len(step.batch_keys)
                 self.stats.batch_hits += len(step.batch_keys) - len(step.fetch_keys)
         self.written.boundary(message.iteration - 1)  # every write-back of this boundary is counted by now
+        self.recent.append(message)
         kept = sum(len(entry[2]) for entry in self.others_evicted)
         self.stats.extra["others_evicted_peak_rows"] = max(self.stats.extra.get("others_evicted_peak_rows", 0), kept)
         self.step = message
@@ -279,19 +303,173 @@ class TrainerRuntime:
                  for step in message.spaces]
         return StepTables(self.caches, views, self.layout).lookup(message.ids)
 
-    def allreduce_start(self, buffer: torch.Tensor) -> Mean:
-        """Start averaging ``buffer`` over trainers in the background (e.g. gradients ready early)."""
+    def allreduce_start(self, buffer: torch.Tensor, what: tuple | None = None) -> Mean:
+        """Start averaging ``buffer`` over trainers in the background (e.g. gradients ready early). ``what``: which
+        share it is, (kind, iteration, space) with kind early, main or later (runtime/redo.py), so that it can be
+        computed again should a trainer be lost before the sum is done."""
         if self.group is not None:
             self.stats.bytes_sent += buffer.numel() * 4
             self.stats.allreduce_bytes += buffer.numel() * 4
-        return Mean(self.group, buffer, timeout=self.world.timeout)
+        mean = Mean(self.group, buffer, timeout=self.world.timeout, what=what)
+        if self.group is not None:
+            self.sums.append(mean)
+        return mean
 
     def allreduce_finish(self, mean: Mean) -> torch.Tensor:
         """Wait for ``allreduce_start``'s mean over trainers, left in its buffer."""
         waited = time.perf_counter()
-        buffer = mean.wait()
+        buffer = self._wait(mean)
         self.stats.sync_s += time.perf_counter() - waited
         return buffer
+
+    def _wait(self, mean: Mean) -> torch.Tensor:
+        """A sum's mean; one that failed because a trainer was lost is done again with its replacement."""
+        while True:
+            try:
+                buffer = mean.wait()
+            except RuntimeError as err:
+                if not self._recover(err):
+                    raise
+                continue
+            if mean in self.sums:
+                self.sums.remove(mean)
+            return buffer
+
+    def _recover(self, err: BaseException) -> bool:
+        """A sum over trainers failed (``err``): if the job replaces a lost trainer, wait for the RPC world to be
+        re-formed around its replacement, send again the rows the lost trainer may not have written back, tell the
+        replacement which sums to add its shares to (``recovery``, if this is the lowest survivor), re-form the
+        trainers' group and start every sum not yet waited for again, with this trainer's shares computed again
+        (a failed reduction may have left its buffer part-summed). False if the job cannot go on so."""
+        if not self.replaceable or self.recompute is None:
+            return False
+        failed_in, started = self.epochs.epoch, time.perf_counter()
+        log.warning("trainer %d: a gradient sum failed (%s): waiting for a lost trainer's replacement", self.index,
+                    str(err).splitlines()[0])
+        deadline = time.monotonic() + 2 * self.world.timeout  # the loss's detection, then the replacement's start
+        while self.epochs.epoch <= failed_in:
+            if time.monotonic() > deadline or self.store.check([STOP_KEY]) or self._stopping.is_set():
+                return False
+            time.sleep(0.05)
+        epoch = self.epochs.epoch
+        lost = [t for t in range(self.world.num_trainers) if t != self.index
+                and self.store.check([f"{REPLACE_PREFIX}{self.world.trainer_rank(t)}"])
+                and int(self.store.get(f"{REPLACE_PREFIX}{self.world.trainer_rank(t)}")) == epoch]
+        if not lost:  # the world was re-formed for a server: the sum failed for a reason of its own
+            return False
+        for version, space, keys, rows, state in list(self.others_evicted):  # a repeat is a no-op where it arrived
+            self._send_write_backs(space, keys, rows, state, version=version)
+        step = self.step
+        todo = [mean.what for mean in self.sums]
+        if ("main", step.iteration, None) in todo:  # the rows not used at once are summed after the main sum
+            todo += [("later", step.iteration, space) for space, part in enumerate(step.spaces)
+                     if part.num_now < len(part.batch_slots)]
+        iterations = sorted({what[1] for what in todo})
+        self.recovery = Recovery(trainer=lost[0], epoch=epoch, sums=todo,
+                                 kept={iteration: self.redo.kept(iteration) for iteration in iterations})
+        self._old_groups.append(self.group)
+        self.group = trainer_group(self.world, self.store, self.index, epoch=epoch)
+        shares = {iteration: self.recompute(self.redo.kept(iteration), self._message(iteration))
+                  for iteration in iterations}
+        for mean in self.sums:
+            mean.buffer.view(-1).copy_(shares_part(shares[mean.what[1]], mean.what).view(-1))
+            mean.restart(self.group)
+        self.stats.extra.setdefault("recoveries", []).append(
+            {"trainer": lost[0], "epoch": epoch, "sums_again": len(todo), "at_iteration": step.iteration,
+             "seconds": round(time.perf_counter() - started, 3)})
+        log.warning("trainer %d: the trainers' group is re-formed with trainer %d's replacement (epoch %d); %d sums "
+                    "done again", self.index, lost[0], epoch, len(todo))
+        return True
+
+    def _message(self, iteration: int) -> StepMessage:
+        for message in self.recent:
+            if message.iteration == iteration:
+                return message
+        raise KeyError(f"trainer {self.index} no longer has its plan message of iteration {iteration}")
+
+    def hand_over(self, dense_state) -> None:
+        """At an iteration boundary: if a lost trainer's replacement awaits this trainer's state, complete every sum
+        in flight (the replacement took part in them) and give it the caches, the updates waiting to be applied
+        and ``dense_state()`` (the model, its optimizer and the losses since the last log)."""
+        recovery = self.recovery
+        if recovery is None or recovery.state is not None:
+            return
+        for pending in self._pending:
+            for _, _, _, mean in pending:
+                self._wait(mean)
+        recovery.state = {
+            "iteration": self.step.iteration,
+            "caches": [(cache.slot_key.copy(), cache.weights.cpu().clone(), cache.state.cpu().clone(),
+                        cache.resident_rows) for cache in self.caches],
+            "pending": [[(iteration, slots.copy(), grads.clone()) for iteration, slots, grads, _ in pending]
+                        for pending in self._pending],
+            "others_evicted": list(self.others_evicted), "written_by_all": self.written_by_all,
+            **dense_state()}
+        recovery.handed.set()
+        log.info("trainer %d: its state at iteration %d is ready for trainer %d's replacement", self.index,
+                 self.step.iteration, recovery.trainer)
+
+    def replace_lost(self, make_model, layout) -> dict:
+        """This process replaces a lost trainer: add its shares to the sums that failed with it (computed again from
+        what the lowest survivor kept), then take that survivor's state at its next boundary; returns the state
+        (its dense part is the caller's to load)."""
+        started = time.perf_counter()
+        donor = World.trainer_name(min(t for t in range(self.world.num_trainers) if t != self.index))
+        plan = self.epochs.call(donor, rpc_recovery, (self.index,), timeout=2 * self.world.timeout)
+        self.group = trainer_group(self.world, self.store, self.index, epoch=self.world.epoch)
+        iterations = sorted(plan.kept)
+        messages = self._pull_messages(iterations[0] - 1 if iterations else None)
+        recompute = Recomputer(make_model, layout, seed=self.job.config["seed"], part=self.index)
+        shares = {iteration: recompute(plan.kept[iteration], messages[iteration]) for iteration in iterations}
+        means = [Mean(self.group, shares_part(shares[what[1]], what).clone(), timeout=self.world.timeout, what=what)
+                 for what in plan.sums]
+        for mean in means:
+            mean.wait()
+        state = self.epochs.call(donor, rpc_handed_over, (self.index,), timeout=2 * self.world.timeout)
+        n = state["iteration"]
+        messages.update(self._pull_messages(n - 1, upto=n))
+        for cache, (slot_key, weights, cache_state, resident) in zip(self.caches, state["caches"]):
+            cache.slot_key[:] = slot_key
+            cache.weights.copy_(weights)
+            cache.state.copy_(cache_state)
+            cache.resident_rows = resident
+        for pending, entries in zip(self._pending, state["pending"]):
+            pending.extend((iteration, slots, grads, Mean(None, grads, timeout=self.world.timeout))
+                           for iteration, slots, grads in entries)
+        self.others_evicted.extend(state["others_evicted"])
+        self.written_by_all = state["written_by_all"]
+        self.finished = n - 1
+        self.written = WrittenBack(n)
+        self._first = messages[n]
+        self.begin(after=n)
+        # the lost trainer's write-backs, up to the boundary taken over, may be missing: all of them sent again
+        for version, space, keys, rows, state_rows in self.others_evicted:
+            self._send_write_backs(space, keys, rows, state_rows, version=version)
+        seconds = time.perf_counter() - started
+        self.stats.extra["replaced_at_iteration"] = n
+        self.epochs.call("oracle", oracle.rpc_replaced, (self.world.rank, {"sums_again": len(plan.sums),
+                                                                           "caught_up_in_s": seconds}))
+        log.warning("trainer %d's replacement: %d sums done again, state of iteration %d taken over in %.2f s",
+                    self.index, len(plan.sums), n, seconds)
+        return state
+
+    def _pull_messages(self, after: int | None, *, upto: int | None = None) -> dict[int, StepMessage]:
+        """This trainer's plan messages after iteration ``after`` (the oracle keeps a lost trainer's), up to ``upto``
+        at least if given."""
+        if after is None:
+            return {}
+        found: dict[int, StepMessage] = {}
+        deadline = time.monotonic() + self.world.timeout
+        while True:
+            pulled = self.epochs.call("oracle", oracle.rpc_pull, (self.index, after, oracle.PULL_MAX_STEPS))
+            for message in pulled.messages:
+                found[message.iteration] = message
+            if upto is None or upto in found or any(m.final for m in pulled.messages):
+                return found
+            if pulled.messages:
+                after = pulled.messages[-1].iteration
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer {self.index}'s replacement: no plan message of iteration {upto}")
 
     def sync(self, lookups: list[Lookup], extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """Average the rows' gradients over trainers and update the cached rows, space by space.
@@ -305,14 +483,15 @@ class TrainerRuntime:
             raise RuntimeError("backward() did not reach the embeddings of this batch")
         now_grads, later_grads = row_shares(lookups, message)
         dense = 0 if extra is None else extra.numel()
-        buffer = self.allreduce_finish(self.allreduce_start(main_share(extra, now_grads)))
+        buffer = self.allreduce_finish(self.allreduce_start(main_share(extra, now_grads),
+                                                            what=("main", message.iteration, None)))
         offset = dense
         for space, (grads, step) in enumerate(zip(later_grads, message.spaces)):
             now, dim = step.num_now, self.layout.spaces[space].dim
             self.caches[space].apply(step.batch_slots[:now], buffer[offset:offset + now * dim].view(-1, dim))
             offset += now * dim
             if now < len(step.batch_slots):
-                mean = self.allreduce_start(grads)
+                mean = self.allreduce_start(grads, what=("later", message.iteration, space))
                 self._pending[space].append((message.iteration, step.batch_slots[now:].numpy(), grads, mean))
         return None if extra is None else buffer[:dense]
 
@@ -332,7 +511,7 @@ class TrainerRuntime:
                     break
             pending.popleft()
             waited = time.perf_counter()
-            mean.wait()
+            self._wait(mean)
             self._stalled("lazy_sync_wait_s", waited)
             cache.apply(slots, grads)
 
@@ -385,6 +564,52 @@ class TrainerRuntime:
         log.error("%s", message)
         self._failure = self._failure or RuntimeError(message)
         self._stopping.set()
+
+
+def shares_part(shares: Shares, what: tuple) -> torch.Tensor:
+    """The operand of sum ``what`` (kind, iteration, space) among an iteration's ``shares``."""
+    kind, _, space = what
+    return shares.early if kind == "early" else shares.main if kind == "main" else shares.later[space]
+
+
+class Recovery:
+    """What the lowest surviving trainer gives a lost trainer's replacement: the sums to add its shares to (in the
+    order started) and the inputs of their iterations, then its state at its next iteration boundary."""
+
+    def __init__(self, *, trainer: int, epoch: int, sums: list[tuple], kept: dict) -> None:
+        self.trainer, self.epoch, self.sums, self.kept = trainer, epoch, sums, kept
+        self.state: dict | None = None
+        self.handed = threading.Event()
+
+
+_RUNTIME: TrainerRuntime | None = None  # this process's, for the RPC handlers below
+
+
+def _recovery_for(trainer: int) -> Recovery:
+    deadline = time.monotonic() + 2 * _RUNTIME.world.timeout
+    while True:
+        recovery = _RUNTIME.recovery
+        if recovery is not None and recovery.trainer == trainer:
+            return recovery
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"trainer {_RUNTIME.index} has no recovery for trainer {trainer}'s replacement")
+        time.sleep(0.05)
+
+
+def rpc_recovery(trainer: int) -> "Recovery":
+    """The sums a replacement for ``trainer`` adds its shares to, and their iterations' inputs (without the state)."""
+    recovery = _recovery_for(trainer)
+    plan = Recovery(trainer=trainer, epoch=recovery.epoch, sums=recovery.sums, kept=recovery.kept)
+    plan.handed = None
+    return plan
+
+
+def rpc_handed_over(trainer: int) -> dict:
+    """This trainer's state for ``trainer``'s replacement, once at an iteration boundary."""
+    recovery = _recovery_for(trainer)
+    if not recovery.handed.wait(timeout=2 * _RUNTIME.world.timeout):
+        raise TimeoutError(f"trainer {_RUNTIME.index} did not reach an iteration boundary to hand over its state")
+    return recovery.state
 
 
 class WrittenBack:
@@ -451,7 +676,16 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     model = build_model(config, runtime.layout.schema)
     dense_optimizer = runtime.row_optimizer.dense_optimizer(model.parameters())
     start, losses = job.start, []
-    if job.resume:  # the dense state of the checkpoint; the rows come from the servers through the plan
+
+    def make_model():
+        return build_model(config, runtime.layout.schema)
+
+    if runtime.group is None and runtime.replaceable:  # a lost trainer's replacement: a survivor's state
+        handed = runtime.replace_lost(make_model, runtime.layout)
+        model.load_state_dict(handed["dense"])
+        dense_optimizer.load_state_dict(handed["dense_optimizer"])
+        start, losses = handed["iteration"], list(handed["losses"])
+    elif job.resume:  # the dense state of the checkpoint; the rows come from the servers through the plan
         directory, chain = resume_chain(config.run_dir, job.resume)
         saved = load_dense(directory, chain[-1])
         model.load_state_dict(saved["dense"])
@@ -459,6 +693,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         losses = list(chain[-1]["extra"].get("recent_losses", []))
     params = list(model.parameters())
     runtime.redo = RedoLog(params)
+    runtime.recompute = Recomputer(make_model, runtime.layout, seed=config.seed, part=runtime.index)
     # The parameters the model names as complete first in the backward (DLRM: the top MLP): their
     # all-reduce starts then and runs while the rest of the backward computes (as DDP's buckets do).
     early = _EarlyBucket(runtime, model.early_params())
@@ -485,11 +720,16 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
                                     dense_optimizer=cloned_state(dense_optimizer.state_dict()),
                                     extra={"recent_losses": list(losses)})
+        since_log = message.iteration % config.log_every  # the losses a replacement for trainer 0 logs with
+        runtime.hand_over(lambda: {"dense": cloned_state(model.state_dict()),
+                                   "dense_optimizer": cloned_state(dense_optimizer.state_dict()),
+                                   "losses": losses[len(losses) - since_log:] if since_log else []})
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
         early.reset()
         local_loss = backward_slice(model, message, embeddings, seed=config.seed, part=runtime.index, lap=clock.lap)
         runtime.redo.keep(message.iteration, lookups)  # before the step: a replacement may need this slice again
+        inject_fault(f"backward {message.iteration}")
         flat = dense_share(late_params, local_loss)
         sync_before = stats.sync_s
         flat = runtime.sync(lookups, flat)
@@ -554,7 +794,7 @@ class _EarlyBucket:
         self.ready += 1
         if self.ready == len(self.params):
             self.buffer = torch.cat([p.grad.reshape(-1) for p in self.params])
-            self.work = self.runtime.allreduce_start(self.buffer)
+            self.work = self.runtime.allreduce_start(self.buffer, what=("early", self.runtime.step.iteration, None))
 
     def finish(self) -> torch.Tensor:
         if not self.params:
@@ -592,7 +832,10 @@ def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple
                         on_lost=on_lost)
     job = JobInfo.from_json(wait_for_job(world, store))
     world = dataclasses.replace(world, parity=job.config["parity"])
-    init_rpc(world, store)
+    if world.epoch:  # a lost trainer's replacement: in the RPC world the oracle re-forms around it
+        if not await_reformation(world, store):
+            raise RuntimeError("training ended before this trainer's replacement joined")
+    init_rpc(world, store, epoch=world.epoch)
     return world, store, liveness, job
 
 
@@ -600,8 +843,13 @@ def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu",
     if device != "cpu":
         log.warning("--device %s: this trainer's model and cache run on the CPU (the GPU path of the bagpipe "
                     "trainer is not built yet)", device)
+    global _RUNTIME
     world, store, liveness, job = join_as_trainer(world, given={"kind": "model", **(given or {})})
-    runtime = TrainerRuntime(world, store, job=job, liveness=liveness, writeback_delay=writeback_delay)
+    runtime = TrainerRuntime(world, store, job=job, liveness=liveness, writeback_delay=writeback_delay,
+                             replacing=bool(world.epoch))
+    _RUNTIME = runtime
+    if runtime.replaceable:  # a lost peer trainer is the oracle's to replace: this trainer's sums wait for it
+        liveness.recover = lambda rank: world.role_of(rank)[0] == "trainer"
     try:
         train_loop(runtime, config_from_dict(job.config))
     except BaseException as err:

@@ -413,8 +413,9 @@ def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
     rpc.init_rpc(world.name, rank=world.rank, world_size=world.world_size, rpc_backend_options=options)
 
 
-def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGroup | None:
-    """A gloo group of the trainers alone, apart from any default process group (None for one trainer)."""
+def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0) -> dist.ProcessGroup | None:
+    """A gloo group of the trainers alone, apart from any default process group (None for one trainer); a later
+    ``epoch``'s (re-formed around a lost trainer's replacement) rendezvouses under a store prefix of its own."""
     if world.num_trainers == 1:
         return None
     options = dist.ProcessGroupGloo._Options()
@@ -423,7 +424,7 @@ def trainer_group(world: World, store: dist.Store, index: int) -> dist.ProcessGr
         options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
     else:
         options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    prefixed = dist.PrefixStore("bagpipe/trainers", store)
+    prefixed = dist.PrefixStore("bagpipe/trainers" if not epoch else f"bagpipe/trainers/{epoch}", store)
     return dist.ProcessGroupGloo(prefixed, index, world.num_trainers, options)
 
 
@@ -569,6 +570,29 @@ class Epochs:
             except RuntimeError:
                 if not self.resend_after(sent_in):
                     raise
+
+
+def join_rpc_as_replacement(world: World, store) -> Epochs | None:
+    """Say this replacement is ready, and join the RPC world the oracle then re-forms around it; None if
+    training ends first (the oracle announces no new world then)."""
+    if not await_reformation(world, store):
+        return None
+    init_rpc(world, store, epoch=world.epoch)
+    return Epochs(world, store)
+
+
+def await_reformation(world: World, store) -> bool:
+    """Say this replacement is ready and wait for the oracle to announce the RPC world it joins (``world.epoch``);
+    False if training ends first."""
+    store.set(f"{JOINING_PREFIX}{world.rank}", str(world.epoch))
+    log.info("ready: waiting for the job's RPC world to be re-formed around this process (epoch %d)", world.epoch)
+    while not (store.check([EPOCH_KEY]) and int(store.get(EPOCH_KEY)) >= world.epoch):
+        if store.check([STOP_KEY]):
+            log.warning("training ended before the job's RPC world was re-formed around this replacement: "
+                        "it is not needed")
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def unwrap(answer):
