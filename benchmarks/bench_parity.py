@@ -1,7 +1,8 @@
 """What erasure-coded servers cost: samples/s of the same job with a parity server and without one.
 
     .venv/bin/python benchmarks/bench_parity.py [--repeats 3] [--iterations 600] [--parity 3]
-        [--recovery] [--restart] [--replacement] [--no-overhead] [--out runs/bench_parity/result.json] [--work-dir DIR]
+        [--recovery] [--restart] [--replacement] [--trainer-replacement] [--no-overhead]
+        [--out runs/bench_parity/result.json] [--work-dir DIR]
 
 One `--mode bagpipe` job (DLRM, Adagrad, 2 trainers, a 5% cache per trainer) on Zipf 1.2 data (bench_scaling's:
 the Criteo Kaggle tables capped at 100k rows, 840,543 rows), its rows on --parity data servers, run without
@@ -34,6 +35,14 @@ middle; the local launcher stops the job and starts it again from the newest che
 "restarts": the seconds from the death to every role stopped, to training resumed (trainer 0's first iteration)
 and to the iteration reached before the death, the iterations trained again, against the median time of an
 iteration before the death.
+
+Trainer replacement (--trainer-replacement, one more run with parity, metrics every 10 iterations,
+BAGPIPE_REPLACE_TRAINERS=1): trainer 1 is SIGKILLed after iteration --iterations / 2; trainer 0 waits in its gradient
+sum while the launcher starts a replacement, which joins the re-formed RPC world and trainers' group, adds its shares
+to the sums that failed and takes trainer 0's state at its next boundary. From summary.json's "failures" and
+metrics.jsonl: the seconds from the death to the replacement joined and to training resumed (its state taken over),
+the sums done again, samples/s of the windows before the death, of those from the death to training resumed, and of
+the 100 iterations after, and the time the loss cost (the slowest window around it against a median window).
 """
 
 from __future__ import annotations
@@ -161,6 +170,34 @@ def restart(data: Path, work: Path, args) -> dict:
             "samples_per_s": summary["samples_per_s"]}
 
 
+def trainer_replacement(data: Path, work: Path, args) -> dict:
+    kill_at = args.iterations // 2
+    config = dataclasses.replace(job(data, work / "trainer_replacement", iterations=args.iterations,
+                                     data_servers=args.parity, parity=args.parity, check=False), log_every=10)
+    summary = launch_local(config, show_progress=False, overwrite=True,
+                           env={"BAGPIPE_FAULTS": f"trainer1@iteration {kill_at}:kill", "BAGPIPE_REPLACE_TRAINERS": "1"})
+    assert "restarts" not in summary, "the job was restarted, not the trainer replaced"
+    windows = [w for w in map(json.loads, (work / "trainer_replacement" / "metrics.jsonl").read_text().splitlines())
+               if "window_samples_per_s" in w]
+    (failure,) = summary["failures"]
+    lost_at, resumed_at = failure["at"], failure["at"] + failure["recovered_in_s"]
+    durations = [b["time"] - a["time"] for a, b in zip(windows, windows[1:])]
+    hit = next(i for i, w in enumerate(windows) if w["time"] > lost_at)  # the window the loss fell in
+    before = [w["window_samples_per_s"] for w in windows[2:hit - 1]]  # past warm-up, before the loss
+    during = [w["window_samples_per_s"] for w in windows if lost_at < w["time"] <= resumed_at + 1e-9]
+    after = [w["window_samples_per_s"] for w in windows if w["time"] > resumed_at][1:11]  # past the loss's window
+    median = statistics.median
+    return {"kill_at_iteration": kill_at, "failure": failure, "epochs": summary["epochs"],
+            "death_to_replacement_joined_s": failure["joined_in_s"],
+            "death_to_training_resumed_s": failure["recovered_in_s"], "sums_done_again": failure["sums_again"],
+            "samples_per_s_before": median(before), "windows_until_resumed": len(during),
+            "samples_per_s_100_iterations_after": median(after) if after else None,
+            "ratio_after_to_before": median(after) / median(before) if after else None,
+            "loss_cost_s": max(durations[hit - 2:hit + 8]) - median(durations),
+            "window_durations_around_loss_s": [round(d, 3) for d in durations[hit - 2:hit + 8]],
+            "median_window_s": median(durations), "samples_per_s": summary["samples_per_s"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=None, help="data and run dirs (default: a new temporary dir)")
@@ -173,6 +210,8 @@ def main() -> None:
                         "started again from its newest checkpoint")
     parser.add_argument("--replacement", action="store_true", help="also: a run that loses its parity server "
                         "midway, replaced while training goes on")
+    parser.add_argument("--trainer-replacement", action="store_true", help="also: a run that loses trainer 1 midway, "
+                        "replaced while the other waits (BAGPIPE_REPLACE_TRAINERS=1)")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="--restart: the run's checkpoint interval")
     parser.add_argument("--no-overhead", action="store_true", help="skip the runs with and without parity")
     args = parser.parse_args()
@@ -184,7 +223,8 @@ def main() -> None:
     server_rss: dict[str, list[float]] = {"data server": [], "parity server": []}  # MiB
     parity_stats, foreign = [], []
     extras = {name: measure for name, measure in (("recovery", recovery), ("restart", restart),
-                                                  ("replacement", replacement)) if getattr(args, name)}
+                                                  ("replacement", replacement),
+                                                  ("trainer_replacement", trainer_replacement)) if getattr(args, name)}
     if args.no_overhead:
         result = {"settings": vars(args), **{name: measure(data, work, args) for name, measure in extras.items()}}
         write(args.out, result)

@@ -1,0 +1,58 @@
+"""A lost trainer replaced while training goes on (BAGPIPE_REPLACE_TRAINERS=1, two trainers): the survivor's gradient
+sums fail, a replacement process joins the re-formed RPC world and trainers' group, adds its shares (computed again
+from what the survivor kept, runtime/redo.py) to the sums that failed, takes the survivor's state at its next
+iteration boundary and trains on; the job ends bit for bit as the sliced reference, with no restart."""
+
+import json
+
+import pytest
+
+from bagpipe.rundir import export
+from test_runtime import alive, assert_same_parameters, job_config, reference_of
+
+ITERATIONS = 200
+REPLACE = {"BAGPIPE_REPLACE_TRAINERS": "1"}
+
+
+@pytest.mark.parametrize("optimizer, fault, servers", [
+    # the issue's shape: 3 data servers and a parity server; killed after its step (the survivor's next sums fail)
+    ("sgd", "trainer1@iteration 30:kill", {"servers": 4, "parity": 3, "check_parity": True}),
+    # killed between its backward and its main sum (the survivor waits in that sum): the leader, then trainer 1
+    ("adam", "trainer0@backward 40:kill", {"servers": 2}),
+    ("adagrad", "trainer1@backward 25:kill", {"servers": 2})])
+def test_a_killed_trainer_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
+                                                                                         optimizer, fault, servers):
+    from bagpipe.runtime.launch import launch_local
+
+    lost = int(fault[len("trainer")])
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, iterations=ITERATIONS, timeout=20.0,
+                        **servers)
+    summary = launch_local(config, show_progress=False, env={**REPLACE, "BAGPIPE_FAULTS": fault})
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    assert "restarts" not in summary
+    (failure,) = summary["failures"]
+    assert failure["role"] == f"trainer {lost}" and failure["replaced"] and failure["epoch"] == 1
+    assert failure["sums_again"] >= 1 and 0 < failure["joined_in_s"] <= failure["recovered_in_s"]
+    assert [e["epoch"] for e in summary["epochs"]] == [1]
+    if servers.get("check_parity"):
+        assert summary["parity"][0]["check"]["mismatched_rows"] == [0]
+    run = tmp_path / "bagpipe"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer"] for r in records if r.get("event") == "trainer lost"] == [lost]
+    log = (run / "logs" / f"trainer{lost}.log").read_text()
+    assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == 1
+    assert "sums done again, state of iteration" in log
+    survivor = (run / "logs" / f"trainer{1 - lost}.log").read_text()
+    assert "the trainers' group is re-formed" in survivor
+    pids = json.loads((run / "pids.json").read_text()).values()
+    assert not [pid for pid in pids if alive(pid)]
+
+
+def test_a_trainer_that_fails_by_its_own_error_is_not_replaced(small_binary, tmp_path):
+    """An error of the trainer's own (not a lost process) would happen to its replacement too: the job fails."""
+    from bagpipe.runtime.launch import JobFailed, launch_local
+
+    config = job_config(small_binary, tmp_path / "bagpipe", iterations=60, timeout=20.0)
+    with pytest.raises(JobFailed, match="trainer 1"):
+        launch_local(config, show_progress=False, env={**REPLACE, "BAGPIPE_FAULTS": "trainer1@iteration 20:fail"})
+    assert "=== a replacement" not in (tmp_path / "bagpipe" / "logs" / "trainer1.log").read_text()
