@@ -19,7 +19,9 @@ REPLACE = {"BAGPIPE_REPLACE_TRAINERS": "1"}
     ("sgd", "trainer1@iteration 30:kill", {"servers": 4, "parity": 3, "check_parity": True}),
     # killed between its backward and its main sum (the survivor waits in that sum): the leader, then trainer 1
     ("adam", "trainer0@backward 40:kill", {"servers": 2}),
-    ("adagrad", "trainer1@backward 25:kill", {"servers": 2})])
+    ("adagrad", "trainer1@backward 25:kill", {"servers": 2}),
+    # in the last iteration: the survivor's next boundary is the final flush, where the replacement takes over
+    ("sgd", f"trainer1@backward {ITERATIONS - 1}:kill", {"servers": 2})])
 def test_a_killed_trainer_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
                                                                                          optimizer, fault, servers):
     from bagpipe.runtime.launch import launch_local

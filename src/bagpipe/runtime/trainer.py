@@ -82,6 +82,7 @@ class TrainerRuntime:
         self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
         self.redo: RedoLog | None = None  # the last iterations' inputs (train_loop's, which has the model)
         self.recompute = None  # (kept inputs, message) -> this trainer's Shares again (train_loop's)
+        self.dense_state = None  # iteration -> the dense state a replacement takes at that boundary (train_loop's)
         self.replaceable = job.replace_trainers
         self.sums: list[Mean] = []  # the sums over trainers started and not yet waited for, in the order started
         self.recent: deque = deque(maxlen=REDO_DEPTH + 1)  # this trainer's last plan messages, by the compute thread
@@ -217,10 +218,14 @@ class TrainerRuntime:
         if self._started is None:
             self._started = time.perf_counter()
         if self._first is not None:  # a replacement's first step: its boundary is in the state it was given
-            self.step, self._first = self._first, None
-            self.recent.append(self.step)
+            message, self._first = self._first, None
+            self.step = message
+            self.recent.append(message)
+            if message.final:
+                self._flush()
+                return None
             self.stats.iterations += 1
-            return self.step
+            return message
         waited = time.perf_counter()
         while True:
             self._raise_if_failed()
@@ -243,9 +248,10 @@ class TrainerRuntime:
                 self.stats.batch_hits += len(step.batch_keys) - len(step.fetch_keys)
         self.written.boundary(message.iteration - 1)  # every write-back of this boundary is counted by now
         self.recent.append(message)
+        self.step = message
+        self.hand_over()  # to a lost trainer's replacement, if one awaits this trainer's state
         kept = sum(len(entry[2]) for entry in self.others_evicted)
         self.stats.extra["others_evicted_peak_rows"] = max(self.stats.extra.get("others_evicted_peak_rows", 0), kept)
-        self.step = message
         if message.final:
             self._flush()
             return None
@@ -387,12 +393,13 @@ class TrainerRuntime:
                 return message
         raise KeyError(f"trainer {self.index} no longer has its plan message of iteration {iteration}")
 
-    def hand_over(self, dense_state) -> None:
-        """At an iteration boundary: if a lost trainer's replacement awaits this trainer's state, complete every sum
-        in flight (the replacement took part in them) and give it the caches, the updates waiting to be applied
-        and ``dense_state()`` (the model, its optimizer and the losses since the last log)."""
+    def hand_over(self) -> None:
+        """At an iteration boundary (its write-backs sent): if a lost trainer's replacement awaits this trainer's
+        state, complete every sum in flight (the replacement took part in them) and give it the caches, the updates
+        waiting to be applied and ``dense_state(iteration)`` (train_loop's: the model, its optimizer and the losses
+        since the last log)."""
         recovery = self.recovery
-        if recovery is None or recovery.state is not None:
+        if recovery is None or recovery.state is not None or self.dense_state is None:
             return
         for pending in self._pending:
             for _, _, _, mean in pending:
@@ -404,7 +411,7 @@ class TrainerRuntime:
             "pending": [[(iteration, slots.copy(), grads.clone()) for iteration, slots, grads, _ in pending]
                         for pending in self._pending],
             "others_evicted": list(self.others_evicted), "written_by_all": self.written_by_all,
-            **dense_state()}
+            **self.dense_state(self.step.iteration)}
         recovery.handed.set()
         log.info("trainer %d: its state at iteration %d is ready for trainer %d's replacement", self.index,
                  self.step.iteration, recovery.trainer)
@@ -694,6 +701,13 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     params = list(model.parameters())
     runtime.redo = RedoLog(params)
     runtime.recompute = Recomputer(make_model, runtime.layout, seed=config.seed, part=runtime.index)
+
+    def dense_state(boundary: int) -> dict:
+        since_log = boundary % config.log_every  # the losses a replacement for trainer 0 logs with
+        return {"dense": cloned_state(model.state_dict()), "dense_optimizer": cloned_state(dense_optimizer.state_dict()),
+                "losses": losses[len(losses) - since_log:] if since_log else []}
+
+    runtime.dense_state = dense_state
     # The parameters the model names as complete first in the backward (DLRM: the top MLP): their
     # all-reduce starts then and runs while the rest of the backward computes (as DDP's buckets do).
     early = _EarlyBucket(runtime, model.early_params())
@@ -720,10 +734,6 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
                                     dense_optimizer=cloned_state(dense_optimizer.state_dict()),
                                     extra={"recent_losses": list(losses)})
-        since_log = message.iteration % config.log_every  # the losses a replacement for trainer 0 logs with
-        runtime.hand_over(lambda: {"dense": cloned_state(model.state_dict()),
-                                   "dense_optimizer": cloned_state(dense_optimizer.state_dict()),
-                                   "losses": losses[len(losses) - since_log:] if since_log else []})
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
         early.reset()
