@@ -40,8 +40,8 @@ from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, backward_slice, dense_share, main_share,
                                   row_shares)
-from bagpipe.runtime.world import (REPLACE_PREFIX, STOP_KEY, Epochs, Routes, ShardMoved, World, check_in, init_rpc,
-                                    await_reformation, trainer_group, unwrap, wait_for_job)
+from bagpipe.runtime.world import (REPLACE_PREFIX, STOP_KEY, Epochs, Routes, ShardMoved, World, await_reformation,
+                                    check_in, init_rpc, trainer_group, unwrap, wait_for_job)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,6 @@ class TrainerRuntime:
         self.sums: list[Mean] = []  # the sums over trainers started and not yet waited for, in the order started
         self.recent: deque = deque(maxlen=REDO_DEPTH + 1)  # this trainer's last plan messages, by the compute thread
         self.recovery: Recovery | None = None  # what a lost trainer's replacement is given (by the lowest survivor)
-        self.handed_over: dict | None = None  # a replacement's: the state it was given
         self._first: StepMessage | None = None  # a replacement's: the step it starts with, its boundary done
         self.finished = job.start - 1  # the last iteration stepped (the oracle keeps the messages from before it)
         self.written = WrittenBack(job.start)  # how far this trainer's write-backs are acknowledged
