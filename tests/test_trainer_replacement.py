@@ -21,31 +21,35 @@ REPLACE = {"BAGPIPE_REPLACE_TRAINERS": "1"}
     ("adam", "trainer0@backward 40:kill", {"servers": 2}),
     ("adagrad", "trainer1@backward 25:kill", {"servers": 2}),
     # in the last iteration: the survivor's next boundary is the final flush, where the replacement takes over
-    ("sgd", f"trainer1@backward {ITERATIONS - 1}:kill", {"servers": 2})])
+    ("sgd", f"trainer1@backward {ITERATIONS - 1}:kill", {"servers": 2}),
+    # then the survivor, in the first iteration after it handed its state over: the replacement gives its own
+    ("adagrad", "trainer1@backward 30:kill,trainer0@iteration 31:kill", {"servers": 2})])
 def test_a_killed_trainer_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
                                                                                          optimizer, fault, servers):
     from bagpipe.runtime.launch import launch_local
 
-    lost = int(fault[len("trainer")])
+    lost = [int(part[len("trainer")]) for part in fault.split(",")]
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, iterations=ITERATIONS, timeout=20.0,
                         **servers)
     summary = launch_local(config, show_progress=False, env={**REPLACE, "BAGPIPE_FAULTS": fault})
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
     assert "restarts" not in summary
-    (failure,) = summary["failures"]
-    assert failure["role"] == f"trainer {lost}" and failure["replaced"] and failure["epoch"] == 1
-    assert failure["sums_again"] >= 1 and 0 < failure["joined_in_s"] <= failure["recovered_in_s"]
-    assert [e["epoch"] for e in summary["epochs"]] == [1]
+    assert [f["role"] for f in summary["failures"]] == [f"trainer {t}" for t in lost]
+    for epoch, failure in enumerate(summary["failures"], start=1):
+        assert failure["replaced"] and failure["epoch"] == epoch
+        assert failure["sums_again"] >= 1 and 0 < failure["joined_in_s"] <= failure["recovered_in_s"]
+    assert [e["epoch"] for e in summary["epochs"]] == list(range(1, len(lost) + 1))
     if servers.get("check_parity"):
         assert summary["parity"][0]["check"]["mismatched_rows"] == [0]
     run = tmp_path / "bagpipe"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["trainer"] for r in records if r.get("event") == "trainer lost"] == [lost]
-    log = (run / "logs" / f"trainer{lost}.log").read_text()
-    assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == 1
-    assert "sums done again, state of iteration" in log
-    survivor = (run / "logs" / f"trainer{1 - lost}.log").read_text()
-    assert "the trainers' group is re-formed" in survivor
+    assert [r["trainer"] for r in records if r.get("event") == "trainer lost"] == lost
+    for trainer in lost:
+        log = (run / "logs" / f"trainer{trainer}.log").read_text()
+        assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == 1
+        assert "sums done again, state of iteration" in log
+        survivor = log if len(lost) > 1 else (run / "logs" / f"trainer{1 - trainer}.log").read_text()
+        assert "the trainers' group is re-formed" in survivor
     pids = json.loads((run / "pids.json").read_text()).values()
     assert not [pid for pid in pids if alive(pid)]
 

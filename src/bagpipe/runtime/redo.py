@@ -109,6 +109,12 @@ class RedoLog:
                 [copy.copy_(p) for copy, p in zip(reused.params, self.params)]
         self._kept.append(Kept(iteration, params, [lookup.rows.detach() for lookup in lookups]))
 
+    def adopt(self, kept: Kept) -> None:
+        """Inputs another trainer kept (a replacement takes its survivor's of the iterations before it starts)."""
+        if len(self._kept) == self.depth:
+            self._kept.popleft()
+        self._kept.append(kept)
+
     def kept(self, iteration: int) -> Kept:
         for entry in self._kept:
             if entry.iteration == iteration:

@@ -88,6 +88,7 @@ class TrainerRuntime:
         self.recent: deque = deque(maxlen=REDO_DEPTH + 1)  # this trainer's last plan messages, by the compute thread
         self.recovery: Recovery | None = None  # what a lost trainer's replacement is given (by the lowest survivor)
         self._first: StepMessage | None = None  # a replacement's: the step it starts with, its boundary done
+        self.kept_before: list = []  # a replacement's: its survivor's inputs of the iterations before its first
         self.finished = job.start - 1  # the last iteration stepped (the oracle keeps the messages from before it)
         self.written = WrittenBack(job.start)  # how far this trainer's write-backs are acknowledged
         # Rows evicted that other trainers write back, by version, until every trainer's write-backs up to it are
@@ -403,8 +404,19 @@ class TrainerRuntime:
         for pending in self._pending:
             for _, _, _, mean in pending:
                 self._wait(mean)
+        # The replacement keeps the rows this trainer writes back only from the next boundary on: those sent so far
+        # are acknowledged first, so that this trainer too can be lost from then on.
+        boundary, deadline = self.step.iteration, time.monotonic() + self.world.timeout
+        while self.written.through() < boundary - 1:
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer {self.index}: its write-backs up to iteration {boundary - 1} were not "
+                                   f"acknowledged within {self.world.timeout:.0f} s")
+            time.sleep(0.005)
+        kept = [dataclasses.replace(self.redo.kept(i), params=[p.clone() for p in self.redo.kept(i).params])
+                for i in self.redo.iterations() if i >= boundary - REDO_DEPTH + 1]  # (the log reuses its copies)
         recovery.state = {
-            "iteration": self.step.iteration,
+            "iteration": self.step.iteration, "kept": kept,
             "caches": [(cache.slot_key.copy(), cache.weights.cpu().clone(), cache.state.cpu().clone(),
                         cache.resident_rows) for cache in self.caches],
             "pending": [[(iteration, slots.copy(), grads.clone()) for iteration, slots, grads, _ in pending]
@@ -433,7 +445,10 @@ class TrainerRuntime:
             mean.wait()
         state = self.epochs.call(donor, rpc_handed_over, (self.index,), timeout=2 * self.world.timeout)
         n = state["iteration"]
-        messages.update(self._pull_messages(n - 1, upto=n))
+        messages.update(self._pull_messages(n - REDO_DEPTH, upto=n))
+        # the survivor's inputs of the iterations before: this process can give them to a replacement of its own
+        self.kept_before = state["kept"]
+        self.recent.extend(messages[kept.iteration] for kept in self.kept_before)
         for cache, (slot_key, weights, cache_state, resident) in zip(self.caches, state["caches"]):
             cache.slot_key[:] = slot_key
             cache.weights.copy_(weights)
@@ -699,6 +714,8 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
         losses = list(chain[-1]["extra"].get("recent_losses", []))
     params = list(model.parameters())
     runtime.redo = RedoLog(params)
+    for kept in runtime.kept_before:  # a replacement's: what its survivor had kept
+        runtime.redo.adopt(kept)
     runtime.recompute = Recomputer(make_model, runtime.layout, seed=config.seed, part=runtime.index)
 
     def dense_state(boundary: int) -> dict:
