@@ -52,6 +52,7 @@ class JobCheckpoints:
         self.previous = self.resumed_at = resumed_at  # the last checkpoint's boundary: a delta holds the rows since
         self._abandoned: set[int] = set()  # checkpoints given up (a server lost while writing its part)
         self._cache_parts: dict[int, tuple] = {}
+        self._cache_lost_before = -1  # trainer 0's parts of the boundaries before this that have not come are lost
         self._arrived = threading.Condition()
         self._job: Background | None = None  # the checkpoint being committed
         self.written: list[int] = []
@@ -151,6 +152,13 @@ class JobCheckpoints:
                 self._cache_parts[boundary] = (dense, dense_optimizer, parts, extra)
             self._arrived.notify_all()
 
+    def cache_parts_lost(self, *, before: int) -> None:
+        """Trainer 0 was lost and its replacement started at boundary ``before``: its parts of earlier boundaries
+        that have not come never will (the RPC world they were sent in is gone); those checkpoints are given up."""
+        with self._arrived:
+            self._cache_lost_before = max(self._cache_lost_before, before)
+            self._arrived.notify_all()
+
     def _lost_meanwhile(self, shard: int) -> bool:
         """Whether ``shard``'s server, whose part just failed, is a loss the job goes on without (--parity):
         the oracle moves its shard within the liveness window."""
@@ -173,16 +181,18 @@ class JobCheckpoints:
                     raise
                 # Its part died with it, and the rows it had kept as of the boundary may be gone: a later
                 # checkpoint, taken from its stand-in, will do.
-                log.warning("checkpoint at iteration %d abandoned: server %d was lost while writing its part (%s)",
-                            boundary, shard, str(err).splitlines()[0])
-                with self._arrived:
-                    self._abandoned.add(boundary)
-                    self._cache_parts.pop(boundary, None)
-                shutil.rmtree(self.writer.root / f"{step_name(boundary)}.tmp", ignore_errors=True)
+                self._abandon(boundary, f"server {shard} was lost while writing its part ({str(err).splitlines()[0]})")
                 return
         with self._arrived:
-            if not self._arrived.wait_for(lambda: boundary in self._cache_parts, timeout=4 * self.world.timeout):
+            if not self._arrived.wait_for(lambda: boundary in self._cache_parts or boundary < self._cache_lost_before,
+                                          timeout=4 * self.world.timeout):
                 raise TimeoutError(f"trainer 0 sent no part of the checkpoint at iteration {boundary}")
+            if boundary not in self._cache_parts:
+                self._abandoned.add(boundary)
+        if boundary in self._abandoned:  # a later checkpoint will do
+            self._abandon(boundary, "trainer 0 was lost before its part arrived")
+            return
+        with self._arrived:
             dense, dense_optimizer, parts, extra = self._cache_parts.pop(boundary)
         directory = self.writer.root / f"{step_name(boundary)}.tmp"
         save_dense(directory, dense, dense_optimizer)
@@ -195,6 +205,13 @@ class JobCheckpoints:
             self.on_evaluable(boundary, dense, ChainRows.of_chain(final, read_chain(final)))
         log.info("checkpoint at iteration %d committed in %.2f s after its parts were started", boundary,
                  time.perf_counter() - started)
+
+    def _abandon(self, boundary: int, why: str) -> None:
+        log.warning("checkpoint at iteration %d abandoned: %s", boundary, why)
+        with self._arrived:
+            self._abandoned.add(boundary)
+            self._cache_parts.pop(boundary, None)
+        shutil.rmtree(self.writer.root / f"{step_name(boundary)}.tmp", ignore_errors=True)
 
     def wait(self) -> None:
         """Until the checkpoint in progress is committed (or abandoned); its failure raised here."""

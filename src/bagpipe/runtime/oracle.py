@@ -432,6 +432,8 @@ class Oracle:
         failure = self.replacing.pop(rank)
         failure.update(replaced=True, recovered_in_s=round(time.time() - failure["at"], 3),
                        **{key: round(value, 3) for key, value in info.items()})
+        if self.world.role_of(rank) == ("trainer", 0):  # its checkpoint parts sent before its loss may be lost
+            self.checkpoints.cache_parts_lost(before=info["at_iteration"])
         log.info("%s (rank %d) is replaced and whole again, %.2f s after it was lost", self.world.label(rank), rank,
                  failure["recovered_in_s"])
 

@@ -469,7 +469,8 @@ class TrainerRuntime:
         seconds = time.perf_counter() - started
         self.stats.extra["replaced_at_iteration"] = n
         self.epochs.call("oracle", oracle.rpc_replaced, (self.world.rank, {"sums_again": len(plan.sums),
-                                                                           "caught_up_in_s": seconds}))
+                                                                           "caught_up_in_s": seconds,
+                                                                           "at_iteration": n}))
         log.warning("trainer %d's replacement: %d sums done again, state of iteration %d taken over in %.2f s",
                     self.index, len(plan.sums), n, seconds)
         return state
@@ -750,6 +751,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
             runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
                                     dense_optimizer=cloned_state(dense_optimizer.state_dict()),
                                     extra={"recent_losses": list(losses)})
+            inject_fault(f"checkpoint sent {message.iteration}")
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
         early.reset()
