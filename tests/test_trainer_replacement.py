@@ -23,7 +23,9 @@ REPLACE = {"BAGPIPE_REPLACE_TRAINERS": "1"}
     # in the last iteration: the survivor's next boundary is the final flush, where the replacement takes over
     ("sgd", f"trainer1@backward {ITERATIONS - 1}:kill", {"servers": 2}),
     # then the survivor, in the first iteration after it handed its state over: the replacement gives its own
-    ("adagrad", "trainer1@backward 30:kill,trainer0@iteration 31:kill", {"servers": 2})])
+    ("adagrad", "trainer1@backward 30:kill,trainer0@iteration 31:kill", {"servers": 2}),
+    # stopped (SIGSTOP), not killed: taken as lost by the heartbeats, then killed by the launcher to be replaced
+    ("sgd", "trainer1@iteration 30:stop", {"servers": 2})])
 def test_a_killed_trainer_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
                                                                                          optimizer, fault, servers):
     from bagpipe.runtime.launch import launch_local

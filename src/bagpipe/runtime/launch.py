@@ -294,6 +294,13 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
                 bar.set_postfix(loss=f"{metrics.loss:.4f}")
             if restart is not None:
                 _timed(restart, metrics)
+            for child in children:  # declared lost (no heartbeat: stopped, hung) and awaited again: its process
+                # would hold the rank, so the replacement could not start
+                if codes[child.rank] is None and child.rank in covered and replace is not None and child.index in (
+                        metrics.servers_replaced if child.role == "server" else metrics.trainers_replaced):
+                    log.warning("%s was taken as lost but its process is still there: killing it (pid %d) so that "
+                                "its replacement can start", child.label, child.process.pid)
+                    child.process.kill()
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
             for child in failed:
                 # (a trainer is replaced only when its process was lost: one that failed by its own error would
