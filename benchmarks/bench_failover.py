@@ -43,7 +43,7 @@ def main() -> None:
                          max_eval_rows=2000, model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8",
                                                                arch_mlp_top="16-1"))
     summary = launch_local(config, show_progress=False, overwrite=True,
-                           env={"BAGPIPE_FAULTS": args.fault, "BAGPIPE_REPLACE_DATA_SERVERS": "1"},
+                           env={"BAGPIPE_FAULTS": args.fault},
                            extra_trainer_args=["--writeback-delay", "0.01"])
     lost_at = summary["failures"][0]["at"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -75,8 +75,7 @@ def recovery(data: Path, work: Path, args) -> dict:
     config = dataclasses.replace(job(data, work / "recovery", iterations=args.iterations, data_servers=args.parity,
                                      parity=args.parity, check=True), log_every=10)
     summary = launch_local(config, show_progress=False, overwrite=True,
-                           env={"BAGPIPE_FAULTS": f"server1@write-back {kill_at}:kill",
-                                "BAGPIPE_REPLACE_DATA_SERVERS": "1"})
+                           env={"BAGPIPE_FAULTS": f"server1@write-back {kill_at}:kill"})
     windows = [record for record in map(json.loads, (work / "recovery" / "metrics.jsonl").read_text().splitlines())
                if "window_samples_per_s" in record]
     (failure,) = summary["failures"]

@@ -269,7 +269,8 @@ def test_a_second_server_lost_in_a_group_fails_the_job_clearly_and_leaves_no_pro
     with pytest.raises(JobFailed, match=r"server 2 is the second server lost in its parity group \(servers 0, 1, "
                                         r"2\): parity covers one loss per group; resume from the newest checkpoint"):
         launch_local(config, show_progress=False,
-                     env={"BAGPIPE_FAULTS": "server1@write-back 20:kill,server2@write-back 40:kill"})
+                     env={"BAGPIPE_FAULTS": "server1@write-back 20:kill,server2@write-back 40:kill",
+                          "BAGPIPE_REPLACE_DATA_SERVERS": "0"})  # the first not replaced before the second
     pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
     assert not [pid for pid in pids if alive(pid)]
 

@@ -152,7 +152,7 @@ def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iteration
     config = job_config(data, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3, check_parity=True,
                         iterations=iterations, timeout=20.0)
     summary = launch_local(config, show_progress=False,
-                           env={"BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_DATA_SERVERS": "1"},
+                           env={"BAGPIPE_FAULTS": fault},
                            extra_trainer_args=WRITEBACK_DELAY)
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
     assert "restarts" not in summary
@@ -212,8 +212,6 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     # taking the shard over: two replacements start one after the other, so the job trains longer
     ("sgd", "server1@write-back 20:kill,server1/1@shard copied:kill", 2 * ITERATIONS),
     ("adagrad", "server2@write-back 20:kill,server2/1@take over:kill", 2 * ITERATIONS)])
-@pytest.mark.skip(reason="experimental (BAGPIPE_REPLACE_DATA_SERVERS=1): the Adagrad case diverged from the "
-                         "reference once in a fresh-clone CI run, from the handover on; to be explained (issue 13)")
 def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_training_goes_on(
         small_binary, tmp_path, optimizer, fault, iterations):
     """2 trainers, 3 data servers and 1 parity server; a data server SIGKILLed mid-write-back: its parity server
