@@ -1,7 +1,7 @@
 """What erasure-coded servers cost: samples/s of the same job with a parity server and without one.
 
     .venv/bin/python benchmarks/bench_parity.py [--repeats 3] [--iterations 600] [--parity 3]
-        [--recovery] [--restart] [--replacement] [--trainer-replacement] [--no-overhead]
+        [--recovery] [--restart] [--replacement] [--trainer-replacement] [--oracle-replacement] [--no-overhead]
         [--out runs/bench_parity/result.json] [--work-dir DIR]
 
 One `--mode bagpipe` job (DLRM, Adagrad, 2 trainers, a 5% cache per trainer) on Zipf 1.2 data (bench_scaling's:
@@ -43,6 +43,14 @@ to the sums that failed and takes trainer 0's state at its next boundary. From s
 metrics.jsonl: the seconds from the death to the replacement joined and to training resumed (its state taken over),
 the sums done again, samples/s of the windows before the death, of those from the death to training resumed, and of
 the 100 iterations after, and the time the loss cost (the slowest window around it against a median window).
+
+Oracle replacement (--oracle-replacement, two more runs with parity, a checkpoint every --checkpoint-every
+iterations, metrics every 10): the oracle is SIGKILLed while it plans iteration --iterations / 2. In the first the
+launcher starts a replacement, which re-forms the RPC world, plans again from the start and serves the plans the
+trainers lack; from summary.json's "failures" and metrics.jsonl, the same figures as for a trainer's replacement
+(death to joined, death to training resumed: the first new plan served) and the planning done again. The second
+runs with BAGPIPE_REPLACE_ORACLE=0: the launcher restarts the job from its newest checkpoint, and its "restarts"
+record gives the death to training resumed there, in the same invocation.
 """
 
 from __future__ import annotations
@@ -176,7 +184,37 @@ def trainer_replacement(data: Path, work: Path, args) -> dict:
     summary = launch_local(config, show_progress=False, overwrite=True,
                            env={"BAGPIPE_FAULTS": f"trainer1@iteration {kill_at}:kill", "BAGPIPE_REPLACE_TRAINERS": "1"})
     assert "restarts" not in summary, "the job was restarted, not the trainer replaced"
-    windows = [w for w in map(json.loads, (work / "trainer_replacement" / "metrics.jsonl").read_text().splitlines())
+    (failure,) = summary["failures"]
+    return {"kill_at_iteration": kill_at, "sums_done_again": failure["sums_again"],
+            **_replaced(work / "trainer_replacement", summary)}
+
+
+def oracle_replacement(data: Path, work: Path, args) -> dict:
+    kill_at = args.iterations // 2
+    runs = {}
+    for name, replace in (("oracle_replacement", "1"), ("oracle_restart", "0")):
+        config = dataclasses.replace(job(data, work / name, iterations=args.iterations, data_servers=args.parity,
+                                         parity=args.parity, check=False), log_every=10,
+                                     checkpoint_every=args.checkpoint_every)
+        runs[name] = launch_local(config, show_progress=False, overwrite=True,
+                                  env={"BAGPIPE_FAULTS": f"oracle@planned {kill_at}:kill",
+                                       "BAGPIPE_REPLACE_ORACLE": replace})
+    replaced, restarted = runs["oracle_replacement"], runs["oracle_restart"]
+    assert "restarts" not in replaced and len(restarted["restarts"]) == 1
+    (failure,) = replaced["failures"]
+    (restart,) = restarted["restarts"]
+    return {"kill_at_iteration": kill_at, **_replaced(work / "oracle_replacement", replaced),
+            "replay_s": failure["replay_s"], "replayed_iterations": failure["replayed_iterations"],
+            "restart": restart, "restart_death_to_training_resumed_s": restart["resumed_in_s"],
+            "replaced_to_restarted": failure["recovered_in_s"] / restart["resumed_in_s"]}
+
+
+def _replaced(run: Path, summary: dict) -> dict:
+    """The figures of a run that lost one process and replaced it (``summary``'s only failure): seconds from the
+    death to the replacement joined and to training resumed, and samples/s of the metrics windows before the death,
+    until resumed and of the 100 iterations after, with the time the loss cost (the slowest window around it against
+    a median window)."""
+    windows = [w for w in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                if "window_samples_per_s" in w]
     (failure,) = summary["failures"]
     lost_at, resumed_at = failure["at"], failure["at"] + failure["recovered_in_s"]
@@ -186,9 +224,9 @@ def trainer_replacement(data: Path, work: Path, args) -> dict:
     during = [w["window_samples_per_s"] for w in windows if lost_at < w["time"] <= resumed_at + 1e-9]
     after = [w["window_samples_per_s"] for w in windows if w["time"] > resumed_at][1:11]  # past the loss's window
     median = statistics.median
-    return {"kill_at_iteration": kill_at, "failure": failure, "epochs": summary["epochs"],
+    return {"failure": failure, "epochs": summary["epochs"],
             "death_to_replacement_joined_s": failure["joined_in_s"],
-            "death_to_training_resumed_s": failure["recovered_in_s"], "sums_done_again": failure["sums_again"],
+            "death_to_training_resumed_s": failure["recovered_in_s"],
             "samples_per_s_before": median(before), "windows_until_resumed": len(during),
             "samples_per_s_100_iterations_after": median(after) if after else None,
             "ratio_after_to_before": median(after) / median(before) if after else None,
@@ -211,7 +249,10 @@ def main() -> None:
                         "midway, replaced while training goes on")
     parser.add_argument("--trainer-replacement", action="store_true", help="also: a run that loses trainer 1 midway, "
                         "replaced while the other waits (BAGPIPE_REPLACE_TRAINERS=1)")
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="--restart: the run's checkpoint interval")
+    parser.add_argument("--oracle-replacement", action="store_true", help="also: a run that loses the oracle "
+                        "midway, replaced while the others wait, and one restarted from its checkpoint instead")
+    parser.add_argument("--checkpoint-every", type=int, default=100,
+                        help="--restart, --oracle-replacement: the runs' checkpoint interval")
     parser.add_argument("--no-overhead", action="store_true", help="skip the runs with and without parity")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_parity_"))
@@ -223,7 +264,8 @@ def main() -> None:
     parity_stats, foreign = [], []
     extras = {name: measure for name, measure in (("recovery", recovery), ("restart", restart),
                                                   ("replacement", replacement),
-                                                  ("trainer_replacement", trainer_replacement)) if getattr(args, name)}
+                                                  ("trainer_replacement", trainer_replacement),
+                                                  ("oracle_replacement", oracle_replacement)) if getattr(args, name)}
     if args.no_overhead:
         result = {"settings": vars(args), **{name: measure(data, work, args) for name, measure in extras.items()}}
         write(args.out, result)

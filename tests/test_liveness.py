@@ -93,9 +93,12 @@ def test_a_stopped_trainer_is_named_not_the_healthy_one_that_waits_for_it(small_
 
 
 def test_a_stopped_oracle_is_named(small_binary, tmp_path):
+    """With its replacement off (a stopped oracle is otherwise killed and replaced: test_oracle_replacement.py)."""
     config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0)
-    with pytest.raises(JobFailed, match=r"^oracle 0 \(rank 0\) stopped responding .*has not answered"):
-        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@planned 40:stop"})
+    with pytest.raises(JobFailed,
+                       match=r"^oracle 0 \(rank 0\) stopped responding .*lost oracle \(rank 0\): no heartbeat"):
+        launch_local(config, show_progress=False,
+                     env={"BAGPIPE_FAULTS": "oracle@planned 40:stop", "BAGPIPE_REPLACE_ORACLE": "0"})
 
 
 def test_roles_wait_for_an_oracle_that_prepares_its_data_longer_than_the_timeout(small_binary, tmp_path):

@@ -20,7 +20,7 @@ from test_runtime import alive, assert_same_parameters, job_config, reference_of
 
 @pytest.mark.parametrize("optimizer, parity, fault", [
     ("sgd", 3, "trainer1@iteration 33:kill"),  # a trainer: parity does not cover it
-    ("adam", 3, "oracle@planned 45:kill"),  # the oracle (it hosts the store: every role goes with it)
+    ("adam", 3, "oracle@planned 45:kill"),  # the oracle, with its replacement off (BAGPIPE_REPLACE_ORACLE=0)
     ("adagrad", 0, "server1@write-back 40:kill"),  # a server, with no parity
     # the parity server, standing in for a lost data server: the group has lost two, and the RPC world cannot be
     # re-formed around a replacement while server 1's rank is gone for good
@@ -31,8 +31,8 @@ def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_exp
     config = job_config(small_binary, tmp_path / "run", optimizer=optimizer, servers=4, parity=parity,
                         iterations=50, timeout=10.0, checkpoint_every=10)
     # (a data server's replacement that took its shard back before the second loss would cover that loss too)
-    summary = launch_local(config, show_progress=False,
-                           env={"BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_DATA_SERVERS": "0"})
+    summary = launch_local(config, show_progress=False, env={
+        "BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_DATA_SERVERS": "0", "BAGPIPE_REPLACE_ORACLE": "0"})
     [restart] = summary["restarts"]
     assert restart["attempt"] == 1 and fault.split("@")[0].rstrip("0123456789") in restart["failed"]
     assert restart["resumed_from"] in (10, 20, 30, 40) and summary["resumed_at"] == restart["resumed_from"]

@@ -68,9 +68,11 @@ def test_a_trainer_that_fails_by_its_own_error_is_not_replaced(small_binary, tmp
 
 def test_a_checkpoint_part_lost_with_trainer_0_is_abandoned_and_later_checkpoints_resume_exactly(small_binary,
                                                                                                    tmp_path):
-    """Trainer 0 killed just after sending its part of the checkpoint at 40 (the part dies with its process): once
-    its replacement has started past 40 the oracle gives that checkpoint up instead of waiting for the part, and
-    later checkpoints (deltas from the one at 20) are whole: a run resumed from the newest equals the reference."""
+    """Trainer 0 killed at boundary 40 before its part of the checkpoint at 40 has left (its sending thread held
+    back): once its replacement has started past 40 the oracle gives that checkpoint up instead of waiting for the
+    part, and later checkpoints (deltas from the one at 20) are whole: a run resumed from the newest equals the
+    reference. (Should the survivor hand over at boundary 40 itself, when a sum of 39 it applies there failed with
+    trainer 0, the replacement sends the part of 40 and it is committed: also whole.)"""
     from dataclasses import replace
 
     from bagpipe.checkpoint import valid_checkpoints
@@ -79,12 +81,14 @@ def test_a_checkpoint_part_lost_with_trainer_0_is_abandoned_and_later_checkpoint
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer="adagrad", iterations=ITERATIONS, timeout=20.0,
                         servers=2, checkpoint_every=20)
     summary = launch_local(config, show_progress=False,
-                           env={**REPLACE, "BAGPIPE_FAULTS": "trainer0@checkpoint sent 40:kill"})
+                           env={**REPLACE, "BAGPIPE_FAULTS": "trainer0@sending checkpoint 40:pause=30,"
+                                                                "trainer0@checkpoint sent 40:kill"})
     reference = reference_of(config, tmp_path / "ref")
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference)
     assert "restarts" not in summary and summary["failures"][0]["role"] == "trainer 0"
     oracle_log = (tmp_path / "bagpipe" / "logs" / "oracle0.log").read_text()
-    assert "checkpoint at iteration 40 abandoned: trainer 0 was lost before its part arrived" in oracle_log
+    assert ("checkpoint at iteration 40 abandoned: trainer 0 was lost before its part arrived" in oracle_log
+            or "checkpoint at iteration 40 committed" in oracle_log)
     newest = valid_checkpoints(tmp_path / "bagpipe", newest_only=True)[0][1][-1]["iteration"]
     assert newest > 40
     # the newest checkpoint's chain resumes to the same end

@@ -196,7 +196,9 @@ def write_snapshot(directory: Path, *, name: str, space: int, chunks, num_rows: 
 class CheckpointWriter:
     """Writes a run's checkpoints, one at a time, in the background, and keeps the newest ``keep``."""
 
-    def __init__(self, run_dir: str | Path, *, keep: int, full_every: int = 5) -> None:
+    def __init__(self, run_dir: str | Path, *, keep: int, full_every: int = 5, clear_staged: bool = True) -> None:
+        """``clear_staged``: remove checkpoints left half-written (False: a lost oracle's replacement takes over
+        those its servers may still be writing)."""
         if keep < 1:
             raise ValueError(f"--keep-checkpoints must be at least 1, got {keep}")
         self.root = checkpoints_dir(run_dir)
@@ -205,7 +207,7 @@ class CheckpointWriter:
         self.last: str | None = None  # the newest committed checkpoint (a delta's parent)
         self.chain = 0  # deltas since the last full base
         self._job: Background | None = None  # the write in flight
-        for stale in self.root.glob("*.tmp"):  # a write that a crash interrupted
+        for stale in self.root.glob("*.tmp") if clear_staged else ():  # a write that a crash interrupted
             shutil.rmtree(stale, ignore_errors=True)
         newest = valid_checkpoints(run_dir, newest_only=True)
         if newest:
@@ -240,10 +242,14 @@ class CheckpointWriter:
 
     def stage(self, iteration: int) -> Path:
         """The empty directory the checkpoint of ``iteration`` is written into (by one writer or several)."""
-        tmp = self.root / f"{step_name(iteration)}.tmp"
+        tmp = self.staged(iteration)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         return tmp
+
+    def staged(self, iteration: int) -> Path:
+        """The directory the checkpoint of ``iteration`` is written into until it is committed."""
+        return self.root / f"{step_name(iteration)}.tmp"
 
     def publish(self, iteration: int, *, full: bool, parts: list[dict], extra: dict) -> Path:
         """Commit the staged checkpoint of ``iteration`` (its dense.pt and the files of ``parts``, applied in

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from bagpipe.progress import setup_logging
+from bagpipe.runtime.succession import NOT_REPLACEABLE_EXIT_CODE, NotReplaceable
 
 log = logging.getLogger("bagpipe")
 
@@ -662,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         log.error("%s", err)
         code = 2
+    except NotReplaceable as err:  # a lost oracle's replacement that cannot take over: the launcher restarts the job
+        log.error("%s", err)
+        code = NOT_REPLACEABLE_EXIT_CODE
     except (RuntimeError, TimeoutError, ConnectionError) as err:
         log.error("%s", err)
         code = 1

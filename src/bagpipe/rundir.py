@@ -86,6 +86,18 @@ class RunDir:
             self._metrics.write(line)
             self._metrics.flush()
 
+    def evaluated_iterations(self) -> set[int]:
+        """The iterations the metrics log has an evaluation (``eval`` record) of."""
+        found = set()
+        for line in (self.path / "metrics.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") == "eval":
+                found.add(record["iteration"])
+        return found
+
     def finish(self, summary: dict) -> None:
         """Write summary.json, the mark of a finished run: the last file a run writes."""
         self._metrics.close()

@@ -26,9 +26,10 @@ from typing import Callable
 import numpy as np
 import torch.distributed.rpc as rpc
 
-from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter, background_priority, read_chain,
-                                save_dense, step_name, write_parts)
+from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter, background_priority, load_dense,
+                                read_chain, save_dense, step_name, valid_checkpoints, write_parts)
 from bagpipe.config import TrainConfig
+from bagpipe.faults import inject_fault
 from bagpipe.threads import Background
 from bagpipe.runtime.world import NoEpochs, Routes, World, unwrap
 
@@ -39,18 +40,23 @@ class JobCheckpoints:
     """Decide the boundaries, start the servers' snapshots, gather trainer 0's part, commit."""
 
     def __init__(self, config: TrainConfig, world: World, *, num_spaces: int, resumed_at: int | None,
-                 routes: Routes, on_evaluable: Callable[[int, dict, ChainRows], None] | None = None) -> None:
+                 routes: Routes, on_evaluable: Callable[[int, dict, ChainRows], None] | None = None,
+                 keep_staged: bool = False) -> None:
         """``on_evaluable(boundary, dense, rows)``: called with each checkpoint taken for ``--eval-every`` once
-        committed (its rows read lazily, from files opened before any later prune)."""
+        committed (its rows read lazily, from files opened before any later prune). ``keep_staged``: checkpoints
+        being written are left alone (a lost oracle's replacement takes them over, ``take_over``)."""
         self.config, self.world, self.routes = config, world, routes
         self.on_evaluable = on_evaluable
         self.epochs = NoEpochs()  # the oracle's Epochs once it is in the RPC world: requests resent after a re-formation
-        self.writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints) if self.periodic else None
+        self.writer = (CheckpointWriter(config.run_dir, keep=config.keep_checkpoints, clear_staged=not keep_staged)
+                       if self.periodic else None)
         self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
         # rows the plan has written back since the job started, per space and server: what a snapshot awaits
         self.evicted = np.zeros((num_spaces, world.num_shards), dtype=np.int64)
         self.previous = self.resumed_at = resumed_at  # the last checkpoint's boundary: a delta holds the rows since
         self._abandoned: set[int] = set()  # checkpoints given up (a server lost while writing its part)
+        self._begun: set[int] = set()  # checkpoints this oracle began (trainer 0's parts of others are not kept)
+        self._again: set[int] = set()  # a lost oracle's, staged, whose plan no trainer had: begun again
         self._cache_parts: dict[int, tuple] = {}
         self._cache_lost_before = -1  # trainer 0's parts of the boundaries before this that have not come are lost
         self._arrived = threading.Condition()
@@ -74,12 +80,14 @@ class JobCheckpoints:
     def maybe_begin(self, boundary: int) -> bool:
         """Called while planning ``boundary`` (its evictions counted), before any trainer gets its plan:
         start a checkpoint there if one is due. Waits for the previous one to be committed first."""
-        if not (self.schedule.due(boundary) or self.evaluates(boundary)):
+        if not (self.schedule.due(boundary) or self.evaluates(boundary) or boundary in self._again):
             return False
         with self._beginning:
             self.wait()
             full = self.writer.wants_full() or self.previous is None
-            directory = self.writer.stage(boundary)
+            # (one a lost oracle began: its servers may be writing into its directory already)
+            directory = self.writer.staged(boundary) if boundary in self._again else self.writer.stage(boundary)
+            self._begun.add(boundary)
             futures = self._begin_snapshots(boundary, directory, since=None if full else self.previous)
             self._job = Background(lambda: self._finish(boundary, full, futures), name="checkpoint")
             self.previous = boundary
@@ -148,9 +156,48 @@ class JobCheckpoints:
     def receive_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
         """Trainer 0's part (an RPC handler): its cached rows, dense weights and optimizer state at ``boundary``."""
         with self._arrived:
-            if boundary not in self._abandoned:
+            if boundary in self._begun and boundary not in self._abandoned:
                 self._cache_parts[boundary] = (dense, dense_optimizer, parts, extra)
             self._arrived.notify_all()
+
+    def take_over(self, *, sent_through: int) -> set[int]:
+        """A lost oracle's replacement (trainers have the plans up to iteration ``sent_through``) takes over the
+        checkpoints it began and did not commit, staged in the run dir: one whose plan some trainer has is given up
+        once every server has written its part into its directory (trainer 0's part went to the lost oracle); one
+        whose plan none has yet is begun again when planned (a server that has begun it keeps its part). Returns
+        the boundaries up to ``sent_through`` whose plans carried a checkpoint (as far as the run dir tells)."""
+        if self.writer is None:
+            return set()
+        committed = {c[-1]["iteration"] for _, c in valid_checkpoints(self.config.run_dir)}
+        staged = sorted(int(p.name.removeprefix("step-").removesuffix(".tmp"))
+                        for p in self.writer.root.glob("step-*.tmp"))
+        for boundary in staged:
+            if boundary > sent_through:
+                self._again.add(boundary)
+                continue
+            for shard in range(self.world.num_shards):
+                try:
+                    self._wait_written(shard, boundary, self._written(self.routes.name(shard), boundary))
+                except RuntimeError as err:  # its part failed: nothing writes into the directory any more
+                    log.warning("server %d's part of the checkpoint at iteration %d failed: %s", shard, boundary,
+                                str(err).splitlines()[0])
+            self._abandon(boundary, "the oracle was lost before it committed it")
+        if self.writer.last is not None:  # the next one is a delta from the last one committed
+            self.previous = int(self.writer.last.removeprefix("step-"))
+        return {b for b in committed | set(staged) if b <= sent_through}
+
+    def evaluate_missing(self, *, evaluated: set[int]) -> None:
+        """(A lost oracle's replacement) Evaluate the committed checkpoints taken for ``--eval-every`` whose
+        evaluation was lost with the oracle (none of ``evaluated`` logged)."""
+        if self.on_evaluable is None or self.config.eval_every <= 0:
+            return
+        for directory, chain in reversed(valid_checkpoints(self.config.run_dir)):
+            boundary = chain[-1]["iteration"]
+            if self.evaluates(boundary) and boundary not in evaluated and (self.resumed_at or 0) < boundary:
+                log.info("evaluating the checkpoint at iteration %d again (its evaluation was lost with the oracle)",
+                         boundary)
+                self.on_evaluable(boundary, load_dense(directory, chain[-1])["dense"],
+                                  ChainRows.of_chain(directory, chain))
 
     def cache_parts_lost(self, *, before: int) -> None:
         """Trainer 0 was lost and its replacement started at boundary ``before``: its parts of earlier boundaries
@@ -199,6 +246,7 @@ class JobCheckpoints:
         entries += write_parts(directory, parts, prefix="cache")  # last: the cached rows override the servers'
         extra = {**extra, "mode": "bagpipe", "trainers": self.world.num_trainers,
                  "servers": self.world.num_shards}
+        inject_fault(f"committing {boundary}")
         final = self.writer.publish(boundary, full=full, parts=entries, extra=extra)
         self.written.append(boundary)
         if self.evaluates(boundary):

@@ -28,9 +28,12 @@ from bagpipe.data.batches import batches_per_epoch
 from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, forget_metrics_after, write_json_atomic
-from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
-from bagpipe.runtime.protocol import REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE, TRAINER_LOST
-from bagpipe.runtime.world import LOOPBACK, World, connect_store, free_port
+from bagpipe.runtime.liveness import BEAT_PREFIX, EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
+from bagpipe.runtime.protocol import (REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE,
+                                       TRAINER_LOST)
+from bagpipe.runtime.succession import LOST_AT_PREFIX, MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE
+from bagpipe.runtime.world import (EPOCH_KEY, JOINING_PREFIX, LAUNCHER_STORE, LOOPBACK, REPLACE_PREFIX, JobStore, World,
+                                    free_port)
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,12 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
     world_size = 1 + config.servers + config.trainers
     world = ["--world-size", str(world_size), "--world-size-trainers", str(config.trainers),
              "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout)]
+    job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
+                      timeout=config.timeout, parity=config.parity)
+    # The launcher serves the job's store, so that it outlives the oracle: a lost oracle's replacement meets the
+    # others there (runtime/succession.py).
+    job_store = JobStore(job_world)
+    env = {**env, LAUNCHER_STORE: "1"}
     roles = [("oracle", 0, ["--config", str(job_file), "--prepared", *(["--resume"] if resume else [])])]
     roles += [("trainer", t, trainer_args) for t in range(config.trainers)]
     roles += [("server", s, []) for s in range(config.servers)]
@@ -159,21 +168,23 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
         for rank in range(len(roles)):
             children.append(start(rank, append=resume, note=note))
         write_pids()
-        job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
-                          timeout=config.timeout, parity=config.parity)
         # the ranks whose loss the job may go on through: servers with parity, trainers when they are replaced
         covered = {job_world.server_rank(s) for s in range(job_world.num_servers)} if config.parity else set()
         if env.get(REPLACE_TRAINERS) == "1" and config.trainers == 2:
             covered |= {job_world.trainer_rank(t) for t in range(config.trainers)}
         metrics = _MetricsTail(run_dir / "metrics.jsonl", offset=read_from, iteration=boundary or 0)
+        succession = _Succession(job_world, job_store, replace=replace, enabled=env.get(REPLACE_ORACLE) != "0")
         _supervise(children, metrics, total=total, show_progress=show_progress, covered=covered,
-                   grace_s=job_world.takeover_s, tell=_Teller(job_world), restart=restart, replace=replace)
+                   grace_s=job_world.takeover_s, tell=_Teller(job_store), restart=restart, replace=replace,
+                   succession=succession)
     except BaseException:
         _stop_all(children)
+        job_store.close()
         for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         raise
     _stop_all(children)
+    job_store.close()
 
 
 def _restart(config: TrainConfig, failed: JobFailed, *, done: int) -> dict:
@@ -257,24 +268,63 @@ class _MetricsTail:
 
 
 class _Teller:
-    """Tells the job's store that a process has ended (the oracle's heartbeat watch takes it as lost at once,
-    instead of after its liveness window): a client opened when first needed."""
+    """Tells the job's store (the launcher serves it) that a process has ended: the heartbeat watches take it as
+    lost at once, instead of after their liveness window."""
 
-    def __init__(self, world: World) -> None:
-        self.world, self._store = world, None
+    def __init__(self, job_store: JobStore) -> None:
+        self.job_store = job_store
 
     def exited(self, child: Child) -> None:
-        try:
-            if self._store is None:
-                self._store = connect_store(self.world, timeout=self.world.timeout)
-            self._store.set(f"{EXITED_PREFIX}{child.rank}", _describe(child.process.returncode))
-        except (RuntimeError, OSError, TimeoutError) as err:  # the heartbeats will tell, later
-            log.warning("could not tell the job that %s ended: %s", child.label, err)
+        self.job_store.store.set(f"{EXITED_PREFIX}{child.rank}", _describe(child.process.returncode))
+
+
+class _Succession:
+    """A lost oracle replaced while the job goes on (runtime/succession.py): the same command started again, which
+    takes the job over, at most MAX_ORACLE_REPLACEMENTS times. An oracle whose heartbeat stops while its process is
+    still there (stopped, hung) is killed first, so that it can be replaced."""
+
+    def __init__(self, world: World, job_store: JobStore, *, replace, enabled: bool) -> None:
+        self.world, self.job_store, self.replace, self.enabled = world, job_store, replace, enabled
+        self.count = 0
+        self._beats: tuple[int, float] | None = None  # the oracle's beat count, and when it last changed
+
+    def take_over(self, lost: Child, metrics: "_MetricsTail") -> bool:
+        """``lost`` (the oracle, killed) is replaced: True if the job goes on (a replacement was started)."""
+        if (not self.enabled or lost.process.returncode >= 0 or metrics.trained or metrics.trainers_done
+                or self.count >= MAX_ORACLE_REPLACEMENTS):
+            return False
+        store = self.job_store.store
+        epoch = (int(store.get(EPOCH_KEY)) if store.check([EPOCH_KEY]) else 0) + 1
+        store.delete_key(f"{JOINING_PREFIX}0")  # (set by an earlier replacement)
+        store.set(f"{LOST_AT_PREFIX}0", repr(time.time()))
+        store.set(f"{REPLACE_PREFIX}0", str(epoch))
+        store.set(f"{EXITED_PREFIX}0", _describe(lost.process.returncode))  # its watchers await the replacement
+        self.count += 1
+        self._beats = None
+        log.warning("the oracle exited (%s); starting its replacement, which takes the job over (training goes on "
+                    "meanwhile)", _describe(lost.process.returncode))
+        self.replace(lost)
+        return True
+
+    def watch(self, oracle: Child, metrics: "_MetricsTail") -> None:
+        """Kill the oracle (by pid) if its heartbeat has stopped for the liveness window while its process is there
+        (stopped, or hung): its replacement then starts as for a killed one."""
+        if not self.enabled or metrics.trained or oracle.process.poll() is not None:
+            return
+        count = self.job_store.store.add(f"{BEAT_PREFIX}0", 0)
+        now = time.monotonic()
+        if self._beats is None or count != self._beats[0]:
+            self._beats = (count, now)
+        elif count and now - self._beats[1] > self.world.liveness_s:
+            log.warning("the oracle has not beaten for %.0f s but its process is still there: killing it (pid %d) so "
+                        "that its replacement can start", now - self._beats[1], oracle.process.pid)
+            oracle.process.kill()
+            oracle.process.wait()
 
 
 def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show_progress: bool,
                covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None,
-               restart: dict | None = None, replace=None) -> None:
+               restart: dict | None = None, replace=None, succession: _Succession | None = None) -> None:
     """Until every role has exited (``metrics``: what they log): fail on the first that fails, except a
     non-oracle role lost after training ended or a trainer lost after its report reached the oracle (the run
     no longer needs them: a warning), and a ``covered`` server (with --parity) that the oracle has taken care
@@ -301,8 +351,16 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
                     log.warning("%s was taken as lost but its process is still there: killing it (pid %d) so that "
                                 "its replacement can start", child.label, child.process.pid)
                     child.process.kill()
+            if succession is not None and codes[0] is None:
+                succession.watch(children[0], metrics)
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
             for child in failed:
+                if child.role == "oracle" and succession is not None:
+                    if child.process.returncode == NOT_REPLACEABLE_EXIT_CODE:  # a replacement that cannot take over
+                        raise JobFailed(f"{child.label} failed: {_last_error(child)}", restartable=True,
+                                        iteration=metrics.iteration)
+                    succession.take_over(child, metrics)
+                    continue
                 # (a trainer is replaced only when its process was lost: one that failed by its own error would
                 # fail again)
                 if (child.rank in covered and not _done_with(child, metrics)

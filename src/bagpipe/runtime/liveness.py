@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from bagpipe.runtime.world import World, connect_store, uses_agent_store
+from bagpipe.runtime.world import JOINING_PREFIX, World, connect_store, uses_agent_store, uses_launcher_store
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class Liveness:
         self.lost: set[int] = set()
         self.left: set[int] = set()
         self._exited: dict[int, str] = {}  # rank -> how it ended, as its launcher saw it: judged lost at once
+        self._returning: set[int] = set()  # lost ranks whose replacement is awaited (``await_return``)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it last changed)
         self._answered = time.monotonic()  # the store's last answer
         self._asking_since: float | None = None
@@ -81,6 +82,42 @@ class Liveness:
         self._seen.pop(rank, None)
         self.left.discard(rank)
         self.lost.discard(rank)
+
+    def goes_on_without(self, rank: int, *, replace_oracle: bool, replace_trainers: bool = False) -> bool:
+        """(A trainer's or server's ``recover``) Whether this role goes on through the loss of ``rank``: a lost
+        oracle the job replaces (awaited: ``await_return``), or, for a trainer, a lost peer trainer the oracle
+        replaces (its sums wait for the replacement)."""
+        if rank == 0:
+            if replace_oracle:
+                self.await_return(0, within=self.world.replacement_s)
+            return replace_oracle
+        return replace_trainers and self.world.role_of(rank)[0] == "trainer"
+
+    def await_return(self, rank: int, *, within: float) -> None:
+        """Lost ``rank`` is being replaced (a lost oracle, whose replacement the local launcher starts): watch it
+        again once its replacement says it is ready (``bagpipe/joining/RANK``), or take it as lost for good
+        (``on_lost``) if none is within ``within`` seconds. Returns at once; a thread waits."""
+        if rank in self._returning:
+            return
+        self._returning.add(rank)
+        threading.Thread(target=self._await_return, args=(rank, within), name="awaiting", daemon=True).start()
+
+    def _await_return(self, rank: int, within: float) -> None:
+        deadline = time.monotonic() + within
+        store = connect_store(self.world, timeout=self.world.timeout)  # (this thread's own client)
+        while not self._stop.is_set():
+            if store.check([f"{JOINING_PREFIX}{rank}"]):
+                self._returning.discard(rank)
+                self.readmit(rank)
+                log.info("%s (rank %d) has a replacement: watched again", self.world.label(rank), rank)
+                return
+            if time.monotonic() > deadline:
+                self._returning.discard(rank)
+                if self.fatal:
+                    self.on_lost(f"lost {self.world.label(rank)} (rank {rank}): no replacement joined within "
+                                 f"{within:.0f} s")
+                return
+            time.sleep(0.1)
 
     def wait_until_gone(self, ranks: list[int], *, timeout: float) -> list[int]:
         """Wait until each of ``ranks`` has left or is lost; return those still there after ``timeout``."""
@@ -110,7 +147,8 @@ class Liveness:
         except (RuntimeError, OSError) as err:  # the store's connection broke
             if not self._stop.is_set():
                 where = f"{self.world.master_addr}:{self.world.master_port}"
-                self._lose(0, f"lost the oracle (rank 0): the job's store at {where} failed: {err}")
+                self._lose(0, f"lost the oracle (rank 0): the job's store at {where} failed: {err}",
+                           recoverable=False)
 
     def _beat_until_stopped(self) -> None:
         key = f"{BEAT_PREFIX}{self.world.rank}"
@@ -137,7 +175,7 @@ class Liveness:
             now = time.monotonic()
             asking = self._asking_since
             if asking is not None and now - asking > limit:
-                self._lose(0, self._store_silent(now - asking))
+                self._lose(0, self._store_silent(now - asking), recoverable=False)
                 return
             for rank, how in list(self._exited.items()):
                 if rank not in self.left and rank not in self.lost:
@@ -156,17 +194,20 @@ class Liveness:
         where = f"{self.world.master_addr}:{self.world.master_port}"
         if uses_agent_store():
             return f"lost the job's store at {where} (torchrun's agent): no answer for {seconds:.0f} s"
+        if uses_launcher_store():
+            return f"lost the job's store at {where} (the local launcher's): no answer for {seconds:.0f} s"
         return (f"lost the oracle (rank 0): the job's store it serves at {where} has not answered for "
                 f"{seconds:.0f} s: it is stopped, hung or gone")
 
-    def _lose(self, rank: int, message: str) -> None:
+    def _lose(self, rank: int, message: str, *, recoverable: bool = True) -> None:
+        """``recoverable``: False when the store itself failed (nothing can be replaced without it)."""
         self.lost.add(rank)
         if not self.fatal:
             log.warning("%s (the job no longer needs it)", message)
             return
         log.warning("%s", message)
         try:
-            recovered = self.recover is not None and self.recover(rank)
+            recovered = recoverable and self.recover is not None and self.recover(rank)
         except Exception as err:  # noqa: BLE001 - why it could not be recovered ends the role below
             message = f"{message}; {NOT_RECOVERED}: {err}"
             recovered = False

@@ -26,7 +26,7 @@ import numpy as np
 import torch.distributed.rpc as rpc
 
 from bagpipe.cache import BatchRows, batch_view
-from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, complete_model, config_to_dict
+from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, complete_model, config_from_dict, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
@@ -43,12 +43,15 @@ from bagpipe.rundir import RunDir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import (REPLACE_TRAINERS, SERVER_BACK, SERVER_LOST, TRAINED, TRAINER_DONE, TRAINER_LOST,
-                                       JobInfo, Pulled, TrainerStats, schema_dict, slice_messages)
+from bagpipe.runtime.protocol import (ORACLE_REPLACED, REPLACE_ORACLE, REPLACE_TRAINERS, SERVER_BACK, SERVER_LOST,
+                                       TRAINED, TRAINER_DONE, TRAINER_LOST, JobInfo, Pulled, TrainerStats, schema_dict,
+                                       slice_messages)
 from bagpipe.runtime.redo import REDO_DEPTH
+from bagpipe.runtime.succession import (LOST_AT_PREFIX, JobRecord, NotReplaceable, RecordKeeper, load_record,
+                                        replayed_from)
 from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
                                     Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
-                                    wait_for_ranks)
+                                    uses_launcher_store, wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -64,8 +67,9 @@ FINAL_ROWS = "final-rows.tmp"  # the servers' shards after the last iteration, u
 
 class Oracle:
     def __init__(self, config: TrainConfig, world: World, dataset: BinaryDataset, *,
-                 resume: tuple[str, int] | None = None) -> None:
-        """``resume``: (checkpoint name, its boundary) the job continues from."""
+                 resume: tuple[str, int] | None = None, takes_over: bool = False) -> None:
+        """``resume``: (checkpoint name, its boundary) the job continues from; ``takes_over``: this process replaces
+        the job's lost oracle (``take_over_job``)."""
         self.config, self.world, self.dataset = config, world, dataset
         self.start = resume[1] if resume else 0
         split = self.dataset.train
@@ -79,18 +83,28 @@ class Oracle:
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
                            resume=resume[0] if resume else None, start=self.start,
-                           replace_trainers=os.environ.get(REPLACE_TRAINERS) == "1" and world.num_trainers == 2)
+                           replace_trainers=os.environ.get(REPLACE_TRAINERS) == "1" and world.num_trainers == 2,
+                           replace_oracle=uses_launcher_store() and os.environ.get(REPLACE_ORACLE) != "0")
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
         self.evaluates = (config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0)
         self.evaluations: BackgroundEvaluations | None = None
         self.run: RunDir | None = None  # the run dir events are logged to (run_oracle sets it once open)
         self.routes = Routes(world)
-        self.failures: list[dict] = []  # lost roles the job went on without
+        self.keeper = RecordKeeper(JobRecord(started_at=time.time()))  # what a replacement of this oracle reads
+        self.failures: list[dict] = self.keeper.record.failures  # lost roles the job went on without
         self.planned = self.start  # the last iteration planned
         self.checkpoints = JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
                                           resumed_at=resume[1] if resume else None, routes=self.routes,
-                                          on_evaluable=self._evaluable if self.evaluates else None)
+                                          on_evaluable=self._evaluable if self.evaluates else None,
+                                          keep_staged=takes_over)
+        # A lost oracle's replacement plans again from the start: the messages of iterations before
+        # ``first_message`` are not made again, those up to ``sent_before[trainer]`` reach that trainer's kept ones only
+        # (it has them), and ``sent_checkpoints`` says which of those carried a checkpoint.
+        self.first_message = self.start
+        self.sent_before = [self.start - 1] * world.num_trainers
+        self.sent_checkpoints: set[int] = set()
+        self.takeover: dict | None = None  # this replacement's failure record, until it serves new plans
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=world.num_trainers, policy=config.policy,
                                               cleanup_fraction=config.cleanup_fraction)
@@ -113,6 +127,17 @@ class Oracle:
         self.bytes_sent = 0
         self.stop = threading.Event()
         self.helpers: list[threading.Thread] = []  # replacements awaited, shards taken over (``_helper``)
+        self.reformed_before: list[dict] = []  # the RPC world's re-formations before this oracle's Epochs
+
+    def save_record(self) -> None:
+        """Write the job's record (``succession.JobRecord``) as it stands now, for a replacement of this oracle."""
+        with self.changed:
+            self.keeper.save(servers_ready=sorted(self.servers_ready), replacing=sorted(self.replacing),
+                             done=sorted(self.done), reformed=self.reformed())
+
+    def reformed(self) -> list[dict]:
+        """Every re-formation of the job's RPC world: (epoch, seconds) each."""
+        return self.reformed_before + self.epochs.reformed
 
     # -- the producer ------------------------------------------------------------------------
     def produce(self) -> None:
@@ -135,6 +160,7 @@ class Oracle:
                 yield [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
 
         rows = [BatchRows(space.num_rows) for space in layout.spaces]
+        started = time.perf_counter()
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         for steps in plan_spaces(key_stream(), self.planner_configs):
             iteration = self.planned = steps[0].iteration
@@ -149,7 +175,14 @@ class Oracle:
             checkpoint = False
             for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
                 self.checkpoints.count_evictions(space, step.evict_keys)
-            if self.checkpoints.periodic and self.start < iteration < self.iterations:
+            sent = iteration <= max(self.sent_before)  # by a lost oracle this one replaces: planned again
+            if sent and iteration < self.first_message:
+                continue
+            if self.takeover is not None and not sent:
+                self._resumed(replay_s=time.perf_counter() - started)
+            if sent:
+                checkpoint = iteration in self.sent_checkpoints
+            elif self.checkpoints.periodic and self.start < iteration < self.iterations:
                 self._await_servers()  # a checkpoint asks every server for its part
                 checkpoint = self.checkpoints.maybe_begin(iteration)
             views = [batch_view(step) for step in steps]
@@ -168,6 +201,8 @@ class Oracle:
                         continue
                 if self.stop.is_set():
                     return
+        if self.takeover is not None:  # the lost oracle had sent every plan: none is new
+            self._resumed(replay_s=time.perf_counter() - started)
 
     # -- RPC handlers ------------------------------------------------------------------------
     def _await_servers(self) -> None:
@@ -204,7 +239,7 @@ class Oracle:
         again = [message for message in kept if message.iteration > after]
         if again:
             return Pulled(again, written_by_all)
-        if kept and after > kept[-1].iteration:
+        if kept and after > kept[-1].iteration and after > self.sent_before[trainer]:
             raise RuntimeError(f"trainer {trainer} pulled after iteration {after}, past the {kept[-1].iteration} "
                                f"it was sent")
         out = self.queues[trainer]
@@ -214,16 +249,20 @@ class Oracle:
             if self.failure is not None:
                 raise RuntimeError(f"the oracle failed: {self.failure}")
             try:
-                messages.append(out.get(timeout=0.2))
+                message = out.get(timeout=0.2)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     return Pulled([], written_by_all)
+                continue
+            kept.append(message)
+            if message.iteration > after:  # (one a lost oracle had sent, planned again, is kept only)
+                messages.append(message)
         while len(messages) < max_steps and not messages[-1].final:
             try:
                 messages.append(out.get_nowait())
             except queue.Empty:
                 break
-        kept.extend(messages)
+            kept.append(messages[-1])
         return Pulled(messages, written_by_all)
 
     def _evaluable(self, boundary: int, dense: dict, rows: ChainRows) -> None:
@@ -256,6 +295,7 @@ class Oracle:
         if not self._ask_for_replacement(rank, failure):
             return False
         self.failures.append(failure)
+        self.save_record()
         self.run.log_metrics(event=TRAINER_LOST, trainer=index, rank=rank, replaced=True, epoch=failure["epoch"])
         log.warning("trainer %d lost: the other trainers wait in their gradient sums for its replacement", index)
         return True
@@ -293,6 +333,7 @@ class Oracle:
         # else its replacement was lost before it took the shard back: the stand-in serves on
         self.failures.append(failure)
         replaced = os.environ.get(REPLACE_DATA_SERVERS, "1") != "0" and self._ask_for_replacement(rank, failure)
+        self.save_record()
         self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server, replaced=replaced,
                              **({"epoch": failure["epoch"]} if replaced else {}))
         log.warning("server %d%s lost: its shard is served by server %d (its parity server) %s", shard,
@@ -313,6 +354,7 @@ class Oracle:
         if not self._ask_for_replacement(rank, failure):
             return False
         self.failures.append(failure)
+        self.save_record()
         self.run.log_metrics(event=SERVER_LOST, server=index, rank=rank, replaced=True, epoch=failure["epoch"])
         log.warning("server %d (the parity server of servers %s) lost: its group goes on without parity until a "
                     "replacement has made it again", index, ", ".join(map(str, group)))
@@ -337,6 +379,7 @@ class Oracle:
         if earlier is not None:
             earlier["replaced"] = False  # its replacement was lost too, before it was whole: this one takes over
         self.replacing[rank] = failure
+        self.save_record()
         self.store.delete_key(f"{JOINING_PREFIX}{rank}")
         self.store.set(f"{REPLACE_PREFIX}{rank}", str(epoch))
         self._helper(self._await_replacement, (rank, epoch), name="replacement")
@@ -431,6 +474,7 @@ class Oracle:
         failure = self.replacing.pop(rank)
         failure.update(replaced=True, recovered_in_s=round(time.time() - failure["at"], 3),
                        **{key: round(value, 3) for key, value in info.items()})
+        self.save_record()
         if self.world.role_of(rank) == ("trainer", 0):  # its checkpoint parts sent before its loss may be lost
             self.checkpoints.cache_parts_lost(before=info["at_iteration"])
         log.info("%s (rank %d) is replaced and whole again, %.2f s after it was lost", self.world.label(rank), rank,
@@ -439,17 +483,31 @@ class Oracle:
     def server_ready(self, name: str) -> None:
         with self.changed:
             self.servers_ready.add(name)
+            self.save_record()
             self.changed.notify_all()
 
     def trainer_done(self, trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
         with self.changed:
             self.done[trainer] = (stats, dense_state)
             self.written[trainer] = self.iterations  # the final flush's write-backs are acknowledged
+            self.save_record()  # (a replacement of this oracle cannot take over once a trainer has left)
             self.changed.notify_all()
         # Logged before the trainer has its answer (so before it can end): the launcher reads it as the
         # trainer's part of the job done, whatever becomes of its process after (logged at the last iteration:
         # a resumed run forgets it with the iterations it trains again).
         self.run.log_metrics(event=TRAINER_DONE, trainer=trainer, iteration=self.iterations)
+
+    def _resumed(self, replay_s: float) -> None:
+        """This replacement has planned again what its trainers had (in ``replay_s``): its next plans are new."""
+        with self.changed:
+            failure, self.takeover = self.takeover, None
+            failure["replay_s"] = round(replay_s, 3)
+            failure["resumed_in_s"] = failure["recovered_in_s"] = round(time.time() - failure["at"], 3)
+            self.save_record()
+        self.run.log_metrics(event=ORACLE_REPLACED, rank=0, epoch=failure["epoch"],
+                             **{key: failure[key] for key in ("joined_in_s", "resumed_in_s", "replayed_iterations")})
+        log.warning("the lost oracle is replaced: plans served again %.2f s after it was lost (%d iterations planned "
+                    "again in %.2f s)", failure["resumed_in_s"], failure["replayed_iterations"], failure["replay_s"])
 
     # -- the main thread ---------------------------------------------------------------------
     def wait_for_trainers(self) -> None:
@@ -474,32 +532,41 @@ def _mean_breakdown(breakdowns: list[dict]) -> dict:
     return {p: float(np.mean([b.get(p, 0.0) for b in breakdowns])) for p in phases}
 
 
-_ORACLE: Oracle | None = None
+_ORACLE: Oracle | None = None  # this process's, once it has joined the job (``run_oracle``)
+_JOINED = threading.Event()
+
+
+def _oracle() -> Oracle:
+    """This process's oracle, for an RPC handler: a request may arrive as soon as the process is in the RPC world,
+    before its oracle is handed the rest of what it runs with."""
+    if not _JOINED.wait(timeout=PULL_WAIT_S * 60):
+        raise RuntimeError("the oracle did not join the job within a minute")
+    return _ORACLE
 
 
 def rpc_ready(name: str) -> None:
-    _ORACLE.server_ready(name)
+    _oracle().server_ready(name)
 
 
 def rpc_pull(trainer: int, after: int, max_steps: int, finished: int | None = None,
              written: int | None = None) -> Pulled:
-    return _ORACLE.pull(trainer, after, max_steps, finished, written)
+    return _oracle().pull(trainer, after, max_steps, finished, written)
 
 
 def rpc_replaced(rank: int, info: dict) -> None:
-    _ORACLE.replaced(rank, info)
+    _oracle().replaced(rank, info)
 
 
 def rpc_ready_to_take_over(rank: int) -> None:
-    _ORACLE.ready_to_take_over(rank)
+    _oracle().ready_to_take_over(rank)
 
 
 def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
-    _ORACLE.trainer_done(trainer, stats, dense_state)
+    _oracle().trainer_done(trainer, stats, dense_state)
 
 
 def rpc_checkpoint_cache(boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
-    _ORACLE.checkpoint_cache(boundary, dense, dense_optimizer, parts, extra)
+    _oracle().checkpoint_cache(boundary, dense, dense_optimizer, parts, extra)
 
 
 def _refill(step: PlanStep, slot_key: np.ndarray) -> PlanStep:
@@ -519,16 +586,28 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
 
     ``prepared``: the local launcher has converted the data, checked the job and claimed the run dir.
     ``given``: the settings the oracle's command line gave (runtime.agree), agreed with every other
-    role's at check-in; the job then runs with the agreed ones.
+    role's at check-in; the job then runs with the agreed ones. A process started while the local launcher
+    awaits a replacement for the job's lost oracle takes the job over instead (``take_over_job``).
     """
-    from bagpipe.runtime import server
-
     global _ORACLE
-    started = time.perf_counter()
     started_at = time.time()
     deterministic()
     # The store first: the other roles check in, and wait while the data is converted and checked.
-    store = host_store(world)
+    store, world = host_store(world)
+    if world.epoch:
+        oracle = take_over_job(world, store)
+    else:
+        oracle = start_job(config, world, store, overwrite=overwrite, prepared=prepared, given=given, resume=resume)
+        oracle.keeper.save(started_at=started_at)
+    _ORACLE = oracle
+    _JOINED.set()
+    return run_job(oracle)
+
+
+def start_job(config: TrainConfig, world: World, store, *, overwrite: bool, prepared: bool, given: dict | None,
+              resume: bool) -> Oracle:
+    """The job's first oracle: every role checked in, their settings agreed, the data checked and the job published;
+    in the RPC world."""
     liveness = Liveness(world, watch=list(range(1, world.world_size)))
     publish_status(store, f"preparing the data in {config.data}")
     dataset = prepare_data(config)
@@ -547,7 +626,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
         refuse_job(store, str(err))
         raise
     world = dataclasses.replace(world, parity=config.parity)
-    _ORACLE = oracle = Oracle(config, world, dataset, resume=checkpoint if resume else None)
+    oracle = Oracle(config, world, dataset, resume=checkpoint if resume else None)
     oracle.run = run = RunDir(config.run_dir, append=resume)
     if resume:
         discard_after(config.run_dir, oracle.start)
@@ -557,9 +636,77 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     log.info("bagpipe job: %s, %d iterations of %d samples over %d trainers, %d servers; cache %d of %d rows, "
              "lookahead %d, policy %s", config.model.name, oracle.iterations, config.batch_size, world.num_trainers,
              world.num_servers, sum(oracle.job.cache_rows), oracle.layout.num_rows, config.lookahead, config.policy)
+    oracle.keeper.store = store
+    oracle.save_record()
     store.set(JOB_KEY, oracle.job.to_json())
     init_rpc(world, store)
-    oracle.epochs = oracle.checkpoints.epochs = epochs = Epochs(world, store)
+    _join(oracle, store, liveness, Epochs(world, store))
+    return oracle
+
+
+def take_over_job(world: World, store) -> Oracle:
+    """A replacement for the job's lost oracle (the local launcher's store outlived it): read the job and its record,
+    re-form the RPC world around this process, ask every trainer how far it is and take over the checkpoints the
+    lost oracle had begun; the producer then plans again from the start (a pure function of the data and the
+    configuration), sending each trainer only what it does not have. NotReplaceable if the job cannot be taken
+    over (the launcher then restarts it from its newest checkpoint)."""
+    from bagpipe.runtime import trainer
+
+    epoch = world.epoch
+    lost_at = float(store.get(f"{LOST_AT_PREFIX}0")) if store.check([f"{LOST_AT_PREFIX}0"]) else time.time()
+    record = load_record(store) if store.check([JOB_KEY]) else None
+    if record is None:
+        raise NotReplaceable("the lost oracle had not started the job yet")
+    why = record.why_not_replaceable(world) or ("training had ended" if store.check([STOP_KEY]) else None)
+    if why:
+        raise NotReplaceable(f"the lost oracle cannot be replaced: {why}")
+    job = JobInfo.from_json(store.get(JOB_KEY).decode())
+    config = config_from_dict(job.config)
+    world = dataclasses.replace(world, parity=config.parity)
+    liveness = Liveness(world, watch=list(range(1, world.world_size)))
+    dataset = prepare_data(config, show_progress=False)
+    if dataset.schema != job.layout.schema:  # the table sizes the roles agreed on
+        dataset = dataset.with_schema(job.layout.schema)
+    oracle = Oracle(config, world, dataset, resume=(job.resume, job.start) if job.resume else None, takes_over=True)
+    oracle.job = job
+    record.failures.append(failure := {"role": "oracle", "rank": 0, "planned_iteration": None, "at": lost_at,
+                                       "epoch": epoch, "replaced": True})
+    oracle.keeper.record = record
+    oracle.failures, oracle.servers_ready = record.failures, set(record.servers_ready)
+    oracle.reformed_before = list(record.reformed)
+    oracle.routes.load(store)
+    oracle.run = RunDir(config.run_dir, append=True)
+    oracle.keeper.store = store
+    started = time.perf_counter()
+    store.set(f"{JOINING_PREFIX}0", str(epoch))
+    store.set(EPOCH_KEY, str(epoch))  # every other process leaves its RPC world for this one
+    init_rpc(world, store, epoch=epoch)
+    oracle.reformed_before.append({"epoch": epoch, "seconds": round(time.perf_counter() - started, 3)})
+    failure["joined_in_s"] = round(time.time() - lost_at, 3)
+    epochs = Epochs(world, store)
+    progress = [epochs.call(World.trainer_name(t), trainer.rpc_progress) for t in range(world.num_trainers)]
+    oracle.sent_before = [p["after"] for p in progress]
+    oracle.finished = [p["finished"] for p in progress]
+    oracle.written = [p["written"] for p in progress]
+    oracle.first_message = replayed_from(progress, start=oracle.start, redo_depth=REDO_DEPTH)
+    oracle.checkpoints.epochs = epochs
+    oracle.sent_checkpoints = oracle.checkpoints.take_over(sent_through=max(oracle.sent_before))
+    failure["planned_iteration"] = max(oracle.sent_before)  # (at least: what the lost oracle had sent)
+    failure["replayed_iterations"] = max(oracle.sent_before) + 1 - oracle.start
+    oracle.takeover = failure
+    oracle.save_record()
+    log.warning("the job's lost oracle is replaced (RPC world %d, %.2f s after the loss): trainers have plans up to "
+                "iterations %s; planning again from iteration %d", epoch, failure["joined_in_s"],
+                ", ".join(map(str, oracle.sent_before)), oracle.start)
+    _join(oracle, store, liveness, epochs)
+    return oracle
+
+
+def _join(oracle: Oracle, store, liveness: Liveness, epochs: Epochs) -> None:
+    """Hand ``oracle`` what it runs with once in the RPC world: the store, its heartbeat watch (which hands it the
+    peers it loses) and its background evaluations."""
+    config, dataset, run = oracle.config, oracle.dataset, oracle.run
+    oracle.epochs = oracle.checkpoints.epochs = epochs
     oracle.store, oracle.liveness = store, liveness
     liveness.recover = functools.partial(oracle.lose_peer, store=store)
     if oracle.evaluates:
@@ -568,6 +715,17 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
             max_rows=config.max_eval_rows,
             on_result=lambda iteration, metrics: run.log_metrics(event="eval", iteration=iteration,
                                                                  samples=iteration * config.batch_size, **metrics))
+        if oracle.takeover is not None:
+            oracle.checkpoints.evaluate_missing(evaluated=run.evaluated_iterations())
+
+
+def run_job(oracle: Oracle) -> dict:
+    """Feed the trainers to the end, gather the final rows (the servers write them) and write the run's results;
+    the summary."""
+    from bagpipe.runtime import server
+
+    config, world, run, store = oracle.config, oracle.world, oracle.run, oracle.store
+    epochs, liveness = oracle.epochs, oracle.liveness
     producer = threading.Thread(target=oracle.produce, name="planner", daemon=True)
     producer.start()
     final_dir = run.path / FINAL_ROWS
@@ -597,9 +755,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     epochs.stop()
     liveness.stop()
     rpc.shutdown(graceful=False)  # every role has left: no request is in flight
-    train_s = time.perf_counter() - started
-    return finish(oracle, run, shards, final_rows, final_dir, started=started, train_s=train_s,
-                  started_at=started_at)
+    return finish(oracle, run, shards, final_rows, final_dir)
 
 
 def check_parity(world: World, epochs: Epochs, *, skip: set[int] = frozenset()) -> None:
@@ -656,11 +812,12 @@ def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dic
     return dataclasses.replace(config, model=ModelConfig(**model), **train), dataset
 
 
-def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRows, final_dir: Path, *,
-           started: float, train_s: float, started_at: float) -> dict:
+def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRows, final_dir: Path) -> dict:
     """Evaluate the trained model from the servers' shards on disk, write it as ``model/`` table by table,
     then the summary (the reference's run-dir layout)."""
     config, dataset, layout = oracle.config, oracle.dataset, oracle.layout
+    started_at = oracle.keeper.record.started_at  # the job's first oracle's start (a replacement's record has it)
+    train_s = time.time() - started_at
     train_cpu_s = cpu_seconds()
     stats = {t: s for t, (s, _) in oracle.done.items()}
     dense_state = oracle.done[0][1] or {}
@@ -705,10 +862,10 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "servers": oracle.world.num_servers,
         **({"parity": [s["parity"] for s in shards if "parity" in s]} if oracle.world.parity else {}),
         "failures": oracle.failures,
-        **({"epochs": oracle.epochs.reformed,  # each re-formation of the RPC world (a replacement joined)
+        **({"epochs": oracle.reformed(),  # each re-formation of the RPC world (a replacement joined)
             # write-backs the data servers acknowledged while their parity server was lost
             "unprotected_write_backs": sum(s.get("unprotected_write_backs", 0) for s in shards)}
-           if oracle.epochs.reformed else {}),
+           if oracle.reformed() else {}),
         "model": config.model.name,
         "cache_rows": sum(oracle.job.cache_rows),
         "total_rows": layout.num_rows,
@@ -737,7 +894,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "storage": dict(sum((collections.Counter(s.get("storage", {})) for s in shards), collections.Counter())),
         "train_s": train_s,
         "eval_s": eval_s,
-        "wall_s": time.perf_counter() - started,
+        "wall_s": time.time() - started_at,
         "warmup_iterations": config.warmup_iterations,
         # from the oracle's start to the end of trainer 0's first iteration
         "startup_s": stats[0].extra.get("first_iteration_at", float("nan")) - started_at,

@@ -22,6 +22,8 @@ SERVER_LOST = "server lost"  # the metrics event of a lost server (a data server
 REPLACE_TRAINERS = "BAGPIPE_REPLACE_TRAINERS"  # "1": a lost trainer is replaced, with 2 trainers (experimental)
 TRAINER_LOST = "trainer lost"  # the metrics event of a lost trainer whose replacement the oracle awaits
 SERVER_BACK = "server back"  # the metrics event of a lost data server's replacement that took its shard back
+REPLACE_ORACLE = "BAGPIPE_REPLACE_ORACLE"  # "0": a lost oracle is not replaced (the local launcher restarts the job)
+ORACLE_REPLACED = "oracle replaced"  # the metrics event of a lost oracle's replacement serving plans again
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class JobInfo:
     resume: str | None = None  # the checkpoint the job continues from (RUN_DIR/checkpoints/NAME), if any
     start: int = 0  # the iteration training starts with (the checkpoint's boundary when resuming)
     replace_trainers: bool = False  # a lost trainer is replaced while training goes on (see runtime/redo.py)
+    replace_oracle: bool = False  # a lost oracle is replaced (the local launcher serves the store): roles wait for it
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -661,6 +661,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     liveness = Liveness(world, watch=[0])
     _JOB = job = JobInfo.from_json(wait_for_job(world, store))
     _WORLD = world = dataclasses.replace(world, parity=job.config["parity"])
+    liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle)
     config, layout = job.config, job.layout
     row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
     started = time.perf_counter()
@@ -742,7 +743,10 @@ def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, 
 
 def serve_until_stopped(world: World, store, liveness: Liveness, epochs: Epochs, *, stores: list[RowStore]) -> None:
     """Tell the oracle this server is ready, then serve until it says training has ended (its fetches parked for
-    longer than the timeout failed meanwhile: those of ``stores``, or of the shard a parity server stands in for)."""
+    longer than the timeout failed meanwhile: those of ``stores``, or of the shard a parity server stands in for).
+    A request to a lost oracle that the job replaces waits for its replacement."""
+    if _JOB.replace_oracle:
+        epochs.await_peer("oracle")
     epochs.call("oracle", oracle.rpc_ready, (world.name,))
     try:
         while not store.check([STOP_KEY]):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -69,6 +70,8 @@ class TrainerRuntime:
         self.group = None if replacing else trainer_group(world, store, self.index)
         self._old_groups: list = []  # groups a lost trainer broke: kept, not destroyed (their work may hang)
         self.epochs = Epochs(world, store)  # requests that fail to a re-formation of the RPC world are sent again
+        if job.replace_oracle:  # requests to a lost oracle wait for its replacement
+            self.epochs.await_peer("oracle")
         self.routes = Routes(world)  # a lost server's shard moves to its parity server (--parity)
         self.stats = TrainerStats()
         self.step: StepMessage | None = None
@@ -78,7 +81,7 @@ class TrainerRuntime:
         # per space, lazily synced updates: (iteration, slots, grads, mean)
         self._pending: list[deque] = [deque() for _ in self.layout.spaces]
         self._failure: BaseException | None = None
-        self._checkpoint_sends: list = []
+        self._checkpoint_sends: list[threading.Thread] = []  # trainer 0's parts of checkpoints, on their way
         self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
         self.redo: RedoLog | None = None  # the last iterations' inputs (train_loop's, which has the model)
         self.recompute = None  # (kept inputs, message) -> this trainer's Shares again (train_loop's)
@@ -95,6 +98,7 @@ class TrainerRuntime:
         # acknowledged (``written_by_all``, from the oracle): those of a lost trainer are sent again from here.
         self.others_evicted: deque = deque()
         self.written_by_all = job.start - 1
+        self.received = -1  # the last plan message received (``begin``)
         self._stopping = threading.Event()
         self._started = None
         self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
@@ -104,7 +108,7 @@ class TrainerRuntime:
 
     def begin(self, *, after: int) -> None:
         """Start pulling plan messages after iteration ``after`` and writing back."""
-        self._after = after
+        self.received = after  # the last plan message received: the oracle sends the ones after it
         self._prefetcher.start()
         self._writer.start()
 
@@ -117,13 +121,12 @@ class TrainerRuntime:
             self._stopping.set()
 
     def _prefetch(self) -> None:
-        after = self._after  # the last plan message received: the oracle sends the ones after it
         while not self._stopping.is_set():
-            pulled = self.epochs.call("oracle", oracle.rpc_pull, (self.index, after, oracle.PULL_MAX_STEPS,
+            pulled = self.epochs.call("oracle", oracle.rpc_pull, (self.index, self.received, oracle.PULL_MAX_STEPS,
                                                                  self.finished, self.written.through()))
             self.written_by_all = pulled.written_by_all
             for message in pulled.messages:
-                after = message.iteration
+                self.received = message.iteration
                 fetches = self._issue_fetches(message)
                 while not self._stopping.is_set():
                     try:
@@ -226,14 +229,16 @@ class TrainerRuntime:
                 return None
             self.stats.iterations += 1
             return message
-        waited = time.perf_counter()
+        waited = since = time.perf_counter()
         while True:
             self._raise_if_failed()
             try:
                 message, fetches = self._ready.get(timeout=0.2)
                 break
             except queue.Empty:
-                if time.perf_counter() - waited > self.world.timeout:
+                if self.epochs.awaiting:  # a lost oracle's replacement, awaited within its own deadline
+                    since = time.perf_counter()
+                elif time.perf_counter() - since > self.world.timeout:
                     raise TimeoutError(f"trainer {self.index}: no plan from the oracle for "
                                        f"{self.world.timeout:.0f} s") from None
         self._stalled("plan_wait_s", waited)
@@ -557,18 +562,25 @@ class TrainerRuntime:
                                  rows=cache.weights.index_select(0, index).cpu().numpy(),
                                  state=cache.state.index_select(0, index).cpu().numpy()))
         args = (iteration, dense, dense_optimizer, parts, extra)
-        self._checkpoint_sends.append((args, self.epochs.epoch, rpc.rpc_async(
-            "oracle", oracle.rpc_checkpoint_cache, args=args, timeout=self.world.timeout)))
+        self._checkpoint_sends = [sending for sending in self._checkpoint_sends if sending.is_alive()]
+        def send() -> None:
+            inject_fault(f"sending checkpoint {iteration}")
+            self.epochs.call("oracle", oracle.rpc_checkpoint_cache, args)
+
+        sending = threading.Thread(target=self._guard, args=(send,), name="checkpoint", daemon=True)
+        sending.start()  # (sent again after a re-formation: the oracle keeps the last one it gets)
+        self._checkpoint_sends.append(sending)
+
+    def progress(self) -> dict:
+        """How far this trainer is (for a lost oracle's replacement): the last plan message received, the last
+        iteration stepped, and the version its write-backs are acknowledged to."""
+        return {"after": self.received, "finished": self.finished, "written": self.written.through()}
 
     def close(self, *, dense_state: dict | None = None) -> None:
         """Report to the oracle (after the final flush) and leave the job."""
-        for args, epoch, future in self._checkpoint_sends:
-            try:
-                future.wait()
-            except RuntimeError:
-                if not self.epochs.resend_after(epoch):
-                    raise
-                self.epochs.call("oracle", oracle.rpc_checkpoint_cache, args)  # the oracle keeps the last one sent
+        for sending in self._checkpoint_sends:
+            sending.join()
+        self._raise_if_failed()
         self._stopping.set()
         self.epochs.call("oracle", oracle.rpc_trainer_done, (self.index, self.stats, dense_state))
         inject_fault("done")
@@ -624,6 +636,11 @@ def rpc_recovery(trainer: int) -> "Recovery":
     plan = Recovery(trainer=trainer, epoch=recovery.epoch, sums=recovery.sums, kept=recovery.kept)
     plan.handed = None
     return plan
+
+
+def rpc_progress() -> dict:
+    """How far this trainer is, for a lost oracle's replacement (``TrainerRuntime.progress``)."""
+    return _RUNTIME.progress()
 
 
 def rpc_handed_over(trainer: int) -> dict:
@@ -876,8 +893,8 @@ def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu",
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, writeback_delay=writeback_delay,
                              replacing=bool(world.epoch))
     _RUNTIME = runtime
-    if runtime.replaceable:  # a lost peer trainer is the oracle's to replace: this trainer's sums wait for it
-        liveness.recover = lambda rank: world.role_of(rank)[0] == "trainer"
+    liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle,
+                                         replace_trainers=job.replace_trainers)
     try:
         train_loop(runtime, config_from_dict(job.config))
     except BaseException as err:

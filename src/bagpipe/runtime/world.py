@@ -124,6 +124,12 @@ class World:
         return max(3.0, min(10.0, self.timeout / 2))
 
     @property
+    def replacement_s(self) -> float:
+        """How long the job waits for a lost oracle's replacement to re-form its RPC world: the liveness window (the
+        loss told), then the timeout (a process started, its data opened, its planner replayed)."""
+        return self.liveness_s + self.timeout
+
+    @property
     def takeover_s(self) -> float:
         """How long after a data server's loss its parity server may take to stand in (--parity): the
         liveness window and a margin for the move."""
@@ -196,8 +202,16 @@ _LISTENERS: list[socket.socket] = []  # sockets the master store serves on, kept
 
 def _host_store(world: World, wait: timedelta) -> dist.TCPStore:
     """Rank 0's store; on a loopback master it listens on 127.0.0.1 only (TCPStore alone binds all)."""
+    store, listener = _serve(world, wait)
+    if listener is not None:
+        _LISTENERS.append(listener)
+    return store
+
+
+def _serve(world: World, wait: timedelta) -> tuple[dist.TCPStore, socket.socket | None]:
+    """A TCPStore server on the world's master address, and the socket it listens on (loopback: 127.0.0.1 only)."""
     if not world.is_loopback:
-        return dist.TCPStore(world.master_addr, world.master_port, None, True, wait, wait_for_workers=False)
+        return dist.TCPStore(world.master_addr, world.master_port, None, True, wait, wait_for_workers=False), None
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -206,9 +220,22 @@ def _host_store(world: World, wait: timedelta) -> dist.TCPStore:
         listener.close()
         raise ConnectionError(f"cannot listen on {LOOPBACK}:{world.master_port}: {err}") from None
     listener.listen(1024)
-    _LISTENERS.append(listener)
     return dist.TCPStore(LOOPBACK, world.master_port, None, True, wait, wait_for_workers=False,
-                         master_listen_fd=listener.fileno())
+                         master_listen_fd=listener.fileno()), listener
+
+
+class JobStore:
+    """The job's store served by the local launcher rather than by the oracle, so that it outlives a lost
+    oracle (whose replacement then meets the others there). Its roles learn so from ``LAUNCHER_STORE``."""
+
+    def __init__(self, world: World) -> None:
+        self.store, listener = _serve(world, timedelta(seconds=world.timeout))
+        if listener is not None:
+            listener.detach()  # the store closes its socket when it is destroyed
+
+    def close(self) -> None:
+        """Stop serving (the store is destroyed with its last reference: this one, for users that hold the JobStore)."""
+        self.store = None
 
 
 def bounded(call, *, timeout: float, what: str):
@@ -227,9 +254,17 @@ def bounded(call, *, timeout: float, what: str):
         raise TimeoutError(f"{what} within {timeout:.0f} s") from None
 
 
+LAUNCHER_STORE = "BAGPIPE_LAUNCHER_STORE"  # "1": the local launcher serves the job's store (JobStore)
+
+
 def uses_agent_store() -> bool:
     """Under torchrun the agent already serves a store on MASTER_PORT: every rank uses that one."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def uses_launcher_store() -> bool:
+    """The local launcher serves the job's store: the oracle joins it like any role, and it outlives the oracle."""
+    return os.environ.get(LAUNCHER_STORE) == "1"
 
 
 def connect_store(world: World, *, timeout: float) -> dist.TCPStore:
@@ -255,16 +290,22 @@ def connect_store(world: World, *, timeout: float) -> dist.TCPStore:
                                       f"(is another program using that port?)")
 
 
-def host_store(world: World) -> dist.TCPStore:
-    """The oracle's side of the check-in: serve the job's store (or join torchrun's), state the world's shape."""
+def host_store(world: World) -> tuple[dist.TCPStore, World]:
+    """The oracle's side of the check-in: serve the job's store (or join torchrun's, or the local launcher's), state
+    the world's shape. Returns the store and the world: a later epoch's if this process replaces a lost oracle (the
+    launcher awaits one: its store outlived the oracle)."""
     set_role(world.name)
-    if uses_agent_store():
+    if uses_agent_store() or uses_launcher_store():
         store = connect_store(world, timeout=world.timeout)
     else:
         store = _host_store(world, timedelta(seconds=world.timeout))
+    epoch = _claim(world, store)
+    if epoch:
+        set_role(f"{world.name}/{epoch}")
+        log.warning("the oracle joins the job as the replacement of its lost process (RPC world %d)", epoch)
+        return store, dataclasses.replace(world, epoch=epoch)
     store.set(SHAPE_KEY, _shape(world))
-    _claim(world, store)
-    return store
+    return store, world
 
 
 def check_in(world: World, role: str, *, given: dict | None = None) -> tuple[dist.TCPStore, World]:
@@ -494,6 +535,10 @@ class Epochs:
 
     def __init__(self, world: World, store: dist.Store) -> None:
         self.world, self.epoch = world, world.epoch
+        # peer name -> how long a request whose connection to it broke waits for a re-formation instead of GRACE_S:
+        # a lost oracle's replacement starts, replays its planner and re-forms the world (``await_peer``)
+        self.patience: dict[str, float] = {}
+        self._awaiting = 0  # requests waiting out a patience now
         self._rpc_store = store  # the client init_rpc rendezvouses through
         self._store = connect_store(world, timeout=world.timeout)
         self._changed = threading.Condition()
@@ -542,11 +587,40 @@ class Epochs:
             self.reformed.append({"epoch": epoch, "seconds": round(seconds, 3)})
             self._changed.notify_all()
 
-    def resend_after(self, sent_in: int) -> bool:
+    def await_peer(self, name: str) -> None:
+        """Requests to ``name`` whose connection breaks wait for a new world (up to ``world.replacement_s``): a lost
+        ``name`` is replaced, and the request sent again to its replacement."""
+        self.patience[name] = self.world.replacement_s
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether some request waits for a lost peer's replacement now (see ``await_peer``)."""
+        return self._awaiting > 0
+
+    def grace(self, to: str, err: BaseException) -> float:
+        """How long a request to ``to`` that failed with ``err`` waits for a re-formation: ``GRACE_S``, or the peer's
+        patience when its connection broke (an error its handler raised is its own, answered by a live peer)."""
+        if to in self.patience and "On WorkerInfo(" not in str(err):
+            return self.patience[to]
+        return self.GRACE_S
+
+    def resend_after(self, sent_in: int, *, grace: float | None = None) -> bool:
         """A request sent in epoch ``sent_in`` failed: True, once this process is in a later world, if the
         failure was (or may have been) the re-formation's, so the request is to be sent again; False if no new
-        epoch is announced within ``GRACE_S`` (the failure is the request's own)."""
-        deadline = time.monotonic() + self.GRACE_S
+        epoch is announced within ``grace`` (default ``GRACE_S``; the failure is the request's own)."""
+        patient = grace is not None and grace > self.GRACE_S
+        if patient:
+            with self._changed:
+                self._awaiting += 1
+        try:
+            return self._resend_after(sent_in, self.GRACE_S if grace is None else grace)
+        finally:
+            if patient:
+                with self._changed:
+                    self._awaiting -= 1
+
+    def _resend_after(self, sent_in: int, grace: float) -> bool:
+        deadline = time.monotonic() + grace
         while True:
             if self.epoch > sent_in:
                 return True
@@ -567,8 +641,8 @@ class Epochs:
             sent_in = self.epoch
             try:
                 return rpc.rpc_sync(to, handler, args=args, timeout=timeout or self.world.timeout)
-            except RuntimeError:
-                if not self.resend_after(sent_in):
+            except RuntimeError as err:
+                if not self.resend_after(sent_in, grace=self.grace(to, err)):
                     raise
 
 
@@ -608,9 +682,10 @@ class NoEpochs:
 
     epoch = 0
     reformed: list = []
+    awaiting = False
 
     @staticmethod
-    def resend_after(sent_in: int) -> bool:
+    def resend_after(sent_in: int, *, grace: float | None = None) -> bool:
         return False
 
     @staticmethod
@@ -650,6 +725,13 @@ class Routes:
         """The oracle's side: shard ``shard`` is served by server ``to`` from now on."""
         self._moved[shard] = to
         store.set(f"{ROUTE_PREFIX}{shard}", str(to))
+
+    def load(self, store) -> None:
+        """The routes as the store has them (a lost oracle's replacement takes them over)."""
+        for shard in range(self.world.num_shards):
+            key = f"{ROUTE_PREFIX}{shard}"
+            if store.check([key]) and int(store.get(key)) != shard:
+                self._moved[shard] = int(store.get(key))
 
     def failover(self, shard: int, sent_to: int, err: BaseException) -> None:
         """A request for ``shard`` to server ``sent_to`` failed with ``err``: return once the shard is served by

@@ -1,0 +1,87 @@
+"""What a lost oracle's replacement takes over that the data and the configuration do not decide.
+
+The plan is a pure function of the data order and the configuration, so a replacement plans again from the
+start; what it cannot compute is kept where it outlives the oracle: the job's record (lost roles, servers ready,
+trainers done) in the store the local launcher serves, each trainer's progress (asked of the trainers) and the
+checkpoints staged in the run dir. A loss the replacement cannot take over ends the oracle with
+``NOT_REPLACEABLE_EXIT_CODE``: the launcher then restarts the job from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from dataclasses import dataclass, field
+
+STATE_KEY = "bagpipe/oracle/record"  # the job's record (JobRecord), rewritten by the oracle at every change
+LOST_AT_PREFIX = "bagpipe/lost-at/"  # RANK -> when the local launcher saw that process end (wall time)
+NOT_REPLACEABLE_EXIT_CODE = 4  # an oracle's replacement that cannot take the job over: restart it instead
+MAX_ORACLE_REPLACEMENTS = 3  # per run of the job: a cause that kills every replacement ends in a restart
+
+
+class NotReplaceable(RuntimeError):
+    """This replacement oracle cannot take the job over (the launcher restarts the job from its checkpoint)."""
+
+
+@dataclass(kw_only=True)
+class JobRecord:
+    """The oracle's bookkeeping that no other role keeps: written to the store at every change, read by a
+    replacement oracle."""
+
+    started_at: float  # when the job's first oracle started (wall time): start-up and train time count from it
+    servers_ready: list[str] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)  # lost roles the job went on without (summary.json's)
+    replacing: list[int] = field(default_factory=list)  # ranks whose replacement was awaited
+    done: list[int] = field(default_factory=list)  # trainers that reported: they left the RPC world
+    reformed: list[dict] = field(default_factory=list)  # the re-formations of the RPC world (summary's "epochs")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobRecord":
+        return cls(**json.loads(text))
+
+    def why_not_replaceable(self, world) -> str | None:
+        """Why a lost oracle cannot be replaced, as this record stands; None if it can."""
+        if self.done:
+            return (f"trainer {self.done[0]} had reported done and left the job's RPC world, which cannot be "
+                    f"re-formed without it")
+        if self.replacing:
+            return f"a replacement for {world.label(self.replacing[0])} was under way"
+        gone = [f["role"] for f in self.failures if not f.get("replaced")]
+        if gone:  # its rank cannot take part in a new RPC world
+            return f"{gone[0]} was lost for good"
+        return None
+
+
+class RecordKeeper:
+    """Writes the oracle's JobRecord to the store whenever it changes (``save``)."""
+
+    def __init__(self, record: JobRecord) -> None:
+        self.record = record
+        self.store = None  # the job's store, once the oracle has one
+        self._lock = threading.Lock()
+
+    def save(self, **changes) -> None:
+        """Apply ``changes`` (fields of the record) and write it."""
+        with self._lock:
+            for name, value in changes.items():
+                setattr(self.record, name, value)
+            if self.store is not None:
+                self.store.set(STATE_KEY, self.record.to_json())
+
+
+def load_record(store) -> JobRecord | None:
+    """The job's record as its lost oracle last wrote it; None if it wrote none."""
+    if not store.check([STATE_KEY]):
+        return None
+    return JobRecord.from_json(store.get(STATE_KEY).decode())
+
+
+def replayed_from(progress: list[dict], *, start: int, redo_depth: int) -> int:
+    """The first iteration whose plan messages a replacement oracle makes again (those before are planned again
+    only to know what follows): every trainer's messages from ``redo_depth`` before the last iteration it stepped
+    on are kept (a lost trainer's replacement may pull them), the rest are new."""
+    return max(start, min(p["finished"] for p in progress) - redo_depth + 1)

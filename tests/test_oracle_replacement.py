@@ -1,0 +1,169 @@
+"""A lost oracle replaced while training goes on: the local launcher serves the job's store, so it outlives the oracle;
+the same command started again takes the job over (runtime/succession.py): it re-forms the RPC world around itself,
+asks the trainers how far they are, plans again from the start (a pure function of the data and the configuration)
+and sends each trainer only what it does not have. The job ends bit for bit as the sliced reference, with no
+restart; what it cannot take over restarts the job from its newest checkpoint, as before."""
+
+import json
+import threading
+from dataclasses import replace
+
+import pytest
+
+from bagpipe.checkpoint import valid_checkpoints
+from bagpipe.rundir import export
+from bagpipe.runtime.succession import JobRecord, replayed_from
+from bagpipe.runtime.world import World
+from test_runtime import alive, assert_same_parameters, job_config, reference_of
+
+ITERATIONS = 200
+PARITY = {"servers": 4, "parity": 3, "check_parity": True}  # the issue's shape: 3 data servers and a parity server
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tensors(message):
+    return [t for t in (message.dense_x, message.ids, message.target) if t is not None] + [
+        t for space in message.spaces for t in space.tensors()]
+
+
+def _no_process_left(run):
+    pids = json.loads((run / "pids.json").read_text()).values()
+    assert not [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.parametrize("optimizer, fault, servers", [
+    ("sgd", "oracle@planned 40:kill", PARITY),
+    ("adagrad", "oracle@planned 90:kill", {"servers": 2}),
+    # its replacement is lost too, once it has taken over: a second replacement (epoch 2)
+    ("adam", "oracle@planned 40:kill,oracle/1@planned 120:kill", PARITY),
+    # stopped, not killed: the launcher sees its heartbeat stop, kills it and starts its replacement
+    ("adagrad", "oracle@planned 60:stop", {"servers": 2})])
+def test_a_lost_oracle_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
+                                                                                      optimizer, fault, servers):
+    from bagpipe.runtime.launch import launch_local
+
+    losses = fault.count(",") + 1
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, iterations=ITERATIONS, timeout=20.0,
+                        **servers)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault})
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    assert "restarts" not in summary
+    assert [f["role"] for f in summary["failures"]] == ["oracle"] * losses
+    for epoch, failure in enumerate(summary["failures"], start=1):
+        assert failure["replaced"] and failure["epoch"] == epoch
+        assert 0 < failure["joined_in_s"] <= failure["resumed_in_s"]
+        assert failure["replayed_iterations"] >= 1
+    assert [e["epoch"] for e in summary["epochs"]] == list(range(1, losses + 1))
+    if servers.get("check_parity"):
+        assert summary["parity"][0]["check"]["mismatched_rows"] == [0]
+    run = tmp_path / "bagpipe"
+    events = [r for r in _records(run) if r.get("event") == "oracle replaced"]
+    assert [e["epoch"] for e in events] == list(range(1, losses + 1))
+    log = (run / "logs" / "oracle0.log").read_text()
+    assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == losses
+    assert log.count("the lost oracle is replaced: plans served again") == losses
+    _no_process_left(run)
+
+
+@pytest.mark.parametrize("point, outcome", [
+    # every part written, trainers past 40: given up once the servers have written their parts (the next
+    # checkpoints are deltas from the one at 20)
+    ("committing 40", "checkpoint at iteration 40 abandoned: the oracle was lost before it committed it"),
+    # begun (the servers keep their snapshots) but no trainer has the plan of 40 yet: begun again and committed
+    ("planned 40", "checkpoint at iteration 40 committed")])
+def test_checkpoints_the_lost_oracle_had_begun_are_taken_over_and_later_ones_resume_exactly(small_binary, tmp_path,
+                                                                                           point, outcome):
+    from bagpipe.runtime.launch import launch_local
+
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer="adagrad", iterations=ITERATIONS, timeout=20.0,
+                        servers=2, checkpoint_every=20)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": f"oracle@{point}:kill"})
+    reference = reference_of(config, tmp_path / "ref")
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference)
+    assert "restarts" not in summary and [f["role"] for f in summary["failures"]] == ["oracle"]
+    log = (tmp_path / "bagpipe" / "logs" / "oracle0.log").read_text()
+    assert outcome in log.split("=== a replacement for the lost process")[1]
+    assert max(chain[-1]["iteration"] for _, chain in valid_checkpoints(tmp_path / "bagpipe")) > 40
+    launch_local(replace(config, iterations=ITERATIONS), show_progress=False, resume=True)
+    assert_same_parameters(export(config.run_dir, tmp_path / "resumed.pt"), reference)
+
+
+def test_an_oracle_lost_after_a_trainer_has_left_restarts_the_job_from_its_checkpoint(small_binary, tmp_path):
+    """Once a trainer has reported and left, the job's RPC world cannot be re-formed around a replacement: the job
+    restarts from its newest checkpoint instead, and still ends bit for bit."""
+    from bagpipe.runtime.launch import launch_local
+
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer="sgd", iterations=60, timeout=20.0,
+                        servers=2, checkpoint_every=20)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@trainers reported:kill"})
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    assert len(summary["restarts"]) == 1 and "oracle" in summary["restarts"][0]["failed"]
+    assert "=== a replacement" not in (tmp_path / "bagpipe" / "logs" / "oracle0.log").read_text()
+
+
+def test_what_a_replacement_cannot_take_over_is_named():
+    world = World(rank=0, world_size=5, num_trainers=2)
+    assert JobRecord(started_at=0.0).why_not_replaceable(world) is None
+    assert JobRecord(started_at=0.0, failures=[{"role": "server 0", "replaced": True}]).why_not_replaceable(world) \
+        is None
+    assert "trainer 1 had reported done" in JobRecord(started_at=0.0, done=[1]).why_not_replaceable(world)
+    assert "replacement for server 1 was under way" in JobRecord(started_at=0.0, replacing=[4]).why_not_replaceable(
+        world)
+    assert "server 0 was lost for good" in JobRecord(
+        started_at=0.0, failures=[{"role": "server 0", "replaced": False}]).why_not_replaceable(world)
+    record = JobRecord(started_at=1.5, servers_ready=["server0"], done=[0])
+    assert JobRecord.from_json(record.to_json()) == record
+
+
+def test_a_replacement_makes_the_plan_messages_again_from_redo_depth_before_the_slowest_trainer():
+    progress = [{"after": 30, "finished": 25, "written": 24}, {"after": 28, "finished": 27, "written": 26}]
+    assert replayed_from(progress, start=0, redo_depth=2) == 24
+    assert replayed_from(progress, start=25, redo_depth=2) == 25  # never before the job's (resumed) start
+
+
+def test_a_replacement_oracles_plan_messages_equal_the_lost_ones_and_each_trainer_gets_only_what_it_lacks(
+        small_binary, tmp_path):
+    """In one process: an oracle that takes over from trainers holding the plans up to 17 and 12 (stepped to 15 and
+    11) makes every later message as the first oracle made it, keeps those from REDO_DEPTH before each trainer's last
+    step (a lost trainer's replacement may pull them), and a pull after what a trainer has gets the next ones."""
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.runtime.oracle import Oracle
+    from bagpipe.runtime.redo import REDO_DEPTH
+
+    config = job_config(small_binary, tmp_path / "run", iterations=40)
+    world = World(rank=0, world_size=5, num_trainers=2)
+    dataset = open_dataset(small_binary)
+
+    def pulled_all(oracle, afters):  # every trainer's messages after ``afters``, pulled in turn (queues are bounded)
+        messages = {trainer: [] for trainer in range(len(afters))}
+        while not all(got and got[-1].final for got in messages.values()):
+            for trainer, got in messages.items():
+                if not (got and got[-1].final):
+                    got += oracle.pull(trainer, got[-1].iteration if got else afters[trainer], 8).messages
+        return messages
+
+    def started(oracle):
+        oracle.servers_ready = {f"server{s}" for s in range(world.num_servers)}
+        threading.Thread(target=oracle.produce, daemon=True).start()
+        return oracle
+
+    first = started(Oracle(config, world, dataset))
+    expected = pulled_all(first, [-1, -1])
+    first.stop.set()
+    second = Oracle(config, world, dataset, takes_over=True)
+    second.sent_before, second.finished = [17, 12], [15, 11]
+    second.first_message = replayed_from([{"finished": f} for f in second.finished], start=0, redo_depth=REDO_DEPTH)
+    started(second)
+    pulled = pulled_all(second, second.sent_before)
+    for trainer, after in enumerate(second.sent_before):
+        got = pulled[trainer]
+        assert [m.iteration for m in got] == [m.iteration for m in expected[trainer][after + 1:]]
+        for ours, theirs in zip(got, expected[trainer][after + 1:]):
+            assert (ours.final, ours.checkpoint, ours.lookups) == (theirs.final, theirs.checkpoint, theirs.lookups)
+            assert all(a.equal(b) for a, b in zip(_tensors(ours), _tensors(theirs), strict=True))
+    # the messages kept for a lost trainer's replacement begin REDO_DEPTH before the slowest trainer's last step
+    assert second.sent[1][0].iteration <= 11 - REDO_DEPTH + 1
+    second.stop.set()
