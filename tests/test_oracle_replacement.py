@@ -36,7 +36,7 @@ def _no_process_left(run):
 
 @pytest.mark.parametrize("optimizer, fault, servers", [
     ("sgd", "oracle@planned 40:kill", PARITY),
-    ("adagrad", "oracle@planned 90:kill", {"servers": 2}),
+    ("adagrad", "oracle@planned 90:kill", PARITY),
     # its replacement is lost too, once it has taken over: a second replacement (epoch 2)
     ("adam", "oracle@planned 40:kill,oracle/1@planned 120:kill", PARITY),
     # stopped, not killed: the launcher sees its heartbeat stop, kills it and starts its replacement
