@@ -167,3 +167,54 @@ def test_a_replacement_oracles_plan_messages_equal_the_lost_ones_and_each_traine
     # the messages kept for a lost trainer's replacement begin REDO_DEPTH before the slowest trainer's last step
     assert second.sent[1][0].iteration <= 11 - REDO_DEPTH + 1
     second.stop.set()
+
+
+def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(small_binary, tmp_path):
+    """Roles started one by one, the store served by `bagpipe store`: the oracle (--store-served) is SIGKILLed, the
+    store sees its heartbeat stop and has a replacement awaited, and the same oracle command started again takes the
+    job over; the job ends bit for bit as the sliced reference and the store leaves with the roles."""
+    import os
+    import subprocess
+    import sys
+
+    from bagpipe.runtime.world import free_port
+
+    config = job_config(small_binary, tmp_path / "run", iterations=ITERATIONS, timeout=20.0)
+    world = ["--world-size", "5", "--master-port", str(free_port()), "--timeout", "20"]
+    bagpipe = [sys.executable, "-m", "bagpipe.cli"]
+    oracle = bagpipe + ["oracle", "--store-served", "--worker-id", "0", *world, "--world-size-trainers", "2",
+                        "--processed-csv", str(small_binary), "--run-dir", config.run_dir, "--mini-batch-size",
+                        str(config.batch_size), "--iterations", str(ITERATIONS), "--lookahead-value", "20", "--seed",
+                        str(config.seed), "--cache-size", str(config.cache_rows), "--optimizer", config.optimizer,
+                        "--lr", str(config.lr), "--max-eval-rows", "2000"]
+    model = ["--emb-size", "8", "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1"]
+    env = dict(os.environ, BAGPIPE_FAULTS="oracle@planned 40:kill")
+    logs = {}
+
+    def start(name, command):
+        logs[name] = tmp_path / f"{name}.log"
+        with open(logs[name], "a") as out:
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+
+    processes = {"store": start("store", bagpipe + ["store", *world])}
+    processes["oracle"] = start("oracle", oracle)
+    for rank in (1, 2):
+        processes[f"trainer{rank}"] = start(f"trainer{rank}", bagpipe + ["trainer", "--worker-id", str(rank), *world,
+                                                                         *model])
+    for rank in (3, 4):
+        processes[f"server{rank}"] = start(f"server{rank}", bagpipe + ["server", "--worker-id", str(rank), *world])
+    try:
+        assert processes["oracle"].wait(timeout=120) == -9, logs["oracle"].read_text()[-2000:]
+        processes["oracle"] = start("oracle", oracle)  # the same command again
+        for name, process in processes.items():
+            assert process.wait(timeout=180) == 0, f"{name}: {logs[name].read_text()[-3000:]}"
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [f["role"] for f in summary["failures"]] == ["oracle"] and summary["failures"][0]["replaced"]
+    assert "start the same `bagpipe oracle` command again" in logs["store"].read_text()
+    assert "every role has left: the job's store closes" in logs["store"].read_text()

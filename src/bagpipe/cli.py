@@ -264,6 +264,17 @@ def _add_roles(sub) -> None:
                        ("role", "the role this rank plays (0: oracle, 1..T: trainers, then servers): one "
                                 "command line for every process, as torchrun launches them")):
         _add_oracle_flags(sub.add_parser(name, help=text, allow_abbrev=False))
+    p = sub.add_parser("store", help="the job's store as a process of its own, so that it outlives the oracle: "
+                       "a lost oracle (started with --store-served) is replaced by starting its command again",
+                       allow_abbrev=False)
+    p.set_defaults(rank=None, num_trainers=None)
+    p.add_argument("--world-size", type=int, default=None, help="oracle + servers + trainers (default $WORLD_SIZE)")
+    p.add_argument("--master-ip", dest="master_addr", default=None, help="the address to serve the store on "
+                   "(default $MASTER_ADDR, else 127.0.0.1; unauthenticated: use a trusted network)")
+    p.add_argument("--master-port", dest="world_port", type=int, default=None,
+                   help="the job's store port (default $MASTER_PORT, else 18000)")
+    p.add_argument("--timeout", dest="world_timeout", type=float, default=None,
+                   help="the job's --timeout: how long a lost oracle's replacement is awaited follows it (default 60)")
     p = sub.add_parser("server", help="an embedding server: one shard of every table (the last ranks)",
                        allow_abbrev=False)
     _add_world_flags(p)
@@ -328,6 +339,9 @@ def _add_oracle_flags(p) -> None:
     _add_checkpoint_flags(p).add_argument("--resume", action="store_true", help="continue the run in --run-dir "
                                           "from its newest valid checkpoint (the other roles learn it from the oracle)")
     p.add_argument("--prepared", action="store_true", help=argparse.SUPPRESS)  # the local launcher's
+    p.add_argument("--store-served", action="store_true", help="the job's store is served by `bagpipe store` at "
+                   "--master-ip:--master-port: join it; a lost oracle is then replaced by starting the same command "
+                   "again, while the other roles wait (default: the oracle serves the store itself)")
     p.add_argument("--mini-batch-size", dest="batch_size", type=int, default=None,
                    help="the global batch, split evenly among the trainers" + _default("batch_size"))
     p.add_argument("--emb-info-file", default=None, help="one table size per line, agreed with the other roles' "
@@ -546,6 +560,10 @@ def run_oracle(args) -> None:
     from bagpipe.runtime.oracle import run_oracle as oracle_main
 
     setup_logging(role="oracle", rank=0)
+    if args.store_served:  # a process-wide switch, read where the oracle joins the store and states the job
+        from bagpipe.runtime.world import STORE_SERVED
+
+        os.environ[STORE_SERVED] = "1"
     world = _world(args)
     train, model = _given(args)
     sizes = read_emb_info(args.emb_info_file) if args.emb_info_file else None
@@ -601,16 +619,27 @@ def run_trainer(args) -> None:
     trainer_main(world, given=given, device=getattr(args, "device", "cpu"), writeback_delay=args.writeback_delay)
 
 
+def run_store(args) -> None:
+    from bagpipe.runtime.store import serve_store
+    from bagpipe.runtime.world import world_from_env
+
+    setup_logging(role="store", rank="-")
+    serve_store(world_from_env(rank=0, world_size=args.world_size, num_trainers=args.num_trainers,
+                               master_addr=args.master_addr, master_port=args.world_port,
+                               timeout=args.world_timeout or 60.0, trainers_from_oracle=True))
+
+
 def run_role(args) -> None:
     role, _ = _world(args).role
     {"oracle": run_oracle, "server": run_server, "trainer": run_trainer, "role": run_role}[role](args)
 
 
 COMMANDS = {"synth": run_synth, "preprocess": run_preprocess, "train": run_train, "export": run_export,
-            "report": run_report, "plan-stats": run_plan_stats, "oracle": run_oracle, "server": run_server, "trainer": run_trainer, "role": run_role}
+            "report": run_report, "plan-stats": run_plan_stats, "oracle": run_oracle, "server": run_server,
+            "trainer": run_trainer, "role": run_role, "store": run_store}
 
 
-ROLES = ("oracle", "server", "trainer", "role")
+ROLES = ("oracle", "server", "trainer", "role", "store")
 SLICED_THREADS = 1  # threads of each role of a local job, and of a reference that computes as its trainers do
 _WAKEUP: list = []  # the socket pair Ctrl-C's wakeup byte travels through, kept for the process
 

@@ -28,12 +28,12 @@ from bagpipe.data.batches import batches_per_epoch
 from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, forget_metrics_after, write_json_atomic
-from bagpipe.runtime.liveness import BEAT_PREFIX, EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
+from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
 from bagpipe.runtime.protocol import (REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE,
                                        TRAINER_LOST)
-from bagpipe.runtime.succession import LOST_AT_PREFIX, MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE
-from bagpipe.runtime.world import (EPOCH_KEY, JOINING_PREFIX, LAUNCHER_STORE, LOOPBACK, REPLACE_PREFIX, JobStore, World,
-                                    free_port)
+from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, OracleWatch,
+                                        declare_oracle_lost)
+from bagpipe.runtime.world import LOOPBACK, STORE_SERVED, JobStore, World, free_port
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
     # The launcher serves the job's store, so that it outlives the oracle: a lost oracle's replacement meets the
     # others there (runtime/succession.py).
     job_store = JobStore(job_world)
-    env = {**env, LAUNCHER_STORE: "1"}
+    env = {**env, STORE_SERVED: "1"}
     roles = [("oracle", 0, ["--config", str(job_file), "--prepared", *(["--resume"] if resume else [])])]
     roles += [("trainer", t, trainer_args) for t in range(config.trainers)]
     roles += [("server", s, []) for s in range(config.servers)]
@@ -286,21 +286,15 @@ class _Succession:
     def __init__(self, world: World, job_store: JobStore, *, replace, enabled: bool) -> None:
         self.world, self.job_store, self.replace, self.enabled = world, job_store, replace, enabled
         self.count = 0
-        self._beats: tuple[int, float] | None = None  # the oracle's beat count, and when it last changed
+        self._watch = OracleWatch(world, job_store.store)
 
     def take_over(self, lost: Child, metrics: "_MetricsTail") -> bool:
         """``lost`` (the oracle, killed) is replaced: True if the job goes on (a replacement was started)."""
         if (not self.enabled or lost.process.returncode >= 0 or metrics.trained or metrics.trainers_done
                 or self.count >= MAX_ORACLE_REPLACEMENTS):
             return False
-        store = self.job_store.store
-        epoch = (int(store.get(EPOCH_KEY)) if store.check([EPOCH_KEY]) else 0) + 1
-        store.delete_key(f"{JOINING_PREFIX}0")  # (set by an earlier replacement)
-        store.set(f"{LOST_AT_PREFIX}0", repr(time.time()))
-        store.set(f"{REPLACE_PREFIX}0", str(epoch))
-        store.set(f"{EXITED_PREFIX}0", _describe(lost.process.returncode))  # its watchers await the replacement
+        declare_oracle_lost(self.job_store.store, _describe(lost.process.returncode))
         self.count += 1
-        self._beats = None
         log.warning("the oracle exited (%s); starting its replacement, which takes the job over (training goes on "
                     "meanwhile)", _describe(lost.process.returncode))
         self.replace(lost)
@@ -311,13 +305,10 @@ class _Succession:
         (stopped, or hung): its replacement then starts as for a killed one."""
         if not self.enabled or metrics.trained or oracle.process.poll() is not None:
             return
-        count = self.job_store.store.add(f"{BEAT_PREFIX}0", 0)
-        now = time.monotonic()
-        if self._beats is None or count != self._beats[0]:
-            self._beats = (count, now)
-        elif count and now - self._beats[1] > self.world.liveness_s:
+        silent = self._watch.silent_s()
+        if silent is not None:
             log.warning("the oracle has not beaten for %.0f s but its process is still there: killing it (pid %d) so "
-                        "that its replacement can start", now - self._beats[1], oracle.process.pid)
+                        "that its replacement can start", silent, oracle.process.pid)
             oracle.process.kill()
             oracle.process.wait()
 

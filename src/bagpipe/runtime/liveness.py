@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from bagpipe.runtime.world import JOINING_PREFIX, World, connect_store, uses_agent_store, uses_launcher_store
+from bagpipe.runtime.world import JOINING_PREFIX, World, connect_store, store_served_apart, uses_agent_store
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ class Liveness:
         where = f"{self.world.master_addr}:{self.world.master_port}"
         if uses_agent_store():
             return f"lost the job's store at {where} (torchrun's agent): no answer for {seconds:.0f} s"
-        if uses_launcher_store():
-            return f"lost the job's store at {where} (the local launcher's): no answer for {seconds:.0f} s"
+        if store_served_apart():
+            return f"lost the job's store at {where} (served apart from the oracle): no answer for {seconds:.0f} s"
         return (f"lost the oracle (rank 0): the job's store it serves at {where} has not answered for "
                 f"{seconds:.0f} s: it is stopped, hung or gone")
 

@@ -51,7 +51,7 @@ from bagpipe.runtime.succession import (LOST_AT_PREFIX, JobRecord, NotReplaceabl
                                         replayed_from)
 from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
                                     Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
-                                    uses_launcher_store, wait_for_ranks)
+                                    store_served_apart, wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Oracle:
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
                            resume=resume[0] if resume else None, start=self.start,
                            replace_trainers=os.environ.get(REPLACE_TRAINERS) == "1" and world.num_trainers == 2,
-                           replace_oracle=uses_launcher_store() and os.environ.get(REPLACE_ORACLE) != "0")
+                           replace_oracle=store_served_apart() and os.environ.get(REPLACE_ORACLE) != "0")
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
         self.evaluates = (config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0)

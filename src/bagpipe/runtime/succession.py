@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 
 STATE_KEY = "bagpipe/oracle/record"  # the job's record (JobRecord), rewritten by the oracle at every change
@@ -78,6 +79,46 @@ def load_record(store) -> JobRecord | None:
     if not store.check([STATE_KEY]):
         return None
     return JobRecord.from_json(store.get(STATE_KEY).decode())
+
+
+def declare_oracle_lost(store, how: str, *, lost_at: float | None = None) -> int:
+    """(Whoever serves the store: the local launcher, ``bagpipe store``) The oracle is lost (``how``; ``lost_at``:
+    when, wall time, default now): have a replacement awaited (``bagpipe/replace/0``: the epoch of the RPC world it
+    will form) and the others told (their heartbeat watches then await it); the same ``bagpipe oracle`` command
+    started again joins as the replacement. Returns the epoch."""
+    from bagpipe.runtime.liveness import EXITED_PREFIX
+    from bagpipe.runtime.world import EPOCH_KEY, JOINING_PREFIX, REPLACE_PREFIX
+
+    epoch = (int(store.get(EPOCH_KEY)) if store.check([EPOCH_KEY]) else 0) + 1
+    store.delete_key(f"{JOINING_PREFIX}0")  # (set by an earlier replacement)
+    store.set(f"{LOST_AT_PREFIX}0", repr(time.time() if lost_at is None else lost_at))
+    store.set(f"{REPLACE_PREFIX}0", str(epoch))
+    store.set(f"{EXITED_PREFIX}0", how)
+    return epoch
+
+
+class OracleWatch:
+    """(Whoever serves the store) Whether the oracle's heartbeat has stopped for the liveness window: judged once
+    it has beaten, and not while a replacement is awaited (until it says it is ready)."""
+
+    def __init__(self, world, store) -> None:
+        self.world, self.store = world, store
+        self._beats: tuple[int, float] | None = None  # its beat count, and when it last changed
+
+    def silent_s(self) -> float | None:
+        """How long the oracle has been silent, once that is past the liveness window; else None."""
+        from bagpipe.runtime.liveness import BEAT_PREFIX
+        from bagpipe.runtime.world import JOINING_PREFIX, REPLACE_PREFIX
+
+        if self.store.check([f"{REPLACE_PREFIX}0"]) and not self.store.check([f"{JOINING_PREFIX}0"]):
+            self._beats = None  # a replacement is awaited
+            return None
+        count, now = self.store.add(f"{BEAT_PREFIX}0", 0), time.monotonic()
+        if self._beats is None or count != self._beats[0]:
+            self._beats = (count, now)
+            return None
+        silent = now - self._beats[1]
+        return silent if count and silent > self.world.liveness_s else None
 
 
 def replayed_from(progress: list[dict], *, start: int, redo_depth: int) -> int:

@@ -225,8 +225,9 @@ def _serve(world: World, wait: timedelta) -> tuple[dist.TCPStore, socket.socket 
 
 
 class JobStore:
-    """The job's store served by the local launcher rather than by the oracle, so that it outlives a lost
-    oracle (whose replacement then meets the others there). Its roles learn so from ``LAUNCHER_STORE``."""
+    """The job's store served apart from the oracle (by the local launcher, or ``bagpipe store``), so that it
+    outlives a lost oracle, whose replacement then meets the others there. The oracle learns so from
+    ``STORE_SERVED``."""
 
     def __init__(self, world: World) -> None:
         self.store, listener = _serve(world, timedelta(seconds=world.timeout))
@@ -254,7 +255,7 @@ def bounded(call, *, timeout: float, what: str):
         raise TimeoutError(f"{what} within {timeout:.0f} s") from None
 
 
-LAUNCHER_STORE = "BAGPIPE_LAUNCHER_STORE"  # "1": the local launcher serves the job's store (JobStore)
+STORE_SERVED = "BAGPIPE_STORE_SERVED"  # "1": the job's store is served apart from the oracle (JobStore)
 
 
 def uses_agent_store() -> bool:
@@ -262,9 +263,10 @@ def uses_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
-def uses_launcher_store() -> bool:
-    """The local launcher serves the job's store: the oracle joins it like any role, and it outlives the oracle."""
-    return os.environ.get(LAUNCHER_STORE) == "1"
+def store_served_apart() -> bool:
+    """The local launcher or ``bagpipe store`` serves the job's store: the oracle joins it like any role, and it
+    outlives the oracle."""
+    return os.environ.get(STORE_SERVED) == "1"
 
 
 def connect_store(world: World, *, timeout: float) -> dist.TCPStore:
@@ -295,11 +297,11 @@ def host_store(world: World) -> tuple[dist.TCPStore, World]:
     the world's shape. Returns the store and the world: a later epoch's if this process replaces a lost oracle (the
     launcher awaits one: its store outlived the oracle)."""
     set_role(world.name)
-    if uses_agent_store() or uses_launcher_store():
+    if uses_agent_store() or store_served_apart():
         store = connect_store(world, timeout=world.timeout)
     else:
         store = _host_store(world, timedelta(seconds=world.timeout))
-    epoch = _claim(world, store)
+    epoch = _claim(world, store, wait_s=world.liveness_s + 5.0 if store_served_apart() else 0.0)
     if epoch:
         set_role(f"{world.name}/{epoch}")
         log.warning("the oracle joins the job as the replacement of its lost process (RPC world %d)", epoch)
@@ -366,13 +368,20 @@ def _shape(world: World) -> str:
     return json.dumps({"world_size": world.world_size, "trainers": world.num_trainers})
 
 
-def _claim(world: World, store: dist.Store) -> int:
+def _claim(world: World, store: dist.Store, *, wait_s: float = 0.0) -> int:
     """Refuse a second process that checks in with a rank another one already holds, unless the oracle awaits
-    a replacement for that rank's lost process: then the epoch of the RPC world the replacement joins."""
+    a replacement for that rank's lost process: then the epoch of the RPC world the replacement joins. ``wait_s``:
+    how long a process started again soon after a loss waits for the loss to be told (``bagpipe store`` tells an
+    oracle's once its heartbeat has been silent for the liveness window)."""
     if store.add(f"bagpipe/claim/{world.rank}", 1) > 1:
         wanted = f"{REPLACE_PREFIX}{world.rank}"
-        if store.check([wanted]) and not store.check([f"{JOINING_PREFIX}{world.rank}"]):
-            return int(store.get(wanted))
+        deadline = time.monotonic() + wait_s
+        while True:
+            if store.check([wanted]) and not store.check([f"{JOINING_PREFIX}{world.rank}"]):
+                return int(store.get(wanted))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
         raise ValueError(f"--worker-id {world.rank} ({world.label(world.rank)}) is already taken by another "
                          f"process of this job: give each process its own --worker-id")
     return 0
