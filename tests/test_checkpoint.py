@@ -210,7 +210,7 @@ def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_bina
     launch_local(config, show_progress=False)
     broken = replace(config, run_dir=str(tmp_path / "broken"), max_restarts=0)  # resumed by hand below
     with pytest.raises(JobFailed):
-        launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": fault})
+        launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_TRAINERS": "0"})
     assert not (tmp_path / "broken" / "summary.json").exists()
     summary = launch_local(broken, show_progress=False, resume=True)
     assert summary["resumed_at"] in (10, 20, 30) and summary["iterations"] == 50

@@ -88,7 +88,8 @@ def test_a_stopped_trainer_is_named_not_the_healthy_one_that_waits_for_it(small_
     config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0)
     started = time.monotonic()
     with pytest.raises(JobFailed, match=r"^trainer 1 \(rank 2\) stopped responding .*no heartbeat"):
-        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 20:stop"})
+        launch_local(config, show_progress=False,  # (replaced instead by default: test_trainer_replacement.py)
+                     env={"BAGPIPE_FAULTS": "trainer1@iteration 20:stop", "BAGPIPE_REPLACE_TRAINERS": "0"})
     assert time.monotonic() - started < 40
 
 
@@ -131,7 +132,8 @@ def test_two_processes_claiming_one_worker_id_are_told(small_binary, tmp_path):
 def test_the_launcher_quotes_no_unrelated_line_for_a_killed_role(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "run", iterations=1000)
     with pytest.raises(JobFailed) as failed:
-        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer0@iteration 5:kill"})
+        launch_local(config, show_progress=False,
+                     env={"BAGPIPE_FAULTS": "trainer0@iteration 5:kill", "BAGPIPE_REPLACE_TRAINERS": "0"})
     assert str(failed.value).startswith("trainer 0 (rank 1) failed (killed by SIGKILL): it logged no error; logs in")
 
 

@@ -293,8 +293,9 @@ def test_checkpoints_after_a_server_was_lost_are_taken_from_its_stand_in(small_b
     want = reference_of(config, tmp_path / "ref")
     assert_same_parameters(export(config.run_dir, tmp_path / "lost.pt"), want)
 
-    broken = replace(config, run_dir=str(tmp_path / "broken"))  # a trainer lost: not covered, restarted instead
-    summary = launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 33:kill"})
+    broken = replace(config, run_dir=str(tmp_path / "broken"))  # a trainer lost, not replaced: restarted instead
+    summary = launch_local(broken, show_progress=False,
+                           env={"BAGPIPE_FAULTS": "trainer1@iteration 33:kill", "BAGPIPE_REPLACE_TRAINERS": "0"})
     assert summary["restarts"][0]["resumed_from"] == 30 and summary["resumed_at"] == 30
     assert summary["parity"][0]["check"]["mismatched_rows"] == [0]
     assert_same_parameters(export(broken.run_dir, tmp_path / "broken.pt"), want)
@@ -315,7 +316,8 @@ def test_a_checkpoint_whose_server_is_lost_while_writing_it_is_abandoned_and_the
     config = job_config(small_binary, tmp_path / "run", optimizer="adam", servers=4, parity=3, iterations=50,
                         timeout=20.0, checkpoint_every=10, keep_checkpoints=5)
     summary = launch_local(config, show_progress=False,
-                           env={"BAGPIPE_FAULTS": "server1@checkpoint 20 written:kill,trainer1@iteration 43:kill"})
+                           env={"BAGPIPE_FAULTS": "server1@checkpoint 20 written:kill,trainer1@iteration 43:kill",
+                                "BAGPIPE_REPLACE_TRAINERS": "0"})
     [restart] = summary["restarts"]
     assert restart["failed"].startswith("trainer 1") and restart["resumed_from"] == summary["resumed_at"]
     assert summary["resumed_at"] in (30, 40)

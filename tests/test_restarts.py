@@ -32,7 +32,8 @@ def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_exp
                         iterations=50, timeout=10.0, checkpoint_every=10)
     # (a data server's replacement that took its shard back before the second loss would cover that loss too)
     summary = launch_local(config, show_progress=False, env={
-        "BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_DATA_SERVERS": "0", "BAGPIPE_REPLACE_ORACLE": "0"})
+        "BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_DATA_SERVERS": "0", "BAGPIPE_REPLACE_ORACLE": "0",
+        "BAGPIPE_REPLACE_TRAINERS": "0"})
     [restart] = summary["restarts"]
     assert restart["attempt"] == 1 and fault.split("@")[0].rstrip("0123456789") in restart["failed"]
     assert restart["resumed_from"] in (10, 20, 30, 40) and summary["resumed_at"] == restart["resumed_from"]
@@ -56,7 +57,7 @@ def test_a_failure_a_restart_cannot_help_ends_the_job_saying_why(small_binary, t
                         **overrides)
     with pytest.raises(JobFailed, match=r"^trainer 1 \(rank 2\) failed .*; not restarted: " + why.replace(
             "-", r"\-")) as failed:
-        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_TRAINERS": "0"})
     assert ("a fault injected at 'iteration 23'" in str(failed.value)) == fault.endswith(":fail")
     assert not (Path(config.run_dir) / "summary.json").exists()
     restarted = "=== restart 1" in (Path(config.run_dir) / "logs" / "oracle0.log").read_text()
@@ -68,7 +69,8 @@ def test_a_failure_a_restart_cannot_help_ends_the_job_saying_why(small_binary, t
 def test_a_job_without_checkpoints_fails_as_before(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "run", iterations=30, timeout=10.0)
     with pytest.raises(JobFailed) as failed:
-        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 13:kill"})
+        launch_local(config, show_progress=False,
+                     env={"BAGPIPE_FAULTS": "trainer1@iteration 13:kill", "BAGPIPE_REPLACE_TRAINERS": "0"})
     assert str(failed.value).startswith("trainer 1 (rank 2) failed (killed by SIGKILL)")
     assert "not restarted" not in str(failed.value)
 

@@ -1,4 +1,4 @@
-"""A lost trainer replaced while training goes on (BAGPIPE_REPLACE_TRAINERS=1, two trainers): the survivor's gradient
+"""A lost trainer replaced while training goes on (the default with two trainers): the survivor's gradient
 sums fail, a replacement process joins the re-formed RPC world and trainers' group, adds its shares (computed again
 from what the survivor kept, runtime/redo.py) to the sums that failed, takes the survivor's state at its next
 iteration boundary and trains on; the job ends bit for bit as the sliced reference, with no restart."""
@@ -11,15 +11,14 @@ from bagpipe.rundir import export
 from test_runtime import alive, assert_same_parameters, job_config, reference_of
 
 ITERATIONS = 200
-REPLACE = {"BAGPIPE_REPLACE_TRAINERS": "1"}
 
 
 @pytest.mark.parametrize("optimizer, fault, servers", [
     # the issue's shape: 3 data servers and a parity server; killed after its step (the survivor's next sums fail)
     ("sgd", "trainer1@iteration 30:kill", {"servers": 4, "parity": 3, "check_parity": True}),
     # killed between its backward and its main sum (the survivor waits in that sum): the leader, then trainer 1
-    ("adam", "trainer0@backward 40:kill", {"servers": 2}),
-    ("adagrad", "trainer1@backward 25:kill", {"servers": 2}),
+    ("adam", "trainer0@backward 40:kill", {"servers": 4, "parity": 3, "check_parity": True}),
+    ("adagrad", "trainer1@backward 25:kill", {"servers": 4, "parity": 3, "check_parity": True}),
     # in the last iteration: the survivor's next boundary is the final flush, where the replacement takes over
     ("sgd", f"trainer1@backward {ITERATIONS - 1}:kill", {"servers": 2}),
     # then the survivor, in the first iteration after it handed its state over: the replacement gives its own
@@ -33,7 +32,7 @@ def test_a_killed_trainer_is_replaced_while_training_goes_on_and_the_job_ends_bi
     lost = [int(part[len("trainer")]) for part in fault.split(",")]
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, iterations=ITERATIONS, timeout=20.0,
                         **servers)
-    summary = launch_local(config, show_progress=False, env={**REPLACE, "BAGPIPE_FAULTS": fault})
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault})
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
     assert "restarts" not in summary
     assert [f["role"] for f in summary["failures"]] == [f"trainer {t}" for t in lost]
@@ -62,7 +61,7 @@ def test_a_trainer_that_fails_by_its_own_error_is_not_replaced(small_binary, tmp
 
     config = job_config(small_binary, tmp_path / "bagpipe", iterations=60, timeout=20.0)
     with pytest.raises(JobFailed, match="trainer 1"):
-        launch_local(config, show_progress=False, env={**REPLACE, "BAGPIPE_FAULTS": "trainer1@iteration 20:fail"})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 20:fail"})
     assert "=== a replacement" not in (tmp_path / "bagpipe" / "logs" / "trainer1.log").read_text()
 
 
@@ -81,7 +80,7 @@ def test_a_checkpoint_part_lost_with_trainer_0_is_abandoned_and_later_checkpoint
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer="adagrad", iterations=ITERATIONS, timeout=20.0,
                         servers=2, checkpoint_every=20)
     summary = launch_local(config, show_progress=False,
-                           env={**REPLACE, "BAGPIPE_FAULTS": "trainer0@sending checkpoint 40:pause=30,"
+                           env={"BAGPIPE_FAULTS": "trainer0@sending checkpoint 40:pause=30,"
                                                                 "trainer0@checkpoint sent 40:kill"})
     reference = reference_of(config, tmp_path / "ref")
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference)

@@ -83,7 +83,7 @@ class Oracle:
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
                            resume=resume[0] if resume else None, start=self.start,
-                           replace_trainers=os.environ.get(REPLACE_TRAINERS) == "1" and world.num_trainers == 2,
+                           replace_trainers=os.environ.get(REPLACE_TRAINERS) != "0" and world.num_trainers == 2,
                            replace_oracle=store_served_apart() and os.environ.get(REPLACE_ORACLE) != "0")
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
@@ -614,8 +614,9 @@ def start_job(config: TrainConfig, world: World, store, *, overwrite: bool, prep
     inject_fault("data ready")
     publish_status(store, "waiting for every role to check in")
     wait_for_ranks(world, store)
+    hellos = read_hellos(world, store)
     try:
-        config, dataset = settle(config, dataset, world, given or {}, read_hellos(world, store))
+        config, dataset = settle(config, dataset, world, given or {}, hellos)
         if resume:
             checkpoint = resume_point(config, world)
             for warning in check_job(config, dataset):
@@ -627,6 +628,8 @@ def start_job(config: TrainConfig, world: World, store, *, overwrite: bool, prep
         raise
     world = dataclasses.replace(world, parity=config.parity)
     oracle = Oracle(config, world, dataset, resume=checkpoint if resume else None)
+    if any(hello["given"].get("kind") == "script" for hello in hellos.values()):  # a script's model is its own:
+        oracle.job = dataclasses.replace(oracle.job, replace_trainers=False)  # no share of it can be computed again
     oracle.run = run = RunDir(config.run_dir, append=resume)
     if resume:
         discard_after(config.run_dir, oracle.start)
