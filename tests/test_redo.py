@@ -22,7 +22,7 @@ from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.preflight import cache_rows_of, job_layout
 from bagpipe.reference import build_model
 from bagpipe.runtime.protocol import slice_messages
-from bagpipe.runtime.redo import RedoLog, Shares, recompute, slice_shares
+from bagpipe.runtime.redo import REDO_DEPTH, RedoLog, Shares, recompute, slice_shares
 from bagpipe.storage import RowStore
 
 TRAINERS, BATCH, ITERATIONS = 2, 64, 8
@@ -127,9 +127,9 @@ def test_a_lost_trainers_shares_computed_again_from_a_survivors_log_are_its_own_
                 cache.apply(step.batch_slots[now:], (sent[0].later[space] + sent[1].later[space]) / TRAINERS)
         before = (messages[1], sent[1])
     assert checked == ITERATIONS - 1 and evicted > 0  # rows moved through the cache meanwhile
-    assert log.iterations() == [ITERATIONS - 2, ITERATIONS - 1]
+    assert log.iterations() == list(range(ITERATIONS - REDO_DEPTH, ITERATIONS))
     with pytest.raises(KeyError, match="not kept"):
-        log.kept(ITERATIONS - 3)
+        log.kept(ITERATIONS - REDO_DEPTH - 1)
 
 
 def test_the_log_copies_the_parameters_so_a_step_after_it_does_not_change_what_it_kept():
@@ -152,7 +152,6 @@ def test_the_oracle_keeps_a_trainers_messages_from_before_its_last_step_and_tell
         small_binary):
     from bagpipe.runtime.oracle import Oracle
     from bagpipe.runtime.protocol import StepMessage
-    from bagpipe.runtime.redo import REDO_DEPTH
     from bagpipe.runtime.world import World
 
     config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH, iterations=40, trainers=2,
@@ -199,3 +198,19 @@ def test_written_back_is_the_version_every_write_back_is_acknowledged_to():
     assert written.through() == 4
     written.boundary(5)  # a boundary with nothing of this trainer's to write back
     assert written.through() == 5
+
+
+def test_survivors_agree_on_the_union_of_their_unfinished_sums_in_start_order_and_the_furthest_gives():
+    """Three trainers, trainer 2 lost: trainer 0 failed in iteration 7's main sum (its later sums of 6 still in flight),
+    trainer 1 finished that one and failed in 8's main sum (one iteration on). Every unfinished sum of either is done
+    again, in the order every trainer started them; trainer 1, further on, holds the inputs of 6, 7 and 8."""
+    from bagpipe.runtime.redo import agree_on_sums
+
+    entries = {0: {"sums": [["later", 6, 1], ["early", 7, None], ["main", 7, None], ["later", 7, 0]], "reached": 7},
+               1: {"sums": [["later", 7, 0], ["early", 8, None], ["main", 8, None], ["later", 8, 1]], "reached": 8}}
+    union, donor = agree_on_sums(entries)
+    assert union == [("later", 6, 1), ("early", 7, None), ("main", 7, None), ("later", 7, 0), ("early", 8, None),
+                     ("main", 8, None), ("later", 8, 1)]
+    assert donor == 1 and entries[donor]["reached"] - REDO_DEPTH < min(what[1] for what in union)
+    assert agree_on_sums({1: {"sums": [], "reached": 4}, 0: {"sums": [], "reached": 4}})[1] == 0  # a tie: the lowest
+    assert agree_on_sums({0: entries[0]})[0] == [tuple(what) for what in entries[0]["sums"]]  # two trainers: its own

@@ -170,7 +170,7 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
         write_pids()
         # the ranks whose loss the job may go on through: servers with parity, trainers when they are replaced
         covered = {job_world.server_rank(s) for s in range(job_world.num_servers)} if config.parity else set()
-        if env.get(REPLACE_TRAINERS) != "0" and config.trainers == 2:
+        if env.get(REPLACE_TRAINERS) != "0" and config.trainers >= 2:
             covered |= {job_world.trainer_rank(t) for t in range(config.trainers)}
         metrics = _MetricsTail(run_dir / "metrics.jsonl", offset=read_from, iteration=boundary or 0)
         succession = _Succession(job_world, job_store, replace=replace, enabled=env.get(REPLACE_ORACLE) != "0")

@@ -83,7 +83,7 @@ class Oracle:
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
                            resume=resume[0] if resume else None, start=self.start,
-                           replace_trainers=os.environ.get(REPLACE_TRAINERS) != "0" and world.num_trainers == 2,
+                           replace_trainers=os.environ.get(REPLACE_TRAINERS) != "0" and world.num_trainers >= 2,
                            replace_oracle=store_served_apart() and os.environ.get(REPLACE_ORACLE) != "0")
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).

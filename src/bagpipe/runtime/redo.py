@@ -25,8 +25,28 @@ from bagpipe.models.layers import set_dropout_step
 from bagpipe.runtime.protocol import StepMessage
 
 # The iterations a trainer keeps the inputs of: the one it computes and the one before, whose background sums (the
-# rows not used again at once) may still be in flight; the sums of any earlier one were waited for at a boundary.
-REDO_DEPTH = 2
+# rows not used again at once) may still be in flight (the sums of any earlier one were waited for at a boundary),
+# and one more: with three or more trainers a survivor may be one iteration past another when a peer is lost, and the
+# one further on gives the replacement the inputs of every sum either has not finished (``agree_on_sums``).
+REDO_DEPTH = 3
+KINDS = ("early", "main", "later")  # an iteration's sums, in the order every trainer starts them
+
+
+def sum_order(what: tuple) -> tuple:
+    """The place of sum ``what`` (kind, iteration, space) in the order every trainer starts its sums."""
+    kind, iteration, space = what
+    return iteration, KINDS.index(kind), -1 if space is None else space
+
+
+def agree_on_sums(entries: dict[int, dict]) -> tuple[list[tuple], int]:
+    """What the survivors of a lost trainer do again with its replacement, from each survivor's ``entries``
+    (``{"sums": the sums it has not finished, "reached": the iteration it is in}``): the union of their sums, in the
+    order every trainer starts them (one a survivor has finished already is done again by it too, its result
+    dropped: a sum needs every trainer's share), and the survivor that gives the replacement the inputs and its
+    state (the one furthest on, which holds the inputs of every iteration among them; the lowest of those)."""
+    union = sorted({tuple(what) for entry in entries.values() for what in entry["sums"]}, key=sum_order)
+    donor = min(entries, key=lambda trainer: (-entries[trainer]["reached"], trainer))
+    return union, donor
 
 
 @dataclass

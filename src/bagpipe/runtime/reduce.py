@@ -5,12 +5,17 @@ two agree bit for bit. Two operands have one sum whichever comes first, so two t
 gloo's all-reduce as it is. With more, a ring all-reduce starts each chunk's sum at a different
 rank, and the result would depend on where an element falls: there each trainer receives its
 chunk of every buffer (all-to-all), adds them in rank order and shares the sum (all-gather), the
-same bytes per trainer as a ring.
+same bytes per trainer as a ring. Those two steps run on a thread of the group's own, one sum after
+the other in the order they were started, so the group's collectives come in the same order on every
+trainer whatever order the sums are waited for in (a lost trainer's replacement starts the sums it
+joins in the order they were started, not waited for).
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from datetime import timedelta
 
 import torch
@@ -31,18 +36,15 @@ class Mean:
     def _start(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.size = 1 if group is None else group.size()
-        self._work = self._received = self._failed = None
+        self._work = self._failed = None
+        self._ordered: _Ordered | None = None
         if self.size == 1 or self.buffer.numel() == 0:
             return
         try:
             if self.size == 2:
                 self._work = group.allreduce([self.buffer])
                 return
-            chunk = math.ceil(self.buffer.numel() / self.size)
-            padded = torch.zeros(self.size * chunk)
-            padded[:self.buffer.numel()] = self.buffer.view(-1)
-            self._received = torch.empty_like(padded)
-            self._work = group.alltoall_base(self._received, padded, [], [], dist.AllToAllOptions())
+            self._ordered = _sequencer(group, self.timeout).submit(self.buffer)
         except RuntimeError as err:  # the group is broken already: raised by ``wait``
             self._failed = err
 
@@ -52,18 +54,83 @@ class Mean:
     def wait(self) -> torch.Tensor:
         if self._failed is not None:
             raise self._failed
-        if self._work is None:
+        if self._work is not None:
+            self._work.wait(timeout=self.timeout)
+            self._work = None
+        elif self._ordered is not None:
+            total = self._ordered.result(self.timeout.total_seconds())
+            self.buffer.view(-1).copy_(total[:self.buffer.numel()])
+            self._ordered = None
+        else:
             return self.buffer
-        self._work.wait(timeout=self.timeout)
-        self._work = None
-        if self._received is not None:
-            parts = self._received.view(self.size, -1)
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            gathered = [torch.empty_like(total) for _ in range(self.size)]
-            self.group.allgather([gathered], [total]).wait(timeout=self.timeout)
-            self.buffer.view(-1).copy_(torch.cat(gathered)[:self.buffer.numel()])
-            self._received = None
         self.buffer /= self.size
         return self.buffer
+
+
+class _Ordered:
+    """One sum in a group's sequence: the padded operand, then the sum in rank order (or the error)."""
+
+    def __init__(self, padded: torch.Tensor) -> None:
+        self.padded = padded
+        self.total: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def result(self, timeout: float) -> torch.Tensor:
+        if not self.done.wait(timeout):
+            raise RuntimeError(f"a sum over trainers did not complete within {timeout:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.total
+
+
+class _Sequencer:
+    """A group's sums over three or more trainers, carried out one after the other in the order submitted."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
+        self.group, self.size, self.timeout = group, group.size(), timeout
+        self._queue: queue.Queue = queue.Queue()
+        self._broken: BaseException | None = None
+        threading.Thread(target=self._run, name="ordered-sum", daemon=True).start()
+
+    def submit(self, buffer: torch.Tensor) -> _Ordered:
+        chunk = math.ceil(buffer.numel() / self.size)
+        padded = torch.zeros(self.size * chunk)
+        padded[:buffer.numel()] = buffer.view(-1)
+        ordered = _Ordered(padded)
+        self._queue.put(ordered)
+        return ordered
+
+    def _run(self) -> None:
+        while True:
+            ordered = self._queue.get()
+            try:
+                if self._broken is not None:  # a later sum on a group a trainer was lost from cannot complete
+                    raise self._broken
+                ordered.total = self._sum(ordered.padded)
+            except BaseException as err:  # noqa: BLE001 - handed to the sum's waiter
+                self._broken = self._broken or err
+                ordered.error = err
+            ordered.done.set()
+
+    def _sum(self, padded: torch.Tensor) -> torch.Tensor:
+        received = torch.empty_like(padded)
+        self.group.alltoall_base(received, padded, [], [], dist.AllToAllOptions()).wait(timeout=self.timeout)
+        parts = received.view(self.size, -1)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        gathered = [torch.empty_like(total) for _ in range(self.size)]
+        self.group.allgather([gathered], [total]).wait(timeout=self.timeout)
+        return torch.cat(gathered)
+
+
+_SEQUENCERS: dict = {}  # group -> its sequencer (groups are few: one per RPC world the trainers re-form)
+_LOCK = threading.Lock()
+
+
+def _sequencer(group: dist.ProcessGroup, timeout: timedelta) -> _Sequencer:
+    with _LOCK:
+        if group not in _SEQUENCERS:
+            _SEQUENCERS[group] = _Sequencer(group, timeout)
+        return _SEQUENCERS[group]

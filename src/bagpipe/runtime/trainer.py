@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import logging
 import queue
 import threading
@@ -39,8 +40,8 @@ from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, backward_slice, dense_share, main_share,
-                                  row_shares)
+from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, agree_on_sums, backward_slice, dense_share,
+                                  main_share, row_shares, sum_order)
 from bagpipe.runtime.world import (REPLACE_PREFIX, STOP_KEY, Epochs, Routes, ShardMoved, World, await_reformation,
                                     check_in, init_rpc, trainer_group, unwrap, wait_for_job)
 
@@ -348,10 +349,13 @@ class TrainerRuntime:
 
     def _recover(self, err: BaseException) -> bool:
         """A sum over trainers failed (``err``): if the job replaces a lost trainer, wait for the RPC world to be
-        re-formed around its replacement, send again the rows the lost trainer may not have written back, tell the
-        replacement which sums to add its shares to (``recovery``, if this is the lowest survivor), re-form the
-        trainers' group and start every sum not yet waited for again, with this trainer's shares computed again
-        (a failed reduction may have left its buffer part-summed). False if the job cannot go on so."""
+        re-formed around its replacement, send again the rows the lost trainer may not have written back, agree
+        with the other survivors on the sums to do again (``agree_on_sums``: with three or more trainers one may
+        have finished a sum another has not), tell the replacement which sums to add its shares to (``recovery``,
+        if this survivor is the donor), re-form the trainers' group and start those sums again in the order every
+        trainer started them, with this trainer's shares computed again (a failed reduction may have left its buffer
+        part-summed; one this trainer finished already is done again for the others, its result dropped; those of
+        an iteration it has not reached yet it starts when it gets there). False if the job cannot go on so."""
         if not self.replaceable or self.recompute is None:
             return False
         failed_in, started = self.epochs.epoch, time.perf_counter()
@@ -371,20 +375,42 @@ class TrainerRuntime:
         for version, space, keys, rows, state in list(self.others_evicted):  # a repeat is a no-op where it arrived
             self._send_write_backs(space, keys, rows, state, version=version)
         step = self.step
-        todo = [mean.what for mean in self.sums]
-        if ("main", step.iteration, None) in todo:  # the rows not used at once are summed after the main sum
-            todo += [("later", step.iteration, space) for space, part in enumerate(step.spaces)
-                     if part.num_now < len(part.batch_slots)]
-        iterations = sorted({what[1] for what in todo})
-        self.recovery = Recovery(trainer=lost[0], epoch=epoch, sums=todo,
-                                 kept={iteration: self.redo.kept(iteration) for iteration in iterations})
+        own = {mean.what: mean for mean in self.sums}
+        mine = list(own)
+        natural = set()  # the rows not used at once are summed after the main sum, which starts them
+        if ("main", step.iteration, None) in own:
+            natural = {("later", step.iteration, space) for space, part in enumerate(step.spaces)
+                       if part.num_now < len(part.batch_slots)}
+            mine += sorted(natural, key=sum_order)
+        key = f"{SUMS_PREFIX}{epoch}/"
+        self.store.set(f"{key}{self.index}", json.dumps({"sums": mine, "reached": step.iteration}))
+        todo, donor = agree_on_sums(read_sums(self.store, key, [t for t in range(self.world.num_trainers)
+                                                                 if t not in lost], timeout=self.world.timeout))
+        held = self.redo.iterations()
+        if any(what[1] < min(held) for what in todo):
+            log.error("trainer %d: the sums to do again reach back to iteration %d, before the inputs it keeps "
+                      "(%s)", self.index, min(what[1] for what in todo), held)
+            return False
+        here = [what for what in todo if what[1] in held and what not in natural]
+        iterations = sorted({what[1] for what in here})
+        if donor == self.index:
+            self.recovery = Recovery(trainer=lost[0], epoch=epoch, sums=todo,
+                                     kept={iteration: self.redo.kept(iteration)
+                                           for iteration in sorted({what[1] for what in todo})})
         self._old_groups.append(self.group)
         self.group = trainer_group(self.world, self.store, self.index, epoch=epoch)
         shares = {iteration: self.recompute(self.redo.kept(iteration), self._message(iteration))
                   for iteration in iterations}
-        for mean in self.sums:
-            mean.buffer.view(-1).copy_(shares_part(shares[mean.what[1]], mean.what).view(-1))
-            mean.restart(self.group)
+        finished_here = []
+        for what in here:
+            operand = shares_part(shares[what[1]], what)
+            if what in own:
+                own[what].buffer.view(-1).copy_(operand.view(-1))
+                own[what].restart(self.group)
+            else:  # finished here already: its share goes in again for the others, its result is dropped
+                finished_here.append(Mean(self.group, operand.clone(), timeout=self.world.timeout, what=what))
+        for mean in finished_here:
+            mean.wait()
         self.stats.extra.setdefault("recoveries", []).append(
             {"trainer": lost[0], "epoch": epoch, "sums_again": len(todo), "at_iteration": step.iteration,
              "seconds": round(time.perf_counter() - started, 3)})
@@ -437,7 +463,10 @@ class TrainerRuntime:
         what the lowest survivor kept), then take that survivor's state at its next boundary; returns the state
         (its dense part is the caller's to load)."""
         started = time.perf_counter()
-        donor = World.trainer_name(min(t for t in range(self.world.num_trainers) if t != self.index))
+        survivors = [t for t in range(self.world.num_trainers) if t != self.index]
+        _, donor = agree_on_sums(read_sums(self.store, f"{SUMS_PREFIX}{self.world.epoch}/", survivors,
+                                           timeout=2 * self.world.timeout))
+        donor = World.trainer_name(donor)
         plan = self.epochs.call(donor, rpc_recovery, (self.index,), timeout=2 * self.world.timeout)
         self.group = trainer_group(self.world, self.store, self.index, epoch=self.world.epoch)
         iterations = sorted(plan.kept)
@@ -598,6 +627,22 @@ class TrainerRuntime:
         log.error("%s", message)
         self._failure = self._failure or RuntimeError(message)
         self._stopping.set()
+
+
+SUMS_PREFIX = "bagpipe/trainers/sums/"  # EPOCH/TRAINER -> the sums a survivor of a lost trainer has not finished
+
+
+def read_sums(store, key: str, trainers: list[int], *, timeout: float) -> dict[int, dict]:
+    """What each of ``trainers`` (survivors of a lost trainer) said under ``key``: its sums not finished and the
+    iteration it is in (``agree_on_sums``), once all have said it."""
+    deadline = time.monotonic() + timeout
+    while not all(store.check([f"{key}{t}"]) for t in trainers):
+        if time.monotonic() > deadline:
+            missing = [t for t in trainers if not store.check([f"{key}{t}"])]
+            raise TimeoutError(f"trainers {missing} did not say which gradient sums they have not finished within "
+                               f"{timeout:.0f} s")
+        time.sleep(0.02)
+    return {t: json.loads(store.get(f"{key}{t}")) for t in trainers}
 
 
 def shares_part(shares: Shares, what: tuple) -> torch.Tensor:
