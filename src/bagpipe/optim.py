@@ -64,3 +64,34 @@ class RowOptimizer:
 def make_row_optimizer(name: str, *, lr: float) -> RowOptimizer:
     eps = {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}.get(name, 0.0)
     return RowOptimizer(name=name, lr=lr, eps=eps)
+
+
+class RowWise(torch.optim.Optimizer):
+    """A RowOptimizer as a ``torch.optim`` optimizer for sparse gradients (``nn.EmbeddingBag(sparse=True)``):
+    each step updates only the rows the gradient names, with per-row state (Adam counts each row's own
+    steps). The reference that ``bagpipe.nn.CachedEmbeddingBag``'s fused optimizer equals."""
+
+    def __init__(self, params, optimizer: RowOptimizer) -> None:
+        super().__init__(params, {})
+        self.row_optimizer = optimizer
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from bagpipe.embeddings import Lookup, update_rows  # embeddings imports this module
+
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if not param.grad.is_sparse:
+                    raise ValueError("RowWise needs sparse gradients (e.g. nn.EmbeddingBag(sparse=True)): a dense "
+                                     "gradient does not say which rows a batch touched")
+                state = self.state[param]
+                if "rows" not in state:
+                    state["rows"] = param.new_zeros(param.shape[0], self.row_optimizer.state_width(param.shape[1]))
+                grad = param.grad.coalesce()
+                index = grad.indices()[0]
+                update_rows(self.row_optimizer, param.data, state["rows"],
+                            Lookup(index, param.data.index_select(0, index)), grad.values())
+        return loss

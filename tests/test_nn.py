@@ -1,0 +1,261 @@
+"""bagpipe.nn.CachedEmbeddingBag against nn.EmbeddingBag: the same lookups, the same training, O(cache) memory."""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bagpipe.nn import CachedEmbeddingBag, Lookahead, SlotIndex
+from bagpipe.optim import RowOptimizer, RowWise, make_row_optimizer
+
+NUM_ROWS, DIM = 400, 6
+
+
+def _batches(count: int, *, bags: int = 16, ids_per_bag: int = 3, num_rows: int = NUM_ROWS, seed: int = 0,
+             skew: float = 1.3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Zipf-skewed bags of ids (1-D + offsets, every bag ``ids_per_bag`` long) with a regression target."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        ids = np.minimum(rng.zipf(skew, bags * ids_per_bag) - 1, num_rows - 1)
+        rng.shuffle(ids)
+        out.append((torch.from_numpy(ids), torch.arange(0, bags * ids_per_bag, ids_per_bag),
+                    torch.from_numpy(rng.standard_normal((bags, DIM)).astype(np.float32))))
+    return out
+
+
+def _pair(optimizer: str, *, cache_rows: int, mode: str = "sum", policy: str = "lru", seed: int = 0):
+    """A reference (nn.EmbeddingBag(sparse=True) + RowWise) and a cached module starting from the same table."""
+    weight = torch.randn(NUM_ROWS, DIM, generator=torch.Generator().manual_seed(seed))
+    row_optimizer = make_row_optimizer(optimizer, lr=0.05)
+    reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode=mode, sparse=True, _weight=weight.clone())
+    cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=cache_rows, mode=mode, optimizer=optimizer, lr=0.05,
+                                policy=policy, _weight=weight.clone())
+    return reference, RowWise(reference.parameters(), row_optimizer), cached
+
+
+def _loss(embeddings: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((embeddings - target) ** 2).sum()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("shape", ["offsets", "2d", "last-offset"])
+def test_lookups_and_gradients_equal_embedding_bag(mode, shape):
+    torch.manual_seed(3)
+    weight = torch.randn(NUM_ROWS, DIM)
+    include_last = shape == "last-offset"
+    reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode=mode, include_last_offset=include_last, _weight=weight.clone())
+    cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=50, mode=mode, include_last_offset=include_last,
+                                _weight=weight.clone(), lr=0.5)
+    for _ in range(5):
+        if shape == "2d":
+            ids, offsets = torch.randint(0, NUM_ROWS, (7, 4)), None
+        else:
+            ids = torch.randint(0, NUM_ROWS, (20,))
+            offsets = torch.tensor([0, 3, 3, 9, 20] if include_last else [0, 3, 3, 9, 19])  # an empty bag too
+        weights = torch.rand(ids.shape, requires_grad=True) if mode == "sum" else None
+        weights_copy = weights.detach().clone().requires_grad_(True) if mode == "sum" else None
+        expected, got = reference(ids, offsets, weights), cached(ids, offsets, weights_copy)
+        assert torch.equal(expected, got)
+        target = torch.randn_like(expected)
+        _loss(expected, target).backward()
+        _loss(got, target).backward()
+        if mode == "sum":
+            assert torch.equal(weights.grad, weights_copy.grad)
+        # SGD at lr 0.5 on the cached rows: the step the fused optimizer took is the reference's gradient
+        touched = torch.unique(ids[:20] if include_last else ids)
+        with torch.no_grad():
+            reference.weight[touched] -= 0.5 * reference.weight.grad[touched]
+            reference.weight.grad = None
+        assert torch.allclose(reference.weight.detach(), cached.weight, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_training_equals_the_reference_bit_for_bit_with_evictions_every_iteration(optimizer, policy):
+    batches = _batches(40)
+    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=60, policy="lru" if policy == "lookahead"
+                                                   else policy)
+    for ids, offsets, target in batches:
+        reference_optimizer.zero_grad()
+        _loss(reference(ids, offsets), target).backward()
+        reference_optimizer.step()
+    loop = Lookahead(batches, cached, lookahead=8) if policy == "lookahead" else batches
+    fetched = []  # rows fetched so far, as each iteration starts (lookahead fetches before handing a batch out)
+    for ids, offsets, target in loop:
+        fetched.append(cached.stats["rows_fetched"])
+        _loss(cached(ids, offsets), target).backward()
+    assert min(np.diff(fetched)) > 0, "the cache is meant to be too small to keep the rows a batch needs again"
+    assert cached.stats["rows_written_back"] > 3 * cached.index.capacity
+    assert torch.equal(reference.weight.detach(), cached.weight)
+    if optimizer != "sgd":
+        assert torch.equal(reference_optimizer.state[reference.weight]["rows"], cached.host_state)
+
+
+def test_lookahead_hits_more_than_lru_and_lfu():
+    batches = _batches(150, bags=32, num_rows=NUM_ROWS, skew=1.1)
+    rates = {}
+    for policy in ("lru", "lfu", "lookahead"):
+        _, _, cached = _pair("sgd", cache_rows=80, policy="lru" if policy == "lookahead" else policy)
+        loop = Lookahead(batches, cached, lookahead=32) if policy == "lookahead" else batches
+        for ids, offsets, target in loop:
+            _loss(cached(ids, offsets), target).backward()
+        rates[policy] = cached.hit_rate()
+    assert rates["lookahead"] > max(rates["lru"], rates["lfu"]), rates
+
+
+def test_row_wise_sgd_and_adagrad_match_torch_optim_on_sparse_gradients():
+    """RowWise is the torch.optim update for sparse gradients (up to rounding), with per-row state."""
+    batches = _batches(20)
+    for name, torch_optimizer in (("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad)):
+        weight = torch.randn(NUM_ROWS, DIM)
+        ours, theirs = (nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", sparse=True, _weight=weight.clone())
+                        for _ in range(2))
+        row_optimizer = make_row_optimizer(name, lr=0.05)
+        steps = [RowWise(ours.parameters(), row_optimizer),
+                 torch_optimizer(theirs.parameters(), lr=0.05, **({"eps": row_optimizer.eps} if name == "adagrad"
+                                                                   else {}))]
+        for ids, offsets, target in batches:
+            for module, step in zip((ours, theirs), steps):
+                step.zero_grad()
+                _loss(module(ids, offsets), target).backward()
+                step.step()
+        assert torch.allclose(ours.weight, theirs.weight, rtol=1e-5, atol=1e-6), name
+
+
+def test_row_wise_refuses_dense_gradients():
+    module = nn.EmbeddingBag(10, 2, mode="sum")
+    module(torch.tensor([[1, 2]])).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradients"):
+        RowWise(module.parameters(), make_row_optimizer("sgd", lr=0.1)).step()
+
+
+def test_a_row_evicted_between_forward_and_backward_is_updated_on_the_host():
+    weight = torch.randn(NUM_ROWS, DIM)
+    reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", sparse=True, _weight=weight.clone())
+    cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=4, mode="sum", lr=0.1, _weight=weight.clone())
+    first, second = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[4, 5, 6, 7]])
+    offsets = None
+    loss = cached(first, offsets).sum() + 2 * cached(second, offsets).sum()  # the second evicts the first's rows
+    assert cached.index.locate(np.arange(4)).max() == -1
+    loss.backward()
+    (reference(first).sum() + 2 * reference(second).sum()).backward()
+    with torch.no_grad():
+        reference.weight.add_(reference.weight.grad.to_dense(), alpha=-0.1)
+    assert torch.allclose(reference.weight, cached.weight, atol=1e-6)
+
+
+def test_a_batch_larger_than_the_cache_is_a_clear_error():
+    cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=10)
+    with pytest.raises(ValueError, match="touches 11 distinct rows, more than the cache's 10"):
+        cached(torch.arange(11).view(1, 11))
+    with pytest.raises(IndexError, match="id 400 out of range"):
+        cached(torch.tensor([[1, NUM_ROWS]]))
+    with pytest.raises(ValueError, match="offsets is required"):
+        cached(torch.tensor([1, 2]))
+
+
+def test_state_dict_is_the_full_table_and_loads_into_either_module():
+    batches = _batches(10)
+    _, _, cached = _pair("adagrad", cache_rows=60)
+    for ids, offsets, target in batches:
+        _loss(cached(ids, offsets), target).backward()
+    state = cached.state_dict()
+    assert list(state) == ["weight"] and state["weight"].shape == (NUM_ROWS, DIM)
+    plain = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum")
+    plain.load_state_dict(state)
+    ids, offsets, _ = batches[0]
+    assert torch.equal(plain(ids, offsets), cached(ids, offsets))
+    # and back: new weights replace the cached rows too; the optimizer state stays
+    state_before = cached.host_state.clone()
+    with torch.no_grad():
+        plain.weight.mul_(2.0)
+    cached.load_state_dict(plain.state_dict())
+    assert torch.equal(plain(ids, offsets), cached(ids, offsets))
+    assert torch.equal(cached.host_state, state_before)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        cached.load_state_dict({"weight": plain.weight.detach(), "other": torch.zeros(1)})
+
+
+def test_memory_besides_the_host_table_is_of_the_cache_size():
+    num_rows, cache_rows = 2_000_000, 500
+    cached = CachedEmbeddingBag(num_rows, 4, cache_rows=cache_rows, mode="sum", optimizer="adam")
+    table_sized = [name for name, buffer in cached.named_buffers() if buffer.shape[0] >= num_rows]
+    arrays = {name: value for name, value in vars(cached.index).items() if isinstance(value, np.ndarray)}
+    assert not table_sized and all(len(a) <= cache_rows for a in arrays.values()), arrays.keys()
+    rng = np.random.default_rng(0)
+    tracemalloc.start()
+    for _ in range(20):
+        ids = torch.from_numpy(rng.integers(0, num_rows, 400))
+        cached(ids, torch.arange(0, 400, 4)).sum().backward()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1_000_000, f"{peak} bytes of numpy/Python memory at peak: something table-sized was made"
+    assert cached.index.resident_rows == cache_rows
+
+
+def test_slot_index_keeps_its_keys_and_evicts_the_least_recent():
+    index = SlotIndex(4, policy="lru")
+    index.admit(np.array([1, 2]))
+    index.admit(np.array([3, 4]))
+    index.admit(np.array([1]))
+    admission = index.admit(np.array([5, 6]))
+    assert admission.evict_keys.tolist() == [2, 3] or admission.evict_keys.tolist() == [2, 4]
+    rng = np.random.default_rng(1)
+    for policy in ("lru", "lfu"):
+        index = SlotIndex(50, policy=policy)
+        for _ in range(200):
+            keys = np.unique(rng.integers(0, 300, 30))
+            admission = index.admit(keys)
+            assert np.array_equal(index.slot_key[admission.batch_slots], keys)
+            resident, slots = index.resident()
+            assert np.all(np.diff(resident) > 0) and np.array_equal(index.slot_key[slots], resident)
+            assert index.resident_rows == (index.slot_key >= 0).sum() <= 50
+            assert not np.isin(admission.evict_keys, keys).any()
+
+
+def test_lookahead_refuses_a_loop_that_looks_up_other_rows_and_stops_its_thread():
+    batches = _batches(30)
+    _, _, cached = _pair("sgd", cache_rows=60)
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match="used outside the plan"):
+        for ids, offsets, target in Lookahead(batches, cached, lookahead=4):
+            _loss(cached((ids + 1) % NUM_ROWS, offsets), target).backward()
+    assert threading.active_count() == threads
+
+
+def test_a_lookahead_loop_left_early_leaves_a_consistent_module():
+    batches = _batches(30)
+    reference, reference_optimizer, cached = _pair("adam", cache_rows=60)
+    for ids, offsets, target in batches[:12]:
+        reference_optimizer.zero_grad()
+        _loss(reference(ids, offsets), target).backward()
+        reference_optimizer.step()
+    for i, (ids, offsets, target) in enumerate(Lookahead(batches, cached, lookahead=4)):
+        _loss(cached(ids, offsets), target).backward()
+        if i == 11:
+            break
+    assert torch.equal(reference.weight.detach(), cached.weight)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_lookahead_prefetch_reads_rows_after_the_step_that_wrote_them_back(optimizer):
+    """Two disjoint batches in turn and a cache that holds one: every step writes back the rows the next
+    step fetches, so a read ahead that did not wait for the step before would read them stale."""
+    first, second = torch.arange(0, 40).view(8, 5), torch.arange(40, 80).view(8, 5)
+    target = torch.randn(8, DIM, generator=torch.Generator().manual_seed(5))
+    batches = [(first if i % 2 == 0 else second, None, target) for i in range(30)]
+    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=40)
+    for ids, offsets, target in batches:
+        reference_optimizer.zero_grad()
+        _loss(reference(ids, offsets), target).backward()
+        reference_optimizer.step()
+    for ids, offsets, target in Lookahead(batches, cached, lookahead=4):
+        _loss(cached(ids, offsets), target).backward()
+    assert cached.stats["rows_fetched"] == 30 * 40
+    assert torch.equal(reference.weight.detach(), cached.weight)
