@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from bagpipe.nn import CachedEmbeddingBag, Lookahead, SlotIndex
+from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead, SlotIndex
 from bagpipe.optim import RowOptimizer, RowWise, make_row_optimizer
 
 NUM_ROWS, DIM = 400, 6
@@ -88,13 +88,13 @@ def test_training_equals_the_reference_bit_for_bit_with_evictions_every_iteratio
     loop = Lookahead(batches, cached, lookahead=8) if policy == "lookahead" else batches
     fetched = []  # rows fetched so far, as each iteration starts (lookahead fetches before handing a batch out)
     for ids, offsets, target in loop:
-        fetched.append(cached.stats["rows_fetched"])
+        fetched.append(cached.rows.stats["rows_fetched"])
         _loss(cached(ids, offsets), target).backward()
     assert min(np.diff(fetched)) > 0, "the cache is meant to be too small to keep the rows a batch needs again"
-    assert cached.stats["rows_written_back"] > 3 * cached.index.capacity
+    assert cached.rows.stats["rows_written_back"] > 3 * cached.rows.index.capacity
     assert torch.equal(reference.weight.detach(), cached.weight)
     if optimizer != "sgd":
-        assert torch.equal(reference_optimizer.state[reference.weight]["rows"], cached.host_state)
+        assert torch.equal(reference_optimizer.state[reference.weight]["rows"], cached.rows.host_state)
 
 
 def test_lookahead_hits_more_than_lru_and_lfu():
@@ -105,7 +105,7 @@ def test_lookahead_hits_more_than_lru_and_lfu():
         loop = Lookahead(batches, cached, lookahead=32) if policy == "lookahead" else batches
         for ids, offsets, target in loop:
             _loss(cached(ids, offsets), target).backward()
-        rates[policy] = cached.hit_rate()
+        rates[policy] = cached.rows.hit_rate()
     assert rates["lookahead"] > max(rates["lru"], rates["lfu"]), rates
 
 
@@ -142,7 +142,7 @@ def test_a_row_evicted_between_forward_and_backward_is_updated_on_the_host():
     first, second = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[4, 5, 6, 7]])
     offsets = None
     loss = cached(first, offsets).sum() + 2 * cached(second, offsets).sum()  # the second evicts the first's rows
-    assert cached.index.locate(np.arange(4)).max() == -1
+    assert cached.rows.index.locate(np.arange(4)).max() == -1
     loss.backward()
     (reference(first).sum() + 2 * reference(second).sum()).backward()
     with torch.no_grad():
@@ -172,12 +172,12 @@ def test_state_dict_is_the_full_table_and_loads_into_either_module():
     ids, offsets, _ = batches[0]
     assert torch.equal(plain(ids, offsets), cached(ids, offsets))
     # and back: new weights replace the cached rows too; the optimizer state stays
-    state_before = cached.host_state.clone()
+    state_before = cached.rows.host_state.clone()
     with torch.no_grad():
         plain.weight.mul_(2.0)
     cached.load_state_dict(plain.state_dict())
     assert torch.equal(plain(ids, offsets), cached(ids, offsets))
-    assert torch.equal(cached.host_state, state_before)
+    assert torch.equal(cached.rows.host_state, state_before)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         cached.load_state_dict({"weight": plain.weight.detach(), "other": torch.zeros(1)})
 
@@ -186,7 +186,7 @@ def test_memory_besides_the_host_table_is_of_the_cache_size():
     num_rows, cache_rows = 2_000_000, 500
     cached = CachedEmbeddingBag(num_rows, 4, cache_rows=cache_rows, mode="sum", optimizer="adam")
     table_sized = [name for name, buffer in cached.named_buffers() if buffer.shape[0] >= num_rows]
-    arrays = {name: value for name, value in vars(cached.index).items() if isinstance(value, np.ndarray)}
+    arrays = {name: value for name, value in vars(cached.rows.index).items() if isinstance(value, np.ndarray)}
     assert not table_sized and all(len(a) <= cache_rows for a in arrays.values()), arrays.keys()
     rng = np.random.default_rng(0)
     tracemalloc.start()
@@ -196,7 +196,7 @@ def test_memory_besides_the_host_table_is_of_the_cache_size():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1_000_000, f"{peak} bytes of numpy/Python memory at peak: something table-sized was made"
-    assert cached.index.resident_rows == cache_rows
+    assert cached.rows.index.resident_rows == cache_rows
 
 
 def test_slot_index_keeps_its_keys_and_evicts_the_least_recent():
@@ -257,5 +257,76 @@ def test_lookahead_prefetch_reads_rows_after_the_step_that_wrote_them_back(optim
         reference_optimizer.step()
     for ids, offsets, target in Lookahead(batches, cached, lookahead=4):
         _loss(cached(ids, offsets), target).backward()
-    assert cached.stats["rows_fetched"] == 30 * 40
+    assert cached.rows.stats["rows_fetched"] == 30 * 40
     assert torch.equal(reference.weight.detach(), cached.weight)
+
+
+def test_a_collection_equals_one_embedding_bag_per_table_bit_for_bit():
+    shapes = [(50, 4), (300, 8), (20, 4), (100, 8)]
+    generator = torch.Generator().manual_seed(2)
+    weights = [torch.randn(*shape, generator=generator) for shape in shapes]
+    references = [nn.EmbeddingBag(*shape, mode="sum", sparse=True, _weight=w.clone()) for shape, w in
+                  zip(shapes, weights)]
+    steppers = [RowWise(r.parameters(), make_row_optimizer("adagrad", lr=0.1)) for r in references]
+    collection = CachedEmbeddingBagCollection(shapes, cache_rows=[40, 90], optimizer="adagrad", lr=0.1,
+                                              weights=weights)
+    assert [rows.index.capacity for rows in collection.spaces] == [40, 90]  # one cache per width
+    batches = []
+    for _ in range(30):
+        inputs = [torch.randint(0, rows, (12, 2), generator=generator) for rows, _ in shapes]
+        inputs[1] = torch.randint(0, 300, (30,), generator=generator)  # a 1-D input with offsets too
+        offsets = [None, torch.tensor([0, 4, 4, 10, 20, 22, 25, 26, 27, 28, 29, 29]), None, None]
+        batches.append((inputs, offsets, [torch.randn(12, dim, generator=generator) for _, dim in shapes]))
+    for loop in ("reference", "collection"):
+        for inputs, offsets, targets in (Lookahead(batches, collection, ids=lambda b: b[0], lookahead=4)
+                                         if loop == "collection" else batches):
+            if loop == "reference":
+                outputs = [r(x, o) for r, x, o in zip(references, inputs, offsets)]
+                for stepper in steppers:
+                    stepper.zero_grad()
+            else:
+                outputs = collection(inputs, offsets)
+            sum(_loss(out, target) for out, target in zip(outputs, targets)).backward()
+            if loop == "reference":
+                for stepper in steppers:
+                    stepper.step()
+    assert sum(rows.stats["rows_written_back"] for rows in collection.spaces) > 100
+    for t, reference in enumerate(references):
+        assert torch.equal(reference.weight.detach(), collection.weight(t)), t
+    plain = nn.Module()
+    plain.embedding_bags = nn.ModuleList(nn.EmbeddingBag(*shape) for shape in shapes)
+    plain.load_state_dict(collection.state_dict())
+    assert torch.equal(plain.embedding_bags[3].weight, references[3].weight)
+
+
+@pytest.mark.parametrize("optimizer, policy, slices", [("adagrad", "lookahead", 1), ("sgd", "lru", 1),
+                                                       ("adam", "lfu", 2), ("adam", "lookahead", 2)])
+def test_cached_tables_train_a_model_as_the_reference_does(small_binary, optimizer, policy, slices):
+    from bagpipe.config import ModelConfig, TrainConfig
+    from bagpipe.data.batches import iterate_batches
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.reference import build_model, build_tables, train_step
+
+    split = open_dataset(small_binary).train
+    config = TrainConfig(data="-", run_dir="-", optimizer=optimizer, lr=0.05, seed=7,
+                         model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"))
+    batches = list(iterate_batches(split, batch_size=64, iterations=50))
+    results = []
+    for cached in (False, True):
+        model, tables = build_model(config, split.schema), build_tables(config, split.schema)
+        dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
+        loop = batches
+        if cached:
+            tables = CachedTables(tables, cache_rows=500, batch_size=64, policy="lru" if policy == "lookahead"
+                                  else policy)
+            loop = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=8) if policy == "lookahead" \
+                else batches
+        for iteration, batch in enumerate(loop):
+            train_step(model, tables, dense_optimizer, batch, slices=slices, seed=config.seed, iteration=iteration)
+        results.append(([tables.table(t).clone() for t in range(split.num_tables)], model.state_dict()))
+    stats = tables.cache_stats()
+    assert stats["rows_written_back"] > 0 and stats["rows_fetched"] > sum(stats["cache_rows"])  # evicted, refetched
+    for want, got in zip(results[0][0], results[1][0], strict=True):
+        assert torch.equal(want, got)
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name

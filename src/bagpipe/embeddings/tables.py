@@ -101,6 +101,15 @@ def positions_in(keys: torch.Tensor, distinct: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 0, positions, len(distinct)) if (keys < 0).any() else positions
 
 
+def distinct_positions(flat: torch.Tensor, *, padded: bool, keys: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A space's key matrix as its sorted distinct keys (or the ``keys`` given) and each key's index in them."""
+    if keys is None and not padded:
+        return torch.unique(flat, return_inverse=True)
+    distinct = keys if keys is not None else torch.unique(flat[flat >= 0])
+    return distinct, positions_in(flat, distinct)
+
+
 class Embeddings(list):
     """One batch's embeddings as a model receives them: a list of one entry per lookup, in the layout's order.
 
@@ -172,11 +181,7 @@ class EmbeddingTables:
         ``ids``, or the sorted ``keys`` given (e.g. a whole global batch's, of which ``ids`` is a slice)."""
         blocks, lookups = [], []
         for s, (space, flat) in enumerate(zip(self.layout.spaces, self.space_keys(ids))):
-            if keys is None and not space.padded:
-                distinct, positions = torch.unique(flat, return_inverse=True)
-            else:
-                distinct = keys[s] if keys is not None else torch.unique(flat[flat >= 0])
-                positions = positions_in(flat, distinct)
+            distinct, positions = distinct_positions(flat, padded=space.padded, keys=None if keys is None else keys[s])
             block, lookup = gather(self.weights[s], distinct, positions, padded=space.padded)
             blocks.append(block)
             lookups.append(lookup)

@@ -1,7 +1,11 @@
 """Single-process cached embeddings: drop-in modules whose tables live in host memory behind a small cache."""
 
 from bagpipe.nn.cached_bag import CachedEmbeddingBag
+from bagpipe.nn.collection import CachedEmbeddingBagCollection
 from bagpipe.nn.lookahead import Lookahead
+from bagpipe.nn.rows import CachedRows
 from bagpipe.nn.slots import ONLINE_POLICIES, SlotIndex
+from bagpipe.nn.tables import CachedTables
 
-__all__ = ["ONLINE_POLICIES", "CachedEmbeddingBag", "Lookahead", "SlotIndex"]
+__all__ = ["ONLINE_POLICIES", "CachedEmbeddingBag", "CachedEmbeddingBagCollection", "CachedRows", "CachedTables",
+           "Lookahead", "SlotIndex"]

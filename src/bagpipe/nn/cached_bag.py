@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bagpipe.embeddings import Lookup, update_rows
-from bagpipe.nn.slots import SlotIndex
+from bagpipe.nn.rows import CachedRows
 from bagpipe.optim import RowOptimizer, make_row_optimizer
 
 MODES = ("sum", "mean")  # "max" has no sparse gradient, so no row-wise step to fuse
@@ -48,8 +47,7 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.num_embeddings, self.embedding_dim, self.mode = num_embeddings, embedding_dim, mode
         self.include_last_offset = include_last_offset
-        self.optimizer = _row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
-        self.index = SlotIndex(min(cache_rows, num_embeddings), policy=policy)
+        optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
         if _weight is None:
             host_weight = torch.empty(num_embeddings, embedding_dim)
             nn.init.normal_(host_weight)  # as nn.EmbeddingBag.reset_parameters
@@ -58,13 +56,7 @@ class CachedEmbeddingBag(nn.Module):
                 raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
                                  f"({num_embeddings}, {embedding_dim})")
             host_weight = _weight.detach().to("cpu", torch.float32)  # shared, as nn.EmbeddingBag shares it
-        self.host_weight = host_weight
-        self.host_state = torch.zeros(num_embeddings, self.optimizer.state_width(embedding_dim))
-        capacity = self.index.capacity
-        self.register_buffer("cache_weight", torch.zeros(capacity, embedding_dim, device=device), persistent=False)
-        self.register_buffer("cache_state", torch.zeros(capacity, self.host_state.shape[1], device=device),
-                             persistent=False)
-        self.stats = {"batches": 0, "rows_looked_up": 0, "rows_fetched": 0, "rows_written_back": 0}
+        self.rows = CachedRows(host_weight, cache_rows=cache_rows, optimizer=optimizer, policy=policy, device=device)
 
     # -- the nn.EmbeddingBag interface ----------------------------------------------------------------------
 
@@ -77,15 +69,12 @@ class CachedEmbeddingBag(nn.Module):
         if input.dim() not in (1, 2):
             raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D")
         keys, positions = np.unique(input.detach().cpu().numpy().reshape(-1), return_inverse=True)
-        if len(keys) and (keys[0] < 0 or keys[-1] >= self.num_embeddings):
-            bad = keys[0] if keys[0] < 0 else keys[-1]
-            raise IndexError(f"id {int(bad)} out of range for a table of {self.num_embeddings} rows")
-        slots = self.make_resident(keys)
-        device = self.cache_weight.device
-        rows = self.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
+        slots = self.rows.make_resident(keys)
+        device = self.rows.cache_weight.device
+        rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            rows.register_hook(functools.partial(self._step, torch.from_numpy(keys)))
+            rows.register_hook(functools.partial(self._step, keys))
         positions = torch.from_numpy(positions.reshape(input.shape)).to(device)
         # sparse: the gradient nn.EmbeddingBag(sparse=True) gives, summed per row in the same order
         return F.embedding_bag(positions, rows, offsets, mode=self.mode, sparse=True,
@@ -94,122 +83,45 @@ class CachedEmbeddingBag(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The full table, with the cached rows written into it (a host tensor the module keeps updating)."""
-        self.flush()
-        return self.host_weight
+        self.rows.flush()
+        return self.rows.host_weight
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        self.flush()
-        destination[prefix + "weight"] = self.host_weight
+        destination[prefix + "weight"] = self.weight
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         key = prefix + "weight"
         if key not in state_dict:
             missing_keys.append(key)
-        elif tuple(state_dict[key].shape) != tuple(self.host_weight.shape):
+        elif tuple(state_dict[key].shape) != (self.num_embeddings, self.embedding_dim):
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
-                              f"the shape in current model is {tuple(self.host_weight.shape)}")
-        else:
-            self.flush()  # the cached rows' optimizer state is kept; their weights are replaced below
-            self.host_weight.copy_(state_dict[key])
-            keys, slots = self.index.resident()
-            self._install(keys, slots)
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key and "." not in k[len(prefix):])
+                              f"the shape in current model is {(self.num_embeddings, self.embedding_dim)}")
+        else:  # the weights replaced, cached or not; the rows' optimizer state kept
+            self.weight.copy_(state_dict[key])
+            self.rows.reload()
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key
+                               and k[len(prefix):].split(".")[0] not in self._modules)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, cache_rows={self.index.capacity}, "
-                f"policy={self.index.policy!r}, optimizer={self.optimizer.name!r}, lr={self.optimizer.lr}")
+        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, cache_rows={self.rows.index.capacity}, "
+                f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, lr={self.rows.optimizer.lr}")
 
-    # -- the cache ------------------------------------------------------------------------------------------
+    # -- what bagpipe.nn.Lookahead plans for --------------------------------------------------------------
 
-    def make_resident(self, keys: np.ndarray) -> np.ndarray:
-        """Make the distinct sorted ``keys`` resident (evicting by the policy); their slots."""
-        admission = self.index.admit(keys)
-        self._write_back(admission.evict_keys, admission.evict_slots)
-        self._install(admission.fetch_keys, admission.fetch_slots)
-        self.stats["batches"] += 1
-        self.stats["rows_looked_up"] += len(keys)
-        return admission.batch_slots
+    def cached_spaces(self) -> list[CachedRows]:
+        return [self.rows]
 
-    def flush(self) -> None:
-        """Write every cached row (and its state) into the host table; the rows stay cached."""
-        self._write_back(*self.index.resident(), count=False)
+    def plan_keys(self, ids: torch.Tensor) -> list[np.ndarray]:
+        """The rows a lookup of ``ids`` touches (repeats allowed), as the planner reads them."""
+        return [np.asarray(ids.detach().cpu().numpy(), dtype=np.int64).reshape(-1)]
 
-    def hit_rate(self) -> float:
-        """The share of looked-up rows that were already resident."""
-        looked_up = self.stats["rows_looked_up"]
-        return 1.0 - self.stats["rows_fetched"] / looked_up if looked_up else 0.0
-
-    def _write_back(self, keys: np.ndarray, slots: np.ndarray, *, count: bool = True) -> None:
-        if not len(keys):
-            return
-        index = torch.from_numpy(slots).to(self.cache_weight.device)
-        host_keys = torch.from_numpy(keys)
-        self.host_weight.index_copy_(0, host_keys, self.cache_weight.index_select(0, index).cpu())
-        if self.host_state.shape[1]:
-            self.host_state.index_copy_(0, host_keys, self.cache_state.index_select(0, index).cpu())
-        if count:
-            self.stats["rows_written_back"] += len(keys)
-
-    def _install(self, keys: np.ndarray, slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> None:
-        """Put the host rows of ``keys`` (``rows``: already read from the host, as ``read_host`` reads them) and
-        their state into ``slots``."""
-        if not len(keys):
-            return
-        weights, state = self.read_host(keys) if rows is None else rows
-        device = self.cache_weight.device
-        index = torch.from_numpy(slots).to(device)
-        self.cache_weight.index_copy_(0, index, weights.to(device, non_blocking=True))
-        if state.shape[1]:
-            self.cache_state.index_copy_(0, index, state.to(device, non_blocking=True))
-        self.stats["rows_fetched"] += len(keys)
-
-    def read_host(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host rows of ``keys`` and their state, in pinned memory when the cache is on a GPU (so that the
-        copy to it is asynchronous). Safe on another thread while the cache trains, for rows not cached."""
-        host_keys = torch.from_numpy(keys)
-        weights, state = self.host_weight.index_select(0, host_keys), self.host_state.index_select(0, host_keys)
-        if self.cache_weight.device.type != "cpu":
-            weights, state = weights.pin_memory(), state.pin_memory()
-        return weights, state
-
-    def carry_out(self, *, evict_keys: np.ndarray, evict_slots: np.ndarray, fetch_keys: np.ndarray,
-                  fetch_slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """One step of a plan made elsewhere (``bagpipe.nn.Lookahead``): write the evicted rows back, then
-        install the fetched ones in the slots it names."""
-        self.index.move(evict_keys=evict_keys, evict_slots=evict_slots, fetch_keys=fetch_keys,
-                        fetch_slots=fetch_slots)
-        self._write_back(evict_keys, evict_slots)
-        self._install(fetch_keys, fetch_slots, rows)
-
-    def empty_cache(self) -> None:
-        """Write every cached row back and free its slot (a plan starts from an empty cache)."""
-        self.flush()
-        self.index.clear()
-
-    # -- the fused row optimizer ----------------------------------------------------------------------------
-
-    def _step(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
-        """The backward reached a lookup's rows: step them (wherever they are now) with their summed gradients."""
-        grads = _dense_rows(grad, len(keys))
-        slots = torch.from_numpy(self.index.locate(keys.numpy()))
-        cached = slots >= 0
-        if bool(cached.all()):
-            self._step_rows(self.cache_weight, self.cache_state, slots.to(grads.device), grads)
-            return
-        # Some rows were evicted between the forward and this backward (another lookup came in between):
-        # their update goes to the host table, where they now are.
-        self._step_rows(self.cache_weight, self.cache_state, slots[cached].to(grads.device),
-                        grads[cached.to(grads.device)])
-        self._step_rows(self.host_weight, self.host_state, keys[~cached], grads[(~cached).to(grads.device)].cpu())
-
-    def _step_rows(self, weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grads: torch.Tensor) -> None:
-        if len(index):
-            update_rows(self.optimizer, weights, state, Lookup(index, weights.index_select(0, index)), grads)
+    def _step(self, keys: np.ndarray, grad: torch.Tensor) -> None:
+        """The backward reached a lookup's rows: step them with their summed gradient."""
+        self.rows.step(keys, dense_rows(grad, len(keys)))
 
 
-def _row_optimizer(name: str, *, lr: float | None, eps: float | None, betas: tuple[float, float]) -> RowOptimizer:
+def row_optimizer(name: str, *, lr: float | None, eps: float | None, betas: tuple[float, float]) -> RowOptimizer:
     """The fused optimizer, its hyper-parameters defaulted as torch.optim's SGD, Adagrad and Adam default them."""
     defaults = {"sgd": 1e-3, "adagrad": 1e-2, "adam": 1e-3}
     if name not in defaults:
@@ -219,9 +131,12 @@ def _row_optimizer(name: str, *, lr: float | None, eps: float | None, betas: tup
                         beta1=betas[0], beta2=betas[1])
 
 
-def _dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:
+def dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:
     """A lookup's gradient as ``[num_rows, D]``: embedding_bag's sparse gradient coalesced (each row's
-    contributions summed in the order nn.EmbeddingBag(sparse=True) sums them), rows it lacks zero."""
+    contributions summed in the order nn.EmbeddingBag(sparse=True) sums them), rows it lacks zero.
+
+    The order is coalesce's sort of the ids' positions, which only the positions' relative order decides:
+    a lookup of one table's ids, numbered by their rank, sums as a lookup of the ids themselves does."""
     if not grad.is_sparse:
         return grad
     grad = grad.coalesce()
@@ -229,4 +144,3 @@ def _dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:
     if len(indices) == num_rows:
         return values
     return values.new_zeros(num_rows, values.shape[1]).index_copy_(0, indices, values)
-

@@ -18,8 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from bagpipe.nn.cached_bag import CachedEmbeddingBag
-from bagpipe.planner import PlannerConfig, plan
+from bagpipe.planner import PlannerConfig, plan_spaces
 
 _STOP_POLL_S = 0.1
 
@@ -27,24 +26,27 @@ _STOP_POLL_S = 0.1
 class Lookahead:
     """Iterate ``batches`` (any iterable) with ``module``'s cache planned ``lookahead`` batches ahead.
 
+    ``module``: a CachedEmbeddingBag or a CachedEmbeddingBagCollection (``cached_spaces()``, ``plan_keys(ids)``).
     ``ids(batch)`` gives the ids the batch will look up in ``module`` (default: ``batch[0]``). The planner
     reads up to ``lookahead`` + 64 batches ahead of the one being trained, so that many are held in memory.
     With ``prefetch`` the next batch's rows are read from the host in the background. The loop must look up
     exactly the planned ids; the module refuses a step that finds its cache used otherwise.
     """
 
-    def __init__(self, batches: Iterable, module: CachedEmbeddingBag, *,
+    def __init__(self, batches: Iterable, module, *,
                  ids: Callable[[Any], torch.Tensor] = lambda batch: batch[0], lookahead: int = 64,
                  prefetch: bool = True) -> None:
         if lookahead <= 0:
             raise ValueError(f"lookahead must be positive, got {lookahead}")
         self.batches, self.module, self.ids = batches, module, ids
-        self.config = PlannerConfig(num_rows=module.num_embeddings, cache_rows=module.index.capacity,
-                                    lookahead=lookahead, policy="lookahead")
+        self.spaces = module.cached_spaces()
+        self.configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=space.index.capacity, lookahead=lookahead,
+                                      policy="lookahead") for space in self.spaces]
         self.prefetch = prefetch
 
     def __iter__(self) -> Iterator:
-        self.module.empty_cache()
+        for space in self.spaces:
+            space.empty()
         steps = self._steps()
         if not self.prefetch:
             for batch, step in steps:
@@ -54,21 +56,26 @@ class Lookahead:
             return
         yield from self._prefetched(steps)
 
-    def _steps(self) -> Iterator[tuple[Any, Any]]:
-        """Each batch with its plan step (the last step, with no batch, writes every row back)."""
+    def _steps(self) -> Iterator[tuple[Any, tuple]]:
+        """Each batch with its plan steps, one per space (the last, with no batch, writes every row back)."""
         waiting: deque = deque()
 
-        def keys() -> Iterator[np.ndarray]:
+        def keys() -> Iterator[list[np.ndarray]]:
             for batch in self.batches:
                 waiting.append(batch)
-                yield np.asarray(self.ids(batch).detach().cpu().numpy(), dtype=np.int64).reshape(-1)
+                yield self.module.plan_keys(self.ids(batch))
 
-        for step in plan(keys(), self.config):
-            yield (waiting.popleft() if waiting else None), step
+        for steps in plan_spaces(keys(), self.configs):
+            yield (waiting.popleft() if waiting else None), steps
 
-    def _carry_out(self, step, rows) -> None:
-        self.module.carry_out(evict_keys=step.evict_keys, evict_slots=step.evict_slots, fetch_keys=step.fetch_keys,
-                              fetch_slots=step.fetch_slots, rows=rows)
+    def _read(self, steps: tuple) -> list:
+        return [space.read_host(step.fetch_keys) if len(step.fetch_keys) else None
+                for space, step in zip(self.spaces, steps)]
+
+    def _carry_out(self, steps: tuple, rows: list | None) -> None:
+        for s, (space, step) in enumerate(zip(self.spaces, steps)):
+            space.carry_out(evict_keys=step.evict_keys, evict_slots=step.evict_slots, fetch_keys=step.fetch_keys,
+                            fetch_slots=step.fetch_slots, rows=None if rows is None else rows[s])
 
     def _prefetched(self, steps: Iterator[tuple[Any, Any]]) -> Iterator:
         ready: queue.Queue = queue.Queue(maxsize=1)
@@ -81,8 +88,7 @@ class Lookahead:
                     while not carried_out.acquire(timeout=_STOP_POLL_S):
                         if stop.is_set():
                             return
-                    rows = self.module.read_host(step.fetch_keys) if len(step.fetch_keys) else None
-                    ready.put((batch, step, rows))
+                    ready.put((batch, step, self._read(step)))
                 ready.put(None)
             except BaseException as error:  # handed to the caller's thread
                 ready.put(error)

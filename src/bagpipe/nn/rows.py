@@ -1,0 +1,143 @@
+"""``CachedRows``: one table (or one space of tables of a width) in host memory, its optimizer state beside it,
+and a cache of some of its rows on a device; rows move between the two with their state.
+
+The building block of bagpipe.nn's modules: they look rows up in the cache; this class makes them resident
+(by an online policy, or by a plan's steps), writes them back, and steps them with the row optimizer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from bagpipe.embeddings import Lookup, update_rows
+from bagpipe.nn.slots import SlotIndex
+from bagpipe.optim import RowOptimizer
+
+
+class CachedRows(nn.Module):
+    """``host_weight`` ``[N, D]`` and ``host_state`` on the host; ``cache_rows`` of them in buffers on the device.
+
+    A submodule, so that ``.to(device)`` moves the cache (buffers, not saved in a state dict) and leaves
+    the host tensors where they are.
+    """
+
+    def __init__(self, host_weight: torch.Tensor, *, cache_rows: int, optimizer: RowOptimizer, policy: str = "lru",
+                 host_state: torch.Tensor | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        num_rows, dim = host_weight.shape
+        self.optimizer = optimizer
+        self.host_weight = host_weight
+        self.host_state = torch.zeros(num_rows, optimizer.state_width(dim)) if host_state is None else host_state
+        self.index = SlotIndex(min(cache_rows, num_rows), policy=policy)
+        capacity = self.index.capacity
+        self.register_buffer("cache_weight", torch.zeros(capacity, dim, device=device), persistent=False)
+        self.register_buffer("cache_state", torch.zeros(capacity, self.host_state.shape[1], device=device),
+                             persistent=False)
+        self.stats = {"batches": 0, "rows_looked_up": 0, "rows_fetched": 0, "rows_written_back": 0}
+        self.dirty = False  # some cached row changed since the last flush
+
+    @property
+    def num_rows(self) -> int:
+        return self.host_weight.shape[0]
+
+    def make_resident(self, keys: np.ndarray) -> np.ndarray:
+        """Make the distinct sorted ``keys`` resident (evicting by the policy); their slots."""
+        if len(keys) and (keys[0] < 0 or keys[-1] >= self.num_rows):
+            bad = keys[0] if keys[0] < 0 else keys[-1]
+            raise IndexError(f"id {int(bad)} out of range for a table of {self.num_rows} rows")
+        admission = self.index.admit(keys)
+        self._write_back(admission.evict_keys, admission.evict_slots)
+        self._install(admission.fetch_keys, admission.fetch_slots)
+        self.stats["batches"] += 1
+        self.stats["rows_looked_up"] += len(keys)
+        return admission.batch_slots
+
+    def carry_out(self, *, evict_keys: np.ndarray, evict_slots: np.ndarray, fetch_keys: np.ndarray,
+                  fetch_slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One step of a plan made elsewhere (``bagpipe.nn.Lookahead``): write the evicted rows back, then
+        install the fetched ones (``rows``: read ahead by ``read_host``) in the slots it names."""
+        self.index.move(evict_keys=evict_keys, evict_slots=evict_slots, fetch_keys=fetch_keys,
+                        fetch_slots=fetch_slots)
+        self._write_back(evict_keys, evict_slots)
+        self._install(fetch_keys, fetch_slots, rows)
+
+    def read_host(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host rows of ``keys`` and their state, in pinned memory when the cache is on a GPU (so that the
+        copy to it is asynchronous). Safe on another thread while the cache trains, for rows not cached."""
+        host_keys = torch.from_numpy(keys)
+        weights, state = self.host_weight.index_select(0, host_keys), self.host_state.index_select(0, host_keys)
+        if self.cache_weight.device.type != "cpu":
+            weights, state = weights.pin_memory(), state.pin_memory()
+        return weights, state
+
+    def flush(self) -> None:
+        """Write every cached row (and its state) into the host table; the rows stay cached."""
+        if self.dirty:
+            self._write_back(*self.index.resident(), count=False)
+            self.dirty = False
+
+    def empty(self) -> None:
+        """Write every cached row back and free its slot (a plan starts from an empty cache)."""
+        self.flush()
+        self.index.clear()
+
+    def reload(self) -> None:
+        """Read the cached rows' weights again from the host table (after it was replaced from a state dict)."""
+        self.flush()
+        keys, slots = self.index.resident()
+        if len(keys):
+            index = torch.from_numpy(slots).to(self.cache_weight.device)
+            self.cache_weight.index_copy_(0, index, self.read_host(keys)[0].to(self.cache_weight.device))
+
+    def hit_rate(self) -> float:
+        """The share of looked-up rows that were already resident."""
+        looked_up = self.stats["rows_looked_up"]
+        return 1.0 - self.stats["rows_fetched"] / looked_up if looked_up else 0.0
+
+    def apply(self, slots: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor | None) -> None:
+        """Row-optimizer step on the cached rows in ``slots`` (a lookup's leaf ``rows``; ``grads``: its own)."""
+        update_rows(self.optimizer, self.cache_weight, self.cache_state, Lookup(slots, rows), grads)
+        self.dirty = True
+
+    def step(self, keys: np.ndarray, grads: torch.Tensor) -> None:
+        """Row-optimizer step on rows ``keys``, wherever they are now: in the cache, or on the host if they
+        were evicted since they were looked up."""
+        slots = torch.from_numpy(self.index.locate(keys))
+        cached = slots >= 0
+        if bool(cached.all()):
+            self._step_rows(self.cache_weight, self.cache_state, slots.to(grads.device), grads)
+            return
+        self._step_rows(self.cache_weight, self.cache_state, slots[cached].to(grads.device),
+                        grads[cached.to(grads.device)])
+        self._step_rows(self.host_weight, self.host_state, torch.from_numpy(keys)[~cached],
+                        grads[(~cached).to(grads.device)].cpu())
+
+    def _step_rows(self, weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grads: torch.Tensor) -> None:
+        if len(index):
+            update_rows(self.optimizer, weights, state, Lookup(index, weights.index_select(0, index)), grads)
+            self.dirty = True
+
+    def _write_back(self, keys: np.ndarray, slots: np.ndarray, *, count: bool = True) -> None:
+        if not len(keys):
+            return
+        index = torch.from_numpy(slots).to(self.cache_weight.device)
+        host_keys = torch.from_numpy(keys)
+        self.host_weight.index_copy_(0, host_keys, self.cache_weight.index_select(0, index).cpu())
+        if self.host_state.shape[1]:
+            self.host_state.index_copy_(0, host_keys, self.cache_state.index_select(0, index).cpu())
+        if count:
+            self.stats["rows_written_back"] += len(keys)
+
+    def _install(self, keys: np.ndarray, slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> None:
+        if not len(keys):
+            return
+        weights, state = self.read_host(keys) if rows is None else rows
+        device = self.cache_weight.device
+        index = torch.from_numpy(slots).to(device)
+        self.cache_weight.index_copy_(0, index, weights.to(device, non_blocking=True))
+        if state.shape[1]:
+            self.cache_state.index_copy_(0, index, state.to(device, non_blocking=True))
+        self.stats["rows_fetched"] += len(keys)

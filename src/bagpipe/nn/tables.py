@@ -1,0 +1,97 @@
+"""``CachedTables``: the model's tables as the reference trainer uses them (``lookup``, ``apply_gradients``), kept
+in host memory behind one cache per embedding width: what ``bagpipe train --mode single`` trains through.
+
+The host tables are the reference's own ``EmbeddingTables`` (same initial rows, same optimizer state), each
+space behind a CachedRows as in CachedEmbeddingBagCollection; a lookup gathers the batch's rows from the
+cache with the reference's own code, so training equals ``--mode reference`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bagpipe.embeddings import EmbeddingTables, Embeddings, Lookup, distinct_positions, gather, valid_keys
+from bagpipe.nn.rows import CachedRows
+
+
+class CachedTables:
+    """``tables``' rows behind caches of ``cache_rows`` rows in all, shared among the spaces as a trainer's are
+    (``EmbeddingLayout.split_cache`` for batches of ``batch_size``); ``policy`` "lru" or "lfu" evicts for an
+    unknown future (with ``bagpipe.nn.Lookahead`` the planner decides instead)."""
+
+    def __init__(self, tables: EmbeddingTables, *, cache_rows: int, batch_size: int, policy: str = "lru",
+                 device: torch.device | str | None = None) -> None:
+        self.host, self.layout, self.optimizer = tables, tables.layout, tables.optimizer
+        shares = self.layout.split_cache(cache_rows, batch_size=batch_size)
+        self.spaces = [CachedRows(weights, host_state=state, cache_rows=share, optimizer=tables.optimizer,
+                                  policy=policy, device=device)
+                       for weights, state, share in zip(tables.weights, tables.state, shares)]
+        self._keys: list[np.ndarray] = []  # the rows of the last lookup, per space (what a step changes)
+
+    # -- EmbeddingTables' interface -------------------------------------------------------------------------
+
+    def distinct_keys(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        return self.host.distinct_keys(ids)
+
+    def lookup(self, ids: torch.Tensor, *, keys: list[torch.Tensor] | None = None) -> tuple[Embeddings, list[Lookup]]:
+        blocks, lookups, self._keys = [], [], []
+        for s, (space, flat) in enumerate(zip(self.layout.spaces, self.host.space_keys(ids))):
+            distinct, positions = distinct_positions(flat, padded=space.padded, keys=None if keys is None else keys[s])
+            rows = self.spaces[s]
+            slots = torch.from_numpy(rows.make_resident(distinct.numpy())).to(rows.cache_weight.device)
+            block, lookup = gather(rows.cache_weight, slots, positions.to(rows.cache_weight.device),
+                                   padded=space.padded)
+            blocks.append(block)
+            lookups.append(lookup)
+            self._keys.append(distinct.numpy())
+        return Embeddings(blocks, self.layout, ids), lookups
+
+    def apply_gradients(self, lookups: list[Lookup], grads: list[torch.Tensor] | None = None) -> None:
+        for s, lookup in enumerate(lookups):
+            self.spaces[s].apply(lookup.index, lookup.rows, None if grads is None else grads[s])
+            if self.host.changed:
+                self.host.changed[s][torch.from_numpy(self._keys[s])] = True
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """Each space's full table, the cached rows written in."""
+        self.flush()
+        return self.host.weights
+
+    @property
+    def state(self) -> list[torch.Tensor]:
+        self.flush()
+        return self.host.state
+
+    @property
+    def changed(self) -> list[torch.Tensor]:
+        return self.host.changed
+
+    def track_changes(self) -> None:
+        self.host.track_changes()
+
+    def table(self, index: int) -> torch.Tensor:
+        self.flush()
+        return self.host.table(index)
+
+    def flush(self) -> None:
+        for rows in self.spaces:
+            rows.flush()
+
+    # -- what bagpipe.nn.Lookahead plans for --------------------------------------------------------------
+
+    def cached_spaces(self) -> list[CachedRows]:
+        return self.spaces
+
+    def plan_keys(self, ids: torch.Tensor) -> list[np.ndarray]:
+        return [valid_keys(keys) for keys in self.layout.keys(ids.numpy())]
+
+    def cache_stats(self) -> dict:
+        """Rows looked up, fetched and written back over all spaces, the hit rate, and the cache's size."""
+        totals = {name: sum(rows.stats[name] for rows in self.spaces)
+                  for name in ("batches", "rows_looked_up", "rows_fetched", "rows_written_back")}
+        totals["batches"] //= len(self.spaces)
+        looked_up = totals["rows_looked_up"]
+        return {**totals, "hit_rate": 1.0 - totals["rows_fetched"] / looked_up if looked_up else 0.0,
+                "cache_rows": [rows.index.capacity for rows in self.spaces]}
