@@ -317,8 +317,8 @@ def test_cached_tables_train_a_model_as_the_reference_does(small_binary, optimiz
         dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
         loop = batches
         if cached:
-            tables = CachedTables(tables, cache_rows=500, batch_size=64, policy="lru" if policy == "lookahead"
-                                  else policy)
+            tables = CachedTables(tables, cache_rows=tables.layout.split_cache(500, batch_size=64),
+                                  policy="lru" if policy == "lookahead" else policy)
             loop = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=8) if policy == "lookahead" \
                 else batches
         for iteration, batch in enumerate(loop):

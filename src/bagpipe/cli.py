@@ -103,8 +103,9 @@ def _add_train(sub) -> None:
                    "(required, here or in --config)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --run-dir (after every check has passed)")
-    p.add_argument("--mode", default=None, help="reference (one process, all tables in memory) or bagpipe "
-                   "(oracle, servers and trainers started on this machine)" + _default("mode"))
+    p.add_argument("--mode", default=None, help="reference (one process, all tables in memory), bagpipe "
+                   "(oracle, servers and trainers started on this machine) or single (one process, the tables in "
+                   "host memory behind a cache of --cache-rows rows, bagpipe.nn's)" + _default("mode"))
     p.add_argument("--iterations", type=int, default=None, help="global batches to train; 0: one pass over "
                    "the training split" + _default("iterations"))
     p.add_argument("--batch-size", type=int, default=None, help="the global batch" + _default("batch_size"))
@@ -224,14 +225,15 @@ def _filter_range(text: str) -> str:
 
 
 def _add_job_flags(p) -> None:
-    g = p.add_argument_group("--mode bagpipe")
+    g = p.add_argument_group("--mode bagpipe (--cache-rows, --lookahead and --policy: --mode single too)")
     g.add_argument("--trainers", type=int, default=None, help="trainer processes" + _default("trainers"))
     g.add_argument("--servers", type=int, default=None, help="embedding server processes" + _default("servers"))
     g.add_argument("--cache-rows", "--cache-size", dest="cache_rows", type=int, default=None,
-                   help="rows each trainer caches (default 0: 5%% of all rows)")
+                   help="rows each trainer (--mode single: the process) caches (default 0: 5%% of all rows)")
     g.add_argument("--lookahead", "--lookahead-value", dest="lookahead", type=int, default=None,
                    help="batches the oracle plans ahead" + _default("lookahead"))
-    g.add_argument("--policy", default=None, help="lookahead, lru, lfu or none (no cache)" + _default("policy"))
+    g.add_argument("--policy", default=None, help="lookahead, lru, lfu or none (no cache; not in --mode single)"
+                   + _default("policy"))
     g.add_argument("--cleanup-fraction", "--cleanup-batch-proportion", dest="cleanup_fraction", type=float,
                    default=None, help="when evicting, also free this share of the cache, in [0, 1)"
                    + _default("cleanup_fraction"))
@@ -497,10 +499,12 @@ def human_summary(summary: dict) -> str:
         lines.append(f"  eval AUC    {summary['eval_auc']:.4f}   log-loss {summary['eval_logloss']:.4f}")
     if "eval_hr10" in summary:
         lines.append(f"  eval HR@10  {summary['eval_hr10']:.4f}   NDCG@10 {summary['eval_ndcg10']:.4f}")
-    if summary["mode"] == "bagpipe":
+    if summary["mode"] in ("bagpipe", "single"):
+        stall = (f", stall {100 * summary['embedding_stall_fraction']:.1f}% of trainer time"
+                 if "embedding_stall_fraction" in summary else "")
         lines.append(f"  cache       {summary['cache_rows']:,} of {summary['total_rows']:,} rows, hit rate "
                      f"{summary['cache_hit_rate']:.3f}, {summary['rows_moved_per_iteration']:.0f} rows moved "
-                     f"per iteration, stall {100 * summary['embedding_stall_fraction']:.1f}% of trainer time")
+                     f"per iteration{stall}")
     for metric, name in (("auc", "AUC"), ("hr10", "HR@10")):
         if summary.get(f"best_{metric}") is not None and f"eval_{metric}" in summary:
             gap = summary[f"best_{metric}"] - summary[f"eval_{metric}"]

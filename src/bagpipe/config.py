@@ -20,7 +20,8 @@ from bagpipe.planner.plan import POLICIES
 STORAGE_KINDS = ("memory", "disk")  # the embedding servers' tiers (bagpipe.storage)
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
-MODES = ("reference", "bagpipe")
+MODES = ("reference", "bagpipe", "single")  # single: one process, tables in host memory behind a cache
+SINGLE_POLICIES = ("lookahead", "lru", "lfu")  # --mode single: the planner, or an online policy
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
 CROSS_KINDS = ("vector", "matrix")
@@ -237,7 +238,9 @@ class TrainConfig:
                              f"parity server, so --servers must be a multiple of {self.parity + 1}, got {self.servers}")
         if not 0 <= self.master_port < 65535:
             raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
-        if self.mode == "reference" and self.batch_size % self.slices:
+        if self.mode == "single" and self.policy not in SINGLE_POLICIES:
+            raise ValueError(f"--mode single: policy must be one of {', '.join(SINGLE_POLICIES)}, got {self.policy!r}")
+        if self.mode in ("reference", "single") and self.batch_size % self.slices:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of slices ({self.slices}): "
                              "each slice is an equal part of the global batch")
         if self.mode == "bagpipe" and self.batch_size % self.trainers:

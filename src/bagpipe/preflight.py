@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cleanup_fraction", "prefetch_depth",
                 "timeout", "master_port", "parity", "check_parity", "max_restarts")
 REFERENCE_SETTINGS = ("slices",)
+SINGLE_SETTINGS = ("cache_rows", "lookahead", "policy")  # --mode single reads these of the job's settings
 
 
 def default_cache_rows(table_sizes: list[int]) -> int:
@@ -71,7 +72,7 @@ def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: boo
         raise ValueError("checkpoints during training (and --eval-every, which evaluates them) need bagpipe's "
                          "trainers: the trainers are scripts with a model of their own (init_cache), whose dense "
                          "state the job cannot save")
-    if config.mode == "bagpipe":
+    if config.mode in ("bagpipe", "single"):
         check_cache(config, dataset, show_progress=show_progress)
     return ignored_settings(config) + cache_warnings(config, dataset)
 
@@ -111,7 +112,7 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
         parts = {"the servers' budgets": int(config.servers * config.storage_budget_mb * 2**20)}
     else:
         parts = {"tables": table_bytes(config, layout)}
-    if config.mode == "bagpipe":
+    if config.mode == "bagpipe" or (config.mode == "single" and config.policy == "lookahead"):
         parts["the planner"] = layout.num_rows * PLANNER_BYTES_PER_ROW
         if config.parity:  # in memory whatever the tier: 1/k of the tables, and a version per row
             parts["the parity"] = table_bytes(config, layout) // config.parity + layout.num_rows * 8
@@ -192,7 +193,8 @@ def ignored_settings(config: TrainConfig) -> list[str]:
     defaults = TrainConfig(data="-", run_dir="-")
     changed = [f.name for f in dataclasses.fields(TrainConfig)
                if f.name != "model" and getattr(config, f.name) != getattr(defaults, f.name)]
-    unread = REFERENCE_SETTINGS if config.mode == "bagpipe" else JOB_SETTINGS
+    unread = {"bagpipe": REFERENCE_SETTINGS, "reference": JOB_SETTINGS,
+              "single": tuple(name for name in JOB_SETTINGS if name not in SINGLE_SETTINGS)}[config.mode]
     warnings = [f"{_flag(name)} does nothing in --mode {config.mode}" + _hint(name, config.mode)
                 for name in changed if name in unread]
     if "shuffle_seed" in changed and not config.shuffle:
@@ -218,7 +220,7 @@ def _hint(name: str, mode: str) -> str:
 
 def cache_warnings(config: TrainConfig, dataset: BinaryDataset) -> list[str]:
     total = job_layout(config, dataset).num_rows
-    if config.mode == "bagpipe" and config.cache_rows >= total:
+    if config.mode in ("bagpipe", "single") and config.cache_rows >= total:
         return [f"--cache-rows {config.cache_rows} holds all {total} rows: every row stays cached after its "
                 f"first fetch, so the plan saves nothing over keeping the tables on the trainers"]
     return []

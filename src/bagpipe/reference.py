@@ -28,7 +28,8 @@ from bagpipe.model_dir import MODEL_DIR, TableRows, write_model_dir
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
-from bagpipe.preflight import check_job, prepare_data, prepare_job
+from bagpipe.nn import CachedTables, Lookahead
+from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, peak_rss_bytes
@@ -173,8 +174,12 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
 
     # The model, its tables and optimizers: initialised from the seed, or restored from a checkpoint.
+    # --mode single keeps the same tables in host memory behind a cache (bagpipe.nn).
     model = build_model(config, dataset.schema)
     tables = build_tables(config, dataset.schema)
+    if config.mode == "single":
+        tables = CachedTables(tables, cache_rows=cache_rows_of(config, tables.layout),
+                              policy="lru" if config.policy == "lookahead" else config.policy)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
     progress_state = _resume(config, run, model, dense_optimizer, tables, iterations) if resume else _Progress()
     start = progress_state.iteration
@@ -183,9 +188,10 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
         tables.track_changes()
         writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints)
     schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
-    log.info("reference training: %s, %d iterations of %d samples, %d tables (%d rows)%s", config.model.name,
+    log.info("%s training: %s, %d iterations of %d samples, %d tables (%d rows)%s%s", config.mode, config.model.name,
              iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows,
-             f", resumed at iteration {start}" if start else "")
+             f", a cache of {sum(cache_rows_of(config, tables.layout))} rows ({config.policy})"
+             if config.mode == "single" else "", f", resumed at iteration {start}" if start else "")
 
     # The iterations, each logged; a checkpoint written in the background at each one due.
     timer = Timer(warmup=min(config.warmup_iterations, max(iterations - start - 1, 0)))
@@ -201,6 +207,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     eval_s = 0.0
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
                               shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start)
+    if config.mode == "single" and config.policy == "lookahead":
+        batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead)
     clock.restart()
     for iteration, batch in enumerate(batches, start=start):
         clock.lap("data")
@@ -248,9 +256,9 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
         log.warning("%s has no test split: skipping evaluation", dataset.directory)
 
     write_model_dir(run.path / MODEL_DIR, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables),
-                    info={"iteration": iterations, "mode": "reference", "model": config.model.name})
+                    info={"iteration": iterations, "mode": config.mode, "model": config.model.name})
     summary = {
-        "mode": "reference",
+        "mode": config.mode,
         "model": config.model.name,
         "iterations": iterations,
         "samples": iterations * config.batch_size,
@@ -261,16 +269,27 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
         "setup_s": setup_s,
         "startup_s": first_iteration_s,
         "time_breakdown_ms": clock.steady_ms(),
-        "peak_rss_bytes": {"reference": peak_rss_bytes()},
+        "peak_rss_bytes": {config.mode: peak_rss_bytes()},
         "train_s": train_s,
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - started,
         "warmup_iterations": timer.warmup,
         "torch_threads": torch.get_num_threads(),
         **({"resumed_at": start} if resume else {}),
+        **(_cache_summary(tables, iterations - start, policy=config.policy) if config.mode == "single" else {}),
     }
     run.finish(summary)
     return summary
+
+
+def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dict:
+    """--mode single's cache figures, named as --mode bagpipe's summary names them."""
+    stats = tables.cache_stats()
+    return {"cache_rows": sum(stats["cache_rows"]), "total_rows": tables.layout.num_rows,
+            "cache_hit_rate": stats["hit_rate"], "policy": policy,
+            "rows_fetched_per_iteration": stats["rows_fetched"] / max(iterations, 1),
+            "rows_moved_per_iteration": (stats["rows_fetched"] + stats["rows_written_back"]) / max(iterations, 1),
+            "cache": stats}
 
 
 def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, split: BinarySplit, run: RunDir,

@@ -16,17 +16,18 @@ from bagpipe.nn.rows import CachedRows
 
 
 class CachedTables:
-    """``tables``' rows behind caches of ``cache_rows`` rows in all, shared among the spaces as a trainer's are
-    (``EmbeddingLayout.split_cache`` for batches of ``batch_size``); ``policy`` "lru" or "lfu" evicts for an
-    unknown future (with ``bagpipe.nn.Lookahead`` the planner decides instead)."""
+    """``tables``' rows behind a cache of ``cache_rows[s]`` rows for each space s (a trainer's shares:
+    ``EmbeddingLayout.split_cache``); ``policy`` "lru" or "lfu" evicts for an unknown future (with
+    ``bagpipe.nn.Lookahead`` the planner decides instead)."""
 
-    def __init__(self, tables: EmbeddingTables, *, cache_rows: int, batch_size: int, policy: str = "lru",
+    def __init__(self, tables: EmbeddingTables, *, cache_rows: list[int], policy: str = "lru",
                  device: torch.device | str | None = None) -> None:
         self.host, self.layout, self.optimizer = tables, tables.layout, tables.optimizer
-        shares = self.layout.split_cache(cache_rows, batch_size=batch_size)
+        if len(cache_rows) != len(self.layout.spaces):
+            raise ValueError(f"{len(cache_rows)} cache sizes for {len(self.layout.spaces)} embedding spaces")
         self.spaces = [CachedRows(weights, host_state=state, cache_rows=share, optimizer=tables.optimizer,
                                   policy=policy, device=device)
-                       for weights, state, share in zip(tables.weights, tables.state, shares)]
+                       for weights, state, share in zip(tables.weights, tables.state, cache_rows)]
         self._keys: list[np.ndarray] = []  # the rows of the last lookup, per space (what a step changes)
 
     # -- EmbeddingTables' interface -------------------------------------------------------------------------

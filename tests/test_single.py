@@ -1,0 +1,69 @@
+"""bagpipe train --mode single: one process, tables behind a cache, the same result as --mode reference."""
+
+import json
+
+import pytest
+import torch
+
+from bagpipe.cli import main
+from bagpipe.rundir import export
+from test_reference import small_config
+from bagpipe.reference import train_reference
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["dense"].keys() == b["dense"].keys() and all(torch.equal(a["dense"][k], b["dense"][k]) for k in a["dense"])
+            and all(torch.equal(x, y) for x, y in zip(a["embeddings"], b["embeddings"], strict=True)))
+
+
+@pytest.mark.parametrize("policy, optimizer, slices", [("lookahead", "adagrad", 1), ("lru", "adam", 1),
+                                                       ("lfu", "sgd", 2)])
+def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, policy, optimizer, slices):
+    runs = {}
+    for mode in ("reference", "single"):
+        # 600 cached rows of 861, batches of 64 x 26 lookups (~440 rows): evictions and re-fetches
+        config = small_config(small_binary, tmp_path / mode, mode=mode, iterations=60, batch_size=64,
+                              optimizer=optimizer, policy=policy, cache_rows=600, lookahead=16, slices=slices,
+                              eval_every=30, shuffle=True, shuffle_seed=3)
+        summary = train_reference(config, show_progress=False)
+        runs[mode] = (summary, export(tmp_path / mode, tmp_path / f"{mode}.pt"))
+    (reference, want), (single, got) = runs["reference"], runs["single"]
+    assert _same(want, got)
+    assert single["mode"] == "single" and single["eval_auc"] == reference["eval_auc"]
+    assert single["cache_rows"] == 600 and single["total_rows"] == 861 and single["policy"] == policy
+    assert single["cache"]["rows_written_back"] > 600 and 0 < single["cache_hit_rate"] < 1
+
+
+def test_single_mode_resumes_from_its_checkpoint_as_if_never_stopped(small_binary, tmp_path):
+    whole = small_config(small_binary, tmp_path / "whole", mode="single", iterations=40, batch_size=64,
+                         cache_rows=600, lookahead=8)
+    train_reference(whole, show_progress=False)
+    cut = small_config(small_binary, tmp_path / "cut", mode="single", iterations=20, batch_size=64, cache_rows=600,
+                       lookahead=8, checkpoint_every=10)
+    train_reference(cut, show_progress=False)
+    (tmp_path / "cut" / "summary.json").unlink()  # as if stopped after its last checkpoint (10: none at the end)
+    resumed = small_config(small_binary, tmp_path / "cut", mode="single", iterations=40, batch_size=64,
+                           cache_rows=600, lookahead=8, checkpoint_every=10)
+    summary = train_reference(resumed, show_progress=False, resume=True)
+    assert summary["resumed_at"] == 10
+    assert _same(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
+
+
+def test_single_mode_on_the_command_line(small_tsv, tmp_path, capsys):
+    args = ["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "run"), "--mode", "single",
+            "--cache-rows", "400", "--policy", "lru", "--iterations", "20", "--batch-size", "32", "--emb-dim", "4",
+            "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "mode single" in out and "cache       400 of" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mode"] == "single" and summary["cache_rows"] == 400
+    assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "none"), "--mode", "single",
+                 "--policy", "none", "--no-progress"]) == 2
+    assert "--mode single: policy must be one of lookahead, lru, lfu" in capsys.readouterr().err
+
+
+def test_single_mode_refuses_a_cache_smaller_than_a_batch(small_binary, tmp_path):
+    config = small_config(small_binary, tmp_path / "run", mode="single", iterations=5, batch_size=64, cache_rows=30)
+    with pytest.raises(ValueError, match="raise cache_rows or lower the batch size"):
+        train_reference(config, show_progress=False)
