@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead, SlotIndex
+from bagpipe.nn.slots import KeyTable
 from bagpipe.optim import RowOptimizer, RowWise, make_row_optimizer
 
 NUM_ROWS, DIM = 400, 6
@@ -76,16 +77,17 @@ def test_lookups_and_gradients_equal_embedding_bag(mode, shape):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead", "lookahead-prefetch"])
 def test_training_equals_the_reference_bit_for_bit_with_evictions_every_iteration(optimizer, policy):
     batches = _batches(40)
-    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=60, policy="lru" if policy == "lookahead"
-                                                   else policy)
+    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=60, policy="lru" if policy.startswith(
+        "lookahead") else policy)
     for ids, offsets, target in batches:
         reference_optimizer.zero_grad()
         _loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
-    loop = Lookahead(batches, cached, lookahead=8) if policy == "lookahead" else batches
+    loop = Lookahead(batches, cached, lookahead=8, prefetch=policy == "lookahead-prefetch") \
+        if policy.startswith("lookahead") else batches
     fetched = []  # rows fetched so far, as each iteration starts (lookahead fetches before handing a batch out)
     for ids, offsets, target in loop:
         fetched.append(cached.rows.stats["rows_fetched"])
@@ -186,8 +188,9 @@ def test_memory_besides_the_host_table_is_of_the_cache_size():
     num_rows, cache_rows = 2_000_000, 500
     cached = CachedEmbeddingBag(num_rows, 4, cache_rows=cache_rows, mode="sum", optimizer="adam")
     table_sized = [name for name, buffer in cached.named_buffers() if buffer.shape[0] >= num_rows]
-    arrays = {name: value for name, value in vars(cached.rows.index).items() if isinstance(value, np.ndarray)}
-    assert not table_sized and all(len(a) <= cache_rows for a in arrays.values()), arrays.keys()
+    index = cached.rows.index
+    arrays = [value for part in (index, index.table) for value in vars(part).values() if isinstance(value, np.ndarray)]
+    assert not table_sized and len(arrays) >= 6 and all(len(a) <= 4 * cache_rows for a in arrays)
     rng = np.random.default_rng(0)
     tracemalloc.start()
     for _ in range(20):
@@ -224,7 +227,7 @@ def test_lookahead_refuses_a_loop_that_looks_up_other_rows_and_stops_its_thread(
     _, _, cached = _pair("sgd", cache_rows=60)
     threads = threading.active_count()
     with pytest.raises(ValueError, match="used outside the plan"):
-        for ids, offsets, target in Lookahead(batches, cached, lookahead=4):
+        for ids, offsets, target in Lookahead(batches, cached, lookahead=4, prefetch=True):
             _loss(cached((ids + 1) % NUM_ROWS, offsets), target).backward()
     assert threading.active_count() == threads
 
@@ -236,7 +239,7 @@ def test_a_lookahead_loop_left_early_leaves_a_consistent_module():
         reference_optimizer.zero_grad()
         _loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
-    for i, (ids, offsets, target) in enumerate(Lookahead(batches, cached, lookahead=4)):
+    for i, (ids, offsets, target) in enumerate(Lookahead(batches, cached, lookahead=4, prefetch=True)):
         _loss(cached(ids, offsets), target).backward()
         if i == 11:
             break
@@ -255,7 +258,7 @@ def test_lookahead_prefetch_reads_rows_after_the_step_that_wrote_them_back(optim
         reference_optimizer.zero_grad()
         _loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
-    for ids, offsets, target in Lookahead(batches, cached, lookahead=4):
+    for ids, offsets, target in Lookahead(batches, cached, lookahead=4, prefetch=True):
         _loss(cached(ids, offsets), target).backward()
     assert cached.rows.stats["rows_fetched"] == 30 * 40
     assert torch.equal(reference.weight.detach(), cached.weight)
@@ -278,7 +281,7 @@ def test_a_collection_equals_one_embedding_bag_per_table_bit_for_bit():
         offsets = [None, torch.tensor([0, 4, 4, 10, 20, 22, 25, 26, 27, 28, 29, 29]), None, None]
         batches.append((inputs, offsets, [torch.randn(12, dim, generator=generator) for _, dim in shapes]))
     for loop in ("reference", "collection"):
-        for inputs, offsets, targets in (Lookahead(batches, collection, ids=lambda b: b[0], lookahead=4)
+        for inputs, offsets, targets in (Lookahead(batches, collection, ids=lambda b: b[0], lookahead=4, prefetch=True)
                                          if loop == "collection" else batches):
             if loop == "reference":
                 outputs = [r(x, o) for r, x, o in zip(references, inputs, offsets)]
@@ -330,3 +333,35 @@ def test_cached_tables_train_a_model_as_the_reference_does(small_binary, optimiz
         assert torch.equal(want, got)
     for name, value in results[0][1].items():
         assert torch.equal(results[1][1][name], value), name
+
+
+def test_key_table_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
+    rng = np.random.default_rng(4)
+    table, reference = KeyTable(300), {}
+    for round_ in range(400):
+        absent = np.setdiff1d(rng.integers(0, 10_000, 40), np.fromiter(reference, dtype=np.int64, count=len(reference)))
+        absent = absent[:max(0, 300 - len(reference))]
+        table.insert(absent, absent * 7 + round_)
+        reference.update(zip(absent.tolist(), (absent * 7 + round_).tolist()))
+        if reference and round_ % 2:
+            gone = rng.choice(np.fromiter(reference, dtype=np.int64), min(len(reference), 35), replace=False)
+            table.remove(gone)
+            for key in gone.tolist():
+                del reference[key]
+        probe = rng.integers(0, 10_000, 200)
+        assert table.get(probe).tolist() == [reference.get(k, -1) for k in probe.tolist()]
+        assert table.live == len(reference)
+    assert table.gone <= len(table.keys) // 4  # rebuilt along the way
+
+
+def test_slot_index_takes_online_admissions_after_planned_moves():
+    index = SlotIndex(6, policy="lru", cleanup_fraction=0.0)
+    index.move(evict_keys=np.zeros(0, dtype=np.int64), evict_slots=np.zeros(0, dtype=np.int64),
+               fetch_keys=np.array([10, 11, 12]), fetch_slots=np.array([5, 0, 3]))
+    admission = index.admit(np.array([11, 20, 21, 22]))
+    assert admission.evict_keys.tolist() == [] and sorted(admission.fetch_slots.tolist()) == [1, 2, 4]
+    admission = index.admit(np.array([30]))
+    assert admission.evict_keys.tolist() in ([10], [12])  # the least recently used: planned, never looked up
+    with pytest.raises(ValueError, match="used outside the plan"):
+        index.move(evict_keys=np.array([11]), evict_slots=np.array([5]), fetch_keys=np.zeros(0, dtype=np.int64),
+                   fetch_slots=np.zeros(0, dtype=np.int64))

@@ -236,7 +236,7 @@ def _add_job_flags(p) -> None:
                    + _default("policy"))
     g.add_argument("--cleanup-fraction", "--cleanup-batch-proportion", dest="cleanup_fraction", type=float,
                    default=None, help="when evicting, also free this share of the cache, in [0, 1)"
-                   + _default("cleanup_fraction"))
+                   + _default("cleanup_fraction") + "; --mode single frees 0.05 at least")
     g.add_argument("--prefetch-depth", type=int, default=None,
                    help="iterations whose fetches a trainer has in flight" + _default("prefetch_depth"))
     g.add_argument("--timeout", type=float, default=None,

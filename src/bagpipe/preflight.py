@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cleanup_fraction", "prefetch_depth",
                 "timeout", "master_port", "parity", "check_parity", "max_restarts")
 REFERENCE_SETTINGS = ("slices",)
-SINGLE_SETTINGS = ("cache_rows", "lookahead", "policy")  # --mode single reads these of the job's settings
+SINGLE_SETTINGS = ("cache_rows", "lookahead", "policy", "cleanup_fraction")  # --mode single reads these of the job's settings
 
 
 def default_cache_rows(table_sizes: list[int]) -> int:

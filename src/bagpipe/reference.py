@@ -28,7 +28,7 @@ from bagpipe.model_dir import MODEL_DIR, TableRows, write_model_dir
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
-from bagpipe.nn import CachedTables, Lookahead
+from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir
@@ -177,8 +177,9 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     # --mode single keeps the same tables in host memory behind a cache (bagpipe.nn).
     model = build_model(config, dataset.schema)
     tables = build_tables(config, dataset.schema)
+    cleanup_fraction = max(config.cleanup_fraction, CLEANUP_FRACTION)  # --mode single frees 5% at least
     if config.mode == "single":
-        tables = CachedTables(tables, cache_rows=cache_rows_of(config, tables.layout),
+        tables = CachedTables(tables, cache_rows=cache_rows_of(config, tables.layout), cleanup_fraction=cleanup_fraction,
                               policy="lru" if config.policy == "lookahead" else config.policy)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
     progress_state = _resume(config, run, model, dense_optimizer, tables, iterations) if resume else _Progress()
@@ -208,7 +209,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
                               shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start)
     if config.mode == "single" and config.policy == "lookahead":
-        batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead)
+        batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
+                            cleanup_fraction=cleanup_fraction)
     clock.restart()
     for iteration, batch in enumerate(batches, start=start):
         clock.lap("data")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bagpipe.nn.rows import CachedRows
+from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.optim import RowOptimizer, make_row_optimizer
 
 MODES = ("sum", "mean")  # "max" has no sparse gradient, so no row-wise step to fuse
@@ -31,14 +32,16 @@ class CachedEmbeddingBag(nn.Module):
 
     ``optimizer`` ("sgd", "adagrad", "adam") with ``lr``, ``eps`` and ``betas`` defaulted as ``torch.optim``
     defaults them updates the rows of each lookup during its backward. ``policy`` ("lru" or "lfu") picks
-    the rows to evict when a batch's rows do not fit beside the resident ones. A batch with more distinct
+    the rows to evict when a batch's rows do not fit beside the resident ones, ``cleanup_fraction`` of the
+    cache at least (choosing them is a pass over the cache: paid once every many batches). A batch with more distinct
     rows than the cache is refused with a ValueError naming both counts.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, cache_rows: int, mode: str = "mean",
                  include_last_offset: bool = False, optimizer: str = "sgd", lr: float | None = None,
                  eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), policy: str = "lru",
-                 _weight: torch.Tensor | None = None, device: torch.device | str | None = None) -> None:
+                 cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"num_embeddings and embedding_dim must be positive, got {num_embeddings} x "
@@ -56,7 +59,8 @@ class CachedEmbeddingBag(nn.Module):
                 raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
                                  f"({num_embeddings}, {embedding_dim})")
             host_weight = _weight.detach().to("cpu", torch.float32)  # shared, as nn.EmbeddingBag shares it
-        self.rows = CachedRows(host_weight, cache_rows=cache_rows, optimizer=optimizer, policy=policy, device=device)
+        self.rows = CachedRows(host_weight, cache_rows=cache_rows, optimizer=optimizer, policy=policy,
+                               cleanup_fraction=cleanup_fraction, device=device)
 
     # -- the nn.EmbeddingBag interface ----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from bagpipe.nn.cached_bag import MODES, dense_rows, row_optimizer
 from bagpipe.nn.rows import CachedRows
+from bagpipe.nn.slots import CLEANUP_FRACTION
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -33,7 +34,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[tuple[int, int]], *, cache_rows: int | Sequence[int], mode: str = "sum",
                  optimizer: str = "sgd", lr: float | None = None, eps: float | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), policy: str = "lru",
-                 weights: Sequence[torch.Tensor] | None = None, device: torch.device | str | None = None) -> None:
+                 cleanup_fraction: float = CLEANUP_FRACTION, weights: Sequence[torch.Tensor] | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if not tables:
             raise ValueError("a collection needs at least one table")
@@ -56,7 +58,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             members = [t for t, s in enumerate(self.space_of) if s == space]
             host = torch.cat([_initial(self.tables[t], None if weights is None else weights[t]) for t in members])
             spaces.append(CachedRows(host, cache_rows=shares[space], optimizer=optimizer_, policy=policy,
-                                     device=device))
+                                     cleanup_fraction=cleanup_fraction, device=device))
         self.spaces = nn.ModuleList(spaces)
 
     def forward(self, inputs: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None] | None = None,

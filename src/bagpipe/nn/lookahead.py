@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.planner import PlannerConfig, plan_spaces
 
 _STOP_POLL_S = 0.1
@@ -28,21 +29,27 @@ class Lookahead:
 
     ``module``: a CachedEmbeddingBag or a CachedEmbeddingBagCollection (``cached_spaces()``, ``plan_keys(ids)``).
     ``ids(batch)`` gives the ids the batch will look up in ``module`` (default: ``batch[0]``). The planner
-    reads up to ``lookahead`` + 64 batches ahead of the one being trained, so that many are held in memory.
-    With ``prefetch`` the next batch's rows are read from the host in the background. The loop must look up
+    reads up to ``lookahead`` + 64 batches ahead of the one being trained, so that many are held in memory;
+    when it must evict, it frees ``cleanup_fraction`` of the cache at least (fewer, larger rounds: each is a
+    pass over the cache).
+    With ``prefetch`` the next batch's rows are read from the host in the background (default: when the
+    cache is on a GPU). The loop must look up
     exactly the planned ids; the module refuses a step that finds its cache used otherwise.
     """
 
     def __init__(self, batches: Iterable, module, *,
                  ids: Callable[[Any], torch.Tensor] = lambda batch: batch[0], lookahead: int = 64,
-                 prefetch: bool = True) -> None:
+                 cleanup_fraction: float = CLEANUP_FRACTION, prefetch: bool | None = None) -> None:
         if lookahead <= 0:
             raise ValueError(f"lookahead must be positive, got {lookahead}")
         self.batches, self.module, self.ids = batches, module, ids
         self.spaces = module.cached_spaces()
         self.configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=space.index.capacity, lookahead=lookahead,
-                                      policy="lookahead") for space in self.spaces]
-        self.prefetch = prefetch
+                                      policy="lookahead", cleanup_fraction=cleanup_fraction) for space in self.spaces]
+        # Reading ahead on a thread pays where the cache is on a GPU (the host is idle while kernels run); on
+        # CPU the thread takes the cores the training's own threads use, and costs more than it hides.
+        self.prefetch = prefetch if prefetch is not None else any(
+            space.cache_weight.device.type != "cpu" for space in self.spaces)
 
     def __iter__(self) -> Iterator:
         for space in self.spaces:
@@ -74,8 +81,7 @@ class Lookahead:
 
     def _carry_out(self, steps: tuple, rows: list | None) -> None:
         for s, (space, step) in enumerate(zip(self.spaces, steps)):
-            space.carry_out(evict_keys=step.evict_keys, evict_slots=step.evict_slots, fetch_keys=step.fetch_keys,
-                            fetch_slots=step.fetch_slots, rows=None if rows is None else rows[s])
+            space.carry_out(step, None if rows is None else rows[s])
 
     def _prefetched(self, steps: Iterator[tuple[Any, Any]]) -> Iterator:
         ready: queue.Queue = queue.Queue(maxsize=1)

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from bagpipe.embeddings import Lookup, update_rows
-from bagpipe.nn.slots import SlotIndex
+from bagpipe.nn.slots import CLEANUP_FRACTION, SlotIndex
 from bagpipe.optim import RowOptimizer
+from bagpipe.planner import PlanStep
 
 
 class CachedRows(nn.Module):
@@ -24,19 +25,21 @@ class CachedRows(nn.Module):
     """
 
     def __init__(self, host_weight: torch.Tensor, *, cache_rows: int, optimizer: RowOptimizer, policy: str = "lru",
-                 host_state: torch.Tensor | None = None, device: torch.device | str | None = None) -> None:
+                 cleanup_fraction: float = CLEANUP_FRACTION, host_state: torch.Tensor | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         num_rows, dim = host_weight.shape
         self.optimizer = optimizer
         self.host_weight = host_weight
         self.host_state = torch.zeros(num_rows, optimizer.state_width(dim)) if host_state is None else host_state
-        self.index = SlotIndex(min(cache_rows, num_rows), policy=policy)
+        self.index = SlotIndex(min(cache_rows, num_rows), policy=policy, cleanup_fraction=cleanup_fraction)
         capacity = self.index.capacity
         self.register_buffer("cache_weight", torch.zeros(capacity, dim, device=device), persistent=False)
         self.register_buffer("cache_state", torch.zeros(capacity, self.host_state.shape[1], device=device),
                              persistent=False)
         self.stats = {"batches": 0, "rows_looked_up": 0, "rows_fetched": 0, "rows_written_back": 0}
         self.dirty = False  # some cached row changed since the last flush
+        self._planned: tuple[np.ndarray, np.ndarray] | None = None  # a plan step's batch: its keys and their slots
 
     @property
     def num_rows(self) -> int:
@@ -44,24 +47,28 @@ class CachedRows(nn.Module):
 
     def make_resident(self, keys: np.ndarray) -> np.ndarray:
         """Make the distinct sorted ``keys`` resident (evicting by the policy); their slots."""
+        self.stats["batches"] += 1
+        self.stats["rows_looked_up"] += len(keys)
+        if self._planned is not None and np.array_equal(self._planned[0], keys):
+            return self._planned[1]  # the plan made them resident, and says where
         if len(keys) and (keys[0] < 0 or keys[-1] >= self.num_rows):
             bad = keys[0] if keys[0] < 0 else keys[-1]
             raise IndexError(f"id {int(bad)} out of range for a table of {self.num_rows} rows")
+        self._planned = None  # the policy moves rows from here on
         admission = self.index.admit(keys)
         self._write_back(admission.evict_keys, admission.evict_slots)
         self._install(admission.fetch_keys, admission.fetch_slots)
-        self.stats["batches"] += 1
-        self.stats["rows_looked_up"] += len(keys)
         return admission.batch_slots
 
-    def carry_out(self, *, evict_keys: np.ndarray, evict_slots: np.ndarray, fetch_keys: np.ndarray,
-                  fetch_slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def carry_out(self, step: PlanStep, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One step of a plan made elsewhere (``bagpipe.nn.Lookahead``): write the evicted rows back, then
-        install the fetched ones (``rows``: read ahead by ``read_host``) in the slots it names."""
-        self.index.move(evict_keys=evict_keys, evict_slots=evict_slots, fetch_keys=fetch_keys,
-                        fetch_slots=fetch_slots)
-        self._write_back(evict_keys, evict_slots)
-        self._install(fetch_keys, fetch_slots, rows)
+        install the fetched ones (``rows``: read ahead by ``read_host``) in the slots it names. The step's
+        batch is then looked up where the plan put it, without asking the policy."""
+        self.index.move(evict_keys=step.evict_keys, evict_slots=step.evict_slots, fetch_keys=step.fetch_keys,
+                        fetch_slots=step.fetch_slots)
+        self._write_back(step.evict_keys, step.evict_slots)
+        self._install(step.fetch_keys, step.fetch_slots, rows)
+        self._planned = (step.batch_keys, step.batch_slots)
 
     def read_host(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The host rows of ``keys`` and their state, in pinned memory when the cache is on a GPU (so that the
@@ -82,6 +89,7 @@ class CachedRows(nn.Module):
         """Write every cached row back and free its slot (a plan starts from an empty cache)."""
         self.flush()
         self.index.clear()
+        self._planned = None
 
     def reload(self) -> None:
         """Read the cached rows' weights again from the host table (after it was replaced from a state dict)."""

@@ -1,17 +1,24 @@
 """Which row each slot of a single-process cache holds, and which rows to evict for an unknown future.
 
-O(cache rows) throughout: a slot -> key array, the resident keys kept sorted beside their slots (a
-lookup is a binary search, never a table-sized key -> slot array), and per slot the last use and the
-use count that the LRU and LFU policies score by. Pure numpy, no torch and no device.
+O(cache rows) throughout, and O(batch rows) per batch: a slot -> key array, a key -> slot hash table (open
+addressing in numpy arrays of twice the cache's size; never a table-sized array), a stack of free slots,
+and per slot the last use and the use count that the LRU and LFU policies score by. When the cache is full,
+it frees ``cleanup_fraction`` of it at once, so that choosing victims (a pass over every slot) is paid once
+every many batches. Pure numpy, no torch and no device.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 ONLINE_POLICIES = ("lru", "lfu")
+CLEANUP_FRACTION = 0.05  # the default share of the cache freed when a batch does not fit
+
+_EMPTY, _GONE = -1, -2  # a hash table position never used, and one whose key was removed
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclass(frozen=True)
@@ -25,37 +32,99 @@ class Admission:
     batch_slots: np.ndarray  # the slot of each of the batch's distinct keys, in their (sorted) order
 
 
+class KeyTable:
+    """key -> slot for at most ``capacity`` keys: linear probing, every operation vectorised over its keys."""
+
+    def __init__(self, capacity: int) -> None:
+        self.bits = max(4, math.ceil(math.log2(2 * capacity)))
+        self.mask = (1 << self.bits) - 1
+        self.keys = np.full(1 << self.bits, _EMPTY, dtype=np.int64)
+        self.values = np.zeros(1 << self.bits, dtype=np.int64)
+        self._claims = np.zeros(1 << self.bits, dtype=np.int64)  # scratch: which key an insertion round places where
+        self.live = self.gone = 0
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys.astype(np.uint64) * _FIBONACCI) >> np.uint64(64 - self.bits)).astype(np.int64)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The table position of each key, -1 where it is absent."""
+        found = np.full(len(keys), -1, dtype=np.int64)
+        todo, at = np.arange(len(keys)), self._home(keys)
+        while len(todo):
+            held = self.keys[at]
+            hit = held == keys[todo]
+            found[todo[hit]] = at[hit]
+            on = ~hit & (held != _EMPTY)  # a removed key's place does not end the probe
+            todo, at = todo[on], (at[on] + 1) & self.mask
+        return found
+
+    def get(self, keys: np.ndarray) -> np.ndarray:
+        at = self.find(keys)
+        return np.where(at >= 0, self.values[at], -1)
+
+    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Add distinct keys that are absent."""
+        todo, at = np.arange(len(keys)), self._home(keys)
+        while len(todo):
+            held = self.keys[at]
+            open_ = np.flatnonzero(held < 0)
+            self._claims[at[open_]] = open_  # one winner per open place: the last to claim it
+            won = open_[self._claims[at[open_]] == open_]
+            self.keys[at[won]], self.values[at[won]] = keys[todo[won]], values[todo[won]]
+            self.gone -= int((held[won] == _GONE).sum())
+            rest = np.ones(len(todo), dtype=bool)
+            rest[won] = False
+            todo, at = todo[rest], (at[rest] + 1) & self.mask
+        self.live += len(keys)
+
+    def remove(self, keys: np.ndarray) -> None:
+        """Remove keys that are present."""
+        at = self.find(keys)
+        assert (at >= 0).all(), "removing a key the table does not hold"
+        self.keys[at] = _GONE
+        self.live -= len(keys)
+        self.gone += len(keys)
+        if self.gone > len(self.keys) // 4:  # removed places lengthen every probe: start over with the live keys
+            live = np.flatnonzero(self.keys >= 0)
+            keys, values = self.keys[live], self.values[live]
+            self.keys.fill(_EMPTY)
+            self.live = self.gone = 0
+            self.insert(keys, values)
+
+
 class SlotIndex:
     """The cache's bookkeeping: ``capacity`` slots, the key each holds (-1: free), and their use history."""
 
-    def __init__(self, capacity: int, *, policy: str = "lru") -> None:
+    def __init__(self, capacity: int, *, policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION) -> None:
         if capacity <= 0:
             raise ValueError(f"cache_rows must be positive, got {capacity}")
         if policy not in ONLINE_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ONLINE_POLICIES)}, got {policy!r}")
-        self.capacity, self.policy = capacity, policy
+        if not 0.0 <= cleanup_fraction < 1.0:
+            raise ValueError(f"cleanup_fraction must be in [0, 1), got {cleanup_fraction}")
+        self.capacity, self.policy, self.cleanup_fraction = capacity, policy, cleanup_fraction
         self.slot_key = np.full(capacity, -1, dtype=np.int64)
         self.last_use = np.full(capacity, -1, dtype=np.int64)
         self.uses = np.zeros(capacity, dtype=np.int64)
-        self._keys = np.zeros(0, dtype=np.int64)  # resident keys, sorted
-        self._slots = np.zeros(0, dtype=np.int64)  # their slots
+        self.table = KeyTable(capacity)
+        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free], lowest on top
+        self.num_free = capacity
+        self._free_stale = False  # rows were moved by a plan: the stack no longer lists the free slots
         self.tick = 0  # batches admitted
 
     @property
     def resident_rows(self) -> int:
-        return len(self._keys)
+        return self.table.live
 
     def locate(self, keys: np.ndarray) -> np.ndarray:
         """The slot of each key, -1 where it is not resident."""
-        keys = np.asarray(keys, dtype=np.int64)
-        if not len(self._keys):
-            return np.full(len(keys), -1, dtype=np.int64)
-        at = np.minimum(np.searchsorted(self._keys, keys), len(self._keys) - 1)
-        return np.where(self._keys[at] == keys, self._slots[at], -1)
+        return self.table.get(np.asarray(keys, dtype=np.int64))
 
     def resident(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every resident key (sorted) and its slot."""
-        return self._keys, self._slots
+        """Every resident key, sorted, and its slot."""
+        slots = np.flatnonzero(self.slot_key >= 0)
+        order = np.argsort(self.slot_key[slots])
+        return self.slot_key[slots[order]], slots[order]
 
     def admit(self, keys: np.ndarray) -> Admission:
         """Make the distinct sorted ``keys`` of one batch resident, evicting by the policy if the cache is full.
@@ -69,20 +138,19 @@ class SlotIndex:
         slots = self.locate(keys)
         missing = slots < 0
         fetch_keys = keys[missing]
-        free = np.flatnonzero(self.slot_key < 0)
-        overflow = len(fetch_keys) - len(free)
+        self._restack()
+        overflow = len(fetch_keys) - self.num_free
         evict_keys = evict_slots = np.zeros(0, dtype=np.int64)
         if overflow > 0:
-            candidates = np.ones(self.capacity, dtype=bool)
+            candidates = self.slot_key >= 0
             candidates[slots[~missing]] = False
-            candidates = np.flatnonzero(candidates & (self.slot_key >= 0))
-            chosen = candidates[np.argpartition(-self._scores(candidates), overflow - 1)[:overflow]]
-            order = np.argsort(self.slot_key[chosen])
-            evict_slots = chosen[order]
+            candidates = np.flatnonzero(candidates)
+            count = min(len(candidates), max(overflow, int(self.cleanup_fraction * self.capacity)))
+            chosen = candidates[np.argpartition(-self._scores(candidates), count - 1)[:count]]
+            evict_slots = chosen[np.argsort(self.slot_key[chosen])]
             evict_keys = self.slot_key[evict_slots]
             self._forget(evict_keys, evict_slots)
-            free = np.sort(np.concatenate([free, evict_slots]))
-        fetch_slots = free[:len(fetch_keys)]
+        fetch_slots = self._take(len(fetch_keys))
         self._place(fetch_keys, fetch_slots)
         slots[missing] = fetch_slots
         self.last_use[slots] = self.tick
@@ -91,12 +159,12 @@ class SlotIndex:
         return Admission(evict_keys, evict_slots, fetch_keys, fetch_slots, slots)
 
     def preload(self, keys: np.ndarray, uses: np.ndarray) -> np.ndarray:
-        """Place the sorted, distinct, not resident ``keys`` in free slots with ``uses`` as their counts (a
+        """Place the distinct, not resident ``keys`` in free slots with ``uses`` as their counts (a
         frequency-aware warm-up); their slots."""
-        free = np.flatnonzero(self.slot_key < 0)
-        if len(keys) > len(free):
-            raise ValueError(f"preloading {len(keys)} rows into {len(free)} free slots")
-        slots = free[:len(keys)]
+        self._restack()
+        if len(keys) > self.num_free:
+            raise ValueError(f"preloading {len(keys)} rows into {self.num_free} free slots")
+        slots = self._take(len(keys))
         self._place(keys, slots)
         self.uses[slots] = uses
         return slots
@@ -115,24 +183,38 @@ class SlotIndex:
         if (self.slot_key[fetch_slots] >= 0).any():
             raise ValueError("the plan fetches into a slot that is not free: the cache was used outside the plan")
         self._place(fetch_keys, fetch_slots)
+        self._free_stale = True  # the plan picks its own slots; an online admission finds the free ones again
 
     def clear(self) -> None:
         """Every slot free (the rows' owner has written them back or dropped them)."""
-        self._forget(self._keys.copy(), self._slots.copy())
+        self._forget(*self.resident())
 
     def _scores(self, slots: np.ndarray) -> np.ndarray:
         """Eviction priority, highest first: least recently used, or least used and then least recently."""
         age = self.tick - self.last_use[slots]
         return age if self.policy == "lru" else -self.uses[slots] * (1 << 32) + age
 
+    def _restack(self) -> None:
+        if self._free_stale:
+            free = np.flatnonzero(self.slot_key < 0)
+            self.num_free = len(free)
+            self.free[:self.num_free] = free[::-1]
+            self._free_stale = False
+
+    def _take(self, count: int) -> np.ndarray:
+        slots = self.free[self.num_free - count:self.num_free][::-1].copy()
+        self.num_free -= count
+        return slots
+
     def _forget(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        self.table.remove(keys)
         self.slot_key[slots] = -1
         self.last_use[slots] = -1
         self.uses[slots] = 0
-        keep = ~np.isin(self._keys, keys, assume_unique=True)
-        self._keys, self._slots = self._keys[keep], self._slots[keep]
+        if not self._free_stale:
+            self.free[self.num_free:self.num_free + len(slots)] = slots[::-1]
+            self.num_free += len(slots)
 
     def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        self.table.insert(keys, slots)
         self.slot_key[slots] = keys
-        at = np.searchsorted(self._keys, keys)
-        self._keys, self._slots = np.insert(self._keys, at, keys), np.insert(self._slots, at, slots)

@@ -13,6 +13,7 @@ import torch
 
 from bagpipe.embeddings import EmbeddingTables, Embeddings, Lookup, distinct_positions, gather, valid_keys
 from bagpipe.nn.rows import CachedRows
+from bagpipe.nn.slots import CLEANUP_FRACTION
 
 
 class CachedTables:
@@ -21,12 +22,12 @@ class CachedTables:
     ``bagpipe.nn.Lookahead`` the planner decides instead)."""
 
     def __init__(self, tables: EmbeddingTables, *, cache_rows: list[int], policy: str = "lru",
-                 device: torch.device | str | None = None) -> None:
+                 cleanup_fraction: float = CLEANUP_FRACTION, device: torch.device | str | None = None) -> None:
         self.host, self.layout, self.optimizer = tables, tables.layout, tables.optimizer
         if len(cache_rows) != len(self.layout.spaces):
             raise ValueError(f"{len(cache_rows)} cache sizes for {len(self.layout.spaces)} embedding spaces")
         self.spaces = [CachedRows(weights, host_state=state, cache_rows=share, optimizer=tables.optimizer,
-                                  policy=policy, device=device)
+                                  policy=policy, cleanup_fraction=cleanup_fraction, device=device)
                        for weights, state, share in zip(tables.weights, tables.state, cache_rows)]
         self._keys: list[np.ndarray] = []  # the rows of the last lookup, per space (what a step changes)
 
