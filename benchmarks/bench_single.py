@@ -91,6 +91,7 @@ def main() -> None:
                           f"{runs[name][-1]['cache_hit_rate']:.3f}", flush=True)
         reference = [r["samples_per_s"] for r in runs["reference"]]
         table = {"reference": {"samples_per_s": reference, "median": statistics.median(reference),
+                               "time_breakdown_ms": runs["reference"][0]["time_breakdown_ms"],
                                "foreign_cpu": [r["foreign_cpu"] for r in runs["reference"]]}}
         for name, records in runs.items():
             if name == "reference":
