@@ -11,6 +11,13 @@ batch 2048, one process with the machine's torch threads. For each embedding wid
 rows) and policy; a run's steady-state samples/s is divided by the same repeat's reference. Hit rates and
 rows copied per iteration are deterministic (the same in every repeat). Reports medians and each repeat's
 ratios, and the share of the machine's CPU that other processes used during the runs.
+
+    .venv/bin/python benchmarks/bench_single.py --hit-rates 2000 [--fractions ...] [--out ...]
+
+Hit rates only, over a longer stream than training runs afford (200 iterations hardly fill a 5% cache, so
+their misses are nearly all first uses): batches drawn as `bagpipe synth` draws them (the same Zipf
+samplers and tables), each policy run by the code --mode single runs (the planner for lookahead,
+bagpipe.nn.SlotIndex for LRU and LFU), with cleanup fraction 0 (exact policies) and 0.05 (the default).
 """
 
 from __future__ import annotations
@@ -23,10 +30,14 @@ from pathlib import Path
 
 from bench_reference import cpu_watch
 
+import numpy as np
+
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.preprocess import preprocess
+from bagpipe.nn import SlotIndex
+from bagpipe.planner import PlannerConfig, plan
 from bagpipe.reference import train_reference
-from bagpipe.synth import generate, resolve_table_sizes
+from bagpipe.synth import ZipfSampler, generate, resolve_table_sizes
 
 BATCH = 2048
 
@@ -56,6 +67,39 @@ def run(data: Path, work: Path, *, dim: int, iterations: int, mode: str, cache_r
     return {**{k: summary[k] for k in keep if k in summary}, **record}
 
 
+def simulated_hit_rates(sizes: list[int], *, iterations: int, fractions: list[float], policies: list[str],
+                        zipf: float, cleanups: tuple[float, ...] = (0.0, 0.05)) -> dict:
+    """Each policy's hit rate (rows found resident / distinct rows looked up) on a stream of ``iterations``
+    batches, over all of it and over its second half; and rows fetched per iteration."""
+    rng = np.random.default_rng([0, 0])
+    samplers = [ZipfSampler(num_rows=n, exponent=zipf, rng=rng) for n in sizes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    batches = [np.unique(np.concatenate([s.sample(BATCH, rng) + o for s, o in zip(samplers, offsets)]))
+               for _ in range(iterations)]
+    total = sum(sizes)
+    result = {}
+    for fraction in fractions:
+        capacity = int(fraction * total)
+        for cleanup in cleanups:
+            for policy in policies:
+                if policy == "lookahead":
+                    config = PlannerConfig(num_rows=total, cache_rows=capacity, lookahead=200,
+                                           cleanup_fraction=cleanup)
+                    fetched = [len(step.fetch_keys) for step in plan(iter(batches), config)][:iterations]
+                else:
+                    index = SlotIndex(capacity, policy=policy, cleanup_fraction=cleanup)
+                    fetched = [len(index.admit(keys).fetch_keys) for keys in batches]
+                half = iterations // 2
+                looked = [len(keys) for keys in batches]
+                result[f"{policy}@{fraction:g}/cleanup{cleanup:g}"] = {
+                    "hit_rate": 1 - sum(fetched) / sum(looked),
+                    "hit_rate_second_half": 1 - sum(fetched[half:]) / sum(looked[half:]),
+                    "rows_fetched_per_iteration": sum(fetched) / iterations}
+                print(f"{policy}@{fraction:g} cleanup {cleanup:g}: hit rate {result[list(result)[-1]]['hit_rate']:.4f}, "
+                      f"second half {result[list(result)[-1]]['hit_rate_second_half']:.4f}", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=None, help="data and run dirs (default: a new temporary dir)")
@@ -67,12 +111,21 @@ def main() -> None:
     parser.add_argument("--policies", default="lookahead,lfu,lru")
     parser.add_argument("--zipf", type=float, default=1.2)
     parser.add_argument("--max-rows-per-table", type=int, default=1_000_000)
+    parser.add_argument("--hit-rates", type=int, default=0, help="only simulate the policies' hit rates on a "
+                        "stream of this many batches")
     args = parser.parse_args()
+    fractions = [float(f) for f in args.fractions.split(",")]
+    policies = args.policies.split(",")
+    if args.hit_rates:
+        sizes = resolve_table_sizes(tables=None, table_sizes=None, max_rows_per_table=args.max_rows_per_table)
+        result = {"total_rows": sum(sizes), "batch_size": BATCH, "iterations": args.hit_rates, "zipf": args.zipf,
+                  "policies": simulated_hit_rates(sizes, iterations=args.hit_rates, fractions=fractions,
+                                                  policies=policies, zipf=args.zipf)}
+        _write(result, args.out)
+        return
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_single_"))
     data, total_rows = data_set(work, zipf=args.zipf, iterations=args.iterations,
                                 max_rows_per_table=args.max_rows_per_table)
-    fractions = [float(f) for f in args.fractions.split(",")]
-    policies = args.policies.split(",")
     result = {"total_rows": total_rows, "batch_size": BATCH, "iterations": args.iterations, "zipf": args.zipf,
               "repeats": args.repeats, "dims": {}}
     for dim in (int(d) for d in args.dims.split(",")):
@@ -109,7 +162,11 @@ def main() -> None:
         print(json.dumps({name: {k: v for k, v in row.items() if k in ("median", "median_ratio", "hit_rate",
                                                                         "rows_fetched_per_iteration")}
                           for name, row in table.items()}, indent=1), flush=True)
-    out = Path(args.out)
+    _write(result, args.out)
+
+
+def _write(result: dict, path: str) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

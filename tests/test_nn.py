@@ -365,3 +365,45 @@ def test_slot_index_takes_online_admissions_after_planned_moves():
     with pytest.raises(ValueError, match="used outside the plan"):
         index.move(evict_keys=np.array([11]), evict_slots=np.array([5]), fetch_keys=np.zeros(0, dtype=np.int64),
                    fetch_slots=np.zeros(0, dtype=np.int64))
+
+
+@pytest.mark.parametrize("policy, optimizer", [("lookahead", "adagrad"), ("lru", "adam")])
+def test_the_cached_dlrm_example_ends_where_the_plain_loop_does(tmp_path, policy, optimizer):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "cached_dlrm.py"
+    spec = importlib.util.spec_from_file_location("cached_dlrm", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    common = ["--rows-per-table", "2000", "--cache-rows", "3000", "--batch-size", "128", "--iterations", "30",
+              "--optimizer", optimizer, "--policy", policy]
+    cached = example.main([*common, "--embeddings", "cached", "--save", str(tmp_path / "cached.pt")])
+    example.main([*common, "--embeddings", "plain", "--save", str(tmp_path / "plain.pt")])
+    assert cached["hit_rate"] < 0.95  # 3,000 of 52,000 rows cached: rows came and went
+    ours, theirs = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("cached", "plain"))
+    for part in ("dense", "embeddings"):
+        assert ours[part].keys() == theirs[part].keys()
+        for name, value in theirs[part].items():
+            assert torch.equal(ours[part][name], value), name
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_warm_up_preloads_the_hottest_rows_and_training_stays_exact(policy):
+    batches = _batches(30, skew=1.2)
+    reference, reference_optimizer, cached = _pair("adagrad", cache_rows=80, policy=policy)
+    _, _, cold = _pair("adagrad", cache_rows=80, policy=policy)
+    sample = torch.cat([ids for ids, _, _ in batches[:10]])
+    assert cached.warm_up(sample, fraction=0.5) == 40
+    counts = np.bincount(sample.numpy(), minlength=NUM_ROWS)
+    preloaded, _ = cached.rows.index.resident()
+    assert counts[preloaded].min() >= np.sort(counts)[-40]  # the 40 most counted rows (ties aside)
+    for ids, offsets, target in batches:
+        reference_optimizer.zero_grad()
+        _loss(reference(ids, offsets), target).backward()
+        reference_optimizer.step()
+        for module in (cached, cold):
+            _loss(module(ids, offsets), target).backward()
+    assert torch.equal(reference.weight.detach(), cached.weight)
+    assert cached.rows.stats["rows_preloaded"] == 40
+    assert cached.rows.stats["rows_fetched"] < cold.rows.stats["rows_fetched"]

@@ -111,6 +111,11 @@ class CachedEmbeddingBag(nn.Module):
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, cache_rows={self.rows.index.capacity}, "
                 f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, lr={self.rows.optimizer.lr}")
 
+    def warm_up(self, sample: torch.Tensor, *, fraction: float = 0.7) -> int:
+        """Preload the rows ``sample`` (ids from some of the data) names most often, up to ``fraction`` of the
+        cache (as CachedEmbedding preloads the hottest 70%); the number preloaded."""
+        return self.rows.warm_up(sample.detach().cpu().numpy(), fraction=fraction)
+
     # -- what bagpipe.nn.Lookahead plans for --------------------------------------------------------------
 
     def cached_spaces(self) -> list[CachedRows]:

@@ -117,6 +117,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in names
                                and not k[len(prefix):].startswith("spaces."))
 
+    def warm_up(self, sample: Sequence[torch.Tensor], *, fraction: float = 0.7) -> int:
+        """Preload the rows ``sample`` (one id tensor per table, from some of the data) names most often, up to
+        ``fraction`` of each width's cache; the number preloaded."""
+        return sum(rows.warm_up(keys, fraction=fraction) for rows, keys in zip(self.spaces, self.plan_keys(sample)))
+
     # -- what bagpipe.nn.Lookahead plans for --------------------------------------------------------------
 
     def cached_spaces(self) -> list[CachedRows]:

@@ -70,6 +70,25 @@ class CachedRows(nn.Module):
         self._install(step.fetch_keys, step.fetch_slots, rows)
         self._planned = (step.batch_keys, step.batch_slots)
 
+    def warm_up(self, keys: np.ndarray, *, fraction: float = 0.7) -> int:
+        """Frequency-aware warm-up: count ``keys`` (the ids of a sample of the data, repeats and all) and
+        preload the hottest rows not cached into free slots, up to ``fraction`` of the cache, their counts
+        taken as their uses (so that LFU keeps them); the number of rows preloaded."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        distinct, counts = np.unique(np.asarray(keys, dtype=np.int64).reshape(-1), return_counts=True)
+        if len(distinct) and (distinct[0] < 0 or distinct[-1] >= self.num_rows):
+            raise IndexError(f"id {int(distinct[0] if distinct[0] < 0 else distinct[-1])} out of range for a "
+                             f"table of {self.num_rows} rows")
+        absent = self.index.locate(distinct) < 0
+        distinct, counts = distinct[absent], counts[absent]
+        room = min(self.index.capacity - self.index.resident_rows, int(fraction * self.index.capacity))
+        hottest = np.sort(np.argsort(-counts, kind="stable")[:room])  # the most counted, in key order
+        slots = self.index.preload(distinct[hottest], counts[hottest])
+        self._install(distinct[hottest], slots, count=False)
+        self.stats["rows_preloaded"] = self.stats.get("rows_preloaded", 0) + len(hottest)
+        return len(hottest)
+
     def read_host(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The host rows of ``keys`` and their state, in pinned memory when the cache is on a GPU (so that the
         copy to it is asynchronous). Safe on another thread while the cache trains, for rows not cached."""
@@ -138,8 +157,8 @@ class CachedRows(nn.Module):
         if count:
             self.stats["rows_written_back"] += len(keys)
 
-    def _install(self, keys: np.ndarray, slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> None:
+    def _install(self, keys: np.ndarray, slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 *, count: bool = True) -> None:
         if not len(keys):
             return
         weights, state = self.read_host(keys) if rows is None else rows
@@ -148,4 +167,5 @@ class CachedRows(nn.Module):
         self.cache_weight.index_copy_(0, index, weights.to(device, non_blocking=True))
         if state.shape[1]:
             self.cache_state.index_copy_(0, index, state.to(device, non_blocking=True))
-        self.stats["rows_fetched"] += len(keys)
+        if count:
+            self.stats["rows_fetched"] += len(keys)
