@@ -407,3 +407,23 @@ def test_warm_up_preloads_the_hottest_rows_and_training_stays_exact(policy):
     assert torch.equal(reference.weight.detach(), cached.weight)
     assert cached.rows.stats["rows_preloaded"] == 40
     assert cached.rows.stats["rows_fetched"] < cold.rows.stats["rows_fetched"]
+
+
+def test_cached_tables_look_up_an_unplanned_batch_as_the_reference_does(small_binary):
+    from bagpipe.config import ModelConfig, TrainConfig
+    from bagpipe.data.batches import iterate_batches
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.reference import build_tables
+
+    split = open_dataset(small_binary).train
+    config = TrainConfig(data="-", run_dir="-", seed=3, model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8",
+                                                                            arch_mlp_top="16-1"))
+    batches = list(iterate_batches(split, batch_size=32, iterations=3))
+    reference = build_tables(config, split.schema)
+    tables = CachedTables(build_tables(config, split.schema), cache_rows=reference.layout.split_cache(800, batch_size=32))
+    loop = iter(Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=2))
+    planned = next(loop)
+    for ids in (planned.ids, planned.ids[:5], batches[1].ids):  # the planned batch, a part of it, another one
+        (want, want_lookups), (got, got_lookups) = reference.lookup(ids), tables.lookup(ids)
+        assert all(torch.equal(a, b) for a, b in zip(want.spaces, got.spaces))
+        assert [len(lookup.index) for lookup in want_lookups] == [len(lookup.index) for lookup in got_lookups]

@@ -42,6 +42,11 @@ class CachedRows(nn.Module):
         self._planned: tuple[np.ndarray, np.ndarray] | None = None  # a plan step's batch: its keys and their slots
 
     @property
+    def planned(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The batch the last plan step made resident: its distinct keys (sorted) and their slots."""
+        return self._planned
+
+    @property
     def num_rows(self) -> int:
         return self.host_weight.shape[0]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from bagpipe.cache import BatchRows, BatchView
 from bagpipe.embeddings import EmbeddingTables, Embeddings, Lookup, distinct_positions, gather, valid_keys
 from bagpipe.nn.rows import CachedRows
 from bagpipe.nn.slots import CLEANUP_FRACTION
@@ -30,6 +31,8 @@ class CachedTables:
                                   policy=policy, cleanup_fraction=cleanup_fraction, device=device)
                        for weights, state, share in zip(tables.weights, tables.state, cache_rows)]
         self._keys: list[np.ndarray] = []  # the rows of the last lookup, per space (what a step changes)
+        # with a plan: each id's row in the planned batch, through a per-row scratch (as a trainer's)
+        self._rows_of: list[BatchRows | None] = [None] * len(self.spaces)
 
     # -- EmbeddingTables' interface -------------------------------------------------------------------------
 
@@ -39,7 +42,9 @@ class CachedTables:
     def lookup(self, ids: torch.Tensor, *, keys: list[torch.Tensor] | None = None) -> tuple[Embeddings, list[Lookup]]:
         blocks, lookups, self._keys = [], [], []
         for s, (space, flat) in enumerate(zip(self.layout.spaces, self.host.space_keys(ids))):
-            distinct, positions = distinct_positions(flat, padded=space.padded, keys=None if keys is None else keys[s])
+            planned = self._planned(s, flat.numpy()) if keys is None else None
+            distinct, positions = planned or distinct_positions(flat, padded=space.padded,
+                                                                keys=None if keys is None else keys[s])
             rows = self.spaces[s]
             slots = torch.from_numpy(rows.make_resident(distinct.numpy())).to(rows.cache_weight.device)
             block, lookup = gather(rows.cache_weight, slots, positions.to(rows.cache_weight.device),
@@ -54,6 +59,24 @@ class CachedTables:
             self.spaces[s].apply(lookup.index, lookup.rows, None if grads is None else grads[s])
             if self.host.changed:
                 self.host.changed[s][torch.from_numpy(self._keys[s])] = True
+
+    def _planned(self, s: int, flat: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The planned batch's distinct keys (the planner sorted them) and each id's place in them, if ``flat``
+        is that batch: the values ``distinct_positions`` computes, without sorting the batch again."""
+        planned = self.spaces[s].planned
+        if planned is None or not len(planned[0]):
+            return None
+        if self._rows_of[s] is None:
+            self._rows_of[s] = BatchRows(self.spaces[s].num_rows)
+        keys = planned[0]
+        self._rows_of[s].load(BatchView(keys, planned[1], 0, np.zeros(0, dtype=np.int32)))
+        positions = self._rows_of[s].at(flat).positions.astype(np.int64)
+        valid = flat >= 0
+        used = positions[valid]
+        if not (np.array_equal(keys[np.minimum(used, len(keys) - 1)], flat[valid])
+                and np.bincount(used, minlength=len(keys)).all()):
+            return None  # not the planned batch (other keys, or only some of its keys)
+        return torch.from_numpy(keys), torch.from_numpy(positions)
 
     @property
     def weights(self) -> list[torch.Tensor]:
