@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ bench-storage: $(BIN)/bagpipe
 
 bench-parity: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_parity.py --work-dir runs/bench_parity --out runs/bench_parity/result.json
+
+bench-single: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_single.py --work-dir runs/bench_single --out runs/bench_single/result.json
+	$(BIN)/python benchmarks/bench_single.py --hit-rates 2000 --out runs/bench_single/hit_rates.json
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs
