@@ -58,6 +58,11 @@ def test_single_mode_on_the_command_line(small_tsv, tmp_path, capsys):
     assert "mode single" in out and "cache       400 of" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mode"] == "single" and summary["cache_rows"] == 400
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in records if "train_loss" in r]
+    assert all(0 <= r["cache_hit_rate"] <= 1 and r["rows_fetched_per_iteration"] > 0 for r in windows)
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "report")]) == 0
+    assert "(single, lru): single mode" in capsys.readouterr().out
     assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "none"), "--mode", "single",
                  "--policy", "none", "--no-progress"]) == 2
     assert "--mode single: policy must be one of lookahead, lru, lfu" in capsys.readouterr().err

@@ -199,6 +199,7 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     clock = PhaseClock(warmup=timer.warmup)
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)
+    cache_window = _CacheWindow() if config.mode == "single" else None
     loss = float("nan")
     recent_losses = progress_state.recent_losses
     train_started = time.perf_counter()
@@ -231,7 +232,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
                             train_loss=mean_loss, elapsed_s=now - train_started,
                             samples_per_s=timer.samples_per_s,
                             window_samples_per_s=len(recent_losses) * config.batch_size / (now - window_start),
-                            time_ms=clock.window())
+                            time_ms=clock.window(),
+                            **(cache_window.figures(tables.cache_stats(), len(recent_losses)) if cache_window else {}))
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             recent_losses.clear()
             window_start = now
@@ -282,6 +284,20 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     }
     run.finish(summary)
     return summary
+
+
+class _CacheWindow:
+    """--mode single's cache figures over each metrics window, as --mode bagpipe logs them."""
+
+    def __init__(self) -> None:
+        self.last = {"rows_looked_up": 0, "rows_fetched": 0}
+
+    def figures(self, stats: dict, iterations: int) -> dict:
+        looked_up = stats["rows_looked_up"] - self.last["rows_looked_up"]
+        fetched = stats["rows_fetched"] - self.last["rows_fetched"]
+        self.last = stats
+        return {"cache_hit_rate": 1.0 - fetched / looked_up if looked_up else None,
+                "rows_fetched_per_iteration": fetched / max(iterations, 1)}
 
 
 def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dict:

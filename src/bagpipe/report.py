@@ -63,6 +63,8 @@ def _default_label(path: Path, summary: dict) -> str:
     mode = summary.get("mode")
     if mode == "bagpipe":
         return f"{path.name} (bagpipe, {summary.get('trainers')} trainers, {summary.get('policy')})"
+    if mode == "single":
+        return f"{path.name} (single, {summary.get('policy')})"
     return f"{path.name} ({mode})" if mode else path.name
 
 
@@ -83,10 +85,11 @@ def summarize(run: Run) -> str:
         lines.append(f"  train loss   {s['final_train_loss']:.4f}   eval {name} {s['eval_' + metric]:.4f}   {other}")
     else:
         lines.append(f"  (no summary.json: unfinished run) last train loss {last['train_loss']:.4f}")
-    if s.get("mode") == "bagpipe":
+    if s.get("mode") in ("bagpipe", "single"):
         lines.append(f"  cache        {s['cache_rows']:,} of {s['total_rows']:,} rows, hit rate "
-                     f"{s['cache_hit_rate']:.3f}, {s['rows_moved_per_iteration']:,.0f} rows moved per iteration, "
-                     f"stall {100 * s['embedding_stall_fraction']:.1f}%, {s['bytes_sent'] / 2**20:,.1f} MiB sent")
+                     f"{s['cache_hit_rate']:.3f}, {s['rows_moved_per_iteration']:,.0f} rows moved per iteration"
+                     + (f", stall {100 * s['embedding_stall_fraction']:.1f}%, {s['bytes_sent'] / 2**20:,.1f} MiB sent"
+                        if s["mode"] == "bagpipe" else ""))
     breakdown = s.get("time_breakdown_ms") or {}
     if breakdown:
         total = sum(breakdown.values())
