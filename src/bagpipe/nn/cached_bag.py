@@ -78,7 +78,7 @@ class CachedEmbeddingBag(nn.Module):
         rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            rows.register_hook(functools.partial(self._step, keys))
+            rows.register_hook(functools.partial(self.rows.fused_step, keys))
         positions = torch.from_numpy(positions.reshape(input.shape)).to(device)
         # sparse: the gradient nn.EmbeddingBag(sparse=True) gives, summed per row in the same order
         return F.embedding_bag(positions, rows, offsets, mode=self.mode, sparse=True,
@@ -125,10 +125,6 @@ class CachedEmbeddingBag(nn.Module):
         """The rows a lookup of ``ids`` touches (repeats allowed), as the planner reads them."""
         return [np.asarray(ids.detach().cpu().numpy(), dtype=np.int64).reshape(-1)]
 
-    def _step(self, keys: np.ndarray, grad: torch.Tensor) -> None:
-        """The backward reached a lookup's rows: step them with their summed gradient."""
-        self.rows.step(keys, dense_rows(grad, len(keys)))
-
 
 def row_optimizer(name: str, *, lr: float | None, eps: float | None, betas: tuple[float, float]) -> RowOptimizer:
     """The fused optimizer, its hyper-parameters defaulted as torch.optim's SGD, Adagrad and Adam default them."""
@@ -138,18 +134,3 @@ def row_optimizer(name: str, *, lr: float | None, eps: float | None, betas: tupl
     optimizer = make_row_optimizer(name, lr=defaults[name] if lr is None else lr)
     return RowOptimizer(name=name, lr=optimizer.lr, eps=optimizer.eps if eps is None else eps,
                         beta1=betas[0], beta2=betas[1])
-
-
-def dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """A lookup's gradient as ``[num_rows, D]``: embedding_bag's sparse gradient coalesced (each row's
-    contributions summed in the order nn.EmbeddingBag(sparse=True) sums them), rows it lacks zero.
-
-    The order is coalesce's sort of the ids' positions, which only the positions' relative order decides:
-    a lookup of one table's ids, numbered by their rank, sums as a lookup of the ids themselves does."""
-    if not grad.is_sparse:
-        return grad
-    grad = grad.coalesce()
-    indices, values = grad.indices()[0], grad.values()
-    if len(indices) == num_rows:
-        return values
-    return values.new_zeros(num_rows, values.shape[1]).index_copy_(0, indices, values)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bagpipe.nn.cached_bag import MODES, dense_rows, row_optimizer
-from bagpipe.nn.rows import CachedRows
+from bagpipe.nn.cached_bag import MODES, row_optimizer
+from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
 
 
@@ -80,11 +80,11 @@ class CachedEmbeddingBagCollection(nn.Module):
             slots = np.split(rows.make_resident(np.concatenate(keys)), np.cumsum([len(k) for k in keys])[:-1])
             device = rows.cache_weight.device
             for t, table_keys, table_slots, (_, positions) in zip(members, keys, slots, distinct):
-                # a leaf and a pooling per table: its gradient then sums as nn.EmbeddingBag's own does (dense_rows)
+                # a leaf and a pooling per table: its gradient then sums as nn.EmbeddingBag's own does (rows.dense_rows)
                 leaf = rows.cache_weight.index_select(0, torch.from_numpy(table_slots).to(device))
                 if torch.is_grad_enabled():
                     leaf.requires_grad_(True)
-                    leaf.register_hook(functools.partial(_step, rows, table_keys))
+                    leaf.register_hook(functools.partial(rows.fused_step, table_keys))
                 outputs[t] = F.embedding_bag(torch.from_numpy(positions).to(device), leaf, bags[t][1].to(device),
                                              mode=self.mode, sparse=True, per_sample_weights=weights[t])
         return outputs
@@ -135,13 +135,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return [np.concatenate(k) if k else np.zeros(0, dtype=np.int64) for k in keys]
 
     def hit_rate(self) -> float:
-        looked_up = sum(rows.stats["rows_looked_up"] for rows in self.spaces)
-        fetched = sum(rows.stats["rows_fetched"] for rows in self.spaces)
-        return 1.0 - fetched / looked_up if looked_up else 0.0
-
-
-def _step(rows: CachedRows, keys: np.ndarray, grad: torch.Tensor) -> None:
-    rows.step(keys, dense_rows(grad, len(keys)))
+        return hit_rate(total_stats(list(self.spaces)))
 
 
 def _as_bags(ids: torch.Tensor, offsets: torch.Tensor | None, *, table: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ class CachedRows(nn.Module):
         self.register_buffer("cache_weight", torch.zeros(capacity, dim, device=device), persistent=False)
         self.register_buffer("cache_state", torch.zeros(capacity, self.host_state.shape[1], device=device),
                              persistent=False)
-        self.stats = {"batches": 0, "rows_looked_up": 0, "rows_fetched": 0, "rows_written_back": 0}
+        self.stats = dict.fromkeys(COUNTERS, 0)
         self.dirty = False  # some cached row changed since the last flush
         self._planned: tuple[np.ndarray, np.ndarray] | None = None  # a plan step's batch: its keys and their slots
 
@@ -56,9 +56,7 @@ class CachedRows(nn.Module):
         self.stats["rows_looked_up"] += len(keys)
         if self._planned is not None and np.array_equal(self._planned[0], keys):
             return self._planned[1]  # the plan made them resident, and says where
-        if len(keys) and (keys[0] < 0 or keys[-1] >= self.num_rows):
-            bad = keys[0] if keys[0] < 0 else keys[-1]
-            raise IndexError(f"id {int(bad)} out of range for a table of {self.num_rows} rows")
+        self._check_range(keys)
         self._planned = None  # the policy moves rows from here on
         admission = self.index.admit(keys)
         self._write_back(admission.evict_keys, admission.evict_slots)
@@ -82,9 +80,7 @@ class CachedRows(nn.Module):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         distinct, counts = np.unique(np.asarray(keys, dtype=np.int64).reshape(-1), return_counts=True)
-        if len(distinct) and (distinct[0] < 0 or distinct[-1] >= self.num_rows):
-            raise IndexError(f"id {int(distinct[0] if distinct[0] < 0 else distinct[-1])} out of range for a "
-                             f"table of {self.num_rows} rows")
+        self._check_range(distinct)
         absent = self.index.locate(distinct) < 0
         distinct, counts = distinct[absent], counts[absent]
         room = min(self.index.capacity - self.index.resident_rows, int(fraction * self.index.capacity))
@@ -124,9 +120,7 @@ class CachedRows(nn.Module):
             self.cache_weight.index_copy_(0, index, self.read_host(keys)[0].to(self.cache_weight.device))
 
     def hit_rate(self) -> float:
-        """The share of looked-up rows that were already resident."""
-        looked_up = self.stats["rows_looked_up"]
-        return 1.0 - self.stats["rows_fetched"] / looked_up if looked_up else 0.0
+        return hit_rate(self.stats)
 
     def apply(self, slots: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor | None) -> None:
         """Row-optimizer step on the cached rows in ``slots`` (a lookup's leaf ``rows``; ``grads``: its own)."""
@@ -146,10 +140,20 @@ class CachedRows(nn.Module):
         self._step_rows(self.host_weight, self.host_state, torch.from_numpy(keys)[~cached],
                         grads[(~cached).to(grads.device)].cpu())
 
+    def fused_step(self, keys: np.ndarray, grad: torch.Tensor) -> None:
+        """The backward reached a lookup of ``keys`` (a hook on its leaf): step them with their gradient."""
+        self.step(keys, dense_rows(grad, len(keys)))
+
     def _step_rows(self, weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grads: torch.Tensor) -> None:
         if len(index):
             update_rows(self.optimizer, weights, state, Lookup(index, weights.index_select(0, index)), grads)
             self.dirty = True
+
+    def _check_range(self, keys: np.ndarray) -> None:
+        """Sorted ``keys`` all rows of the table, or an IndexError naming one that is not."""
+        if len(keys) and (keys[0] < 0 or keys[-1] >= self.num_rows):
+            bad = keys[0] if keys[0] < 0 else keys[-1]
+            raise IndexError(f"id {int(bad)} out of range for a table of {self.num_rows} rows")
 
     def _write_back(self, keys: np.ndarray, slots: np.ndarray, *, count: bool = True) -> None:
         if not len(keys):
@@ -174,3 +178,32 @@ class CachedRows(nn.Module):
             self.cache_state.index_copy_(0, index, state.to(device, non_blocking=True))
         if count:
             self.stats["rows_fetched"] += len(keys)
+
+
+COUNTERS = ("batches", "rows_looked_up", "rows_fetched", "rows_written_back")
+
+
+def total_stats(spaces: list[CachedRows]) -> dict:
+    """The counters of several CachedRows added up."""
+    return {name: sum(rows.stats[name] for rows in spaces) for name in COUNTERS}
+
+
+def hit_rate(stats: dict) -> float:
+    """The share of looked-up rows that were already resident."""
+    looked_up = stats["rows_looked_up"]
+    return 1.0 - stats["rows_fetched"] / looked_up if looked_up else 0.0
+
+
+def dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A lookup's gradient as ``[num_rows, D]``: embedding_bag's sparse gradient coalesced (each row's
+    contributions summed in the order nn.EmbeddingBag(sparse=True) sums them), rows it lacks zero.
+
+    The order is coalesce's sort of the ids' positions, which only the positions' relative order decides:
+    a lookup of one table's ids, numbered by their rank, sums as a lookup of the ids themselves does."""
+    if not grad.is_sparse:
+        return grad
+    grad = grad.coalesce()
+    indices, values = grad.indices()[0], grad.values()
+    if len(indices) == num_rows:
+        return values
+    return values.new_zeros(num_rows, values.shape[1]).index_copy_(0, indices, values)

@@ -13,7 +13,7 @@ import torch
 
 from bagpipe.cache import BatchRows, BatchView
 from bagpipe.embeddings import EmbeddingTables, Embeddings, Lookup, distinct_positions, gather, valid_keys
-from bagpipe.nn.rows import CachedRows
+from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
 
 
@@ -114,9 +114,6 @@ class CachedTables:
 
     def cache_stats(self) -> dict:
         """Rows looked up, fetched and written back over all spaces, the hit rate, and the cache's size."""
-        totals = {name: sum(rows.stats[name] for rows in self.spaces)
-                  for name in ("batches", "rows_looked_up", "rows_fetched", "rows_written_back")}
+        totals = total_stats(self.spaces)
         totals["batches"] //= len(self.spaces)
-        looked_up = totals["rows_looked_up"]
-        return {**totals, "hit_rate": 1.0 - totals["rows_fetched"] / looked_up if looked_up else 0.0,
-                "cache_rows": [rows.index.capacity for rows in self.spaces]}
+        return {**totals, "hit_rate": hit_rate(totals), "cache_rows": [rows.index.capacity for rows in self.spaces]}
