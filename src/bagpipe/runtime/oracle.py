@@ -491,11 +491,13 @@ class Oracle:
             self.done[trainer] = (stats, dense_state)
             self.written[trainer] = self.iterations  # the final flush's write-backs are acknowledged
             self.save_record()  # (a replacement of this oracle cannot take over once a trainer has left)
+            # Logged before the trainer has its answer (so before it can end): the launcher reads it as the
+            # trainer's part of the job done, whatever becomes of its process after (logged at the last
+            # iteration: a resumed run forgets it with the iterations it trains again). Logged before the main
+            # thread is woken too: an oracle lost past wait_for_trainers has every report in the log, so the
+            # launcher restarts the job rather than start a replacement that cannot take it over.
+            self.run.log_metrics(event=TRAINER_DONE, trainer=trainer, iteration=self.iterations)
             self.changed.notify_all()
-        # Logged before the trainer has its answer (so before it can end): the launcher reads it as the
-        # trainer's part of the job done, whatever becomes of its process after (logged at the last iteration:
-        # a resumed run forgets it with the iterations it trains again).
-        self.run.log_metrics(event=TRAINER_DONE, trainer=trainer, iteration=self.iterations)
 
     def _resumed(self, replay_s: float) -> None:
         """This replacement has planned again what its trainers had (in ``replay_s``): its next plans are new."""
