@@ -1,7 +1,8 @@
-"""``CachedEmbeddingBag``: ``nn.EmbeddingBag``'s interface over a table in host memory and a small cache on
-the module's device, with the row optimizer fused into the backward.
+"""``CachedEmbeddingBag``: ``nn.EmbeddingBag``'s interface over a table in host memory (or on disk) and a small
+cache on the module's device, with the row optimizer fused into the backward.
 
-The full table and its optimizer state stay on the host; ``cache_rows`` rows (and their state) live in the
+The full table and its optimizer state stay on the host (``storage="memory"``) or in a file behind a bounded
+DRAM cache (``storage="disk"``, bagpipe.nn.host); ``cache_rows`` rows (and their state) live in the
 cache. Before a lookup every row of the batch is made resident (rows evicted by the policy are written back
 with their state, missing ones fetched with theirs), so the state travels with its row and training equals
 ``nn.EmbeddingBag(sparse=True)`` stepped by ``bagpipe.optim.RowWise`` over the whole table, whatever is
@@ -12,15 +13,18 @@ TorchRec's fused optimizers work): the table takes no part in the caller's own o
 from __future__ import annotations
 
 import functools
+import weakref
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bagpipe.nn.host import blocks_of, host_table, normal_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows
 from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.optim import RowOptimizer, make_row_optimizer
+from bagpipe.storage import StorageSpec
 
 MODES = ("sum", "mean")  # "max" has no sparse gradient, so no row-wise step to fuse
 
@@ -35,13 +39,19 @@ class CachedEmbeddingBag(nn.Module):
     the rows to evict when a batch's rows do not fit beside the resident ones, ``cleanup_fraction`` of the
     cache at least (choosing them is a pass over the cache: paid once every many batches). A batch with more distinct
     rows than the cache is refused with a ValueError naming both counts.
+
+    ``storage``: where the full table and its optimizer state live: "memory" (host tensors; ``_weight`` is
+    shared, as ``nn.EmbeddingBag`` shares it), "disk" (a file in the system's temporary directory behind 64 MiB
+    of DRAM) or a ``bagpipe.storage.StorageSpec("disk", directory, budget_bytes)``. On disk the initial rows
+    are drawn block by block (N(0, 1) as in memory, not the same values in the last block), ``weight`` and
+    ``state_dict()`` read the whole table into memory, and the file is deleted with the module.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, cache_rows: int, mode: str = "mean",
                  include_last_offset: bool = False, optimizer: str = "sgd", lr: float | None = None,
                  eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), policy: str = "lru",
                  cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 storage: str | StorageSpec = "memory", device: torch.device | str | None = None) -> None:
         super().__init__()
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"num_embeddings and embedding_dim must be positive, got {num_embeddings} x "
@@ -51,15 +61,19 @@ class CachedEmbeddingBag(nn.Module):
         self.num_embeddings, self.embedding_dim, self.mode = num_embeddings, embedding_dim, mode
         self.include_last_offset = include_last_offset
         optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
+        storage = storage_spec(storage)
         if _weight is None:
-            host_weight = torch.empty(num_embeddings, embedding_dim)
-            nn.init.normal_(host_weight)  # as nn.EmbeddingBag.reset_parameters
+            blocks = ([nn.init.normal_(torch.empty(num_embeddings, embedding_dim))]  # as nn.EmbeddingBag does
+                      if storage.kind == "memory" else normal_blocks(num_embeddings, embedding_dim))
         else:
             if tuple(_weight.shape) != (num_embeddings, embedding_dim):
                 raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
                                  f"({num_embeddings}, {embedding_dim})")
-            host_weight = _weight.detach().to("cpu", torch.float32)  # shared, as nn.EmbeddingBag shares it
-        self.rows = CachedRows(host_weight, cache_rows=cache_rows, optimizer=optimizer, policy=policy,
+            blocks = blocks_of(_weight.detach()) if storage.kind == "disk" else [_weight.detach().to("cpu", torch.float32)]
+        host = host_table(storage, num_rows=num_embeddings, dim=embedding_dim,
+                          state_width=optimizer.state_width(embedding_dim), blocks=blocks)
+        weakref.finalize(self, host.close)  # a table on disk is this module's working copy
+        self.rows = CachedRows(host, cache_rows=cache_rows, optimizer=optimizer, policy=policy,
                                cleanup_fraction=cleanup_fraction, device=device)
 
     # -- the nn.EmbeddingBag interface ----------------------------------------------------------------------
@@ -86,9 +100,10 @@ class CachedEmbeddingBag(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The full table, with the cached rows written into it (a host tensor the module keeps updating)."""
+        """The full table, with the cached rows written into it: in memory, a host tensor the module keeps
+        updating; on disk, a copy read from the file."""
         self.rows.flush()
-        return self.rows.host_weight
+        return self.rows.host.rows(0, self.num_embeddings)[0]
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         destination[prefix + "weight"] = self.weight
@@ -102,7 +117,8 @@ class CachedEmbeddingBag(nn.Module):
             error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
                               f"the shape in current model is {(self.num_embeddings, self.embedding_dim)}")
         else:  # the weights replaced, cached or not; the rows' optimizer state kept
-            self.weight.copy_(state_dict[key])
+            self.rows.flush()
+            self.rows.host.set_rows(0, state_dict[key].detach())
             self.rows.reload()
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key
                                and k[len(prefix):].split(".")[0] not in self._modules)

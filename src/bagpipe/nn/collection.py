@@ -8,6 +8,8 @@ resident in one cache operation (one eviction choice, one host read), then each 
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -16,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from bagpipe.nn.cached_bag import MODES, row_optimizer
+from bagpipe.nn.host import blocks_of, host_table, normal_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
+from bagpipe.storage import StorageSpec
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -28,14 +32,16 @@ class CachedEmbeddingBagCollection(nn.Module):
     ``cache_rows``: rows cached in all (split among the widths in proportion to their rows), or one count
     per width in order of first appearance. ``weights``: each table's initial rows (default N(0, 1), as
     ``nn.EmbeddingBag``). ``state_dict()`` holds ``embedding_bags.{t}.weight``, the full tables, as an
-    ``nn.ModuleList`` of ``nn.EmbeddingBag`` named ``embedding_bags`` holds them.
+    ``nn.ModuleList`` of ``nn.EmbeddingBag`` named ``embedding_bags`` holds them. ``storage``: where the full
+    tables live, as for ``CachedEmbeddingBag`` (one file per width on disk, the DRAM budget split among the
+    widths in proportion to their rows).
     """
 
     def __init__(self, tables: Sequence[tuple[int, int]], *, cache_rows: int | Sequence[int], mode: str = "sum",
                  optimizer: str = "sgd", lr: float | None = None, eps: float | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), policy: str = "lru",
                  cleanup_fraction: float = CLEANUP_FRACTION, weights: Sequence[torch.Tensor] | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 storage: str | StorageSpec = "memory", device: torch.device | str | None = None) -> None:
         super().__init__()
         if not tables:
             raise ValueError("a collection needs at least one table")
@@ -53,10 +59,17 @@ class CachedEmbeddingBagCollection(nn.Module):
             sizes[space] += rows
         shares = _split(cache_rows, sizes)
         optimizer_ = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
+        storage = storage_spec(storage)
         spaces = []
         for space, dim in enumerate(dims):
             members = [t for t, s in enumerate(self.space_of) if s == space]
-            host = torch.cat([_initial(self.tables[t], None if weights is None else weights[t]) for t in members])
+            blocks = itertools.chain.from_iterable(
+                _initial(self.tables[t], None if weights is None else weights[t], disk=storage.kind == "disk")
+                for t in members)
+            share = StorageSpec(storage.kind, storage.directory, storage.budget_bytes * sizes[space] // sum(sizes))
+            host = host_table(share, num_rows=sizes[space], dim=dim, state_width=optimizer_.state_width(dim),
+                              blocks=blocks)
+            weakref.finalize(self, host.close)  # a table on disk is this module's working copy
             spaces.append(CachedRows(host, cache_rows=shares[space], optimizer=optimizer_, policy=policy,
                                      cleanup_fraction=cleanup_fraction, device=device))
         self.spaces = nn.ModuleList(spaces)
@@ -92,11 +105,12 @@ class CachedEmbeddingBagCollection(nn.Module):
     # -- the full tables ------------------------------------------------------------------------------------
 
     def weight(self, table: int) -> torch.Tensor:
-        """Table ``table``'s rows on the host, the cached rows written in (a view the module keeps updating)."""
+        """Table ``table``'s rows, the cached rows written in: in memory, a view the module keeps updating; on
+        disk, a copy read from the file."""
         space = self.spaces[self.space_of[table]]
         space.flush()
         offset = self.offset_of[table]
-        return space.host_weight[offset:offset + self.tables[table][0]]
+        return space.host.rows(offset, offset + self.tables[table][0])[0]
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         for t in range(len(self.tables)):
@@ -111,7 +125,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             elif tuple(state_dict[name].shape) != self.tables[t]:
                 error_msgs.append(f"size mismatch for {name}: {tuple(state_dict[name].shape)} against {self.tables[t]}")
             else:
-                self.weight(t).copy_(state_dict[name])
+                space = self.spaces[self.space_of[t]]
+                space.flush()
+                space.host.set_rows(self.offset_of[t], state_dict[name].detach())
         for rows in self.spaces:
             rows.reload()
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in names
@@ -159,7 +175,9 @@ def _split(cache_rows: int | Sequence[int], sizes: list[int]) -> list[int]:
     return [max(1, cache_rows * size // sum(sizes)) for size in sizes]
 
 
-def _initial(shape: tuple[int, int], weight: torch.Tensor | None) -> torch.Tensor:
+def _initial(shape: tuple[int, int], weight: torch.Tensor | None, *, disk: bool):
+    """A table's initial rows as blocks: the given ``weight``, or N(0, 1) as ``nn.EmbeddingBag`` draws them (on
+    disk, block by block)."""
     if weight is not None:
-        return weight.detach().to("cpu", torch.float32)
-    return nn.init.normal_(torch.empty(*shape))
+        return blocks_of(weight.detach()) if disk else [weight.detach().to("cpu", torch.float32)]
+    return normal_blocks(*shape) if disk else [nn.init.normal_(torch.empty(*shape))]

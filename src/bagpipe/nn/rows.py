@@ -1,5 +1,5 @@
-"""``CachedRows``: one table (or one space of tables of a width) in host memory, its optimizer state beside it,
-and a cache of some of its rows on a device; rows move between the two with their state.
+"""``CachedRows``: one table (or one space of tables of a width) in host memory or on disk (bagpipe.nn.host), its
+optimizer state beside it, and a cache of some of its rows on a device; rows move between the two with their state.
 
 The building block of bagpipe.nn's modules: they look rows up in the cache; this class makes them resident
 (by an online policy, or by a plan's steps), writes them back, and steps them with the row optimizer.
@@ -12,30 +12,30 @@ import torch
 from torch import nn
 
 from bagpipe.embeddings import Lookup, update_rows
+from bagpipe.nn.host import DiskTable, MemoryTable
 from bagpipe.nn.slots import CLEANUP_FRACTION, SlotIndex
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlanStep
 
 
 class CachedRows(nn.Module):
-    """``host_weight`` ``[N, D]`` and ``host_state`` on the host; ``cache_rows`` of them in buffers on the device.
+    """``host``: the full table ``[N, D]`` and its optimizer state (a MemoryTable or a DiskTable); ``cache_rows``
+    of its rows in buffers on the device.
 
     A submodule, so that ``.to(device)`` moves the cache (buffers, not saved in a state dict) and leaves
-    the host tensors where they are.
+    the host table where it is.
     """
 
-    def __init__(self, host_weight: torch.Tensor, *, cache_rows: int, optimizer: RowOptimizer, policy: str = "lru",
-                 cleanup_fraction: float = CLEANUP_FRACTION, host_state: torch.Tensor | None = None,
+    def __init__(self, host: MemoryTable | DiskTable, *, cache_rows: int, optimizer: RowOptimizer,
+                 policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        num_rows, dim = host_weight.shape
         self.optimizer = optimizer
-        self.host_weight = host_weight
-        self.host_state = torch.zeros(num_rows, optimizer.state_width(dim)) if host_state is None else host_state
-        self.index = SlotIndex(min(cache_rows, num_rows), policy=policy, cleanup_fraction=cleanup_fraction)
+        self.host = host
+        self.index = SlotIndex(min(cache_rows, host.num_rows), policy=policy, cleanup_fraction=cleanup_fraction)
         capacity = self.index.capacity
-        self.register_buffer("cache_weight", torch.zeros(capacity, dim, device=device), persistent=False)
-        self.register_buffer("cache_state", torch.zeros(capacity, self.host_state.shape[1], device=device),
+        self.register_buffer("cache_weight", torch.zeros(capacity, host.dim, device=device), persistent=False)
+        self.register_buffer("cache_state", torch.zeros(capacity, optimizer.state_width(host.dim), device=device),
                              persistent=False)
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.dirty = False  # some cached row changed since the last flush
@@ -48,7 +48,7 @@ class CachedRows(nn.Module):
 
     @property
     def num_rows(self) -> int:
-        return self.host_weight.shape[0]
+        return self.host.num_rows
 
     def make_resident(self, keys: np.ndarray) -> np.ndarray:
         """Make the distinct sorted ``keys`` resident (evicting by the policy); their slots."""
@@ -93,8 +93,7 @@ class CachedRows(nn.Module):
     def read_host(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The host rows of ``keys`` and their state, in pinned memory when the cache is on a GPU (so that the
         copy to it is asynchronous). Safe on another thread while the cache trains, for rows not cached."""
-        host_keys = torch.from_numpy(keys)
-        weights, state = self.host_weight.index_select(0, host_keys), self.host_state.index_select(0, host_keys)
+        weights, state = self.host.read(keys)
         if self.cache_weight.device.type != "cpu":
             weights, state = weights.pin_memory(), state.pin_memory()
         return weights, state
@@ -137,8 +136,9 @@ class CachedRows(nn.Module):
             return
         self._step_rows(self.cache_weight, self.cache_state, slots[cached].to(grads.device),
                         grads[cached.to(grads.device)])
-        self._step_rows(self.host_weight, self.host_state, torch.from_numpy(keys)[~cached],
-                        grads[(~cached).to(grads.device)].cpu())
+        evicted = ~cached.numpy()
+        if evicted.any():
+            self.host.step(self.optimizer, keys[evicted], grads[(~cached).to(grads.device)].cpu())
 
     def fused_step(self, keys: np.ndarray, grad: torch.Tensor) -> None:
         """The backward reached a lookup of ``keys`` (a hook on its leaf): step them with their gradient."""
@@ -159,10 +159,8 @@ class CachedRows(nn.Module):
         if not len(keys):
             return
         index = torch.from_numpy(slots).to(self.cache_weight.device)
-        host_keys = torch.from_numpy(keys)
-        self.host_weight.index_copy_(0, host_keys, self.cache_weight.index_select(0, index).cpu())
-        if self.host_state.shape[1]:
-            self.host_state.index_copy_(0, host_keys, self.cache_state.index_select(0, index).cpu())
+        self.host.write(keys, self.cache_weight.index_select(0, index).cpu(),
+                        self.cache_state.index_select(0, index).cpu())
         if count:
             self.stats["rows_written_back"] += len(keys)
 

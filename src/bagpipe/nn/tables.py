@@ -13,6 +13,7 @@ import torch
 
 from bagpipe.cache import BatchRows, BatchView
 from bagpipe.embeddings import EmbeddingTables, Embeddings, Lookup, distinct_positions, gather, valid_keys
+from bagpipe.nn.host import MemoryTable
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
 
@@ -27,7 +28,7 @@ class CachedTables:
         self.host, self.layout, self.optimizer = tables, tables.layout, tables.optimizer
         if len(cache_rows) != len(self.layout.spaces):
             raise ValueError(f"{len(cache_rows)} cache sizes for {len(self.layout.spaces)} embedding spaces")
-        self.spaces = [CachedRows(weights, host_state=state, cache_rows=share, optimizer=tables.optimizer,
+        self.spaces = [CachedRows(MemoryTable(weights, state), cache_rows=share, optimizer=tables.optimizer,
                                   policy=policy, cleanup_fraction=cleanup_fraction, device=device)
                        for weights, state, share in zip(tables.weights, tables.state, cache_rows)]
         self._keys: list[np.ndarray] = []  # the rows of the last lookup, per space (what a step changes)
