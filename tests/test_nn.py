@@ -30,13 +30,14 @@ def _batches(count: int, *, bags: int = 16, ids_per_bag: int = 3, num_rows: int 
     return out
 
 
-def _pair(optimizer: str, *, cache_rows: int, mode: str = "sum", policy: str = "lru", seed: int = 0):
-    """A reference (nn.EmbeddingBag(sparse=True) + RowWise) and a cached module starting from the same table."""
+def _pair(optimizer: str, *, cache_rows: int, mode: str = "sum", policy: str = "lru", seed: int = 0, **options):
+    """A reference (nn.EmbeddingBag(sparse=True) + RowWise) and a cached module starting from the same table
+    (``options``: the cached module's others, e.g. ``storage``)."""
     weight = torch.randn(NUM_ROWS, DIM, generator=torch.Generator().manual_seed(seed))
     row_optimizer = make_row_optimizer(optimizer, lr=0.05)
     reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode=mode, sparse=True, _weight=weight.clone())
     cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=cache_rows, mode=mode, optimizer=optimizer, lr=0.05,
-                                policy=policy, _weight=weight.clone())
+                                policy=policy, _weight=weight.clone(), **options)
     return reference, RowWise(reference.parameters(), row_optimizer), cached
 
 

@@ -1,0 +1,200 @@
+"""bagpipe.nn's modules with their full tables on disk (storage="disk": storage.DiskRows behind a DRAM budget):
+the same training as nn.EmbeddingBag bit for bit, whatever the device cache and the DRAM cache evict, and a
+process that holds the caches, not the table."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, Lookahead
+from bagpipe.nn.host import DiskTable, MemoryTable
+from bagpipe.optim import RowWise, make_row_optimizer
+from bagpipe.storage import StorageSpec
+from test_nn import DIM, NUM_ROWS, _batches, _loss, _pair
+
+
+def _disk(tmp_path: Path, *, budget_rows: int = 20) -> StorageSpec:
+    """A DRAM cache of about ``budget_rows`` rows (Adam's records): far fewer than the rows that come and go."""
+    return StorageSpec("disk", tmp_path, budget_rows * 100)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("policy", ["lru", "lookahead-prefetch"])
+def test_training_on_disk_equals_the_reference_bit_for_bit(tmp_path, optimizer, policy):
+    batches = _batches(40)
+    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=60, storage=_disk(tmp_path))
+    assert isinstance(cached.rows.host, DiskTable) and cached.rows.host.path.parent == tmp_path
+    for ids, offsets, target in batches:
+        reference_optimizer.zero_grad()
+        _loss(reference(ids, offsets), target).backward()
+        reference_optimizer.step()
+    loop = Lookahead(batches, cached, lookahead=8, prefetch=True) if policy != "lru" else batches
+    for ids, offsets, target in loop:
+        _loss(cached(ids, offsets), target).backward()
+    disk = cached.rows.host.stats()
+    assert cached.rows.stats["rows_written_back"] > 3 * cached.rows.index.capacity
+    assert disk["disk_rows_written"] > 100 and disk["disk_rows_read"] > 100  # the file, not only its DRAM cache
+    assert torch.equal(reference.weight.detach(), cached.weight)
+    if optimizer != "sgd":
+        assert torch.equal(reference_optimizer.state[reference.weight]["rows"], cached.rows.host.rows(0, NUM_ROWS)[1])
+
+
+def test_a_row_evicted_between_forward_and_backward_is_stepped_on_disk(tmp_path):
+    weight = torch.randn(NUM_ROWS, DIM)
+    reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", sparse=True, _weight=weight.clone())
+    stepper = RowWise(reference.parameters(), make_row_optimizer("adam", lr=0.1))
+    cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=4, mode="sum", optimizer="adam", lr=0.1,
+                                _weight=weight.clone(), storage=_disk(tmp_path, budget_rows=0))
+    first, second = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[4, 5, 6, 7]])
+    (cached(first).sum() + 2 * cached(second).sum()).backward()  # the second evicts the first's rows
+    (reference(first).sum() + 2 * reference(second).sum()).backward()
+    stepper.step()
+    assert torch.equal(reference.weight.detach(), cached.weight)
+
+
+def test_state_dict_on_disk_loads_into_either_module_and_keeps_the_optimizer_state(tmp_path):
+    batches = _batches(10)
+    _, _, cached = _pair("adagrad", cache_rows=60, storage=_disk(tmp_path))
+    for ids, offsets, target in batches:
+        _loss(cached(ids, offsets), target).backward()
+    state = cached.state_dict()
+    assert list(state) == ["weight"] and state["weight"].shape == (NUM_ROWS, DIM)
+    plain = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum")
+    plain.load_state_dict(state)
+    ids, offsets, _ = batches[0]
+    assert torch.equal(plain(ids, offsets), cached(ids, offsets))
+    state_before = cached.rows.host.rows(0, NUM_ROWS)[1].clone()
+    with torch.no_grad():
+        plain.weight.mul_(2.0)
+    cached.load_state_dict(plain.state_dict())
+    assert torch.equal(plain(ids, offsets), cached(ids, offsets))
+    assert torch.equal(cached.weight, plain.weight.detach())
+    assert torch.equal(cached.rows.host.rows(0, NUM_ROWS)[1], state_before)
+
+
+def test_a_collection_on_disk_equals_one_in_memory(tmp_path):
+    shapes = [(50, 4), (300, 8), (20, 4), (100, 8)]
+    generator = torch.Generator().manual_seed(4)
+    weights = [torch.randn(*shape, generator=generator) for shape in shapes]
+    modules = [CachedEmbeddingBagCollection(shapes, cache_rows=[40, 60], optimizer="adam", lr=0.05, weights=weights,
+                                            storage=storage) for storage in ("memory", _disk(tmp_path))]
+    for _ in range(25):
+        inputs = [torch.randint(0, rows, (8, 2), generator=generator) for rows, _ in shapes]
+        targets = [torch.randn(8, dim, generator=generator) for _, dim in shapes]
+        for module in modules:
+            sum(_loss(out, target) for out, target in zip(module(inputs), targets)).backward()
+    memory, disk = modules
+    assert [type(rows.host) for rows in disk.spaces] == [DiskTable, DiskTable]
+    assert sum(rows.stats["rows_written_back"] for rows in disk.spaces) > 100
+    assert sum(rows.host.stats()["disk_rows_read"] for rows in disk.spaces) > 50
+    for t in range(len(shapes)):
+        assert torch.equal(memory.weight(t), disk.weight(t)), t
+    assert all(torch.equal(m.host.rows(0, m.num_rows)[1], d.host.rows(0, d.num_rows)[1])
+               for m, d in zip(memory.spaces, disk.spaces))
+
+
+def test_the_file_is_the_modules_and_goes_with_it(tmp_path):
+    cached = CachedEmbeddingBag(1000, 8, cache_rows=10, storage=StorageSpec("disk", tmp_path / "tables", 1 << 16))
+    path = cached.rows.host.path
+    assert path.exists() and path.parent == tmp_path / "tables"
+    assert cached.weight.shape == (1000, 8) and float(cached.weight.std()) == pytest.approx(1.0, abs=0.05)
+    del cached
+    gc.collect()
+    assert not path.exists()
+    with pytest.raises(ValueError, match="storage must be one of memory, disk"):
+        CachedEmbeddingBag(10, 2, cache_rows=4, storage="ssd")
+
+
+def test_a_memory_table_and_a_disk_table_answer_alike(tmp_path):
+    """The two host tiers under random reads, writes, steps and whole-range reads and writes."""
+    rng = np.random.default_rng(0)
+    optimizer = make_row_optimizer("adam", lr=0.1)
+    width = optimizer.state_width(3)
+    initial = torch.from_numpy(rng.standard_normal((500, 3)).astype(np.float32))
+    memory = MemoryTable(initial.clone(), torch.zeros(500, width))
+    disk = DiskTable(tmp_path, num_rows=500, dim=3, state_width=width, budget_bytes=30 * 80,
+                     blocks=[initial[:123], initial[123:]])
+    for step in range(200):
+        keys = np.unique(rng.integers(0, 500, 40))
+        kind = step % 4
+        if kind == 0:
+            rows = torch.from_numpy(rng.standard_normal((len(keys), 3)).astype(np.float32))
+            state = torch.from_numpy(rng.random((len(keys), width)).astype(np.float32))  # Adam's: non-negative
+            for table in (memory, disk):
+                table.write(keys, rows, state)
+        elif kind == 1:
+            grads = torch.from_numpy(rng.standard_normal((len(keys), 3)).astype(np.float32))
+            for table in (memory, disk):
+                table.step(optimizer, keys, grads)
+        elif kind == 2:
+            assert all(torch.equal(a, b) for a, b in zip(memory.read(keys), disk.read(keys)))
+        else:
+            start = int(rng.integers(0, 400))
+            rows = torch.from_numpy(rng.standard_normal((50, 3)).astype(np.float32))
+            for table in (memory, disk):
+                table.set_rows(start, rows)
+    assert all(torch.equal(a, b) for a, b in zip(memory.rows(0, 500), disk.rows(0, 500)))
+    with pytest.raises(ValueError, match="hold 10 rows, the table 20"):
+        DiskTable(tmp_path, num_rows=20, dim=3, state_width=0, budget_bytes=0, blocks=[torch.zeros(10, 3)])
+    disk.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_table_on_disk_many_times_the_budget_keeps_the_process_within_it(tmp_path):
+    """A fresh process: resident memory after a small warm-up, then its peak while it makes a 3M-row table
+    (192 MiB of rows, as much again of Adagrad state) on disk and trains on it through a 5,000-row cache."""
+    budget = 8 << 20
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        import torch
+        from bagpipe.heap import bounded_heap
+        from bagpipe.nn import CachedEmbeddingBag
+        from bagpipe.storage import StorageSpec
+
+        def status(field):
+            line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
+            return int(line.split()[1]) * 1024
+
+        def train(module, num_rows, steps):
+            generator = torch.Generator().manual_seed(0)
+            for _ in range(steps):
+                ids = torch.randint(0, num_rows, (4096,), generator=generator)
+                module(ids, torch.arange(0, 4096, 4)).sum().backward()
+
+        torch.set_num_threads(1)
+        bounded_heap()
+        directory = Path(sys.argv[1])
+        small = CachedEmbeddingBag(10_000, 16, cache_rows=5000, optimizer="adagrad",
+                                   storage=StorageSpec("disk", directory, 1 << 16))
+        train(small, 10_000, 3)
+        del small
+        before = status("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as f:  # peak from here (VmHWM reset)
+            f.write("5")
+        num_rows = 3_000_000
+        module = CachedEmbeddingBag(num_rows, 16, cache_rows=5000, optimizer="adagrad",
+                                    storage=StorageSpec("disk", directory, {budget}))
+        train(module, num_rows, 30)
+        stats = {{**module.rows.host.stats(), **module.rows.stats}}
+        print(json.dumps({{"before": before, "peak": status("VmHWM:"), "file": module.rows.host.path.stat().st_size,
+                          "stats": stats}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["file"] == 3_000_000 * 4 * (16 + 16 + 1)
+    assert result["stats"]["disk_rows_written"] > 0 and result["stats"]["rows_written_back"] > 0
+    # the DRAM cache, the device cache (5,000 rows and their state: 0.6 MiB) and a batch's transients
+    grown = result["peak"] - result["before"]
+    assert grown <= budget + (24 << 20), (grown / 2**20, result)
