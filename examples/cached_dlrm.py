@@ -2,6 +2,7 @@
 
     python examples/cached_dlrm.py --embeddings cached --cache-rows 20000 --policy lookahead
     python examples/cached_dlrm.py --embeddings plain          # the same loop with nn.EmbeddingBag
+    python examples/cached_dlrm.py --storage disk --storage-dir /tmp/tables --storage-budget-mb 16
 
 The loop is what a DLRM script writes by hand: a bottom MLP for the dense features, one embedding bag per
 categorical feature, dot-product interactions, a top MLP, BCE loss. Only the embeddings change:
@@ -11,6 +12,7 @@ categorical feature, dot-product interactions, a top MLP, BCE loss. Only the emb
 - cached: one ``bagpipe.nn.CachedEmbeddingBagCollection`` for all tables, the tables in host memory and
   ``--cache-rows`` of their rows cached; its optimizer runs inside the backward, so the loop only steps
   the dense optimizer. With ``--policy lookahead`` the data loader is wrapped in ``bagpipe.nn.Lookahead``.
+  With ``--storage disk`` the full tables live in a file of records behind ``--storage-budget-mb`` of DRAM.
 
 Both end with the same parameters bit for bit (``--save`` writes them; a state dict loads into either).
 The data is synthetic: Zipf-distributed ids over 26 tables and a label that depends on them.
@@ -28,6 +30,7 @@ from torch import nn
 
 from bagpipe.nn import CachedEmbeddingBagCollection, Lookahead
 from bagpipe.optim import RowWise, make_row_optimizer
+from bagpipe.storage import StorageSpec
 
 
 def synthetic_batches(*, num_batches: int, batch_size: int, table_sizes: list[int], seed: int):
@@ -67,6 +70,12 @@ class DenseArch(nn.Module):
         return self.top(torch.cat([vectors[:, 0], dots[:, i, j]], dim=1)).squeeze(1)
 
 
+def storage(args: argparse.Namespace) -> str | StorageSpec:
+    if args.storage == "disk" and args.storage_dir is not None:
+        return StorageSpec("disk", args.storage_dir, int(args.storage_budget_mb * 2**20))
+    return args.storage  # "memory", or "disk" in the temporary directory with the default budget
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--embeddings", choices=("plain", "cached"), default="cached")
@@ -80,6 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default=None, help="write the trained state dict here")
+    parser.add_argument("--storage", choices=("memory", "disk"), default="memory",
+                        help="where the cached tables live in full (--embeddings cached)")
+    parser.add_argument("--storage-dir", default=None, help="--storage disk: the tables' files (default: the "
+                                                            "system's temporary directory)")
+    parser.add_argument("--storage-budget-mb", type=float, default=64.0,
+                        help="--storage disk: DRAM for the tables' hottest rows besides the cache")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -104,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         tables = CachedEmbeddingBagCollection([(rows, args.dim) for rows in table_sizes], cache_rows=args.cache_rows,
                                               mode="sum", optimizer=args.optimizer, lr=args.lr, weights=initial,
-                                              policy="lru" if args.policy == "lookahead" else args.policy)
+                                              policy="lru" if args.policy == "lookahead" else args.policy,
+                                              storage=storage(args))
         sparse_optimizer = None  # fused into the backward
 
         def embed(ids: torch.Tensor) -> list[torch.Tensor]:

@@ -369,8 +369,9 @@ def test_slot_index_takes_online_admissions_after_planned_moves():
                    fetch_slots=np.zeros(0, dtype=np.int64))
 
 
-@pytest.mark.parametrize("policy, optimizer", [("lookahead", "adagrad"), ("lru", "adam")])
-def test_the_cached_dlrm_example_ends_where_the_plain_loop_does(tmp_path, policy, optimizer):
+@pytest.mark.parametrize("policy, optimizer, storage", [("lookahead", "adagrad", "memory"), ("lru", "adam", "memory"),
+                                                      ("lookahead", "adam", "disk")])
+def test_the_cached_dlrm_example_ends_where_the_plain_loop_does(tmp_path, policy, optimizer, storage):
     import importlib.util
     from pathlib import Path
 
@@ -380,7 +381,9 @@ def test_the_cached_dlrm_example_ends_where_the_plain_loop_does(tmp_path, policy
     spec.loader.exec_module(example)
     common = ["--rows-per-table", "2000", "--cache-rows", "3000", "--batch-size", "128", "--iterations", "30",
               "--optimizer", optimizer, "--policy", policy]
-    cached = example.main([*common, "--embeddings", "cached", "--save", str(tmp_path / "cached.pt")])
+    on_disk = ["--storage", "disk", "--storage-dir", str(tmp_path / "tables"), "--storage-budget-mb", "0.5"]
+    cached = example.main([*common, "--embeddings", "cached", "--save", str(tmp_path / "cached.pt"),
+                           *(on_disk if storage == "disk" else [])])
     example.main([*common, "--embeddings", "plain", "--save", str(tmp_path / "plain.pt")])
     assert cached["hit_rate"] < 0.95  # 3,000 of 52,000 rows cached: rows came and went
     ours, theirs = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("cached", "plain"))
