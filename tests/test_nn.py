@@ -322,7 +322,7 @@ def test_cached_tables_train_a_model_as_the_reference_does(small_binary, optimiz
         dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
         loop = batches
         if cached:
-            tables = CachedTables(tables, cache_rows=tables.layout.split_cache(500, batch_size=64),
+            tables = CachedTables.over(tables, cache_rows=tables.layout.split_cache(500, batch_size=64),
                                   policy="lru" if policy == "lookahead" else policy)
             loop = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=8) if policy == "lookahead" \
                 else batches
@@ -425,7 +425,7 @@ def test_cached_tables_look_up_an_unplanned_batch_as_the_reference_does(small_bi
                                                                             arch_mlp_top="16-1"))
     batches = list(iterate_batches(split, batch_size=32, iterations=3))
     reference = build_tables(config, split.schema)
-    tables = CachedTables(build_tables(config, split.schema), cache_rows=reference.layout.split_cache(800, batch_size=32))
+    tables = CachedTables.over(build_tables(config, split.schema), cache_rows=reference.layout.split_cache(800, batch_size=32))
     loop = iter(Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=2))
     planned = next(loop)
     for ids in (planned.ids, planned.ids[:5], batches[1].ids):  # the planned batch, a part of it, another one

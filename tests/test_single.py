@@ -16,15 +16,20 @@ def _same(a: dict, b: dict) -> bool:
             and all(torch.equal(x, y) for x, y in zip(a["embeddings"], b["embeddings"], strict=True)))
 
 
-@pytest.mark.parametrize("policy, optimizer, slices", [("lookahead", "adagrad", 1), ("lru", "adam", 1),
-                                                       ("lfu", "sgd", 2)])
-def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, policy, optimizer, slices):
+# --storage disk: the tables in files behind 16 KiB of DRAM (about 100 rows of 861, Adam's or Adagrad's records)
+ON_DISK = {"storage": "disk", "storage_budget_mb": 1 / 64}
+
+
+@pytest.mark.parametrize("policy, optimizer, slices, storage", [
+    ("lookahead", "adagrad", 1, {}), ("lru", "adam", 1, {}), ("lfu", "sgd", 2, {}),
+    ("lookahead", "adam", 1, ON_DISK), ("lru", "adagrad", 2, ON_DISK)])
+def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, policy, optimizer, slices, storage):
     runs = {}
     for mode in ("reference", "single"):
         # 600 cached rows of 861, batches of 64 x 26 lookups (~440 rows): evictions and re-fetches
         config = small_config(small_binary, tmp_path / mode, mode=mode, iterations=60, batch_size=64,
                               optimizer=optimizer, policy=policy, cache_rows=600, lookahead=16, slices=slices,
-                              eval_every=30, shuffle=True, shuffle_seed=3)
+                              eval_every=30, shuffle=True, shuffle_seed=3, **(storage if mode == "single" else {}))
         summary = train_reference(config, show_progress=False)
         runs[mode] = (summary, export(tmp_path / mode, tmp_path / f"{mode}.pt"))
     (reference, want), (single, got) = runs["reference"], runs["single"]
@@ -32,6 +37,26 @@ def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, po
     assert single["mode"] == "single" and single["eval_auc"] == reference["eval_auc"]
     assert single["cache_rows"] == 600 and single["total_rows"] == 861 and single["policy"] == policy
     assert single["cache"]["rows_written_back"] > 600 and 0 < single["cache_hit_rate"] < 1
+    if storage:  # the files were read and written past their DRAM cache, and are gone with the run
+        assert single["storage"]["disk_rows_written"] > 0 and single["storage"]["disk_rows_read"] > 861
+        assert list((tmp_path / "single" / "storage").iterdir()) == []
+    else:
+        assert single["storage"] == {}
+
+
+def test_single_mode_on_disk_resumes_from_its_checkpoints_as_in_memory(small_binary, tmp_path):
+    """Full and incremental checkpoints of tables on disk, restored into new files: the run ends as one that
+    never stopped, in memory."""
+    common = dict(mode="single", batch_size=64, cache_rows=600, lookahead=8, optimizer="adam")
+    whole = small_config(small_binary, tmp_path / "whole", iterations=40, **common)
+    train_reference(whole, show_progress=False)
+    cut = small_config(small_binary, tmp_path / "cut", iterations=27, checkpoint_every=5, **common, **ON_DISK)
+    train_reference(cut, show_progress=False)
+    (tmp_path / "cut" / "summary.json").unlink()  # as if stopped after its last checkpoint (25)
+    resumed = small_config(small_binary, tmp_path / "cut", iterations=40, checkpoint_every=5, **common, **ON_DISK)
+    summary = train_reference(resumed, show_progress=False, resume=True)
+    assert summary["resumed_at"] == 25
+    assert _same(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
 
 
 def test_single_mode_resumes_from_its_checkpoint_as_if_never_stopped(small_binary, tmp_path):
@@ -66,6 +91,19 @@ def test_single_mode_on_the_command_line(small_tsv, tmp_path, capsys):
     assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "none"), "--mode", "single",
                  "--policy", "none", "--no-progress"]) == 2
     assert "--mode single: policy must be one of lookahead, lru, lfu" in capsys.readouterr().err
+    assert main(["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "disk"), "--mode", "single",
+                 "--cache-rows", "400", "--iterations", "10", "--batch-size", "32", "--emb-dim", "4",
+                 "--storage", "disk", "--storage-dir", str(tmp_path / "tables"), "--storage-budget-mb", "0.05",
+                 "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "disk" / "summary.json").read_text())
+    assert summary["storage"]["disk_rows_read"] > 0 and list((tmp_path / "tables").iterdir()) == []
+
+
+def test_storage_flags_warn_in_reference_mode(small_tsv, tmp_path, capsys):
+    args = ["train", "--data", str(small_tsv), "--run-dir", str(tmp_path / "run"), "--mode", "reference",
+            "--iterations", "2", "--batch-size", "32", "--emb-dim", "4", "--storage", "disk", "--no-progress"]
+    assert main(args) == 0
+    assert "WARNING --storage does nothing in --mode reference" in capsys.readouterr().err
 
 
 def test_single_mode_refuses_a_cache_smaller_than_a_batch(small_binary, tmp_path):

@@ -547,16 +547,18 @@ def discard_after(run_dir: str | Path, iteration: int) -> None:
 
 def capture(iteration: int, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer, tables, *,
             full: bool, extra: dict) -> TrainState:
-    """A copy of in-memory training's state at a boundary (``tables``: ``EmbeddingTables`` that track their
-    changed rows): every row for a full base, else the rows changed since the last capture."""
+    """A copy of one process's training state at a boundary (``tables``: ``EmbeddingTables`` or
+    ``nn.CachedTables`` that track their changed rows): every row for a full base, else the rows changed since
+    the last capture."""
     parts = []
-    for space, (weights, state, changed) in enumerate(zip(tables.weights, tables.state, tables.changed)):
+    for space, changed in enumerate(tables.changed):
         if full:
-            parts.append(RowPart(space=space, rows=weights.numpy().copy(), state=state.numpy().copy()))
+            rows, state = tables.read_rows(space)
+            parts.append(RowPart(space=space, rows=rows, state=state))
         else:
-            keys = torch.nonzero(changed).flatten()
-            parts.append(RowPart(space=space, keys=keys.numpy(), rows=weights.index_select(0, keys).numpy(),
-                                 state=state.index_select(0, keys).numpy()))
+            keys = torch.nonzero(changed).flatten().numpy()
+            rows, state = tables.read_rows(space, keys)
+            parts.append(RowPart(space=space, keys=keys, rows=rows, state=state))
         changed.zero_()
     return TrainState(iteration=iteration, dense={k: v.detach().clone() for k, v in model.state_dict().items()},
                       dense_optimizer=cloned_state(dense_optimizer.state_dict()), parts=parts, extra=extra)
@@ -567,8 +569,7 @@ def restore(state: TrainState, model: torch.nn.Module, dense_optimizer: torch.op
     model.load_state_dict(state.dense)
     dense_optimizer.load_state_dict(state.dense_optimizer)
     for part in state.parts:
-        tables.weights[part.space].copy_(torch.from_numpy(part.rows))
-        tables.state[part.space].copy_(torch.from_numpy(part.state))
+        tables.load_rows(part.space, part.rows, part.state)
 
 
 def cloned_state(value):

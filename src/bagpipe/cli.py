@@ -143,13 +143,15 @@ def _add_train(sub) -> None:
 
 
 def _add_storage_flags(p) -> None:
-    g = p.add_argument_group("embedding servers' storage (--mode bagpipe)")
-    g.add_argument("--storage", default=None, help="where each server keeps its shard: memory, or disk (a file "
-                   "of fixed-size records, the hottest rows in a bounded DRAM cache)" + _default("storage"))
-    g.add_argument("--storage-dir", default=None, help="--storage disk: the directory of the servers' files, "
+    g = p.add_argument_group("the tables' storage (--mode bagpipe: the embedding servers'; --mode single: the "
+                             "process's)")
+    g.add_argument("--storage", default=None, help="where each server keeps its shard (--mode single: the process "
+                   "its tables): memory, or disk (a file of fixed-size records, the hottest rows in a bounded DRAM "
+                   "cache)" + _default("storage"))
+    g.add_argument("--storage-dir", default=None, help="--storage disk: the directory of the tables' files, "
                    "local to each server's machine (default: RUN_DIR/storage)")
-    g.add_argument("--storage-budget-mb", type=float, default=None, help="--storage disk: DRAM each server may "
-                   "hold of its shard (MiB; hot rows and mapped file pages)" + _default("storage_budget_mb"))
+    g.add_argument("--storage-budget-mb", type=float, default=None, help="--storage disk: DRAM each server (--mode "
+                   "single: the process) may hold of its rows besides the cache (MiB)" + _default("storage_budget_mb"))
     g.add_argument("--parity", type=int, default=None, help="erasure-coded servers: groups of K data servers and "
                    "one parity server holding the XOR of their rows and optimizer state, bit for bit (--servers a "
                    "multiple of K + 1); 0: none" + _default("parity"))

@@ -17,7 +17,7 @@ from typing import Any
 
 from bagpipe.planner.plan import POLICIES
 
-STORAGE_KINDS = ("memory", "disk")  # the embedding servers' tiers (bagpipe.storage)
+STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the servers', --mode single's
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 MODES = ("reference", "bagpipe", "single")  # single: one process, tables in host memory behind a cache
@@ -165,8 +165,9 @@ class TrainConfig:
     # --mode bagpipe: a job that loses a process parity does not cover is started again by the local launcher
     # from its newest checkpoint, at most this many times (0: never; without a checkpoint it fails)
     max_restarts: int = 3
-    # --mode bagpipe: where each embedding server keeps its shard: "memory", or "disk" (a file of fixed-size
-    # records in storage_dir, default RUN_DIR/storage, with storage_budget_mb of DRAM per server for hot rows)
+    # --mode bagpipe: where each embedding server keeps its shard (--mode single: the process its tables):
+    # "memory", or "disk" (a file of fixed-size records in storage_dir, default RUN_DIR/storage, with
+    # storage_budget_mb of DRAM per server, or for the process, for hot rows)
     storage: str = "memory"
     storage_dir: str = ""
     storage_budget_mb: float = 1024.0

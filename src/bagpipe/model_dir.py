@@ -47,13 +47,14 @@ class RowSource(Protocol):
 
 
 class TableRows:
-    """The rows of tables in memory (the reference trainer's)."""
+    """The rows of one process's tables (the reference trainer's ``EmbeddingTables``, or ``--mode single``'s
+    ``nn.CachedTables`` in memory or on disk)."""
 
     def __init__(self, tables: EmbeddingTables) -> None:
         self.tables = tables
 
     def rows(self, space: int, keys: np.ndarray) -> np.ndarray:
-        return self.tables.weights[space].index_select(0, torch.from_numpy(keys)).numpy()
+        return self.tables.read_rows(space, keys, with_state=False)[0]
 
     def release(self) -> None:
         pass

@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 
 # Settings that only the distributed job reads, and the one only the reference reads.
 JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cleanup_fraction", "prefetch_depth",
-                "timeout", "master_port", "parity", "check_parity", "max_restarts")
+                "timeout", "master_port", "parity", "check_parity", "max_restarts", "storage", "storage_dir",
+                "storage_budget_mb")
 REFERENCE_SETTINGS = ("slices",)
-SINGLE_SETTINGS = ("cache_rows", "lookahead", "policy", "cleanup_fraction")  # --mode single reads these of the job's settings
+# --mode single reads these of the job's settings
+SINGLE_SETTINGS = ("cache_rows", "lookahead", "policy", "cleanup_fraction", "storage", "storage_dir", "storage_budget_mb")
 
 
 def default_cache_rows(table_sizes: list[int]) -> int:
@@ -104,12 +106,14 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
 
     The reference holds every table once; a local bagpipe job holds them on its servers, besides the
     planner's per-row arrays (no process gathers them: the end of a run reads the servers' snapshots).
+    On disk (--storage disk: the servers', or --mode single's process's) only the DRAM budgets count.
     """
     layout = job_layout(config, dataset)
-    on_disk = config.mode == "bagpipe" and config.storage == "disk"
-    if on_disk:  # the servers hold their budgets; the tables go to their files
+    on_disk = config.mode in ("bagpipe", "single") and config.storage == "disk"
+    if on_disk:  # the servers (or the one process) hold their budgets; the tables go to their files
         check_disk(config, layout)
-        parts = {"the servers' budgets": int(config.servers * config.storage_budget_mb * 2**20)}
+        holders = config.servers if config.mode == "bagpipe" else 1
+        parts = {"the storage budgets": int(holders * config.storage_budget_mb * 2**20)}
     else:
         parts = {"tables": table_bytes(config, layout)}
     if config.mode == "bagpipe" or (config.mode == "single" and config.policy == "lookahead"):
@@ -121,15 +125,15 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
         detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items())
         remedy = ("lower --storage-budget-mb" if on_disk else
                   "lower emb_dim or the table sizes" + (", or keep the tables on disk (--storage disk)"
-                                                        if config.mode == "bagpipe" else ""))
+                                                        if config.mode in ("bagpipe", "single") else ""))
         raise ValueError(f"{dataset.directory}: the {config.model.name} tables ({layout.num_rows:,} rows) with "
                          f"{config.optimizer} need {_gib(need)} ({detail}), more than this machine's {_gib(have)}; "
                          f"{remedy}")
 
 
 def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
-    """Refuse a disk-tier job whose servers' files cannot fit in the free space of --storage-dir (a local
-    job's servers all write there)."""
+    """Refuse a disk-tier job whose tables' files cannot fit in the free space of --storage-dir (a local
+    job's servers all write there; so does --mode single)."""
     optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
     need = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
     where = storage_path(config.storage_dir, config.run_dir).absolute()
@@ -138,7 +142,7 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
         raise ValueError(f"--storage-dir {where}: {existing} is not a directory")
     free = shutil.disk_usage(existing).free
     if need > free:
-        raise ValueError(f"--storage disk: the servers' files need {_gib(need)} in {where}, which has "
+        raise ValueError(f"--storage disk: the tables' files need {_gib(need)} in {where}, which has "
                          f"{_gib(free)} free; give --storage-dir on a larger disk")
 
 

@@ -32,6 +32,8 @@ from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir
+from bagpipe.storage import StorageSpec
+from bagpipe.storage.disk import storage_path
 from bagpipe.timing import PhaseClock, peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,26 @@ def deterministic() -> None:
 def build_model(config: TrainConfig, schema: Schema) -> nn.Module:
     """The configured model's dense part, from the run's seed."""
     return models.build_model(config.model, schema, seed=config.seed)
+
+
+def build_run_tables(config: TrainConfig, schema: Schema) -> EmbeddingTables | CachedTables:
+    """The tables a run trains: in memory (--mode reference), or behind a cache (--mode single), the host
+    tables in memory or, with --storage disk, in files in --storage-dir (default RUN_DIR/storage)."""
+    if config.mode != "single":
+        return build_tables(config, schema)
+    layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
+    options = {"cache_rows": cache_rows_of(config, layout), "cleanup_fraction": single_cleanup_fraction(config),
+               "policy": "lru" if config.policy == "lookahead" else config.policy}
+    if config.storage == "disk":
+        storage = StorageSpec("disk", storage_path(config.storage_dir, config.run_dir),
+                              int(config.storage_budget_mb * 2**20))
+        return CachedTables.on_disk(layout, make_row_optimizer(config.optimizer, lr=config.lr), seed=config.seed,
+                                    storage=storage, **options)
+    return CachedTables.over(build_tables(config, schema), **options)
+
+
+def single_cleanup_fraction(config: TrainConfig) -> float:
+    return max(config.cleanup_fraction, CLEANUP_FRACTION)  # --mode single frees 5% at least
 
 
 def build_tables(config: TrainConfig, schema: Schema, *, weights: list[torch.Tensor] | None = None) -> EmbeddingTables:
@@ -174,13 +196,10 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
 
     # The model, its tables and optimizers: initialised from the seed, or restored from a checkpoint.
-    # --mode single keeps the same tables in host memory behind a cache (bagpipe.nn).
+    # --mode single keeps the same tables in host memory or on disk behind a cache (bagpipe.nn).
     model = build_model(config, dataset.schema)
-    tables = build_tables(config, dataset.schema)
-    cleanup_fraction = max(config.cleanup_fraction, CLEANUP_FRACTION)  # --mode single frees 5% at least
-    if config.mode == "single":
-        tables = CachedTables(tables, cache_rows=cache_rows_of(config, tables.layout), cleanup_fraction=cleanup_fraction,
-                              policy="lru" if config.policy == "lookahead" else config.policy)
+    tables = build_run_tables(config, dataset.schema)
+    cleanup_fraction = single_cleanup_fraction(config)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
     progress_state = _resume(config, run, model, dense_optimizer, tables, iterations) if resume else _Progress()
     start = progress_state.iteration
@@ -283,6 +302,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
         **(_cache_summary(tables, iterations - start, policy=config.policy) if config.mode == "single" else {}),
     }
     run.finish(summary)
+    if isinstance(tables, CachedTables):
+        tables.close()  # (tables on disk: their files are this run's working copies)
     return summary
 
 
@@ -307,7 +328,7 @@ def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dic
             "cache_hit_rate": stats["hit_rate"], "policy": policy,
             "rows_fetched_per_iteration": stats["rows_fetched"] / max(iterations, 1),
             "rows_moved_per_iteration": (stats["rows_fetched"] + stats["rows_written_back"]) / max(iterations, 1),
-            "cache": stats}
+            "cache": stats, "storage": tables.storage_stats()}
 
 
 def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, split: BinarySplit, run: RunDir,

@@ -197,6 +197,21 @@ class EmbeddingTables:
         space, offset = self.layout.place(index)
         return self.weights[space][offset:offset + self.layout.tables[index].num_rows]
 
+    def read_rows(self, space: int, keys: np.ndarray | None = None, *,
+                  with_state: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copies of a space's rows ``keys`` (default: every row) and, ``with_state``, their optimizer state:
+        what a checkpoint and an export read, whichever tables hold the rows (nn.CachedTables too)."""
+        if keys is None:
+            return self.weights[space].numpy().copy(), self.state[space].numpy().copy() if with_state else None
+        index = torch.from_numpy(keys)
+        return (self.weights[space].index_select(0, index).numpy(),
+                self.state[space].index_select(0, index).numpy() if with_state else None)
+
+    def load_rows(self, space: int, rows: np.ndarray, state: np.ndarray) -> None:
+        """Every row of a space and its optimizer state replaced (a checkpoint restored)."""
+        self.weights[space].copy_(torch.from_numpy(rows))
+        self.state[space].copy_(torch.from_numpy(state))
+
 
 @torch.no_grad()
 def update_rows(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Tensor, lookup: Lookup,

@@ -1,48 +1,95 @@
 """``CachedTables``: the model's tables as the reference trainer uses them (``lookup``, ``apply_gradients``), kept
-in host memory behind one cache per embedding width: what ``bagpipe train --mode single`` trains through.
+in host memory or on disk behind one cache per embedding width: what ``bagpipe train --mode single`` trains
+through.
 
-The host tables are the reference's own ``EmbeddingTables`` (same initial rows, same optimizer state), each
-space behind a CachedRows as in CachedEmbeddingBagCollection; a lookup gathers the batch's rows from the
-cache with the reference's own code, so training equals ``--mode reference`` bit for bit.
+In memory the host tables are the reference's own ``EmbeddingTables`` (same initial rows, same optimizer
+state); on disk each space is a file of records (nn.host.DiskTable) filled with the same initial rows, block
+by block. Each space sits behind a CachedRows as in CachedEmbeddingBagCollection; a lookup gathers the batch's
+rows from the cache with the reference's own code, so training equals ``--mode reference`` bit for bit.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import numpy as np
 import torch
 
 from bagpipe.cache import BatchRows, BatchView
-from bagpipe.embeddings import EmbeddingTables, Embeddings, Lookup, distinct_positions, gather, valid_keys
-from bagpipe.nn.host import MemoryTable
+from bagpipe.embeddings import (EmbeddingLayout, EmbeddingTables, Embeddings, Lookup, distinct_positions, gather,
+                                init_row_blocks, valid_keys)
+from bagpipe.nn.host import DiskTable, MemoryTable
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
+from bagpipe.optim import RowOptimizer
+from bagpipe.storage import StorageSpec
+from bagpipe.storage.disk import record_bytes
+
+
+LOAD_BLOCK_ROWS = 65_536  # rows written at once when a space is restored
 
 
 class CachedTables:
-    """``tables``' rows behind a cache of ``cache_rows[s]`` rows for each space s (a trainer's shares:
-    ``EmbeddingLayout.split_cache``); ``policy`` "lru" or "lfu" evicts for an unknown future (with
-    ``bagpipe.nn.Lookahead`` the planner decides instead)."""
+    """The rows of ``layout``'s spaces (``hosts``: one MemoryTable or DiskTable each) behind a cache of
+    ``cache_rows[s]`` rows for each space s (a trainer's shares: ``EmbeddingLayout.split_cache``); ``policy``
+    "lru" or "lfu" evicts for an unknown future (with ``bagpipe.nn.Lookahead`` the planner decides instead).
+    ``over`` makes them over the reference's tables in memory, ``on_disk`` in files."""
 
-    def __init__(self, tables: EmbeddingTables, *, cache_rows: list[int], policy: str = "lru",
-                 cleanup_fraction: float = CLEANUP_FRACTION, device: torch.device | str | None = None) -> None:
-        self.host, self.layout, self.optimizer = tables, tables.layout, tables.optimizer
+    def __init__(self, layout: EmbeddingLayout, optimizer: RowOptimizer, hosts: list[MemoryTable | DiskTable], *,
+                 cache_rows: list[int], policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION,
+                 device: torch.device | str | None = None) -> None:
+        self.layout, self.optimizer = layout, optimizer
         if len(cache_rows) != len(self.layout.spaces):
             raise ValueError(f"{len(cache_rows)} cache sizes for {len(self.layout.spaces)} embedding spaces")
-        self.spaces = [CachedRows(MemoryTable(weights, state), cache_rows=share, optimizer=tables.optimizer,
-                                  policy=policy, cleanup_fraction=cleanup_fraction, device=device)
-                       for weights, state, share in zip(tables.weights, tables.state, cache_rows)]
+        self.spaces = [CachedRows(host, cache_rows=share, optimizer=optimizer, policy=policy,
+                                  cleanup_fraction=cleanup_fraction, device=device)
+                       for host, share in zip(hosts, cache_rows)]
+        self.changed: list[torch.Tensor] = []  # per space, rows updated since the last checkpoint (if tracked)
         self._keys: list[np.ndarray] = []  # the rows of the last lookup, per space (what a step changes)
         # with a plan: each id's row in the planned batch, through a per-row scratch (as a trainer's)
         self._rows_of: list[BatchRows | None] = [None] * len(self.spaces)
 
+    @classmethod
+    def over(cls, tables: EmbeddingTables, **options) -> "CachedTables":
+        """The reference's tables (in memory, shared) behind the caches."""
+        hosts = [MemoryTable(weights, state) for weights, state in zip(tables.weights, tables.state)]
+        return cls(tables.layout, tables.optimizer, hosts, **options)
+
+    @classmethod
+    def on_disk(cls, layout: EmbeddingLayout, optimizer: RowOptimizer, *, seed: int, storage: StorageSpec,
+                **options) -> "CachedTables":
+        """Tables initialised as the reference's from ``seed``, each space in a file in ``storage.directory``,
+        ``storage.budget_bytes`` of DRAM shared among the spaces in proportion to their files."""
+        sizes = [space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces]
+        hosts = []
+        try:
+            for space, size in zip(layout.spaces, sizes):
+                blocks = itertools.chain.from_iterable(init_row_blocks(t, layout.tables[t], seed=seed)
+                                                       for t in space.tables)
+                hosts.append(DiskTable(storage.directory, num_rows=space.num_rows, dim=space.dim,
+                                       state_width=optimizer.state_width(space.dim),
+                                       budget_bytes=storage.budget_bytes * size // max(sum(sizes), 1), blocks=blocks))
+        except BaseException:
+            for host in hosts:
+                host.close()
+            raise
+        tables = cls(layout, optimizer, hosts, **options)
+        for host in hosts:  # the files are working copies: gone with the tables
+            weakref.finalize(tables, host.close)
+        return tables
+
     # -- EmbeddingTables' interface -------------------------------------------------------------------------
 
+    def space_keys(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.from_numpy(keys) for keys in self.layout.keys(ids.numpy())]
+
     def distinct_keys(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        return self.host.distinct_keys(ids)
+        return [torch.unique(keys[keys >= 0]) for keys in self.space_keys(ids)]
 
     def lookup(self, ids: torch.Tensor, *, keys: list[torch.Tensor] | None = None) -> tuple[Embeddings, list[Lookup]]:
         blocks, lookups, self._keys = [], [], []
-        for s, (space, flat) in enumerate(zip(self.layout.spaces, self.host.space_keys(ids))):
+        for s, (space, flat) in enumerate(zip(self.layout.spaces, self.space_keys(ids))):
             planned = self._planned(s, flat.numpy()) if keys is None else None
             distinct, positions = planned or distinct_positions(flat, padded=space.padded,
                                                                 keys=None if keys is None else keys[s])
@@ -58,8 +105,8 @@ class CachedTables:
     def apply_gradients(self, lookups: list[Lookup], grads: list[torch.Tensor] | None = None) -> None:
         for s, lookup in enumerate(lookups):
             self.spaces[s].apply(lookup.index, lookup.rows, None if grads is None else grads[s])
-            if self.host.changed:
-                self.host.changed[s][torch.from_numpy(self._keys[s])] = True
+            if self.changed:
+                self.changed[s][torch.from_numpy(self._keys[s])] = True
 
     def _planned(self, s: int, flat: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The planned batch's distinct keys (the planner sorted them) and each id's place in them, if ``flat``
@@ -79,27 +126,41 @@ class CachedTables:
             return None  # not the planned batch (other keys, or only some of its keys)
         return torch.from_numpy(keys), torch.from_numpy(positions)
 
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        """Each space's full table, the cached rows written in."""
-        self.flush()
-        return self.host.weights
-
-    @property
-    def state(self) -> list[torch.Tensor]:
-        self.flush()
-        return self.host.state
-
-    @property
-    def changed(self) -> list[torch.Tensor]:
-        return self.host.changed
-
     def track_changes(self) -> None:
-        self.host.track_changes()
+        """Mark every row an update touches from now on (what an incremental checkpoint writes)."""
+        self.changed = [torch.zeros(rows.num_rows, dtype=torch.bool) for rows in self.spaces]
+
+    def read_rows(self, space: int, keys: np.ndarray | None = None, *,
+                  with_state: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """Copies of a space's rows ``keys`` (default: every row), the cached rows written in, and their state."""
+        rows = self.spaces[space]
+        rows.flush()
+        if keys is None:  # views of a table in memory: copied
+            weights, state = (part.numpy().copy() for part in rows.host.rows(0, rows.num_rows))
+        else:
+            weights, state = (part.numpy() for part in rows.host.read(keys))
+        return weights, state if with_state else None
+
+    def load_rows(self, space: int, weights: np.ndarray, state: np.ndarray) -> None:
+        """Every row of a space and its optimizer state replaced (a checkpoint restored); the cache emptied."""
+        rows = self.spaces[space]
+        rows.empty()
+        for start in range(0, rows.num_rows, LOAD_BLOCK_ROWS):
+            stop = min(start + LOAD_BLOCK_ROWS, rows.num_rows)
+            rows.host.write(np.arange(start, stop, dtype=np.int64), torch.from_numpy(weights[start:stop]),
+                            torch.from_numpy(state[start:stop]))
 
     def table(self, index: int) -> torch.Tensor:
-        self.flush()
-        return self.host.table(index)
+        """Table ``index``'s rows, the cached rows written in (in memory a view; on disk a copy)."""
+        space, offset = self.layout.place(index)
+        rows = self.spaces[space]
+        rows.flush()
+        return rows.host.rows(offset, offset + self.layout.tables[index].num_rows)[0]
+
+    def close(self) -> None:
+        """Delete the tables' files, if on disk."""
+        for rows in self.spaces:
+            rows.host.close()
 
     def flush(self) -> None:
         for rows in self.spaces:
@@ -118,3 +179,13 @@ class CachedTables:
         totals = total_stats(self.spaces)
         totals["batches"] //= len(self.spaces)
         return {**totals, "hit_rate": hit_rate(totals), "cache_rows": [rows.index.capacity for rows in self.spaces]}
+
+    def storage_stats(self) -> dict:
+        """The disk tier's counters over all spaces (rows read from and written to the files, DRAM-cache hits);
+        empty in memory."""
+        totals: dict = {}
+        for rows in self.spaces:
+            if isinstance(rows.host, DiskTable):
+                for name, value in rows.host.stats().items():
+                    totals[name] = totals.get(name, 0) + value
+        return totals
