@@ -62,26 +62,6 @@ def test_a_row_evicted_between_forward_and_backward_is_stepped_on_disk(tmp_path)
     assert torch.equal(reference.weight.detach(), cached.weight)
 
 
-def test_state_dict_on_disk_loads_into_either_module_and_keeps_the_optimizer_state(tmp_path):
-    batches = _batches(10)
-    _, _, cached = _pair("adagrad", cache_rows=60, storage=_disk(tmp_path))
-    for ids, offsets, target in batches:
-        _loss(cached(ids, offsets), target).backward()
-    state = cached.state_dict()
-    assert list(state) == ["weight"] and state["weight"].shape == (NUM_ROWS, DIM)
-    plain = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum")
-    plain.load_state_dict(state)
-    ids, offsets, _ = batches[0]
-    assert torch.equal(plain(ids, offsets), cached(ids, offsets))
-    state_before = cached.rows.host.rows(0, NUM_ROWS)[1].clone()
-    with torch.no_grad():
-        plain.weight.mul_(2.0)
-    cached.load_state_dict(plain.state_dict())
-    assert torch.equal(plain(ids, offsets), cached(ids, offsets))
-    assert torch.equal(cached.weight, plain.weight.detach())
-    assert torch.equal(cached.rows.host.rows(0, NUM_ROWS)[1], state_before)
-
-
 def test_a_collection_on_disk_equals_one_in_memory(tmp_path):
     shapes = [(50, 4), (300, 8), (20, 4), (100, 8)]
     generator = torch.Generator().manual_seed(4)
