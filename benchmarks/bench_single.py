@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_single.py [--repeats 3] [--iterations 200] [--dims 16,128]
         [--fractions 0.01,0.05,0.2] [--policies lookahead,lfu,lru] [--out runs/bench_single/result.json]
-        [--work-dir DIR]
+        [--work-dir DIR] [--disk-budgets MB,MB]
 
 Synthetic Criteo-shaped data: Zipf 1.2 ids over the 26 Criteo Kaggle tables capped at --max-rows-per-table
 (default 1,000,000: 5,569,296 rows), DLRM 13-128-D / 128-64-1, Adagrad (its state travels with each row),
@@ -10,7 +10,9 @@ batch 2048, one process with the machine's torch threads. For each embedding wid
 `--mode reference` (every table in memory) and then `--mode single` with each cache size (a share of all
 rows) and policy; a run's steady-state samples/s is divided by the same repeat's reference. Hit rates and
 rows copied per iteration are deterministic (the same in every repeat). Reports medians and each repeat's
-ratios, and the share of the machine's CPU that other processes used during the runs.
+ratios, and the share of the machine's CPU that other processes used during the runs. With --disk-budgets,
+each cache size and policy also runs with its tables on disk (`--storage disk`, the files in the work dir)
+at each DRAM budget (MiB), and the rows read from and written to the files are reported.
 
     .venv/bin/python benchmarks/bench_single.py --hit-rates 2000 [--fractions ...] [--out ...]
 
@@ -23,6 +25,7 @@ bagpipe.nn.SlotIndex for LRU and LFU), with cleanup fraction 0 (exact policies) 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -54,16 +57,19 @@ def data_set(work: Path, *, zipf: float, iterations: int, max_rows_per_table: in
 
 
 def run(data: Path, work: Path, *, dim: int, iterations: int, mode: str, cache_rows: int = 0,
-        policy: str = "lookahead") -> dict:
+        policy: str = "lookahead", disk_budget_mb: float | None = None) -> dict:
+    storage = {} if disk_budget_mb is None else {"storage": "disk", "storage_budget_mb": disk_budget_mb,
+                                                 "storage_dir": str(work / "tables")}
     config = TrainConfig(data=str(data), run_dir=str(work / "run"), mode=mode, iterations=iterations,
                          batch_size=BATCH, optimizer="adagrad", lr=0.01, seed=0, warmup_iterations=20,
                          log_every=max(iterations // 4, 1), max_eval_rows=BATCH, cache_rows=cache_rows, policy=policy,
-                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-128-{dim}", arch_mlp_top="128-64-1"))
+                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-128-{dim}", arch_mlp_top="128-64-1"),
+                         **storage)
     record: dict = {}
     with cpu_watch(record):
         summary = train_reference(config, show_progress=False, overwrite=True)
     keep = ("samples_per_s", "cache_hit_rate", "rows_fetched_per_iteration", "rows_moved_per_iteration",
-            "time_breakdown_ms", "peak_rss_bytes")
+            "time_breakdown_ms", "storage")
     return {**{k: summary[k] for k in keep if k in summary}, **record}
 
 
@@ -113,7 +119,10 @@ def main() -> None:
     parser.add_argument("--max-rows-per-table", type=int, default=1_000_000)
     parser.add_argument("--hit-rates", type=int, default=0, help="only simulate the policies' hit rates on a "
                         "stream of this many batches")
+    parser.add_argument("--disk-budgets", default="", help="also run each cache size and policy with the tables "
+                        "on disk, at each of these DRAM budgets (MiB, comma-separated)")
     args = parser.parse_args()
+    budgets = [float(b) for b in args.disk_budgets.split(",") if b]
     fractions = [float(f) for f in args.fractions.split(",")]
     policies = args.policies.split(",")
     if args.hit_rates:
@@ -134,11 +143,11 @@ def main() -> None:
             runs.setdefault("reference", []).append(run(data, work, dim=dim, iterations=args.iterations,
                                                         mode="reference"))
             for fraction in fractions:
-                for policy in policies:
-                    name = f"{policy}@{fraction:g}"
+                for policy, budget in itertools.product(policies, [None, *budgets]):
+                    name = f"{policy}@{fraction:g}" + ("" if budget is None else f"/disk{budget:g}MiB")
                     runs.setdefault(name, []).append(run(data, work, dim=dim, iterations=args.iterations,
                                                          mode="single", cache_rows=int(fraction * total_rows),
-                                                         policy=policy))
+                                                         policy=policy, disk_budget_mb=budget))
                     print(f"dim {dim} repeat {repeat} {name}: {runs[name][-1]['samples_per_s']:,.0f} samples/s "
                           f"against {runs['reference'][-1]['samples_per_s']:,.0f}, hit rate "
                           f"{runs[name][-1]['cache_hit_rate']:.3f}", flush=True)
@@ -156,7 +165,7 @@ def main() -> None:
                            "median_ratio": statistics.median(ratios), "hit_rate": first["cache_hit_rate"],
                            "rows_fetched_per_iteration": first["rows_fetched_per_iteration"],
                            "rows_moved_per_iteration": first["rows_moved_per_iteration"],
-                           "time_breakdown_ms": first["time_breakdown_ms"],
+                           "time_breakdown_ms": first["time_breakdown_ms"], "storage": first.get("storage", {}),
                            "foreign_cpu": [r["foreign_cpu"] for r in records]}
         result["dims"][str(dim)] = table
         print(json.dumps({name: {k: v for k, v in row.items() if k in ("median", "median_ratio", "hit_rate",
