@@ -177,8 +177,9 @@ def test_a_job_on_the_disk_tier_trains_exactly_as_the_reference(small_binary, tm
 
 def test_the_memory_check_counts_the_servers_budgets_on_disk_and_the_disk_its_free_space(small_binary, tmp_path,
                                                                                       monkeypatch):
-    """A job whose tables exceed the memory runs on the disk tier (its servers hold their budgets); the
-    disk tier is refused when the files cannot fit in --storage-dir's free space."""
+    """A job whose tables exceed the memory runs on the disk tier (its servers, or --mode single's one
+    process, hold their budgets); the disk tier is refused when the files cannot fit in --storage-dir's free
+    space."""
     import shutil as shutil_module
     from collections import namedtuple
 
@@ -200,7 +201,12 @@ def test_the_memory_check_counts_the_servers_budgets_on_disk_and_the_disk_its_fr
     with pytest.raises(ValueError, match=r"a_file is not a directory"):
         preflight.check_memory(job_config(small_binary, tmp_path / "run", storage="disk",
                                           storage_dir=str(tmp_path / "a_file" / "sub")), dataset)
+    # --mode single on disk: one process holds one budget (and the planner's arrays, with lookahead)
+    from dataclasses import replace
+    preflight.check_memory(replace(on_disk, mode="single", storage_budget_mb=tables / 4 / 2**20), dataset)
+    with pytest.raises(ValueError, match=r"the storage budgets .*; lower --storage-budget-mb"):
+        preflight.check_memory(replace(on_disk, mode="single", storage_budget_mb=tables / 2**20), dataset)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**12, 0, 1000))
-    with pytest.raises(ValueError, match=r"--storage disk: the servers' files need .* which has .* free"):
+    with pytest.raises(ValueError, match=r"--storage disk: the tables' files need .* which has .* free"):
         preflight.check_memory(on_disk, dataset)
