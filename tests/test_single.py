@@ -59,6 +59,19 @@ def test_single_mode_on_disk_resumes_from_its_checkpoints_as_in_memory(small_bin
     assert _same(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
 
 
+def test_a_failed_run_on_disk_deletes_its_files(small_binary, tmp_path, monkeypatch):
+    from bagpipe import faults
+
+    monkeypatch.setattr(faults, "_FAULTS", {("reference", "iteration 5"): ("fail", 0.0)})
+    monkeypatch.setattr(faults, "_ROLE", "reference")
+    config = small_config(small_binary, tmp_path / "run", mode="single", iterations=20, batch_size=64,
+                          cache_rows=600, **ON_DISK)
+    with pytest.raises(faults.InjectedFault) as failure:
+        train_reference(config, show_progress=False)
+    # deleted as the error left the run, not when the tables are collected (the traceback still holds them)
+    assert failure.tb is not None and list((tmp_path / "run" / "storage").iterdir()) == []
+
+
 def test_single_mode_resumes_from_its_checkpoint_as_if_never_stopped(small_binary, tmp_path):
     whole = small_config(small_binary, tmp_path / "whole", mode="single", iterations=40, batch_size=64,
                          cache_rows=600, lookahead=8)

@@ -7,6 +7,7 @@ optimizer step per iteration.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -181,6 +182,12 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
                     resume: bool = False) -> dict:
     """Train in this process; write and return the run's summary (``overwrite``: replace a run in the run
     dir; ``resume``: continue the run in it from its newest valid checkpoint)."""
+    with contextlib.ExitStack() as cleanup:  # (--mode single on disk: the tables' files, however the run ends)
+        return _train(config, cleanup, show_progress=show_progress, overwrite=overwrite, resume=resume)
+
+
+def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress: bool, overwrite: bool,
+           resume: bool) -> dict:
     started = time.perf_counter()
     deterministic()
     # The data, checked against the job, and the run dir: a new one claimed, or a resumed run's own.
@@ -199,6 +206,8 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
     # --mode single keeps the same tables in host memory or on disk behind a cache (bagpipe.nn).
     model = build_model(config, dataset.schema)
     tables = build_run_tables(config, dataset.schema)
+    if isinstance(tables, CachedTables):
+        cleanup.callback(tables.close)  # (tables on disk: their files are this run's working copies)
     cleanup_fraction = single_cleanup_fraction(config)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
     progress_state = _resume(config, run, model, dense_optimizer, tables, iterations) if resume else _Progress()
@@ -302,8 +311,6 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
         **(_cache_summary(tables, iterations - start, policy=config.policy) if config.mode == "single" else {}),
     }
     run.finish(summary)
-    if isinstance(tables, CachedTables):
-        tables.close()  # (tables on disk: their files are this run's working copies)
     return summary
 
 
