@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bagpipe.nn.host import blocks_of, host_table, normal_blocks, storage_spec
+from bagpipe.nn.host import host_table, initial_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows
 from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.optim import RowOptimizer, make_row_optimizer
@@ -62,16 +62,11 @@ class CachedEmbeddingBag(nn.Module):
         self.include_last_offset = include_last_offset
         optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
         storage = storage_spec(storage)
-        if _weight is None:
-            blocks = ([nn.init.normal_(torch.empty(num_embeddings, embedding_dim))]  # as nn.EmbeddingBag does
-                      if storage.kind == "memory" else normal_blocks(num_embeddings, embedding_dim))
-        else:
-            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
-                raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
-                                 f"({num_embeddings}, {embedding_dim})")
-            blocks = blocks_of(_weight.detach()) if storage.kind == "disk" else [_weight.detach().to("cpu", torch.float32)]
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected ({num_embeddings}, {embedding_dim})")
         host = host_table(storage, num_rows=num_embeddings, dim=embedding_dim,
-                          state_width=optimizer.state_width(embedding_dim), blocks=blocks)
+                          state_width=optimizer.state_width(embedding_dim),
+                          blocks=initial_blocks(num_embeddings, embedding_dim, _weight, storage=storage))
         weakref.finalize(self, host.close)  # a table on disk is this module's working copy
         self.rows = CachedRows(host, cache_rows=cache_rows, optimizer=optimizer, policy=policy,
                                cleanup_fraction=cleanup_fraction, device=device)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bagpipe.nn.cached_bag import MODES, row_optimizer
-from bagpipe.nn.host import blocks_of, host_table, normal_blocks, storage_spec
+from bagpipe.nn.host import host_table, initial_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.storage import StorageSpec
@@ -64,7 +64,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for space, dim in enumerate(dims):
             members = [t for t, s in enumerate(self.space_of) if s == space]
             blocks = itertools.chain.from_iterable(
-                _initial(self.tables[t], None if weights is None else weights[t], disk=storage.kind == "disk")
+                initial_blocks(*self.tables[t], None if weights is None else weights[t], storage=storage)
                 for t in members)
             share = StorageSpec(storage.kind, storage.directory, storage.budget_bytes * sizes[space] // sum(sizes))
             host = host_table(share, num_rows=sizes[space], dim=dim, state_width=optimizer_.state_width(dim),
@@ -173,11 +173,3 @@ def _split(cache_rows: int | Sequence[int], sizes: list[int]) -> list[int]:
     if cache_rows <= 0:
         raise ValueError(f"cache_rows must be positive, got {cache_rows}")
     return [max(1, cache_rows * size // sum(sizes)) for size in sizes]
-
-
-def _initial(shape: tuple[int, int], weight: torch.Tensor | None, *, disk: bool):
-    """A table's initial rows as blocks: the given ``weight``, or N(0, 1) as ``nn.EmbeddingBag`` draws them (on
-    disk, block by block)."""
-    if weight is not None:
-        return blocks_of(weight.detach()) if disk else [weight.detach().to("cpu", torch.float32)]
-    return normal_blocks(*shape) if disk else [nn.init.normal_(torch.empty(*shape))]

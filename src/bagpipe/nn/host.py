@@ -154,6 +154,15 @@ def host_table(storage: StorageSpec, *, num_rows: int, dim: int, state_width: in
                      budget_bytes=storage.budget_bytes, blocks=blocks)
 
 
+def initial_blocks(num_rows: int, dim: int, weight: torch.Tensor | None, *, storage: StorageSpec) -> Iterable[torch.Tensor]:
+    """A table's initial rows for ``host_table``: the given ``weight`` (in memory shared, as ``nn.EmbeddingBag``
+    shares its ``_weight``), or N(0, 1) as ``nn.EmbeddingBag`` draws them; on disk a block at a time."""
+    on_disk = storage.kind == "disk"
+    if weight is not None:
+        return blocks_of(weight.detach()) if on_disk else [weight.detach().to("cpu", torch.float32)]
+    return normal_blocks(num_rows, dim) if on_disk else [torch.nn.init.normal_(torch.empty(num_rows, dim))]
+
+
 def normal_blocks(num_rows: int, dim: int) -> Iterable[torch.Tensor]:
     """N(0, 1) rows, as ``nn.EmbeddingBag`` initialises its table (the global generator), drawn a block at a
     time (the values differ from one draw of the whole table in the last block's few rows)."""
