@@ -135,8 +135,9 @@ class CachedTables:
         """Copies of a space's rows ``keys`` (default: every row), the cached rows written in, and their state."""
         rows = self.spaces[space]
         rows.flush()
-        if keys is None:  # views of a table in memory: copied
-            weights, state = (part.numpy().copy() for part in rows.host.rows(0, rows.num_rows))
+        if keys is None:  # a table on disk reads a copy; one in memory gives views, copied here
+            weights, state = (part.numpy() if isinstance(rows.host, DiskTable) else part.numpy().copy()
+                              for part in rows.host.rows(0, rows.num_rows))
         else:
             weights, state = (part.numpy() for part in rows.host.read(keys))
         return weights, state if with_state else None
