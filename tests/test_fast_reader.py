@@ -1,8 +1,10 @@
 """The block readers (data.fast_tsv, data.fast_jsonl) against the line parsers they stand in for: the same arrays
-bit for bit, the same bad line named, the same bad rows skipped and counted."""
+bit for bit, the same bad line named, the same bad rows skipped and counted; a byte order mark and a blank last line
+read as if absent."""
 
 import gzip
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -344,3 +346,79 @@ def test_multi_valued_jsonl_after_one_hot_blocks_converts_as_before(tmp_path, mo
     source = write_rows(tmp_path / "train.jsonl", rows)
     (blocks_meta, blocks), (_, lines) = converted(tmp_path, monkeypatch, source, "lists", table_sizes=SIZES)
     assert blocks == lines and blocks_meta["rows"]["train"] + blocks_meta["rows"]["test"] == 251
+
+
+BOM = b"\xef\xbb\xbf"
+STRAY_ENDS = {  # what a writer may add around a file's rows: before the first, after the last row's newline
+    "bom": (BOM, b""),
+    "blank-line": (b"", b"\n"),
+    "whitespace-line": (b"", b" \t "),
+    "bom-and-blank-crlf-line": (BOM, b" \r\n"),
+}
+
+
+def criteo_source(directory, rng):
+    generate(directory, rows=150, test_rows=40, seed=int(rng.integers(100)), table_sizes=[5, 100, 1000],
+             show_progress=False)
+    return {}
+
+
+def avazu_source(directory, rng):
+    features = len(COLUMNS) - 2
+    rows = [",".join([str(i), str(i % 2), *(f"{v:x}" for v in rng.zipf(1.5, features))]) for i in range(150)]
+    directory.mkdir()
+    write_rows(directory / "train.csv", [",".join(COLUMNS), *rows])
+    return {"vocab_min_count": 1}
+
+
+def jsonl_source(directory, rng):
+    directory.mkdir()
+    write_rows(directory / "train.jsonl", jsonl_rows(rng, 150))
+    return {"table_sizes": SIZES}
+
+
+def held_out_from(meta):
+    return meta["held_out"] and meta["held_out"]["from_line"]
+
+
+def array_files(files):
+    """What a conversion writes from the rows alone: all but meta.json, which records the sources' hashes."""
+    return {name: data for name, data in files.items() if name.name != "meta.json"}
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "gzip"])
+@pytest.mark.parametrize("make_source", [criteo_source, avazu_source, jsonl_source], ids=["criteo", "avazu", "jsonl"])
+def test_a_byte_order_mark_and_a_blank_last_line_convert_as_if_absent(tmp_path, monkeypatch, small_chunks,
+                                                                      make_source, compressed):
+    clean = tmp_path / "clean"
+    settings = make_source(clean, np.random.default_rng(10))
+    (expected_meta, expected), (_, lines) = converted(tmp_path, monkeypatch, clean, "clean", **settings)
+    assert expected == lines
+    for stray, (before, after) in STRAY_ENDS.items():
+        source = tmp_path / stray
+        shutil.copytree(clean, source)
+        for path in (p for p in source.iterdir() if p.name.startswith(("train.", "test."))):
+            text = before + path.read_bytes() + after
+            path.write_bytes(gzip.compress(text) if compressed else text)
+        for meta, files in converted(tmp_path, monkeypatch, source, stray, **settings):  # blocks, then lines
+            assert array_files(files) == array_files(expected), stray
+            assert (meta["rows"], held_out_from(meta)) == (expected_meta["rows"], held_out_from(expected_meta)), stray
+
+
+@pytest.mark.parametrize("text, line", [
+    (b"ROW\n\nROW\n", 2),  # a blank line among rows
+    (b"ROW\nROW\n\n\n", 3),  # two blank lines at the end: the first is among rows
+    (b"ROW\n \nROW", 2),
+    (b"ROW\n" + BOM + b"ROW\n", 2),  # a byte order mark after the start: text of that line
+])
+def test_blank_lines_but_the_last_and_a_byte_order_mark_but_the_first_are_named(tmp_path, monkeypatch, text, line):
+    row = criteo_rows(np.random.default_rng(11), 1)[0].encode()
+    path = tmp_path / "train.tsv"
+    path.write_bytes(text.replace(b"ROW", row))
+    for lines_only in (False, True):
+        with monkeypatch.context() as patch:
+            if lines_only:
+                line_parsers_only(patch)
+            with pytest.raises(DataError) as err:
+                preprocess(path, tmp_path / "bin", table_sizes=SIZES, holdout=0, show_progress=False)
+        assert err.value.path == str(path) and err.value.line == line

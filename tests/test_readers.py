@@ -1,12 +1,15 @@
 import gzip
+import io
 import json
 import re
 
 import numpy as np
 import pytest
 
+import bagpipe.data.blocks as blocks
 import bagpipe.data.preprocess as pre
 from bagpipe.data.binary import open_dataset
+from bagpipe.data.blocks import BOM
 from bagpipe.data.formats import BadRows, DataError, decode_lines, dense_transform
 from bagpipe.data.preprocess import preprocess
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
@@ -287,3 +290,52 @@ def test_jsonl_id_beyond_int64_is_a_bad_row(tmp_path):
     with pytest.raises(DataError, match="id out of range: table 1") as err:
         preprocess(path, tmp_path / "bin", show_progress=False)
     assert err.value.line == 2
+
+
+def without_stray_ends(data: bytes) -> bytes:
+    """What the readers make of a file's bytes: no byte order mark first, no blank line after the last row's."""
+    data = data.removeprefix(BOM)
+    last_line_at = data.rfind(b"\n", 0, len(data) - data.endswith(b"\n")) + 1
+    return data[:last_line_at] if last_line_at and not data[last_line_at:].strip() else data
+
+
+class Trickle(io.RawIOBase):
+    """``data`` read a few bytes at a time."""
+
+    def __init__(self, data, rng):
+        self.data, self.at, self.rng = data, 0, rng
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        count = min(len(buffer), int(self.rng.integers(1, 5)), len(self.data) - self.at)
+        buffer[:count] = self.data[self.at:self.at + count]
+        self.at += count
+        return count
+
+
+def test_the_reader_drops_the_stray_ends_alone_however_the_file_is_read(monkeypatch):
+    rng = np.random.default_rng(12)
+    pieces = [b"a", b"\n", b"\n", b" ", b"\r", b"\t", b"  ", b"\r\n"]
+    for _ in range(3000):
+        monkeypatch.setattr(blocks, "TAIL_BYTES", int(rng.integers(0, 4)))  # reads judged by their tail or whole
+        data = BOM * (rng.random() < 0.3) + b"".join(rng.choice(pieces, int(rng.integers(0, 14))))
+        inner = io.BufferedReader(Trickle(data, rng), int(rng.integers(1, 6)))
+        reader = io.BufferedReader(blocks.WithoutStrayEnds(inner), int(rng.integers(1, 12)))
+        read = b""
+        while chunk := reader.read1(int(rng.integers(1, 15))) if rng.random() < 0.5 else reader.readline():
+            read += chunk
+        assert read == without_stray_ends(data), data
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "gzip"])
+def test_an_interaction_log_with_a_byte_order_mark_and_a_blank_last_line_converts_as_if_absent(tmp_path, compressed):
+    rng = np.random.default_rng(13)
+    text = "".join(f"{u}\t{i}\t3\t{t}\n" for t, (u, i) in enumerate(rng.integers(1, 9, (80, 2)))).encode()
+    for name, data in (("clean", text), ("stray", BOM + text + b"\r\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "u.data").write_bytes(gzip.compress(data) if compressed and name == "stray" else data)
+        preprocess(tmp_path / name / "u.data", tmp_path / f"{name}-bin", show_progress=False)
+    assert_same_arrays(open_dataset(tmp_path / "stray-bin").train, open_dataset(tmp_path / "clean-bin").train)
+    assert_same_arrays(open_dataset(tmp_path / "stray-bin").test, open_dataset(tmp_path / "clean-bin").test)

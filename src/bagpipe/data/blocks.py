@@ -1,5 +1,6 @@
 """Text files read as the parsers take them: blocks of whole lines, undecoded, from a plain or a gzip file (told
-by its magic bytes); and the whole-file reads done before parsing (the first line, the number of lines)."""
+by its magic bytes), less a byte order mark and a blank last line; and the whole-file reads done before parsing
+(the first line, the number of lines)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from bagpipe.data.fast_tsv import count_byte
 from bagpipe.data.formats import DataError, TextBlock
 
 GZIP_MAGIC = b"\x1f\x8b"
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some editors and Windows tools write first
+BLANKS = b" \t\r\f\v"  # what a blank line may hold besides its newline
+TAIL_BYTES = 1 << 12  # the last bytes of a read that tell whether it may end in a blank line
 GZIP_READ_BYTES = 1 << 20
 COUNT_READ_BYTES = 1 << 20
 Item = TypeVar("Item")
@@ -46,17 +50,107 @@ class HashedReader(io.RawIOBase):
         return self.bytes_read
 
 
+class WithoutStrayEnds(io.RawIOBase):
+    """A text file's content less what writers add around its rows: a byte order mark at the start, and one
+    blank line (whitespace only) after the last row's newline, as in ``...\\n\\n``. A blank line anywhere else
+    stays, for the parsers to name. What may still turn out to be that last line is held back until what
+    follows it, or the end, shows whether it is."""
+
+    def __init__(self, handle) -> None:
+        super().__init__()
+        self._handle = handle
+        self._held = b""  # the end read so far that may be the blank last line, from the newline before it
+        self._ready = memoryview(b"")  # content to hand out before reading on
+        self._at_start, self._at_end = True, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        with memoryview(buffer) as view, view.cast("B") as out:
+            while not self._ready and not self._at_end:
+                if len(out) > len(self._held) + len(BOM) + TAIL_BYTES:
+                    count = self._read_into(out)  # the usual case: no copy besides the read's own
+                    if count:
+                        return count
+                else:
+                    self._ready = self._read_next(len(out))
+            count = min(len(out), len(self._ready))
+            out[:count] = self._ready[:count]
+        self._ready = self._ready[count:]
+        return count
+
+    def _read_into(self, out: memoryview) -> int:
+        """Read into ``out`` after what was held; hand out all but the end that may be the blank last line."""
+        held = len(self._held)
+        out[:held] = self._held
+        count = self._handle.readinto(out[held:])  # a buffered read: short only at the end, so a whole BOM
+        if not count:
+            self._end()
+            return 0
+        end = held + count
+        if self._at_start:
+            self._at_start = False
+            if out[:len(BOM)] == BOM:
+                out[:end - len(BOM)] = out[len(BOM):end]
+                end -= len(BOM)
+        tail_start = max(0, end - TAIL_BYTES)
+        tail = out[tail_start:end].tobytes()
+        keep = _blank_end_start(tail)
+        if tail_start and not tail[:keep].strip(BLANKS):  # blanks all along: the newline that counts may lie before
+            tail_start, keep = 0, _blank_end_start(out[:end].tobytes())
+        keep += tail_start
+        self._held = out[keep:end].tobytes()
+        return keep
+
+    def _read_next(self, size: int) -> memoryview:
+        """The next content, read through bytes: for reads too small for the end held and the bytes after it."""
+        data = self._handle.read(max(size, len(BOM)))
+        if not data:
+            return self._end()
+        if self._at_start:
+            data, self._at_start = data.removeprefix(BOM), False
+        data = self._held + data
+        keep = _blank_end_start(data)
+        self._held = data[keep:]
+        return memoryview(data)[:keep]
+
+    def _end(self) -> memoryview:
+        """At the end of the file: what is left to hand out is the end held, less a blank last line."""
+        self._at_end = True
+        self._ready = memoryview(_without_blank_last_line(self._held))
+        return self._ready
+
+
+def _blank_end_start(data: bytes) -> int:
+    """Where the end of ``data`` that may yet be a blank last line begins: at the last newline if only blanks
+    follow it; at the newline before if nothing follows and the line between is blank; else nowhere."""
+    last = data.rfind(b"\n")
+    if last < 0 or data[last + 1:].strip(BLANKS):
+        return len(data)
+    before = data.rfind(b"\n", 0, last)
+    if last == len(data) - 1 and before >= 0 and not data[before + 1:last].strip(BLANKS):
+        return before
+    return last
+
+
+def _without_blank_last_line(end: bytes) -> bytes:
+    """The held end of a file (a newline, then perhaps a line) without that line if it is blank."""
+    newline = end.rfind(b"\n", 0, len(end) - end.endswith(b"\n"))
+    return end[:newline + 1] if newline >= 0 and not end[newline + 1:].strip(BLANKS + b"\n") else end
+
+
 def open_decompressed(path: Path, stack: ExitStack, *, digest=None) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
-    """The file as stored, and its content: gzip is told by its magic bytes, whatever the name. ``digest``: a
-    hash object that every stored byte read is passed through."""
+    """The file as stored, and its content (WithoutStrayEnds): gzip is told by its magic bytes, whatever the
+    name. ``digest``: a hash object that every stored byte read is passed through."""
     raw = stack.enter_context(open(path, "rb"))
     compressed = raw.read(len(GZIP_MAGIC)) == GZIP_MAGIC
     raw.seek(0)
     if digest is not None:
         raw = stack.enter_context(io.BufferedReader(HashedReader(raw, digest), GZIP_READ_BYTES))
     # A buffered reader over the gzip stream splits lines in C, as it does for a plain file.
-    return raw, (stack.enter_context(io.BufferedReader(gzip.GzipFile(fileobj=raw), GZIP_READ_BYTES))
-                 if compressed else raw)
+    content = stack.enter_context(io.BufferedReader(gzip.GzipFile(fileobj=raw), GZIP_READ_BYTES)) if compressed else raw
+    return raw, stack.enter_context(io.BufferedReader(WithoutStrayEnds(content), GZIP_READ_BYTES))
 
 
 def next_block(handle, ahead: bytes, *, path: Path, first_line: int, max_bytes: int,

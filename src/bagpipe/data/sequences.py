@@ -13,13 +13,17 @@ drawn from those the user never touched.
 
 from __future__ import annotations
 
+import gzip
 import logging
+import zlib
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bagpipe.data.binary import SplitWriter, id_dtype_for
+from bagpipe.data.blocks import open_decompressed
 from bagpipe.data.formats import Chunk, DataError
 from bagpipe.data.schema import PAD, Feature, Schema
 
@@ -49,8 +53,18 @@ def is_interaction_log(path: Path) -> bool:
 
 
 def read_interactions(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw user ids, item ids and timestamps of a log, in file order."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    """Raw user ids, item ids and timestamps of a log (plain or gzip), in file order."""
+    with ExitStack() as stack:
+        _, content = open_decompressed(path, stack)  # as the other formats: no byte order mark
+        try:
+            data = content.read()
+        except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+            raise DataError(str(path), 1, f"corrupt or truncated gzip data ({err})") from None
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise DataError(str(path), data.count(b"\n", 0, err.start) + 1,
+                        "not UTF-8 text (is this a binary or compressed file?)") from None
     first = 0
     if path.name.endswith(".csv"):
         first = 1  # the header: userId,movieId,rating,timestamp
