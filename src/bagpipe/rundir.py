@@ -126,11 +126,45 @@ def _logged_by(line: str, iteration: int) -> bool:
 
 def export(run_dir: str | Path, out: str | Path) -> dict:
     """Write ``{"dense": state_dict, "embeddings": [one tensor per table]}`` of a finished run as one .pt,
-    assembled from its model directory (every table read into memory: for models that fit in it)."""
+    assembled from its model directory (every table read into memory: for models that fit in it), each file
+    checked against its checksum. Written beside ``out`` and renamed: a failed export leaves no partial file
+    at ``out``, nor harms one there."""
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / MARKER).exists() and not (run_dir / "config.json").is_file():
+        raise ValueError(f"--run-dir {run_dir} is not a bagpipe run dir (no {MARKER} or config.json)")
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir}: not a finished run (no {SUMMARY}): it was interrupted, failed or is "
                          f"still running")
-    exported = ModelDir.open(Path(run_dir) / MODEL_DIR).load()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(exported, out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory: name the .pt file to write")
+    model = ModelDir.open(run_dir / MODEL_DIR)
+
+    def unwritable(err: OSError) -> ValueError:
+        why = "part of its path is a file, not a directory" if isinstance(err, (NotADirectoryError, FileExistsError)) \
+            else os.strerror(err.errno).lower() if err.errno else str(err)
+        return ValueError(f"cannot write --out {out}: {why}")
+
+    tmp = out.with_name(out.name + ".tmp")
+    try:  # before the model is read (minutes for a large one): an --out that cannot be written fails at once
+        out.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(tmp, "wb")
+    except OSError as err:
+        raise unwritable(err) from None
+    try:
+        exported = model.load()
+        try:
+            torch.save(exported, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+            tmp.replace(out)
+        except OSError as err:
+            raise unwritable(err) from None
+    except BaseException:
+        try:
+            handle.close()
+        except OSError:  # what it held could not be written either: the file goes
+            pass
+        tmp.unlink(missing_ok=True)
+        raise
     return exported
