@@ -12,23 +12,101 @@ Layout of a data set directory::
 
 ``features`` lists each sparse feature's name, cardinality and width; a header without it (the
 first version) has one one-hot feature per entry of ``table_sizes``.
+
+Integrity: the writer hashes each array as it writes it and records the hashes in the header
+(``checksums``), and every header and meta.json records the hash of its own other entries (``checksum``).
+Opening checks that the headers and meta.json are valid and their sizes right; ``verify=True`` also reads
+every array and checks it against its hash. Any fault is a CorruptData naming the file. Data written before
+checksums were recorded opens as before, unverified.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from bagpipe.data.formats import Chunk
 from bagpipe.data.schema import PAD, Feature, Schema
 
 FORMAT_VERSIONS = (1, 2)  # read; 2 is written
 SPLITS = ("train", "test")
+# Non-cryptographic: it detects corruption (a flipped bit, a torn or truncated write), not tampering; at about
+# 10 GB/s here, verifying costs a read of the data and little more.
+CHECKSUM = "xxh3_128"
+HASH_BLOCK_BYTES = 8 << 20  # verifying reads a file in blocks of this size: memory stays bounded
+
+
+class CorruptData(ValueError):
+    """A file of a preprocessed data set that is not as its conversion wrote it; the message names it."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}: the preprocessed data is corrupted; convert it again from its sources")
+        self.path, self.reason = path, reason
+
+
+def _digest_text(digest) -> str:
+    return f"{CHECKSUM}:{digest.hexdigest()}"
+
+
+def file_checksum(path: Path) -> str:
+    """The checksum of a file's content, read in blocks of HASH_BLOCK_BYTES."""
+    digest = xxhash.xxh3_128()
+    buffer = bytearray(HASH_BLOCK_BYTES)
+    with open(path, "rb", buffering=0) as handle, memoryview(buffer) as view:
+        while count := handle.readinto(buffer):
+            digest.update(view[:count])
+    return _digest_text(digest)
+
+
+def _own_checksum(record: dict) -> str:
+    """The checksum of a JSON record's entries besides ``checksum``, in a canonical form (a record read back
+    gives the same)."""
+    entries = {key: value for key, value in record.items() if key != "checksum"}
+    return _digest_text(xxhash.xxh3_128(json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()))
+
+
+def write_record(path: Path, record: dict) -> None:
+    """``record`` as a JSON file with its own checksum, replacing ``path`` whole (a crash leaves the old one or
+    none, never half of one)."""
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    try:
+        partial.write_text(json.dumps({**record, "checksum": _own_checksum(record)}, indent=2) + "\n")
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file; a ValueError naming the file if it is not one."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not valid JSON here (not an object)")
+    return value
+
+
+def read_record(path: Path) -> dict:
+    """A JSON record that ``write_record`` wrote (or an older version, without a checksum): CorruptData if it
+    cannot be read, is not a JSON object or fails its checksum."""
+    try:
+        record = read_json(path)
+    except OSError as err:
+        raise CorruptData(path, f"unreadable ({err.strerror or err})") from None
+    except ValueError as err:
+        raise CorruptData(path, str(err).removeprefix(f"{path}: ")) from None
+    if "checksum" in record and record["checksum"] != _own_checksum(record):
+        raise CorruptData(path, "checksum mismatch")
+    return record
 
 
 def id_dtype_for(table_sizes: list[int]) -> np.dtype:
@@ -44,11 +122,9 @@ class SplitWriter:
         self.directory = directory
         self.id_dtype = np.dtype(id_dtype)
         (directory / "header.json").unlink(missing_ok=True)  # a split without header is incomplete
-        self.files = {
-            "labels": open(directory / "labels.f32", "wb"),
-            "dense": open(directory / "dense.f32", "wb"),
-            "ids": open(directory / f"ids.{self.id_dtype.name}", "wb"),
-        }
+        self.names = {"labels": "labels.f32", "dense": "dense.f32", "ids": f"ids.{self.id_dtype.name}"}
+        self.files = {array: open(directory / name, "wb") for array, name in self.names.items()}
+        self.digests = {array: xxhash.xxh3_128() for array in self.names}  # of what is written, as it is
         self.rows = 0
         self._writing: Future | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagpipe-split-writer")
@@ -59,9 +135,11 @@ class SplitWriter:
         self.rows += len(chunk.labels)
 
     def _write(self, chunk: Chunk) -> None:
-        self.files["labels"].write(np.ascontiguousarray(chunk.labels, dtype=np.float32).data)
-        self.files["dense"].write(np.ascontiguousarray(chunk.dense, dtype=np.float32).data)
-        self.files["ids"].write(np.ascontiguousarray(chunk.ids, dtype=self.id_dtype).data)
+        for array, values, dtype in (("labels", chunk.labels, np.float32), ("dense", chunk.dense, np.float32),
+                                     ("ids", chunk.ids, self.id_dtype)):
+            data = np.ascontiguousarray(values, dtype=dtype).data
+            self.files[array].write(data)
+            self.digests[array].update(data)
 
     def _wait(self) -> None:
         if self._writing is not None:
@@ -86,9 +164,10 @@ class SplitWriter:
             "features": [dataclasses.asdict(f) for f in schema.features],
             "table_sizes": schema.cardinalities,
             "id_dtype": self.id_dtype.name,
+            "checksums": {self.names[array]: _digest_text(digest) for array, digest in self.digests.items()},
             **(extra or {}),
         }
-        (self.directory / "header.json").write_text(json.dumps(header, indent=2) + "\n")
+        write_record(self.directory / "header.json", header)
 
 
 @dataclass
@@ -101,6 +180,7 @@ class BinarySplit:
     labels: np.ndarray
     dense: np.ndarray
     ids: np.ndarray
+    checksums: dict[str, str] | None = None  # each array file's, as written; None: written before they were kept
 
     @property
     def table_sizes(self) -> list[int]:
@@ -119,37 +199,54 @@ class BinarySplit:
         return np.asarray(cardinalities, dtype=np.int64), np.asarray(lowest, dtype=np.int64)
 
     @classmethod
-    def open(cls, directory: str | Path) -> "BinarySplit":
+    def open(cls, directory: str | Path, *, verify: bool = False) -> "BinarySplit":
+        """The split in ``directory``, its header valid and its arrays of the sizes it gives; ``verify``: each
+        array also read and checked against its checksum. CorruptData names the first file at fault."""
         directory = Path(directory)
         header_path = directory / "header.json"
         if not header_path.is_file():
             raise ValueError(f"{directory}: not a preprocessed split (no header.json); run `bagpipe preprocess`")
-        header = json.loads(header_path.read_text())
+        header = read_record(header_path)
         if header.get("version") not in FORMAT_VERSIONS:
             raise ValueError(f"{header_path}: format version {header.get('version')}, expected one of "
                              f"{FORMAT_VERSIONS}")
-        rows, num_dense, id_dtype = int(header["rows"]), int(header["num_dense"]), np.dtype(header["id_dtype"])
-        if "features" in header:
-            schema = Schema(num_dense=num_dense, features=tuple(Feature(**f) for f in header["features"]))
-        else:
-            schema = Schema.one_hot(list(header["table_sizes"]), num_dense=num_dense)
-
-        def mapped(name: str, dtype, shape):
+        try:
+            rows, num_dense, id_dtype = int(header["rows"]), int(header["num_dense"]), np.dtype(header["id_dtype"])
+            if "features" in header:
+                schema = Schema(num_dense=num_dense, features=tuple(Feature(**f) for f in header["features"]))
+            else:
+                schema = Schema.one_hot(list(header["table_sizes"]), num_dense=num_dense)
+        except (KeyError, TypeError, ValueError) as err:  # a header without its own checksum, written so
+            raise CorruptData(header_path, f"not a valid split header ({type(err).__name__}: {err})") from None
+        checksums = header.get("checksums")
+        shapes = {"labels.f32": (np.float32, (rows,)), "dense.f32": (np.float32, (rows, num_dense)),
+                  f"ids.{id_dtype.name}": (id_dtype, (rows, schema.num_columns))}
+        for name, (dtype, shape) in shapes.items():
             path = directory / name
             expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            if not path.is_file() or path.stat().st_size != expected:
-                raise ValueError(f"{path}: missing or truncated (expected {expected} bytes)")
-            if rows == 0 or expected == 0:
+            size = path.stat().st_size if path.is_file() else None
+            if size != expected:
+                raise CorruptData(path, f"missing or truncated (expected {expected} bytes, found "
+                                        f"{'none' if size is None else size})")
+        if verify and checksums is not None:
+            for name in shapes:
+                if checksums.get(name) != file_checksum(directory / name):
+                    raise CorruptData(directory / name, "checksum mismatch")
+
+        def mapped(name: str) -> np.ndarray:
+            dtype, shape = shapes[name]
+            if rows == 0 or int(np.prod(shape)) == 0:
                 return np.zeros(shape, dtype=dtype)
-            return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+            return np.memmap(directory / name, dtype=dtype, mode="r", shape=shape)
 
         return cls(
             directory=directory,
             rows=rows,
             schema=schema,
-            labels=mapped("labels.f32", np.float32, (rows,)),
-            dense=mapped("dense.f32", np.float32, (rows, num_dense)),
-            ids=mapped(f"ids.{id_dtype.name}", id_dtype, (rows, schema.num_columns)),
+            labels=mapped("labels.f32"),
+            dense=mapped("dense.f32"),
+            ids=mapped(f"ids.{id_dtype.name}"),
+            checksums=checksums,
         )
 
 
@@ -168,6 +265,11 @@ class BinaryDataset:
     def schema(self) -> Schema:
         return self.train.schema
 
+    @property
+    def checksummed(self) -> bool:
+        """Whether every split records its arrays' checksums (not so in data written by an older bagpipe)."""
+        return all(split.checksums is not None for split in (self.train, self.test) if split is not None)
+
     def with_schema(self, schema: Schema) -> "BinaryDataset":
         """The same rows under ``schema`` (e.g. larger table sizes a job agreed on): its features must
         have the same widths, and the data's ids must fit its cardinalities."""
@@ -181,12 +283,22 @@ def is_preprocessed(directory: str | Path) -> bool:
     return (Path(directory) / "train" / "header.json").is_file()
 
 
-def open_dataset(directory: str | Path) -> BinaryDataset:
+def open_dataset(directory: str | Path, *, verify: bool = False) -> BinaryDataset:
+    """The data set in ``directory``, its headers and meta.json valid and its arrays of the right sizes.
+    ``verify``: every array also read and checked against its checksum (``ensure_preprocessed`` does this for
+    every run's data, once). CorruptData (a ValueError) names the first file at fault."""
     directory = Path(directory)
     meta_path = directory / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    train = BinarySplit.open(directory / "train")
-    test = BinarySplit.open(directory / "test") if (directory / "test" / "header.json").is_file() else None
+    meta = read_record(meta_path) if meta_path.is_file() else {}
+    train = BinarySplit.open(directory / "train", verify=verify)
+    has_test = (directory / "test" / "header.json").is_file()
+    test = BinarySplit.open(directory / "test", verify=verify) if has_test else None
+    recorded = meta.get("rows")
+    for name, split in (("train", train), ("test", test)):
+        if isinstance(recorded, dict) and name in recorded and (split is None or split.rows != recorded[name]):
+            found = "is missing" if split is None else f"holds {split.rows} rows"
+            raise CorruptData(directory / name / "header.json", f"{found}, where {meta_path} records "
+                                                                 f"{recorded[name]} rows")
     if test is not None and test.schema != train.schema:
         raise ValueError(f"{directory}: train and test splits disagree on their features")
     return BinaryDataset(directory=directory, meta=meta, train=train, test=test)

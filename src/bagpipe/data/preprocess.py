@@ -1,11 +1,11 @@
 """Turn Criteo TSV, Avazu CSV or JSON-lines files (plain or gzip) into the binary format, with clear
 errors; ``ensure_preprocessed`` converts a data file or directory once, and again only when its
-sources or the settings change. Data without a test split has its last lines held out as one."""
+sources or the settings change or the converted copy fails its checksums. Data without a test split
+has its last lines held out as one."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import secrets
@@ -19,7 +19,8 @@ import numpy as np
 import xxhash
 
 from bagpipe.data.avazu import AvazuParser, is_avazu_header
-from bagpipe.data.binary import SPLITS, SplitWriter, id_dtype_for, is_preprocessed, open_dataset
+from bagpipe.data.binary import (SPLITS, CorruptData, SplitWriter, id_dtype_for, is_preprocessed, open_dataset,
+                                 read_json, read_record, write_record)
 from bagpipe.data.blocks import count_lines, first_line, next_block, open_decompressed, read_ahead
 from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, TextBlock
 from bagpipe.data.sequences import INTERACTION_FILES, SequenceSettings, convert_interactions, is_interaction_log
@@ -160,7 +161,7 @@ def table_sizes_from(*, table_sizes: str | list[int] | None, meta_file: str | Pa
 
 
 def _sizes_in(meta_path: Path) -> list[int]:
-    sizes = json.loads(meta_path.read_text()).get("table_sizes")
+    sizes = read_json(meta_path).get("table_sizes")
     if not sizes:
         raise ValueError(f"{meta_path}: has no 'table_sizes'")
     return [int(x) for x in sizes]
@@ -338,7 +339,7 @@ def preprocess(
         writer.close(schema=schema)
 
     source_meta_path = _source_meta_path(input_path)
-    source_meta = json.loads(source_meta_path.read_text()) if source_meta_path.is_file() else {}
+    source_meta = read_json(source_meta_path) if source_meta_path.is_file() else {}
     meta = {
         **{k: v for k, v in source_meta.items() if k not in ("format", "table_sizes")},
         "format": "bagpipe-binary",
@@ -366,7 +367,7 @@ def preprocess(
     }
     if bad and bad.total:
         log.warning("skipped %d bad rows (%s); first: %s", bad.total, dict(bad.counts), bad.examples[0])
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_record(out / "meta.json", meta)
     return meta
 
 
@@ -489,7 +490,7 @@ def sequence_settings(meta_path: Path | None) -> SequenceSettings:
     """A log's sample shape: the ``sequence`` entry of its meta.json (as ``bagpipe synth`` writes), else defaults."""
     if meta_path is None or not meta_path.is_file():
         return SequenceSettings()
-    return SequenceSettings(**json.loads(meta_path.read_text()).get("sequence", {}))
+    return SequenceSettings(**read_json(meta_path).get("sequence", {}))
 
 
 def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Path, *,
@@ -503,7 +504,7 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
     converted = convert_interactions(splits["train"], out, settings)
-    source_meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    source_meta = read_json(meta_path) if meta_path.is_file() else {}
     if source_meta.get("sequence", settings.to_dict()) != settings.to_dict():
         # The planted best was ranked over the synthesised history; other samples have another.
         source_meta = {k: v for k, v in source_meta.items() if not k.startswith("best_")}
@@ -513,7 +514,7 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
             "made_from": {**_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log",
                                       holdout=None, vocab_min_count=0),
                           "table_sizes": converted["table_sizes"], "sources": sources}}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_record(out / "meta.json", meta)
     return meta
 
 
@@ -533,9 +534,12 @@ def ensure_preprocessed(path: str | Path, *, show_progress: bool = True, fmt: st
     The converted copy (``converted_path``) is reused as long as it was made, with the settings used
     here (``fmt``: the format, None to detect it; ``holdout``: the share of lines held out as the test
     split of data without one; ``vocab_min_count``: a vocabulary's, 0 for none), from the files now there
-    (same stat fields, or else same content hash). Otherwise it is converted again, into a sibling
-    swapped in only when complete. Avazu data with neither a vocabulary nor table sizes (a meta.json
-    beside it) gets a vocabulary of min count AVAZU_DEFAULT_MIN_COUNT.
+    (same stat fields, or else same content hash), and while every file of it is as written (its checksum,
+    data.binary). Otherwise it is converted again, into a sibling swapped in only when complete; a copy
+    found corrupted is named in a warning. A preprocessed directory, which has no sources to convert
+    from, is verified the same way and refused (CorruptData, naming the file) if corrupted. Avazu data
+    with neither a vocabulary nor table sizes (a meta.json beside it) gets a vocabulary of min count
+    AVAZU_DEFAULT_MIN_COUNT.
     """
     path = Path(path)
     check_format(fmt)
@@ -546,6 +550,8 @@ def ensure_preprocessed(path: str | Path, *, show_progress: bool = True, fmt: st
     if is_preprocessed(path):
         if vocab_min_count:
             log.warning("--vocab-min-count %d does nothing: %s is converted already", vocab_min_count, path)
+        if not open_dataset(path, verify=True).checksummed:  # with no sources to convert from, corruption refuses
+            log.debug("%s records no checksums (an older bagpipe converted it): used unverified", path)
         return path
     splits = find_splits(path)
     fmt = fmt or guess_format(splits["train"])
@@ -555,10 +561,15 @@ def ensure_preprocessed(path: str | Path, *, show_progress: bool = True, fmt: st
                  vocab_min_count)
     cached = converted_path(path)
     if is_preprocessed(cached):
-        reason = _why_stale(cached, path, splits, fmt=fmt, holdout=holdout, vocab_min_count=vocab_min_count)
-        if reason is None:
-            return cached
-        log.info("%s: converting again", reason)
+        try:
+            reason = (_why_stale(cached, path, splits, fmt=fmt, holdout=holdout, vocab_min_count=vocab_min_count)
+                      or _why_unverified(cached))
+        except CorruptData as err:
+            log.warning("%s: %s: converting it again from %s", err.path, err.reason, path)
+        else:
+            if reason is None:
+                return cached
+            log.info("%s: converting again", reason)
     else:
         log.info("preprocessing %s into %s (once)", path, cached)
     _convert_and_swap(path, cached, show_progress=show_progress, fmt=fmt, holdout=holdout,
@@ -566,8 +577,16 @@ def ensure_preprocessed(path: str | Path, *, show_progress: bool = True, fmt: st
     return cached
 
 
+def _why_unverified(cached: Path) -> str | None:
+    """Why ``cached`` cannot be verified, or None once every array matches its checksum (CorruptData if one
+    does not, or a file is unreadable or of the wrong size)."""
+    if not open_dataset(cached, verify=True).checksummed:
+        return f"{cached} was made by an older version of bagpipe that recorded no checksums"
+    return None
+
+
 def _has_sizes(meta_path: Path) -> bool:
-    return meta_path.is_file() and bool(json.loads(meta_path.read_text()).get("table_sizes"))
+    return meta_path.is_file() and bool(read_json(meta_path).get("table_sizes"))
 
 
 def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: str, holdout: float,
@@ -578,7 +597,7 @@ def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: 
     recorded, so that the next start takes the fast path again.
     """
     meta_path = cached / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta = read_record(meta_path) if meta_path.is_file() else {}
     made_from = meta.get("made_from")
     if made_from is None:
         return f"{cached} was made by an older version of bagpipe that kept no record of its sources"
@@ -614,12 +633,9 @@ def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: 
 
 
 def _refresh_meta(meta_path: Path, meta: dict) -> None:
-    partial = meta_path.with_name(f"{meta_path.name}.partial-{os.getpid()}")
     try:
-        partial.write_text(json.dumps(meta, indent=2) + "\n")
-        partial.replace(meta_path)
+        write_record(meta_path, meta)
     except OSError as err:  # a read-only data set is still current: it is only hashed on every start
-        partial.unlink(missing_ok=True)
         log.info("could not record the new stat fields in %s (%s)", meta_path, err)
 
 
