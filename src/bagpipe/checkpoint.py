@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from bagpipe.faults import inject_fault
+from bagpipe.files import writing
 from bagpipe.threads import Background
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def _fsync(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -96,8 +97,10 @@ def file_digest(path: Path) -> dict:
 
 
 def save_dense(directory: Path, dense: dict, dense_optimizer: dict) -> None:
-    torch.save({"dense": dense, "dense_optimizer": dense_optimizer}, directory / "dense.pt")
-    _fsync(directory / "dense.pt")
+    path = directory / "dense.pt"
+    with writing(path), open(path, "wb") as handle:  # (to a path, torch reports a full disk as "unexpected pos")
+        torch.save({"dense": dense, "dense_optimizer": dense_optimizer}, handle)
+    _fsync(path)
 
 
 BACKGROUND_NICE = 10  # how much lower a checkpoint writer's thread runs than training's
@@ -111,11 +114,13 @@ def background_priority() -> None:
         pass
 
 
-class _HashedFile:
+class HashedFile:
     """A file written front to back, hashed as it is written (a checkpoint never reads its files back)."""
 
     def __init__(self, path: Path) -> None:
-        self.handle = open(path, "wb")
+        self.path = path
+        with writing(path):
+            self.handle = open(path, "wb")
         self.digest = hashlib.blake2b(digest_size=16)
         self.size = 0
 
@@ -125,18 +130,20 @@ class _HashedFile:
         view = memoryview(data).cast("B")
         self.digest.update(view)
         self.size += len(view)
-        return self.handle.write(view)
+        with writing(self.path):
+            return self.handle.write(view)
 
     def close(self) -> dict:
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
+        with writing(self.path):
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
         self.handle.close()
         return {"bytes": self.size, "blake2b": self.digest.hexdigest()}
 
 
 def _save(path: Path, array: np.ndarray) -> dict:
     """``np.save`` of ``array`` to ``path``, fsynced; its digest."""
-    out = _HashedFile(path)
+    out = HashedFile(path)
     np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
     return out.close()
 
@@ -168,7 +175,7 @@ def write_snapshot(directory: Path, *, name: str, space: int, chunks, num_rows: 
     its keys."""
     entry = {"space": space, "rows": f"{name}.rows.npy", "state": f"{name}.state.npy", "digests": {}}
     if full:
-        files = {kind: _HashedFile(directory / entry[kind]) for kind in ("rows", "state")}
+        files = {kind: HashedFile(directory / entry[kind]) for kind in ("rows", "state")}
         for kind, width in (("rows", dim), ("state", state_width)):
             header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)), "fortran_order": False,
                       "shape": (num_rows, width)}
@@ -228,6 +235,14 @@ class CheckpointWriter:
         if job is not None:
             job.join(failed="writing a checkpoint failed")
 
+    def close(self) -> None:
+        """Let the write in flight finish (a run that is ending for another reason: its error only logged), so
+        that nothing writes into the checkpoints once the run has let its directory go."""
+        try:
+            self.wait()
+        except Exception as err:  # noqa: BLE001 - the run is already failing or interrupted: that error is the one
+            log.warning("%s", err)
+
     def _in_background(self, state: TrainState, full: bool) -> None:
         background_priority()
         self.write(state, full=full)
@@ -263,7 +278,7 @@ class CheckpointWriter:
         if final.exists():  # the same boundary written again (a resumed run): the new one replaces it
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.last, self.chain = name, 0 if full else self.chain + 1
         self._prune()
         log.info("checkpoint %s written (%s, %d row parts)", name, manifest["kind"], len(parts))
@@ -292,9 +307,10 @@ def commit(directory: Path, manifest: dict) -> None:
         known.update(entry.pop("digests", {}))
     files = sorted(p for p in directory.iterdir() if p.name != MANIFEST)
     manifest = {**manifest, "files": {p.name: known[p.name] if p.name in known else file_digest(p) for p in files}}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    with writing(directory / MANIFEST):
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _fsync(directory / MANIFEST)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _read_manifest(directory: Path) -> dict:
@@ -343,6 +359,26 @@ def valid_checkpoints(run_dir: str | Path, *, newest_only: bool = False) -> list
         if found and newest_only:
             break
     return found
+
+
+def resumable_checkpoint(run_dir: str | Path, *, iterations: int) -> tuple[Path, list[dict]]:
+    """The checkpoint ``--resume`` continues ``run_dir`` from (its newest intact one) to train up to
+    ``iterations``, and its chain; a ValueError saying why the run cannot be resumed, before anything starts."""
+    root = checkpoints_dir(run_dir)
+    found = valid_checkpoints(run_dir, newest_only=True)
+    if not found:
+        broken = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        why = (f"{', '.join(broken)} {'is' if len(broken) == 1 else 'are'} not whole (interrupted while written, or "
+               f"damaged)" if broken else "it wrote none (a run checkpoints with --checkpoint-every N or "
+               "--checkpoint-every-s S)")
+        raise ValueError(f"--resume: {run_dir} has no valid checkpoint to resume from: {why}; start the run again "
+                         f"with --overwrite")
+    directory, chain = found[0]
+    boundary = chain[-1]["iteration"]
+    if boundary > iterations:
+        raise ValueError(f"--resume: the newest checkpoint of {run_dir} ({directory.name}) is at iteration {boundary}, "
+                         f"past --iterations {iterations}: give --iterations {boundary} or more")
+    return directory, chain
 
 
 def _chain(directory: Path) -> list[dict]:
@@ -495,9 +531,11 @@ def load_latest(run_dir: str | Path, *, num_rows: list[int]) -> TrainState | Non
     """The newest intact checkpoint of ``run_dir`` as one TrainState with every space's rows in full
     (``num_rows`` per space); None if there is none."""
     found = valid_checkpoints(run_dir, newest_only=True)
-    if not found:
-        return None
-    directory, chain = found[0]
+    return load_checkpoint(*found[0], num_rows=num_rows) if found else None
+
+
+def load_checkpoint(directory: Path, chain: list[dict], *, num_rows: list[int]) -> TrainState:
+    """The checkpoint in ``directory`` (``chain``: its manifests, base first, as checked) as one TrainState."""
     rows: list[np.ndarray | None] = [None] * len(num_rows)
     state: list[np.ndarray | None] = [None] * len(num_rows)
     for space, keys, part_rows, part_state in chain_parts(directory, chain):

@@ -491,24 +491,29 @@ def run_train(args) -> None:
 
 
 def human_summary(summary: dict) -> str:
+    from bagpipe.report import figure
+
     lines = [
         f"mode {summary['mode']} ({summary.get('model', 'dlrm')}): {summary['iterations']} iterations, "
         f"{summary['samples']} samples",
-        f"  throughput  {summary['samples_per_s']:,.0f} samples/s (steady state; wall {summary['wall_s']:.1f} s)",
-        f"  train loss  {summary['final_train_loss']:.4f}",
+        f"  throughput  {figure(summary['samples_per_s'], ',.0f')} samples/s (steady state; "
+        f"wall {summary['wall_s']:.1f} s)",
+        f"  train loss  {figure(summary['final_train_loss'], '.4f')}",
     ]
     if "eval_auc" in summary:
-        lines.append(f"  eval AUC    {summary['eval_auc']:.4f}   log-loss {summary['eval_logloss']:.4f}")
+        lines.append(f"  eval AUC    {figure(summary['eval_auc'], '.4f')}   "
+                     f"log-loss {figure(summary['eval_logloss'], '.4f')}")
     if "eval_hr10" in summary:
-        lines.append(f"  eval HR@10  {summary['eval_hr10']:.4f}   NDCG@10 {summary['eval_ndcg10']:.4f}")
+        lines.append(f"  eval HR@10  {figure(summary['eval_hr10'], '.4f')}   "
+                     f"NDCG@10 {figure(summary['eval_ndcg10'], '.4f')}")
     if summary["mode"] in ("bagpipe", "single"):
         stall = (f", stall {100 * summary['embedding_stall_fraction']:.1f}% of trainer time"
                  if "embedding_stall_fraction" in summary else "")
         lines.append(f"  cache       {summary['cache_rows']:,} of {summary['total_rows']:,} rows, hit rate "
-                     f"{summary['cache_hit_rate']:.3f}, {summary['rows_moved_per_iteration']:.0f} rows moved "
-                     f"per iteration{stall}")
+                     f"{figure(summary['cache_hit_rate'], '.3f')}, "
+                     f"{figure(summary['rows_moved_per_iteration'], '.0f')} rows moved per iteration{stall}")
     for metric, name in (("auc", "AUC"), ("hr10", "HR@10")):
-        if summary.get(f"best_{metric}") is not None and f"eval_{metric}" in summary:
+        if summary.get(f"best_{metric}") is not None and figure(summary.get(f"eval_{metric}"), "") != "n/a":
             gap = summary[f"best_{metric}"] - summary[f"eval_{metric}"]
             lines.append(f"  best {name:<7}{summary[f'best_{metric}']:.4f} (planted model; gap {gap:+.4f})")
     return "\n".join(lines)
@@ -675,11 +680,36 @@ def _exit_on_interrupt() -> None:
     threading.Thread(target=watch, name="interrupt", daemon=True).start()
 
 
+class Terminated(BaseException):
+    """SIGTERM, the way schedulers, systemd, ``timeout`` and Kubernetes stop a job: raised in the main thread as
+    Ctrl-C's KeyboardInterrupt is, so that the same clean-up runs (roles stopped, working files removed)."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(role=args.command)
     if args.command in ROLES:
         _exit_on_interrupt()
+        previous_sigterm = None
+    elif threading.current_thread() is threading.main_thread():  # (signal handlers are the main thread's)
+        previous_sigterm = signal.signal(signal.SIGTERM, _terminate)
+    else:
+        previous_sigterm = None
+    try:
+        code = _run_command(args)
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    return code
+
+
+def _run_command(args) -> int:
+    """Run ``args``' command; its exit status (a failed role leaves at once, with it)."""
     code = 0
     profile_dir = os.environ.get("BAGPIPE_PROFILE_DIR") if args.command in ROLES else None
     try:
@@ -695,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.error("interrupted (Ctrl-C)")
         code = 130
+    except Terminated:
+        log.error("terminated (SIGTERM)")
+        code = 143
     except ValueError as err:
         log.error("%s", err)
         code = 2

@@ -300,7 +300,8 @@ RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", 
 
 def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     """The config of the run in ``run_dir`` (its config.json), for ``--resume``: settings given again
-    (a TOML file, flags) must equal the saved ones, except those a resumed run may change."""
+    (a TOML file, flags) must equal the saved ones, except those a resumed run may change. The run dir is
+    ``run_dir``, whatever config.json says: a run dir copied or moved elsewhere resumes where it is now."""
     saved_path = Path(run_dir) / "config.json"
     if not saved_path.is_file():
         raise ValueError(f"--resume: {run_dir} holds no run to resume (no config.json)")
@@ -316,7 +317,7 @@ def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) ->
                            name.removeprefix("model."), value) != have:
             raise ValueError(f"--resume: the run in {run_dir} was started with {name.removeprefix('model.')}="
                              f"{have!r}, not {value!r}; a resumed run keeps its settings (leave the flag out)")
-    return dataclasses.replace(saved, **changes)
+    return dataclasses.replace(saved, run_dir=str(run_dir), **changes)
 
 
 def complete_model(values: dict[str, Any]) -> dict[str, Any]:

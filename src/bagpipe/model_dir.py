@@ -32,7 +32,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from bagpipe.checkpoint import _fsync_dir, _HashedFile, file_digest
+from bagpipe.checkpoint import fsync_dir, HashedFile, file_digest
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables
 from bagpipe.faults import inject_fault
 
@@ -92,7 +92,7 @@ def _header_bytes(tensors: dict[str, tuple[str, list[int], int]], metadata: dict
 def write_table(path: Path, *, num_rows: int, dim: int, blocks, metadata: dict[str, str]) -> dict:
     """One table's safetensors file from ``blocks`` (float32 arrays of rows, in order), fsynced; its size and
     hash, taken block by block as it is written (a table may not fit in memory, and is never read back)."""
-    out = _HashedFile(path)
+    out = HashedFile(path)
     out.write(_header_bytes({TENSOR: ("F32", [num_rows, dim], num_rows * dim * 4)}, metadata))
     written = 0
     for block in blocks:
@@ -121,7 +121,7 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    dense_file = _HashedFile(tmp / DENSE)
+    dense_file = HashedFile(tmp / DENSE)
     dense_file.write(save({name: value.detach().contiguous().clone() for name, value in dense.items()}))
     files = {DENSE: dense_file.close()}
     tables = []
@@ -137,7 +137,7 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
         handle.write(json.dumps(meta, indent=2) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     inject_fault("model written")
     # The old model is moved aside whole, not deleted in place: a crash while deleting it would leave its
     # model.json naming files already gone. (Named *.tmp: what a crash leaves, a run's sweep removes.)
@@ -146,7 +146,7 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
     if path.exists():
         path.rename(old)
     tmp.rename(path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
     return path
 

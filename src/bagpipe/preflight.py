@@ -15,6 +15,7 @@ from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
+from bagpipe.files import check_writable, human_bytes, mount_point
 from bagpipe.models import MODELS, check_model, model_tables
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
@@ -122,12 +123,13 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
             parts["the parity"] = table_bytes(config, layout) // config.parity + layout.num_rows * 8
     need, have = sum(parts.values()), physical_memory_bytes()
     if need > have:
-        detail = ", ".join(f"{name} {_gib(n)}" for name, n in parts.items())
+        detail = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
         remedy = ("lower --storage-budget-mb" if on_disk else
                   "lower emb_dim or the table sizes" + (", or keep the tables on disk (--storage disk)"
                                                         if config.mode in ("bagpipe", "single") else ""))
         raise ValueError(f"{dataset.directory}: the {config.model.name} tables ({layout.num_rows:,} rows) with "
-                         f"{config.optimizer} need {_gib(need)} ({detail}), more than this machine's {_gib(have)}; "
+                         f"{config.optimizer} need {human_bytes(need)} ({detail}), more than this machine's "
+                         f"{human_bytes(have)}; "
                          f"{remedy}")
 
 
@@ -137,17 +139,11 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
     need = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
     where = storage_path(config.storage_dir, config.run_dir).absolute()
-    existing = next(path for path in (where, *where.parents) if path.exists())
-    if not existing.is_dir():
-        raise ValueError(f"--storage-dir {where}: {existing} is not a directory")
-    free = shutil.disk_usage(existing).free
+    check_writable(where, what="--storage-dir")
+    free = shutil.disk_usage(where if where.exists() else mount_point(where)).free
     if need > free:
-        raise ValueError(f"--storage disk: the tables' files need {_gib(need)} in {where}, which has "
-                         f"{_gib(free)} free; give --storage-dir on a larger disk")
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:,.1f} GiB"
+        raise ValueError(f"--storage disk: the tables' files need {human_bytes(need)} in {where}, which has "
+                         f"{human_bytes(free)} free; give --storage-dir on a larger disk")
 
 
 def cache_rows_of(config: TrainConfig, layout: EmbeddingLayout) -> list[int]:

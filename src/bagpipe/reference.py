@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from bagpipe import models
-from bagpipe.checkpoint import CheckpointSchedule, CheckpointWriter, capture, discard_after, load_latest, restore
+from bagpipe.checkpoint import (CheckpointSchedule, CheckpointWriter, capture, discard_after, load_checkpoint,
+                                resumable_checkpoint, restore)
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches
 from bagpipe.data.binary import BinarySplit
@@ -32,7 +33,8 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
-from bagpipe.rundir import RunDir
+from bagpipe.rundir import RunDir, sweep_working_files
+from bagpipe.runlock import lock_run_dir
 from bagpipe.storage import StorageSpec
 from bagpipe.storage.disk import storage_path
 from bagpipe.timing import PhaseClock, peak_rss_bytes
@@ -182,7 +184,9 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
                     resume: bool = False) -> dict:
     """Train in this process; write and return the run's summary (``overwrite``: replace a run in the run
     dir; ``resume``: continue the run in it from its newest valid checkpoint)."""
-    with contextlib.ExitStack() as cleanup:  # (--mode single on disk: the tables' files, however the run ends)
+    # The run dir is this process's until it returns (a second run into it is refused at once); what the run
+    # keeps only while it runs (--mode single on disk: the tables' files) goes however it ends.
+    with lock_run_dir(config.run_dir), contextlib.ExitStack() as cleanup:
         return _train(config, cleanup, show_progress=show_progress, overwrite=overwrite, resume=resume)
 
 
@@ -191,16 +195,23 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     started = time.perf_counter()
     deterministic()
     # The data, checked against the job, and the run dir: a new one claimed, or a resumed run's own.
+    checkpoint = None
     if resume:
         dataset = prepare_data(config, show_progress=show_progress)
+        iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+        checkpoint = resumable_checkpoint(config.run_dir, iterations=iterations)
         for warning in check_job(config, dataset, show_progress=show_progress):
             log.warning("%s", warning)
         run = RunDir(config.run_dir, append=True)
     else:
         dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
+        iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
         run = RunDir(config.run_dir)
+    storage = storage_path(config.storage_dir, config.run_dir)
+    if swept := sweep_working_files(run.path, storage):
+        log.info("removed what an interrupted run left: %s", ", ".join(str(path) for path in swept))
+    cleanup.callback(sweep_working_files, run.path, storage)
     run.write_json("config.json", config_to_dict(config))
-    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
 
     # The model, its tables and optimizers: initialised from the seed, or restored from a checkpoint.
     # --mode single keeps the same tables in host memory or on disk behind a cache (bagpipe.nn).
@@ -210,12 +221,13 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         cleanup.callback(tables.close)  # (tables on disk: their files are this run's working copies)
     cleanup_fraction = single_cleanup_fraction(config)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
-    progress_state = _resume(config, run, model, dense_optimizer, tables, iterations) if resume else _Progress()
+    progress_state = _resume(config, run, model, dense_optimizer, tables, checkpoint) if resume else _Progress()
     start = progress_state.iteration
     writer = None
     if config.checkpoints:
         tables.track_changes()
         writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints)
+        cleanup.callback(writer.close)
     schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
     log.info("%s training: %s, %d iterations of %d samples, %d tables (%d rows)%s%s", config.mode, config.model.name,
              iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows,
@@ -295,7 +307,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         "iterations": iterations,
         "samples": iterations * config.batch_size,
         "samples_per_s": timer.samples_per_s,
-        "final_train_loss": loss,
+        "final_train_loss": loss if iterations > start else run.last_train_loss(),
         **metrics,
         **best_metrics(dataset.meta),
         "setup_s": setup_s,
@@ -357,15 +369,10 @@ class _Progress:
 
 
 def _resume(config: TrainConfig, run: RunDir, model: nn.Module, dense_optimizer: torch.optim.Optimizer,
-            tables: EmbeddingTables, iterations: int) -> _Progress:
-    """Restore the newest valid checkpoint of the run (a ValueError if there is none), and forget what
-    the run logged or checkpointed after it: those iterations are computed again."""
-    state = load_latest(config.run_dir, num_rows=[space.num_rows for space in tables.layout.spaces])
-    if state is None:
-        raise ValueError(f"--resume: {config.run_dir} has no valid checkpoint to resume from (a run checkpoints "
-                         f"with --checkpoint-every N or --checkpoint-every-s S)")
-    if state.iteration > iterations:
-        raise ValueError(f"--resume: the checkpoint is at iteration {state.iteration}, past --iterations {iterations}")
+            tables: EmbeddingTables, checkpoint: tuple) -> _Progress:
+    """Restore ``checkpoint`` (the run's newest valid one: its directory and chain), and forget what the run
+    logged or checkpointed after it: those iterations are computed again."""
+    state = load_checkpoint(*checkpoint, num_rows=[space.num_rows for space in tables.layout.spaces])
     restore(state, model, dense_optimizer, tables)
     threads = state.extra.get("torch_threads")
     if threads and threads != torch.get_num_threads():

@@ -68,6 +68,14 @@ def _default_label(path: Path, summary: dict) -> str:
     return f"{path.name} ({mode})" if mode else path.name
 
 
+def figure(value, spec: str) -> str:
+    """``value`` formatted by ``spec``, or ``n/a`` for a figure a run could not measure (null or NaN in its
+    summary: a hit rate with no lookups, a throughput with no steady state)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return format(value, spec)
+
+
 def headline(record: dict) -> tuple[str, str]:
     """The evaluation metric a run reports first: AUC for CTR models, HR@10 for next-item ones."""
     return ("hr10", "HR@10") if "eval_hr10" in record else ("auc", "AUC")
@@ -77,17 +85,17 @@ def summarize(run: Run) -> str:
     s, last = run.summary, run.train[-1]
     lines = [f"{run.label}: {s.get('mode', '?')} mode, {last['iteration']} iterations, {last['samples']:,} samples"]
     if s:
-        lines.append(f"  throughput   {s['samples_per_s']:,.0f} samples/s steady state"
+        lines.append(f"  throughput   {figure(s['samples_per_s'], ',.0f')} samples/s steady state"
                      + (f", start-up {s['startup_s']:.1f} s" if _finite(s.get("startup_s")) else "")
                      + f", wall {s['wall_s']:.1f} s")
         metric, name = headline(s)
-        other = (f"log-loss {s['eval_logloss']:.4f}" if metric == "auc" else f"NDCG@10 {s['eval_ndcg10']:.4f}")
-        lines.append(f"  train loss   {s['final_train_loss']:.4f}   eval {name} {s['eval_' + metric]:.4f}   {other}")
+        other = (f"log-loss {figure(s['eval_logloss'], '.4f')}" if metric == "auc" else f"NDCG@10 {figure(s['eval_ndcg10'], '.4f')}")
+        lines.append(f"  train loss   {figure(s['final_train_loss'], '.4f')}   eval {name} {figure(s['eval_' + metric], '.4f')}   {other}")
     else:
         lines.append(f"  (no summary.json: unfinished run) last train loss {last['train_loss']:.4f}")
     if s.get("mode") in ("bagpipe", "single"):
         lines.append(f"  cache        {s['cache_rows']:,} of {s['total_rows']:,} rows, hit rate "
-                     f"{s['cache_hit_rate']:.3f}, {s['rows_moved_per_iteration']:,.0f} rows moved per iteration"
+                     f"{figure(s['cache_hit_rate'], '.3f')}, {figure(s['rows_moved_per_iteration'], ',.0f')} rows moved per iteration"
                      + (f", stall {100 * s['embedding_stall_fraction']:.1f}%, {s['bytes_sent'] / 2**20:,.1f} MiB sent"
                         if s["mode"] == "bagpipe" else ""))
     breakdown = s.get("time_breakdown_ms") or {}

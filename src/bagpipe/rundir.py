@@ -9,6 +9,7 @@ one, an unfinished run whose other files are not to be presented as results.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import torch
 
+from bagpipe.checkpoint import checkpoints_dir
+from bagpipe.files import writing
 from bagpipe.model_dir import MODEL_DIR, ModelDir
+from bagpipe.runlock import LOCK
 
 SUMMARY = "summary.json"
 MARKER = ".bagpipe-run"  # written first into every run dir: --overwrite deletes only directories holding it
@@ -28,7 +32,7 @@ def prepare_run_dir(path: str | Path, *, overwrite: bool) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--run-dir {path} is a file, not a directory")
-    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    held = sorted(p.name for p in path.iterdir() if p.name != LOCK) if path.is_dir() else []
     if held:
         what = "a finished run" if (path / SUMMARY).is_file() else "an unfinished run" if (path / MARKER).exists() \
             else f"files that are not a bagpipe run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
@@ -38,11 +42,22 @@ def prepare_run_dir(path: str | Path, *, overwrite: bool) -> Path:
         if not (path / MARKER).exists():
             raise ValueError(f"--run-dir {path} holds {what}: --overwrite only replaces a bagpipe run; "
                              f"choose an empty or new directory")
-        for child in path.iterdir():
+        for child in (child for child in path.iterdir() if child.name != LOCK):  # the lock is this run's now
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     path.mkdir(parents=True, exist_ok=True)
     (path / MARKER).write_text("")
     return path
+
+
+def finite_or_null(value):
+    """``value`` with every float that is not finite (NaN, inf) replaced by None, in dicts and lists too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def is_finished(path: str | Path) -> bool:
@@ -51,9 +66,10 @@ def is_finished(path: str | Path) -> bool:
 
 def write_json_atomic(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    with open(tmp) as handle:
-        os.fsync(handle.fileno())
+    with writing(path):
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+        with open(tmp) as handle:
+            os.fsync(handle.fileno())
     tmp.replace(path)
 
 
@@ -98,13 +114,37 @@ class RunDir:
                 found.add(record["iteration"])
         return found
 
+    def last_train_loss(self) -> float | None:
+        """The last training loss the metrics log holds (a resumed run with nothing left to train reports it)."""
+        loss = None
+        for line in (self.path / "metrics.jsonl").read_text().splitlines():
+            try:
+                loss = json.loads(line).get("train_loss", loss)
+            except json.JSONDecodeError:
+                continue
+        return loss
+
     def finish(self, summary: dict) -> None:
-        """Write summary.json, the mark of a finished run: the last file a run writes."""
+        """Write summary.json, the mark of a finished run: the last file a run writes. It is strict JSON: a
+        figure that does not exist (a hit rate with no lookups) is null, never NaN."""
         self._metrics.close()
-        write_json_atomic(self.path / SUMMARY, summary)
+        write_json_atomic(self.path / SUMMARY, finite_or_null(summary))
 
     def close(self) -> None:
         self._metrics.close()
+
+
+def sweep_working_files(run_dir: str | Path, storage: Path) -> list[Path]:
+    """Remove what a run keeps only while it runs, and return what was there: its tables' working files
+    (``storage``: RUN_DIR/storage, or the run's directory in --storage-dir) and files and checkpoints it was
+    writing (``*.tmp``). Called with the run dir locked: at the start of a run or a resume (what a killed run
+    left: SIGKILL cannot be caught), and when a run ends or is interrupted."""
+    run_dir = Path(run_dir)
+    found = [storage] if storage.exists() else []
+    found += [*run_dir.glob("*.tmp"), *checkpoints_dir(run_dir).glob("*.tmp")]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+    return found
 
 
 def forget_metrics_after(run_dir: str | Path, iteration: int) -> None:

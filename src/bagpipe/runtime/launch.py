@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,18 +21,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bagpipe.checkpoint import valid_checkpoints
+from bagpipe.checkpoint import resumable_checkpoint, valid_checkpoints
 from bagpipe.config import TrainConfig, dump_toml
 from bagpipe.data.batches import batches_per_epoch
 from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
-from bagpipe.rundir import SUMMARY, forget_metrics_after, write_json_atomic
+from bagpipe.rundir import SUMMARY, forget_metrics_after, sweep_working_files, write_json_atomic
+from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
 from bagpipe.runtime.protocol import (REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE,
                                        TRAINER_LOST)
 from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, OracleWatch,
                                         declare_oracle_lost)
 from bagpipe.runtime.world import LOOPBACK, STORE_SERVED, JobStore, World, free_port
+from bagpipe.storage.disk import storage_path
 
 log = logging.getLogger(__name__)
 
@@ -84,40 +85,59 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     ``config.max_restarts`` times; summary.json's "restarts" says what failed, when, and how long the job
     took to train again and to get back to where it was.
     """
-    if resume:
-        dataset = prepare_data(config, show_progress=show_progress)
-        for warning in check_job(config, dataset, show_progress=show_progress):
-            log.warning("%s", warning)
-    else:
-        dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
-    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
-    run_dir = Path(config.run_dir)
-    (run_dir / "logs").mkdir(exist_ok=resume)
-    job_file = run_dir / "job.toml"
-    job_file.write_text(dump_toml(config))
-    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
-    restarts: list[dict] = []
-    while True:
-        child_env["BAGPIPE_ATTEMPT"] = str(len(restarts))  # faults meant for this attempt (faults.py)
+    # The run dir is the job's from here until its last process has ended (the roles inherit the lock).
+    with lock_run_dir(config.run_dir) as lock:
+        iterations = _prepare(config, overwrite=overwrite, resume=resume, show_progress=show_progress)
+        run_dir = Path(config.run_dir)
+        storage = storage_path(config.storage_dir, config.run_dir)
+        if swept := sweep_working_files(run_dir, storage):
+            log.info("removed what an interrupted run left: %s", ", ".join(str(path) for path in swept))
+        (run_dir / "logs").mkdir(exist_ok=resume)
+        job_file = run_dir / "job.toml"
+        job_file.write_text(dump_toml(config))
+        child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+        restarts: list[dict] = []
         try:
-            _run_once(config, job_file, total=iterations, resume=resume, env=child_env, show_progress=show_progress,
-                      trainer_args=list(extra_trainer_args or []), restart=restarts[-1] if restarts else None)
-            break
-        except JobFailed as failed:
-            restart = _restart(config, failed, done=len(restarts))
-            restarts.append(restart)
-            resume = True
-    summary = json.loads((run_dir / SUMMARY).read_text())
-    if restarts:
-        summary["restarts"] = restarts
-        write_json_atomic(run_dir / SUMMARY, summary)
+            while True:
+                child_env["BAGPIPE_ATTEMPT"] = str(len(restarts))  # faults meant for this attempt (faults.py)
+                try:
+                    _run_once(config, job_file, total=iterations, resume=resume, env=child_env,
+                              show_progress=show_progress, trainer_args=list(extra_trainer_args or []),
+                              restart=restarts[-1] if restarts else None, lock_fd=lock.fd)
+                    break
+                except JobFailed as failed:
+                    restart = _restart(config, failed, done=len(restarts))
+                    restarts.append(restart)
+                    resume = True
+        finally:  # every role has ended: what they kept only while running goes (a failure, Ctrl-C, SIGTERM too)
+            sweep_working_files(run_dir, storage)
+        summary = json.loads((run_dir / SUMMARY).read_text())
+        if restarts:
+            summary["restarts"] = restarts
+            write_json_atomic(run_dir / SUMMARY, summary)
     return summary
 
 
+def _prepare(config: TrainConfig, *, overwrite: bool, resume: bool, show_progress: bool) -> int:
+    """Everything checked before any role starts, so that a job that cannot run is refused in one line (and an
+    earlier run in the run dir stays as it was): the data (converted if its sources changed), the job against it,
+    and a resumed run's checkpoint against its iterations. The iterations to train."""
+    if not resume:
+        dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
+        return config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+    dataset = prepare_data(config, show_progress=show_progress)
+    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+    resumable_checkpoint(config.run_dir, iterations=iterations)
+    for warning in check_job(config, dataset, show_progress=show_progress):
+        log.warning("%s", warning)
+    return iterations
+
+
 def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, env: dict[str, str],
-              show_progress: bool, trainer_args: list[str], restart: dict | None) -> None:
+              show_progress: bool, trainer_args: list[str], restart: dict | None, lock_fd: int = -1) -> None:
     """Start every role of the job (``resume``: from the newest checkpoint) and supervise them to the end;
-    JobFailed if one fails. ``restart``: the record of the restart this run is, completed as it trains."""
+    JobFailed if one fails. ``restart``: the record of the restart this run is, completed as it trains;
+    ``lock_fd``: the run dir's lock, which every role holds too."""
     run_dir = Path(config.run_dir)
     read_from, boundary = 0, None  # where in metrics.jsonl this run's records start; the iteration it starts at
     if resume and (boundary := _newest_boundary(run_dir)) is not None:
@@ -149,7 +169,7 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
                 out.flush()
             command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=_die_with_parent)
+                                       preexec_fn=_die_with_parent, pass_fds=(lock_fd,) if lock_fd >= 0 else ())
         return Child(role, index, rank, process, log_path)
 
     def replace(lost: Child) -> Child:
@@ -180,8 +200,6 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
     except BaseException:
         _stop_all(children)
         job_store.close()
-        for partial in run_dir.glob("*.tmp"):  # what the oracle was writing when it was stopped
-            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         raise
     _stop_all(children)
     job_store.close()

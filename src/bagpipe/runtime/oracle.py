@@ -11,6 +11,7 @@ from checkpoints during training, in the background).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -40,6 +41,7 @@ from bagpipe.planner.plan import PlanStep
 from bagpipe.preflight import cache_rows_of, check_job, claim, job_layout, prepare_data
 from bagpipe.reference import best_metrics, build_model, deterministic
 from bagpipe.rundir import RunDir
+from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.liveness import Liveness
@@ -594,16 +596,19 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     global _ORACLE
     started_at = time.time()
     deterministic()
-    # The store first: the other roles check in, and wait while the data is converted and checked.
-    store, world = host_store(world)
-    if world.epoch:
-        oracle = take_over_job(world, store)
-    else:
-        oracle = start_job(config, world, store, overwrite=overwrite, prepared=prepared, given=given, resume=resume)
-        oracle.keeper.save(started_at=started_at)
-    _ORACLE = oracle
-    _JOINED.set()
-    return run_job(oracle)
+    # The run dir is this job's while the oracle lives (a local launcher holds the lock for all its roles).
+    with contextlib.nullcontext() if prepared else lock_run_dir(config.run_dir):
+        # The store first: the other roles check in, and wait while the data is converted and checked.
+        store, world = host_store(world)
+        if world.epoch:
+            oracle = take_over_job(world, store)
+        else:
+            oracle = start_job(config, world, store, overwrite=overwrite, prepared=prepared, given=given,
+                               resume=resume)
+            oracle.keeper.save(started_at=started_at)
+        _ORACLE = oracle
+        _JOINED.set()
+        return run_job(oracle)
 
 
 def start_job(config: TrainConfig, world: World, store, *, overwrite: bool, prepared: bool, given: dict | None,
@@ -859,7 +864,8 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "iterations": oracle.iterations,
         "samples": oracle.iterations * config.batch_size,
         "samples_per_s": stats[0].samples_per_s,
-        "final_train_loss": stats[0].extra.get("final_train_loss", float("nan")),
+        "final_train_loss": (stats[0].extra.get("final_train_loss") if oracle.iterations > oracle.start
+                             else run.last_train_loss()),  # (a resumed run with nothing left to train)
         **metrics,
         **best_metrics(dataset.meta),
         **({"resumed_at": oracle.start} if oracle.start else {}),

@@ -20,11 +20,14 @@ cache is the kernel's, reclaimable under pressure.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from bagpipe.files import writing
 
 # per cached row beyond its record: its key twice (slot owner and sorted index), its slot in the index,
 # its last use and whether it is dirty
@@ -40,8 +43,14 @@ def record_bytes(dim: int, state_width: int) -> int:
 
 
 def storage_path(storage_dir: str, run_dir: str) -> Path:
-    """Where the servers' files go: ``--storage-dir``, or ``RUN_DIR/storage``."""
-    return Path(storage_dir or Path(run_dir) / "storage")
+    """Where a run's tables' files go: ``RUN_DIR/storage``, or a directory of ``--storage-dir`` named after the run
+    (its run dir's name and absolute path), so that runs sharing a --storage-dir never touch each other's files
+    and a later run in the same run dir finds, and removes, what a killed one left."""
+    if not storage_dir:
+        return Path(run_dir) / "storage"
+    where = os.path.abspath(run_dir)
+    tag = hashlib.blake2b(where.encode(), digest_size=6).hexdigest()
+    return Path(storage_dir) / f"bagpipe-{Path(where).name}-{tag}"
 
 
 class DiskRows:
@@ -76,7 +85,8 @@ class DiskRows:
             part = rows[first:first + FILL_ROWS].numpy()
             records = np.zeros((len(part), self.width), dtype=np.float32)
             records[:, :self.dim] = part
-            os.pwrite(self._fd, records.data, (start + first) * self.record_bytes)
+            with writing(self.path):
+                os.pwrite(self._fd, records.data, (start + first) * self.record_bytes)
 
     def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """Rows, optimizer state and versions of ``local`` (the rows read from the file are cached)."""
@@ -116,7 +126,8 @@ class DiskRows:
             block = np.empty((min(FILL_ROWS, self.num_rows - start), self.width), dtype=np.float32)
             self._pread(block, start)
             block[:, -1:].view(np.int32)[:, 0] = version + 1
-            os.pwrite(self._fd, block.data, start * self.record_bytes)
+            with writing(self.path):
+                os.pwrite(self._fd, block.data, start * self.record_bytes)
         self._cache[:, -1:].view(np.int32)[:, 0] = version + 1
 
     def close(self) -> None:
@@ -196,7 +207,8 @@ class DiskRows:
 
     def _write_file(self, local: np.ndarray, records: np.ndarray) -> None:
         order = np.argsort(local)
-        self._transfer(os.pwritev, local[order], np.ascontiguousarray(records[order]))
+        with writing(self.path):  # a full disk named as such (the file is sparse: its rows take space as written)
+            self._transfer(os.pwritev, local[order], np.ascontiguousarray(records[order]))
         self.rows_written += len(local)
 
     def _transfer(self, call, rows: np.ndarray, records: np.ndarray) -> None:
