@@ -127,7 +127,8 @@ def test_a_damaged_header_is_named_and_converted_again_or_refused(data, tmp_path
             opened()
 
 
-def test_an_array_of_the_wrong_size_or_an_invalid_meta_is_converted_again(data, conversions, warnings):
+def test_an_array_of_the_wrong_size_or_an_invalid_meta_is_converted_again_or_refused(data, tmp_path, conversions,
+                                                                                     warnings):
     cached = ensure_preprocessed(data, show_progress=False)
     with open(cached / "test" / "dense.f32", "ab") as handle:
         handle.write(b"\0\0\0\0")
@@ -136,8 +137,13 @@ def test_an_array_of_the_wrong_size_or_an_invalid_meta_is_converted_again(data, 
     ensure_preprocessed(data, show_progress=False)
     assert len(conversions) == 3
     first, second = warnings()
-    assert first.startswith(f"{cached / 'test' / 'dense.f32'}: missing or truncated (expected 3120 bytes, found 3124)")
+    assert first.startswith(f"{cached / 'test' / 'dense.f32'}: 3124 bytes, not the 3120 its header gives: truncated")
     assert second.startswith(f"{cached / 'meta.json'}: not valid JSON")
+    out = tmp_path / "bin"
+    preprocess(data, out, show_progress=False)
+    (out / "train" / "labels.f32").unlink()
+    with pytest.raises(ValueError, match=f"^{out / 'train' / 'labels.f32'}: missing .*{CORRUPTED}$"):
+        prepare_data(run_config(out, tmp_path))
 
 
 def as_written_before_checksums(directory):

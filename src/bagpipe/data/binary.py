@@ -216,7 +216,7 @@ class BinarySplit:
                 schema = Schema(num_dense=num_dense, features=tuple(Feature(**f) for f in header["features"]))
             else:
                 schema = Schema.one_hot(list(header["table_sizes"]), num_dense=num_dense)
-        except (KeyError, TypeError, ValueError) as err:  # a header without its own checksum, written so
+        except (KeyError, TypeError, ValueError) as err:  # only in a header without its own checksum (older)
             raise CorruptData(header_path, f"not a valid split header ({type(err).__name__}: {err})") from None
         checksums = header.get("checksums")
         shapes = {"labels.f32": (np.float32, (rows,)), "dense.f32": (np.float32, (rows, num_dense)),
@@ -224,10 +224,10 @@ class BinarySplit:
         for name, (dtype, shape) in shapes.items():
             path = directory / name
             expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            size = path.stat().st_size if path.is_file() else None
-            if size != expected:
-                raise CorruptData(path, f"missing or truncated (expected {expected} bytes, found "
-                                        f"{'none' if size is None else size})")
+            if not path.is_file():
+                raise CorruptData(path, f"missing (its header gives it {expected} bytes)")
+            if (size := path.stat().st_size) != expected:
+                raise CorruptData(path, f"{size} bytes, not the {expected} its header gives: truncated or changed")
         if verify and checksums is not None:
             for name in shapes:
                 if checksums.get(name) != file_checksum(directory / name):
