@@ -289,6 +289,10 @@ def test_an_id_outside_its_table_is_refused_naming_the_row(small_binary, tmp_pat
     ids[300, 2] = header["table_sizes"][2]  # one past the end of table 2: a row of table 3 if unchecked
     ids.flush()
     del ids
+    from bagpipe.data.binary import file_checksum, write_record
+
+    header["checksums"][ids_file.name] = file_checksum(ids_file)  # planted on purpose: sealed again
+    write_record(split / "header.json", header)
     # A cache smaller than a batch's ids has the launcher scan the batches before starting anything;
     # with a larger one the oracle meets the row while planning.
     config = job_config(data, tmp_path / "before", iterations=10)

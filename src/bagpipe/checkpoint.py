@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from bagpipe.faults import inject_fault
-from bagpipe.files import writing
+from bagpipe.files import save_torch, writing
 from bagpipe.threads import Background
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ def file_digest(path: Path) -> dict:
 
 def save_dense(directory: Path, dense: dict, dense_optimizer: dict) -> None:
     path = directory / "dense.pt"
-    with writing(path), open(path, "wb") as handle:  # (to a path, torch reports a full disk as "unexpected pos")
-        torch.save({"dense": dense, "dense_optimizer": dense_optimizer}, handle)
+    with writing(path), open(path, "wb") as handle:
+        save_torch({"dense": dense, "dense_optimizer": dense_optimizer}, handle)
     _fsync(path)
 
 

@@ -95,3 +95,34 @@ def check_writable(directory: str | Path, *, what: str) -> None:
                 path.rmdir()
             except OSError:
                 pass
+
+
+def save_torch(obj, handle) -> None:
+    """``torch.save`` of ``obj`` to the open binary file ``handle``, an OSError of its writes raised as itself
+    (torch reports some, such as a full disk, as an "unexpected pos" RuntimeError)."""
+    import torch
+
+    recorder = _RecordingWriter(handle)
+    try:
+        torch.save(obj, recorder)
+    except RuntimeError:
+        if recorder.error is None:
+            raise
+        raise recorder.error from None
+
+
+class _RecordingWriter:
+    """A file object that keeps the OSError its last write met."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()

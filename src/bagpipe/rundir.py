@@ -16,10 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from bagpipe.checkpoint import checkpoints_dir
-from bagpipe.files import writing
+from bagpipe.files import save_torch, writing
 from bagpipe.model_dir import MODEL_DIR, ModelDir
 from bagpipe.runlock import LOCK
 
@@ -193,7 +191,7 @@ def export(run_dir: str | Path, out: str | Path) -> dict:
     try:
         exported = model.load()
         try:
-            torch.save(exported, handle)
+            save_torch(exported, handle)
             handle.flush()
             os.fsync(handle.fileno())
             handle.close()

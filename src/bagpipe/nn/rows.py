@@ -187,9 +187,9 @@ def total_stats(spaces: list[CachedRows]) -> dict:
 
 
 def hit_rate(stats: dict) -> float:
-    """The share of looked-up rows that were already resident."""
+    """The share of looked-up rows that were already resident (NaN before any lookup: there is no rate yet)."""
     looked_up = stats["rows_looked_up"]
-    return 1.0 - stats["rows_fetched"] / looked_up if looked_up else 0.0
+    return 1.0 - stats["rows_fetched"] / looked_up if looked_up else float("nan")
 
 
 def dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:

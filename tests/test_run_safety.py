@@ -1,0 +1,301 @@
+"""No run is ever damaged by another: a run dir's identity and lock, working files swept, SIGTERM, resume targets
+checked before anything starts, full and read-only disks named (issue 24). In one process where the property
+allows; processes only where a kill, a signal or the kernel's release of a lock is what is shown."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bagpipe import faults
+from bagpipe.cli import main
+from bagpipe.config import resumed_config
+from bagpipe.files import WriteFailed, human_bytes, writing
+from bagpipe.rundir import export
+from bagpipe.runlock import LOCK, lock_run_dir
+from test_checkpoint import same_export
+
+SMALL = ["--iterations", "20", "--batch-size", "256", "--emb-dim", "8", "--arch-mlp-bot", "13-16-8",
+         "--arch-mlp-top", "16-1", "--max-eval-rows", "1000", "--checkpoint-every", "5", "--log-every", "5",
+         "--no-progress"]
+
+
+def train(data, run_dir, *extra: str) -> int:
+    return main(["train", "--data", str(data), "--run-dir", str(run_dir), *SMALL, *extra])
+
+
+def resume(run_dir, *extra: str) -> int:
+    return main(["train", "--run-dir", str(run_dir), "--resume", "--no-progress", *extra])
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file under ``path`` (the lock's holder record aside) by its content's hash."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file() and p.name != LOCK}
+
+
+def strict_json(path: Path) -> dict:
+    def refuse(constant):
+        raise ValueError(f"{path} holds {constant}: not strict JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.fixture
+def fail_at(monkeypatch):
+    """Have this process's reference loop raise at an iteration (as a run killed there leaves its run dir)."""
+    def arm(iteration: int) -> None:
+        monkeypatch.setattr(faults, "_FAULTS", {("reference", f"iteration {iteration}"): ("fail", 0.0)})
+        monkeypatch.setattr(faults, "_ROLE", "reference")
+
+    def disarm() -> None:
+        monkeypatch.setattr(faults, "_FAULTS", {})
+    arm.disarm = disarm
+    return arm
+
+
+MODES = {"reference": [], "single-disk": ["--mode", "single", "--cache-rows", "800", "--storage", "disk",
+                                          "--storage-budget-mb", "0.05"]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_copied_or_moved_run_dir_resumes_where_it_is_and_never_touches_the_original(small_binary, tmp_path,
+                                                                                      fail_at, mode):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert train(small_binary, whole, *MODES[mode]) == 0
+    fail_at(12)
+    assert train(small_binary, broken, *MODES[mode]) == 1  # checkpoints at 5 and 10, no summary
+    fail_at.disarm()
+    copy, moved = tmp_path / "copy", tmp_path / "moved"
+    shutil.copytree(broken, copy)
+    before = tree(broken)
+    assert resume(copy) == 0
+    assert tree(broken) == before  # the original, byte for byte
+    same_export(export(whole, tmp_path / "a.pt"), export(copy, tmp_path / "b.pt"))
+    broken.rename(moved)
+    assert resume(moved) == 0
+    assert not broken.exists()  # no stray directory at the old path
+    same_export(export(whole, tmp_path / "a.pt"), export(moved, tmp_path / "c.pt"))
+    assert json.loads((moved / "config.json").read_text())["run_dir"] == str(moved)
+
+
+def test_a_run_dir_held_by_a_run_is_refused_to_every_other_command(small_binary, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert train(small_binary, run_dir, "--iterations", "6") == 0
+    (run_dir / "summary.json").unlink()  # as if still going
+    with lock_run_dir(run_dir):  # the run's lock, as its process holds it
+        capsys.readouterr()
+        for attempt in (lambda: resume(run_dir), lambda: train(small_binary, run_dir, "--overwrite"),
+                        lambda: train(small_binary, run_dir, "--mode", "bagpipe", "--overwrite", "--cache-rows", "800")):
+            assert attempt() == 2
+            err = capsys.readouterr().err
+            assert f"--run-dir {run_dir} is in use by a run still going (pid {os.getpid()} on " in err, err
+        assert (run_dir / "metrics.jsonl").exists() and (run_dir / "model").is_dir()  # nothing cleared
+    assert resume(run_dir, "--iterations", "6") == 0  # let go: the run dir is free again
+
+
+def test_a_run_refused_at_start_leaves_no_directory_behind(small_binary, tmp_path, capsys):
+    assert train(small_binary, tmp_path / "new", "--mode", "single", "--cache-rows", "10") == 2
+    assert "raise cache_rows" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resuming_at_the_last_iteration_writes_a_strict_summary(small_binary, tmp_path, fail_at, mode):
+    run_dir = tmp_path / "run"
+    fail_at(12)
+    assert train(small_binary, run_dir, *MODES[mode]) == 1
+    fail_at.disarm()
+    assert resume(run_dir, "--iterations", "10") == 0  # the checkpoint at 10: nothing left to train
+    summary = strict_json(run_dir / "summary.json")
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["final_train_loss"] == [r for r in logged if "train_loss" in r][-1]["train_loss"]
+    assert summary["iterations"] == 10 and summary["eval_auc"] > 0.5
+    if mode != "reference":
+        assert summary["cache_hit_rate"] is None  # nothing looked up: no rate, not NaN
+
+
+def test_bagpipe_resume_targets_are_checked_before_any_role_starts(small_binary, tmp_path, fail_at, monkeypatch):
+    """Past --iterations, and no valid checkpoint at all (torn first write, damaged manifest): refused by the
+    launcher in one line, without a process started."""
+    from bagpipe.runtime import launch
+
+    run_dir = tmp_path / "run"
+    fail_at(12)
+    assert train(small_binary, run_dir) == 1
+    fail_at.disarm()
+    config = dataclasses.replace(resumed_config(str(run_dir), None, {}), mode="bagpipe", trainers=2, servers=1,
+                                 cache_rows=800)
+
+    def started(*args, **kwargs):
+        raise AssertionError("a role was started")
+    monkeypatch.setattr(launch.subprocess, "Popen", started)
+    began = time.monotonic()
+    with pytest.raises(ValueError, match=r"step-00000010\) is at iteration 10, past --iterations 8: give "
+                                         r"--iterations 10 or more"):
+        launch.launch_local(dataclasses.replace(config, iterations=8), show_progress=False, resume=True)
+    (run_dir / "checkpoints" / "step-00000010" / "manifest.json").write_text("{not json")
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000005")
+    (run_dir / "checkpoints" / "step-00000015.tmp").mkdir()  # a first write torn by a kill
+    with pytest.raises(ValueError, match=r"no valid checkpoint to resume from: step-00000010, step-00000015.tmp "
+                                         r"are not whole"):
+        launch.launch_local(config, show_progress=False, resume=True)
+    assert time.monotonic() - began < 5
+
+
+def test_the_storage_check_names_small_sizes_and_a_read_only_directory(small_binary, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from bagpipe import preflight
+    from bagpipe.data.binary import open_dataset
+    from test_runtime import job_config
+
+    dataset = open_dataset(small_binary)
+    config = job_config(small_binary, tmp_path / "run", storage="disk", storage_dir=str(tmp_path / "tables"))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(10**6, 0, 1000))
+    with pytest.raises(ValueError, match=r"files need \d+\.\d KiB in .*, which has 1,000 B free"):
+        preflight.check_disk(config, preflight.job_layout(config, dataset))
+    assert human_bytes(512) == "512 B" and human_bytes(3 * 2**20) == "3.0 MiB"
+
+
+def _mount_tmpfs(where: Path, options: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount a tmpfs (root only; skipped elsewhere) with the given options; unmounted at the end."""
+    mounted = []
+
+    def mount(name: str, options: str) -> Path:
+        where = tmp_path / name
+        _mount_tmpfs(where, options)
+        mounted.append(where)
+        return where
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_read_only_storage_dir_is_refused_before_the_run_dir_is_claimed(small_binary, tmp_path, tmpfs, capsys):
+    read_only = tmpfs("ro", "ro,size=1m")
+    run_dir = tmp_path / "run"
+    assert train(small_binary, run_dir, *MODES["single-disk"], "--storage-dir", str(read_only)) == 2
+    assert "read-only file system" in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing to --overwrite later
+
+
+def test_a_full_disk_while_checkpointing_is_named(small_binary, tmp_path, tmpfs, capsys):
+    disk = tmpfs("small", "size=4m")
+    stat = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 160 * 1024))  # room for the logs only
+    assert train(small_binary, disk / "run") == 1
+    err = capsys.readouterr().err
+    assert f"no space left on tmpfs (mounted at {disk}) while writing {disk / 'run' / 'checkpoints'}" in err, err
+    assert "enforce fail" not in err
+    assert not list((disk / "run" / "checkpoints").glob("*.tmp"))  # the torn write swept
+
+
+def test_writing_names_the_device_and_the_file(tmp_path):
+    with pytest.raises(WriteFailed, match=rf"no space left on .* while writing {tmp_path / 'x'}$"):
+        with writing(tmp_path / "x"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(WriteFailed, match=rf"cannot write {tmp_path / 'y'}: .* is a read-only file system"):
+        with writing(tmp_path / "y"):
+            raise OSError(errno.EROFS, "Read-only file system")
+    with pytest.raises(PermissionError):  # other errors pass unchanged
+        with writing(tmp_path / "z"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+
+# -- processes: a lock held by a live run, released by the kernel at its death; signals ------------------------
+
+def _cli(*args: str, faults_spec: str = "") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "bagpipe.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, BAGPIPE_FAULTS=faults_spec))
+
+
+def _wait_for(condition, *, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _logged_iteration(run_dir: Path, iteration: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and f'"iteration": {iteration},' in path.read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_live_run_holds_its_dir_until_killed_and_a_resume_sweeps_what_it_left(small_binary, tmp_path):
+    run_dir, tables = tmp_path / "run", tmp_path / "tables"
+    args = ["train", "--data", str(small_binary), "--run-dir", str(run_dir), *SMALL, *MODES["single-disk"],
+            "--storage-dir", str(tables)]
+    running = _cli(*args, faults_spec="reference@iteration 12:pause=60")
+    try:
+        _wait_for(lambda: _logged_iteration(run_dir, 10))
+        began = time.monotonic()
+        second = subprocess.run([sys.executable, "-m", "bagpipe.cli", "train", "--run-dir", str(run_dir), "--resume"],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and time.monotonic() - began < 5
+        assert f"is in use by a run still going (pid {running.pid} on " in second.stderr, second.stderr
+        left = list(tables.rglob("*.rows"))
+        assert left  # the killed run's table files (SIGKILL cannot be caught) ...
+    finally:
+        running.kill()
+        running.wait()
+    lock_run_dir(run_dir).release()  # released by the kernel with its holder
+    assert resume(run_dir) == 0
+    assert not any(path.exists() for path in left) and list(tables.iterdir()) == []  # ... swept by the resume
+
+
+def test_sigterm_stops_a_single_run_in_one_line_and_leaves_no_working_file(small_binary, tmp_path):
+    run_dir, tables = tmp_path / "run", tmp_path / "tables"
+    running = _cli("train", "--data", str(small_binary), "--run-dir", str(run_dir), *SMALL, *MODES["single-disk"],
+                   "--storage-dir", str(tables), faults_spec="reference@iteration 12:pause=60")
+    _wait_for(lambda: _logged_iteration(run_dir, 10))
+    running.send_signal(signal.SIGTERM)
+    _, err = running.communicate(timeout=60)
+    assert running.returncode == 143, err
+    assert err.count("terminated (SIGTERM)") == 1 and "Traceback" not in err
+    assert list(tables.iterdir()) == [] and not list(run_dir.rglob("*.tmp"))
+    assert resume(run_dir) == 0  # an interrupted run, resumable as any other
+
+
+def test_sigterm_stops_a_bagpipe_job_every_process_and_working_file_with_it(small_binary, tmp_path):
+    run_dir = tmp_path / "run"
+    running = _cli("train", "--data", str(small_binary), "--run-dir", str(run_dir), *SMALL, "--mode", "bagpipe",
+                   "--trainers", "2", "--servers", "1", "--cache-rows", "800", "--storage", "disk",
+                   "--storage-budget-mb", "0.05", faults_spec="trainer0@iteration 12:pause=60")
+    _wait_for(lambda: _logged_iteration(run_dir, 10), timeout=120)
+    roles = json.loads((run_dir / "pids.json").read_text())
+    assert list((run_dir / "storage").glob("*.rows"))  # the servers' shards, being trained
+    running.send_signal(signal.SIGTERM)
+    _, err = running.communicate(timeout=60)
+    assert running.returncode == 143, err[-3000:]
+    assert err.count("terminated (SIGTERM)") == 1, err[-3000:]
+    assert not [name for name, pid in roles.items() if _alive(pid)]
+    assert not (run_dir / "storage").exists() and not list(run_dir.rglob("*.tmp"))
+    lock_run_dir(run_dir).release()  # no role holds the run dir any more
