@@ -284,7 +284,10 @@ def test_sigterm_stops_a_single_run_in_one_line_and_leaves_no_working_file(small
     assert resume(run_dir) == 0  # an interrupted run, resumable as any other
 
 
-def test_sigterm_stops_a_bagpipe_job_every_process_and_working_file_with_it(small_binary, tmp_path):
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                                (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+def test_a_signal_stops_a_bagpipe_job_every_process_and_working_file_with_it(small_binary, tmp_path, signum, code,
+                                                                              line):
     run_dir = tmp_path / "run"
     running = _cli("train", "--data", str(small_binary), "--run-dir", str(run_dir), *SMALL, "--mode", "bagpipe",
                    "--trainers", "2", "--servers", "1", "--cache-rows", "800", "--storage", "disk",
@@ -292,10 +295,26 @@ def test_sigterm_stops_a_bagpipe_job_every_process_and_working_file_with_it(smal
     _wait_for(lambda: _logged_iteration(run_dir, 10), timeout=120)
     roles = json.loads((run_dir / "pids.json").read_text())
     assert list((run_dir / "storage").glob("*.rows"))  # the servers' shards, being trained
-    running.send_signal(signal.SIGTERM)
+    held = {os.readlink(fd) for fd in Path(f"/proc/{roles['oracle0']}/fd").iterdir() if fd.is_symlink()}
+    assert str(run_dir / LOCK) in held  # the roles hold the run dir's lock too
+    running.send_signal(signum)
     _, err = running.communicate(timeout=60)
-    assert running.returncode == 143, err[-3000:]
-    assert err.count("terminated (SIGTERM)") == 1, err[-3000:]
+    assert running.returncode == code, err[-3000:]
+    assert err.count(line) == 1, err[-3000:]
     assert not [name for name, pid in roles.items() if _alive(pid)]
     assert not (run_dir / "storage").exists() and not list(run_dir.rglob("*.tmp"))
     lock_run_dir(run_dir).release()  # no role holds the run dir any more
+
+
+def test_a_moved_bagpipe_run_dir_resumes_where_it_is(small_binary, tmp_path):
+    from bagpipe.runtime.launch import JobFailed, launch_local
+    from test_runtime import assert_same_parameters, job_config, reference_of
+
+    config = job_config(small_binary, tmp_path / "run", iterations=40, checkpoint_every=10)
+    with pytest.raises(JobFailed, match="a fault injected at 'iteration 25'"):
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer0@iteration 25:fail"})
+    moved = tmp_path / "moved"
+    (tmp_path / "run").rename(moved)
+    summary = launch_local(resumed_config(str(moved), None, {}), show_progress=False, resume=True)
+    assert summary["resumed_at"] == 20 and not (tmp_path / "run").exists()
+    assert_same_parameters(export(moved, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
