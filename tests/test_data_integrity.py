@@ -17,6 +17,7 @@ from bagpipe.data.binary import open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed, preprocess
 from bagpipe.preflight import prepare_data
 from bagpipe.synth import generate
+from test_preprocess import conversions  # noqa: F401 - a fixture
 
 SIZES = [7, 30, 5]
 ARRAYS = ["train/dense.f32", "train/labels.f32", "train/ids.int32", "test/ids.int32"]
@@ -27,20 +28,6 @@ CORRUPTED = "the preprocessed data is corrupted; convert it again from its sourc
 def data(tmp_path):
     generate(tmp_path / "data", rows=300, test_rows=60, seed=0, table_sizes=SIZES, show_progress=False)
     return tmp_path / "data"
-
-
-@pytest.fixture
-def conversions(monkeypatch):
-    """The directories ``preprocess`` converted, in order."""
-    calls = []
-
-    def spy(input_path, out_dir, **kwargs):
-        calls.append(input_path)
-        return real(input_path, out_dir, **kwargs)
-
-    real = pre.preprocess
-    monkeypatch.setattr(pre, "preprocess", spy)
-    return calls
 
 
 @pytest.fixture

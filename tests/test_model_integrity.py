@@ -110,7 +110,7 @@ def test_a_missing_file_a_missing_tensor_and_a_bad_model_json_are_named(run, tmp
     with pytest.raises(ValueError, match="dense.safetensors has no tensor 'top.9.weight'"):
         export(run, tmp_path / "model.pt")
     (model / META).write_text(meta_text[: len(meta_text) // 2])
-    with pytest.raises(ValueError, match=f"{model / META} is not valid JSON"):
+    with pytest.raises(ValueError, match=f"{model / META}: not valid JSON"):
         export(run, tmp_path / "model.pt")
     (model / META).write_text(json.dumps({**meta, "tables": [{"file": TABLE}]}))
     with pytest.raises(ValueError, match=f"{model / META} is not a valid model description \\(missing 'rows'\\)"):

@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import tempfile
 from pathlib import Path
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def read_json(path: str | Path) -> dict:
+    """A JSON object from a file; a ValueError naming the file if it is not one."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not valid JSON here (not an object)")
+    return value
 
 
 def human_bytes(num_bytes: float) -> str:

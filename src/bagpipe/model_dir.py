@@ -35,6 +35,7 @@ import torch
 from bagpipe.checkpoint import fsync_dir, HashedFile, file_digest
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables
 from bagpipe.faults import inject_fault
+from bagpipe.files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +154,7 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
 
 def _read_meta(path: Path) -> dict:
     """model.json at ``path``, checked for every field a reader uses; a ValueError naming it if one is wrong."""
-    try:
-        meta = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path} is not a model description (a JSON object)")
+    meta = read_json(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: model format {meta.get('format')}, this version reads {FORMAT}")
     try:

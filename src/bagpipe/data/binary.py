@@ -34,6 +34,7 @@ import xxhash
 
 from bagpipe.data.formats import Chunk
 from bagpipe.data.schema import PAD, Feature, Schema
+from bagpipe.files import read_json
 
 FORMAT_VERSIONS = (1, 2)  # read; 2 is written
 SPLITS = ("train", "test")
@@ -82,17 +83,6 @@ def write_record(path: Path, record: dict) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from a file; a ValueError naming the file if it is not one."""
-    try:
-        value = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: not valid JSON here (not an object)")
-    return value
 
 
 def read_record(path: Path) -> dict:
