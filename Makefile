@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ bench-parity: $(BIN)/bagpipe
 bench-single: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_single.py --work-dir runs/bench_single --out runs/bench_single/result.json
 	$(BIN)/python benchmarks/bench_single.py --hit-rates 2000 --out runs/bench_single/hit_rates.json
+
+adversarial: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/adversarial_runs.py --work-dir runs/adversarial --out runs/adversarial/result.json
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs
