@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -21,11 +22,17 @@ log = logging.getLogger("bagpipe")
 
 def _default(name: str) -> str:
     """" (default X)" for a train or model setting, from the config's own default."""
-    from bagpipe.config import TrainConfig
-
-    defaults = TrainConfig(data="-", run_dir="-")
+    defaults = _defaults()
     value = getattr(defaults.model, name) if hasattr(defaults.model, name) else getattr(defaults, name)
     return f" (default {value})"
+
+
+@functools.cache
+def _defaults():
+    """The default config, made once: every flag's help names its default (validating one takes a few ms)."""
+    from bagpipe.config import TrainConfig
+
+    return TrainConfig(data="-", run_dir="-")
 
 
 def _add_synth(sub) -> None:

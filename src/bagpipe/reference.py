@@ -193,7 +193,6 @@ def train_reference(config: TrainConfig, *, show_progress: bool = True, overwrit
 def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress: bool, overwrite: bool,
            resume: bool) -> dict:
     started = time.perf_counter()
-    deterministic()
     # The data, checked against the job, and the run dir: a new one claimed, or a resumed run's own.
     checkpoint = None
     if resume:
@@ -212,6 +211,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         log.info("removed what an interrupted run left: %s", ", ".join(str(path) for path in swept))
     cleanup.callback(sweep_working_files, run.path, storage)
     run.write_json("config.json", config_to_dict(config))
+    deterministic()
 
     # The model, its tables and optimizers: initialised from the seed, or restored from a checkpoint.
     # --mode single keeps the same tables in host memory or on disk behind a cache (bagpipe.nn).
