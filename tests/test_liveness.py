@@ -176,53 +176,78 @@ class _Exited:
         return self.returncode
 
 
+def _child(tmp_path, role, index, rank, code, status=None):
+    """A role that ended with ``code`` (None: still there), having written ``status`` (ExitStatus fields) and a log
+    whose text says otherwise: the launcher must decide from the status alone."""
+    import dataclasses
+
+    from bagpipe.runtime.exit_status import ExitStatus
+    from bagpipe.runtime.launch import Child
+
+    log = tmp_path / f"{role}{index}.log"
+    log.write_text(f"12:00:00 {role}[{rank}] INFO started\n" + (
+        f"12:00:01 {role}[{rank}] ERROR lost trainer 7 (rank 99): a line the launcher must not read\n" if status else ""))
+    child = Child(role, index, rank, _Exited(code), log)
+    if status is not None:
+        child.status_path.write_text(json.dumps(dataclasses.asdict(ExitStatus(**status))))
+    return child
+
+
 def test_the_launcher_follows_who_lost_whom_to_the_role_that_stopped(tmp_path):
     """The server lost the oracle, which lost trainer 1, which is still there: trainer 1 is named,
     whichever of the others ended first."""
-    from bagpipe.runtime.launch import Child, _blame
+    from bagpipe.runtime.launch import _blame
 
-    def child(role, index, rank, code, error):
-        log = tmp_path / f"{role}{index}.log"
-        log.write_text(f"12:00:00 {role}[{rank}] INFO started\n" + (f"12:00:01 {role}[{rank}] ERROR {error}\n" if error else ""))
-        return Child(role, index, rank, _Exited(code), log)
-
-    oracle = child("oracle", 0, 0, 3, "lost trainer 1 (rank 2): no heartbeat for 5 s: it is stopped, hung or gone")
-    trainer0 = child("trainer", 0, 1, 3, "lost trainer 1 (rank 2): no heartbeat for 5 s: it is stopped, hung or gone")
-    trainer1 = child("trainer", 1, 2, None, None)
-    server = child("server", 0, 3, 3, "lost the oracle (rank 0): the job's store at 127.0.0.1:1 failed: reset")
+    lost_trainer1 = "lost trainer 1 (rank 2): no heartbeat for 5 s: it is stopped, hung or gone"
+    oracle = _child(tmp_path, "oracle", 0, 0, 3, dict(cause="lost_peer", message=lost_trainer1, peer=2))
+    trainer0 = _child(tmp_path, "trainer", 0, 1, 3, dict(cause="lost_peer", message=lost_trainer1, peer=2))
+    trainer1 = _child(tmp_path, "trainer", 1, 2, None)
+    server = _child(tmp_path, "server", 0, 3, 3, dict(cause="lost_peer", message="lost the oracle (rank 0): the "
+                                                      "job's store at 127.0.0.1:1 failed: reset", peer=0))
     children = [oracle, trainer0, trainer1, server]
-    for first in (server, oracle, trainer0):  # whoever's log is oldest is the first witness
-        for c in children:
-            os.utime(c.log_path, (1000 if c is first else 2000,) * 2)
+    for first in (server, oracle, trainer0):  # whoever ended first is the first witness
+        for c in (oracle, trainer0, server):
+            status = json.loads(c.status_path.read_text())
+            c.status_path.write_text(json.dumps({**status, "at": 1000.0 if c is first else 2000.0}))
         message, restartable = _blame(children, [oracle, trainer0, server])
         assert message.startswith("trainer 1 (rank 2) stopped responding") and restartable, message
     trainer1.process.returncode = -9  # gone rather than stopped: named with how it ended
     message, restartable = _blame(children, [oracle, server])
     assert message.startswith("trainer 1 (rank 2) failed (killed by SIGKILL)") and restartable
     trainer1.process.returncode = 1  # its own error: a restart would meet it again
+    trainer1.status_path.write_text(json.dumps({"cause": "error", "message": "shape mismatch", "at": 900.0}))
     message, restartable = _blame(children, [oracle, server])
-    assert message.startswith("trainer 1 (rank 2) failed (exit code 1)") and not restartable
+    assert message == "trainer 1 (rank 2) failed (exit code 1): shape mismatch" and not restartable, message
 
 
 def test_a_trainer_that_lost_its_gradient_group_defers_to_the_one_that_names_the_stopped_role(tmp_path):
     """The oracle stopped; trainer 0 named it and ended; trainer 1's all-reduce then failed on the
     closed connection (a gloo error, no rank). Trainer 1 ended as a lost peer first, yet the
     oracle is named, not trainer 1 nor trainer 0."""
-    from bagpipe.runtime.launch import Child, _blame
+    from bagpipe.runtime.launch import _blame
     from bagpipe.runtime.liveness import LOST_EXIT_CODE, is_peer_gone
 
     gloo = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:54493"
     assert is_peer_gone(RuntimeError(gloo)) and not is_peer_gone(RuntimeError("shape mismatch"))
-    logs = {}
-    for name, error in (("oracle", None), ("trainer0", "lost the oracle (rank 0): the job's store it serves at "
-                                           "127.0.0.1:1 has not answered for 9 s: it is stopped, hung or gone"),
-                        ("trainer1", f"lost a trainer of the gradient group: {gloo}")):
-        logs[name] = tmp_path / f"{name}.log"
-        logs[name].write_text("12:00:00 x INFO started\n" + (f"12:00:01 x ERROR {error}\n" if error else ""))
-    oracle = Child("oracle", 0, 0, _Exited(None), logs["oracle"])
-    trainer0 = Child("trainer", 0, 1, _Exited(LOST_EXIT_CODE), logs["trainer0"])
-    trainer1 = Child("trainer", 1, 2, _Exited(LOST_EXIT_CODE), logs["trainer1"])
-    os.utime(logs["trainer1"], (1000, 1000))  # trainer 1 ended first
-    os.utime(logs["trainer0"], (2000, 2000))
+    oracle = _child(tmp_path, "oracle", 0, 0, None)
+    trainer0 = _child(tmp_path, "trainer", 0, 1, LOST_EXIT_CODE, dict(
+        cause="lost_peer", peer=0, at=2000.0, message="lost the oracle (rank 0): the job's store it serves at "
+                                                      "127.0.0.1:1 has not answered for 9 s: it is stopped, hung or gone"))
+    trainer1 = _child(tmp_path, "trainer", 1, 2, LOST_EXIT_CODE, dict(cause="lost_peer", message=f"lost a peer: {gloo}",
+                                                                      at=1000.0))  # ended first
     message, restartable = _blame([oracle, trainer0, trainer1], [trainer0, trainer1])
     assert message.startswith("oracle 0 (rank 0) stopped responding") and restartable, message
+
+
+def test_a_second_loss_that_could_not_be_recovered_from_says_why(tmp_path):
+    """The oracle could have gone on without a lost server, but its recovery failed: the server is blamed, and
+    the oracle's reason is quoted because its status says so, whatever its message's words."""
+    from bagpipe.runtime.launch import _blame
+    from bagpipe.runtime.liveness import LOST_EXIT_CODE
+
+    oracle = _child(tmp_path, "oracle", 0, 0, LOST_EXIT_CODE, dict(cause="lost_peer", peer=3, not_recovered=True,
+                                                                   message="server 0 gone; a second loss in a group"))
+    server = _child(tmp_path, "server", 0, 3, -9)
+    message, restartable = _blame([oracle, server], [oracle])  # (the server, covered by parity, was excused)
+    assert message == ("server 0 (rank 3) failed (killed by SIGKILL): it logged no error; oracle 0 (rank 0): server 0 "
+                       "gone; a second loss in a group") and restartable, message

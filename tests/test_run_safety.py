@@ -187,8 +187,8 @@ def tmpfs(tmp_path):
         mounted.append(where)
         return where
     yield mount
-    for where in mounted:
-        subprocess.run(["umount", str(where)], check=False)
+    for where in mounted:  # (lazily: a file a failed test left open must not keep the mount)
+        subprocess.run(["umount", "--lazy", str(where)], check=False)
 
 
 def test_a_read_only_storage_dir_is_refused_before_the_run_dir_is_claimed(small_binary, tmp_path, tmpfs, capsys):

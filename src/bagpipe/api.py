@@ -197,7 +197,7 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
         given["lr"] = float(emb_optim_params["lr"])
     given.update(_model_settings(model, model_options or {}, emb_dim=int(emb_size)))
     # Inside the user's process a lost peer fails the cache's next step; it does not end the process.
-    world, store, liveness, job = join_as_trainer(world, given=given, on_lost=lambda message: log.error("%s", message))
+    world, store, liveness, job = join_as_trainer(world, given=given, on_lost=lambda lost: log.error("%s", lost.message))
     config = job.config
     if lookahead_value != config["lookahead"] or cleanup_batch_proportion != config["cleanup_fraction"]:
         log.info("the oracle plans with lookahead %d and cleanup %.2f (init_cache asked %d and %.2f)",

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from bagpipe.progress import setup_logging
+from bagpipe.runtime.exit_status import ExitStatus, record_exit
 from bagpipe.runtime.succession import NOT_REPLACEABLE_EXIT_CODE, NotReplaceable
 
 log = logging.getLogger("bagpipe")
@@ -682,6 +683,7 @@ def _exit_on_interrupt() -> None:
         while signal.SIGINT not in reader.recv(64):
             pass
         _say_unlocked("interrupted (Ctrl-C)")  # logging's locks may be held by a thread that never lets go
+        record_exit(ExitStatus(cause="interrupted", message="interrupted (Ctrl-C)"))
         os._exit(130)
 
     threading.Thread(target=watch, name="interrupt", daemon=True).start()
@@ -717,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(args) -> int:
     """Run ``args``' command; its exit status (a failed role leaves at once, with it)."""
-    code = 0
+    code, failure = 0, ""
     profile_dir = os.environ.get("BAGPIPE_PROFILE_DIR") if args.command in ROLES else None
     try:
         if profile_dir:  # a cProfile of this role, for finding where its time goes
@@ -730,24 +732,25 @@ def _run_command(args) -> int:
         else:
             COMMANDS[args.command](args)
     except KeyboardInterrupt:
-        log.error("interrupted (Ctrl-C)")
-        code = 130
+        code, failure = 130, "interrupted (Ctrl-C)"
+        log.error("%s", failure)
     except Terminated:
-        log.error("terminated (SIGTERM)")
-        code = 143
+        code, failure = 143, "terminated (SIGTERM)"
+        log.error("%s", failure)
     except ValueError as err:
-        log.error("%s", err)
-        code = 2
+        code, failure = 2, str(err)
+        log.error("%s", failure)
     except NotReplaceable as err:  # a lost oracle's replacement that cannot take over: the launcher restarts the job
-        log.error("%s", err)
-        code = NOT_REPLACEABLE_EXIT_CODE
+        code, failure = NOT_REPLACEABLE_EXIT_CODE, str(err)
+        log.error("%s", failure)
     except (RuntimeError, TimeoutError, ConnectionError) as err:
-        log.error("%s", err)
-        code = 1
+        code, failure = 1, str(err)
+        log.error("%s", failure)
     except Exception as err:
-        log.exception("%s: %s", type(err).__name__, err)
-        code = 1
+        code, failure = 1, f"{type(err).__name__}: {err}"
+        log.exception("%s", failure)
     if code and args.command in ROLES:
+        record_exit(ExitStatus(cause="interrupted" if code in (130, 143) else "error", message=failure))
         # A failed role leaves at once: tearing down RPC with peers gone can hang or abort.
         logging.shutdown()
         sys.stdout.flush()

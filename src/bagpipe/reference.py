@@ -206,6 +206,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
         iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
         run = RunDir(config.run_dir)
+    cleanup.callback(run.close)  # (a run that fails still lets its metrics log go)
     storage = storage_path(config.storage_dir, config.run_dir)
     if swept := sweep_working_files(run.path, storage):
         log.info("removed what an interrupted run left: %s", ", ".join(str(path) for path in swept))

@@ -3,8 +3,9 @@
 Each role is a ``bagpipe oracle|server|trainer`` process writing its log to RUN_DIR/logs. The
 launcher shows one progress bar (from the metrics trainer 0 appends), and when any role exits
 with an error it stops every other role by pid (SIGTERM, then SIGKILL) and reports the failing
-role, its rank and the last error it logged. Children also die with the launcher
-(PR_SET_PDEATHSIG), so no role outlives the job.
+role, its rank and its error. Whom to blame is decided from exit codes and the status each role
+writes as it exits (runtime/exit_status.py: its cause, the peer whose loss ended it, when), never
+from log text. Children also die with the launcher (PR_SET_PDEATHSIG), so no role outlives the job.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import ctypes
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,7 +28,8 @@ from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, forget_metrics_after, sweep_working_files, write_json_atomic
 from bagpipe.runlock import lock_run_dir
-from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE, NOT_RECOVERED
+from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
+from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE
 from bagpipe.runtime.protocol import (REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE,
                                        TRAINER_LOST)
 from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, OracleWatch,
@@ -59,10 +60,23 @@ class Child:
     rank: int
     process: subprocess.Popen
     log_path: Path
+    ended_at: float | None = None  # when the launcher saw the process end (wall time)
 
     @property
     def label(self) -> str:
         return f"{self.role} {self.index} (rank {self.rank})"
+
+    @property
+    def status_path(self) -> Path:
+        """Where the role writes its exit status (runtime/exit_status.py)."""
+        return status_path(self.log_path)
+
+    def status(self) -> ExitStatus | None:
+        return read_exit(self.status_path)
+
+
+def status_path(log_path: Path) -> Path:
+    return log_path.with_name(log_path.stem + ".status.json")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -168,8 +182,11 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
                 out.write(f"=== {note} ===\n")
                 out.flush()
             command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       preexec_fn=_die_with_parent, pass_fds=(lock_fd,) if lock_fd >= 0 else ())
+            status = status_path(log_path)
+            status.unlink(missing_ok=True)  # (a lost process's, which its replacement's would be taken for)
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                       env={**env, STATUS_FILE_ENV: str(status)}, preexec_fn=_die_with_parent,
+                                       pass_fds=(lock_fd,) if lock_fd >= 0 else ())
         return Child(role, index, rank, process, log_path)
 
     def replace(lost: Child) -> Child:
@@ -347,6 +364,9 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
         while True:
             # Exit codes first, then the log: what a role's peers logged before it ended is read with its end.
             codes = {c.rank: c.process.poll() for c in children}
+            for child in children:
+                if codes[child.rank] is not None and child.ended_at is None:
+                    child.ended_at = time.time()
             metrics.read()
             if metrics.iteration > bar.n:
                 bar.update(metrics.iteration - bar.n)
@@ -434,46 +454,51 @@ def _done_with(child: Child, metrics: _MetricsTail) -> bool:
     return metrics.trained or (child.role == "trainer" and child.index in metrics.trainers_done)
 
 
-_LOST_PEER = re.compile(r"^lost .*?\(rank (\d+)\)")
-
-
 def _blame(children: list[Child], failed: list[Child]) -> tuple[str, bool]:
     """The failure to report, and whether it was a process lost (killed, or hung: a restart may go on) rather
     than a role's own error: a role that failed by itself, before one that ended because it lost a peer; that
-    one names the peer, which may have ended the same way (the chain is followed) or still be there: stopped,
-    or hung."""
+    one names the peer in its exit status, which may have ended the same way (the chain is followed) or still
+    be there: stopped, or hung."""
     own = [c for c in failed if c.process.returncode != LOST_EXIT_CODE]
     if own:
         first = min(own, key=_exit_time)
         return (f"{first.label} failed ({_describe(first.process.returncode)}): {_last_error(first)}",
                 first.process.returncode < 0)
     # the first to end that names the peer it lost (one that could not tell comes last)
-    witness = min(failed, key=lambda c: (_LOST_PEER.search(_last_error(c)) is None, _exit_time(c)))
+    witness = min(failed, key=lambda c: (_lost_peer(c) is None, _exit_time(c)))
     by_rank = {c.rank: c for c in children}
     seen = {witness.rank}
     while True:
         error = _last_error(witness)
-        named = _LOST_PEER.search(error)
-        culprit = by_rank.get(int(named.group(1))) if named else None
+        peer = _lost_peer(witness)
+        culprit = by_rank.get(peer) if peer is not None else None
         if culprit is None or culprit.rank in seen:
             return f"{witness.label} failed: {error}", True
         if culprit.process.poll() is None:
             return (f"{culprit.label} stopped responding (its process is still there: stopped, or hung); "
                     f"{witness.label} reported: {error}", True)
         if culprit.process.returncode != LOST_EXIT_CODE:
-            why_fatal = f"; {witness.label}: {error}" if NOT_RECOVERED in error else ""  # e.g. a second loss
+            status = witness.status()
+            why_fatal = f"; {witness.label}: {error}" if status and status.not_recovered else ""  # e.g. a second loss
             return (f"{culprit.label} failed ({_describe(culprit.process.returncode)}): {_last_error(culprit)}"
                     f"{why_fatal}", culprit.process.returncode < 0)
         seen.add(culprit.rank)
         witness = culprit
 
 
+def _lost_peer(child: Child) -> int | None:
+    """The rank of the peer whose loss ended ``child``, as its exit status says (None: it could not tell)."""
+    status = child.status()
+    return status.peer if status is not None and status.cause == "lost_peer" else None
+
+
 def _exit_time(child: Child) -> float:
-    # The role that failed first is usually the cause; a log's mtime is a fair proxy for when it ended.
-    try:
-        return child.log_path.stat().st_mtime
-    except OSError:
-        return 0.0
+    """When ``child`` ended: as it recorded, else (killed) as the launcher saw it. The first to end is usually
+    the cause."""
+    status = child.status()
+    if status is not None:
+        return status.at
+    return child.ended_at if child.ended_at is not None else time.time()
 
 
 def _describe(code: int) -> str:
@@ -486,7 +511,12 @@ def _describe(code: int) -> str:
 
 
 def _last_error(child: Child) -> str:
-    """The error the role logged last (an ERROR line, else a traceback's exception line), never another line."""
+    """The role's error as its exit status states it. A process that wrote none (killed, aborted) may still
+    have logged an error first: its last ERROR line, else a traceback's exception line, never another line
+    (for the people reading the message only: nothing is decided from it)."""
+    status = child.status()
+    if status is not None:
+        return status.message
     try:
         lines = child.log_path.read_text(errors="replace").splitlines()
     except OSError:

@@ -2,8 +2,9 @@
 
 A peer whose beat stops for ``world.liveness_s`` is stopped, hung or gone, however long its
 iterations take; so is the oracle when the store it hosts stops answering. The watcher names it
-by role and rank (``lost trainer 1 (rank 2): ...``, the form the local launcher reads to blame the
-right process) and the role ends, or, once the job no longer needs that peer, only warns.
+by role and rank (``lost trainer 1 (rank 2): ...``) and the role ends, recording the peer's rank in its
+exit status (runtime/exit_status.py: what the local launcher blames from), or, once the job no longer
+needs that peer, only warns.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 from typing import Callable
 
+from bagpipe.runtime.exit_status import ExitStatus, PeerLost, record_exit
 from bagpipe.runtime.world import JOINING_PREFIX, World, connect_store, store_served_apart, uses_agent_store
 
 log = logging.getLogger(__name__)
@@ -37,9 +39,10 @@ def is_peer_gone(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_GONE)
 
 
-def exit_on_lost(message: str) -> None:
-    """What a role process does when a peer it needs is lost: say so and end at once."""
-    log.error("%s", message)
+def exit_on_lost(lost: PeerLost) -> None:
+    """What a role process does when a peer it needs is lost: say so, record whom, and end at once."""
+    log.error("%s", lost.message)
+    record_exit(ExitStatus.lost(lost))
     logging.shutdown()
     os._exit(LOST_EXIT_CODE)
 
@@ -51,7 +54,7 @@ class Liveness:
     block while the store's host is stopped); the other judges, so it can tell that too.
     """
 
-    def __init__(self, world: World, *, watch: list[int], on_lost: Callable[[str], None] = exit_on_lost) -> None:
+    def __init__(self, world: World, *, watch: list[int], on_lost: Callable[[PeerLost], None] = exit_on_lost) -> None:
         self.world = world
         self.watch = [rank for rank in watch if rank != world.rank]
         self.on_lost = on_lost
@@ -114,8 +117,8 @@ class Liveness:
             if time.monotonic() > deadline:
                 self._returning.discard(rank)
                 if self.fatal:
-                    self.on_lost(f"lost {self.world.label(rank)} (rank {rank}): no replacement joined within "
-                                 f"{within:.0f} s")
+                    self.on_lost(PeerLost(message=f"lost {self.world.label(rank)} (rank {rank}): no replacement "
+                                                  f"joined within {within:.0f} s", peer=rank))
                 return
             time.sleep(0.1)
 
@@ -139,7 +142,7 @@ class Liveness:
         log.warning("a peer is gone (%s): waiting for the heartbeats to name it", str(symptom).splitlines()[0])
         while time.monotonic() < deadline and not self.lost:
             time.sleep(0.1)
-        self.on_lost(f"lost a peer: {str(symptom).splitlines()[0]}")
+        self.on_lost(PeerLost(message=f"lost a peer: {str(symptom).splitlines()[0]}"))
 
     def _beat(self) -> None:
         try:
@@ -206,10 +209,11 @@ class Liveness:
             log.warning("%s (the job no longer needs it)", message)
             return
         log.warning("%s", message)
+        not_recovered = False
         try:
             recovered = recoverable and self.recover is not None and self.recover(rank)
         except Exception as err:  # noqa: BLE001 - why it could not be recovered ends the role below
-            message = f"{message}; {NOT_RECOVERED}: {err}"
+            message, not_recovered = f"{message}; {NOT_RECOVERED}: {err}", True
             recovered = False
         if not recovered:
-            self.on_lost(message)
+            self.on_lost(PeerLost(message=message, peer=rank, not_recovered=not_recovered))

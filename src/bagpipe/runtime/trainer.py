@@ -38,6 +38,7 @@ from bagpipe.rundir import RunDir
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
 from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
+from bagpipe.runtime.exit_status import PeerLost
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, agree_on_sums, backward_slice, dense_share,
@@ -622,10 +623,10 @@ class TrainerRuntime:
         self._writes.put(_END)
         self.epochs.stop()
 
-    def fail(self, message: str) -> None:
-        """A peer this trainer needs is lost: the compute thread's next step raises ``message``."""
-        log.error("%s", message)
-        self._failure = self._failure or RuntimeError(message)
+    def fail(self, lost: PeerLost) -> None:
+        """A peer this trainer needs is lost: the compute thread's next step raises it."""
+        log.error("%s", lost.message)
+        self._failure = self._failure or RuntimeError(lost.message)
         self._stopping.set()
 
 
