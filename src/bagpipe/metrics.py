@@ -1,8 +1,30 @@
-"""Evaluation metrics: ROC AUC (ties averaged) and binary log-loss; HR@k and NDCG@k of ranks."""
+"""Evaluation metrics: ROC AUC (ties averaged) and binary log-loss; HR@k and NDCG@k of ranks; and the
+growth of running counters over a metrics window (the cache figures every mode logs)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+
+
+class CounterWindow:
+    """How much each of a set of running counters grew since the last ``take``: a metrics window's share."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self.read = read
+        self.last = read()
+
+    def take(self) -> dict[str, int]:
+        now = self.read()
+        grown = {name: now[name] - self.last.get(name, 0) for name in now}
+        self.last = now
+        return grown
+
+
+def share(part: float, whole: float) -> float | None:
+    """``part / whole``, or None when there is no whole (a hit rate with nothing looked up)."""
+    return part / whole if whole else None
 
 
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from bagpipe.evaluation import evaluate, no_evaluation
 from bagpipe.model_dir import MODEL_DIR, TableRows, write_model_dir
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.faults import inject_fault
+from bagpipe.metrics import CounterWindow, share
 from bagpipe.optim import make_row_optimizer
 from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
@@ -240,7 +242,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     clock = PhaseClock(warmup=timer.warmup)
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)
-    cache_window = _CacheWindow() if config.mode == "single" else None
+    cache_figures = _cache_window(tables) if config.mode == "single" else None
     loss = float("nan")
     recent_losses = progress_state.recent_losses
     train_started = time.perf_counter()
@@ -274,7 +276,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
                             samples_per_s=timer.samples_per_s,
                             window_samples_per_s=len(recent_losses) * config.batch_size / (now - window_start),
                             time_ms=clock.window(),
-                            **(cache_window.figures(tables.cache_stats(), len(recent_losses)) if cache_window else {}))
+                            **(cache_figures(len(recent_losses)) if cache_figures else {}))
             bar.set_postfix(loss=f"{mean_loss:.4f}")
             recent_losses.clear()
             window_start = now
@@ -327,18 +329,16 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     return summary
 
 
-class _CacheWindow:
-    """--mode single's cache figures over each metrics window, as --mode bagpipe logs them."""
+def _cache_window(tables: CachedTables) -> Callable[[int], dict]:
+    """--mode single's cache figures over each metrics window (of so many iterations), as --mode bagpipe logs
+    them."""
+    window = CounterWindow(lambda: {name: tables.cache_stats()[name] for name in ("rows_looked_up", "rows_fetched")})
 
-    def __init__(self) -> None:
-        self.last = {"rows_looked_up": 0, "rows_fetched": 0}
-
-    def figures(self, stats: dict, iterations: int) -> dict:
-        looked_up = stats["rows_looked_up"] - self.last["rows_looked_up"]
-        fetched = stats["rows_fetched"] - self.last["rows_fetched"]
-        self.last = stats
-        return {"cache_hit_rate": 1.0 - fetched / looked_up if looked_up else None,
-                "rows_fetched_per_iteration": fetched / max(iterations, 1)}
+    def take(iterations: int) -> dict:
+        grown = window.take()
+        hits = share(grown["rows_looked_up"] - grown["rows_fetched"], grown["rows_looked_up"])
+        return {"cache_hit_rate": hits, "rows_fetched_per_iteration": grown["rows_fetched"] / max(iterations, 1)}
+    return take
 
 
 def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dict:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from bagpipe.checkpoint import RowPart, cloned_state, load_dense, resume_chain
 from bagpipe.config import TrainConfig, config_from_dict
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
+from bagpipe.metrics import CounterWindow, share
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
@@ -800,7 +802,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
     loss = float("nan")
     tick = window_start = time.perf_counter()
     started = tick
-    window = _CacheWindow(stats)
+    cache_figures = cache_window(stats)
     clock.restart()
     while True:
         waits = (stats.plan_wait_s, stats.fetch_wait_s, stats.lazy_sync_wait_s)
@@ -852,7 +854,7 @@ def train_loop(runtime: TrainerRuntime, config: TrainConfig) -> None:
                             samples_per_s=timer.samples_per_s,
                             window_samples_per_s=len(losses) * config.batch_size / (now - window_start),
                             stall_fraction=stats.stall_s / max(now - runtime._started, 1e-9),
-                            time_ms=clock.window(), **window.take())
+                            time_ms=clock.window(), **cache_figures())
             losses.clear()
             window_start = now
         clock.lap("other")
@@ -895,24 +897,19 @@ class _EarlyBucket:
         return self.runtime.allreduce_finish(self.work)
 
 
-class _CacheWindow:
-    """Cache counters per iteration since the last ``take`` (for the metrics log)."""
+def cache_window(stats: TrainerStats) -> Callable[[], dict]:
+    """The cache figures of each metrics window: its hit rate, rows fetched and (this trainer's share of, as
+    evicted rows are written back by one trainer each) rows written back per iteration."""
+    fields = ("iterations", "rows_fetched", "rows_written_back", "batch_rows", "batch_hits")
+    window = CounterWindow(lambda: {name: getattr(stats, name) for name in fields})
 
-    FIELDS = ("iterations", "rows_fetched", "rows_written_back", "batch_rows", "batch_hits")
-
-    def __init__(self, stats: TrainerStats) -> None:
-        self.stats = stats
-        self.last = {f: 0 for f in self.FIELDS}
-
-    def take(self) -> dict:
-        now = {f: getattr(self.stats, f) for f in self.FIELDS}
-        delta = {f: now[f] - self.last[f] for f in self.FIELDS}
-        self.last = now
-        its = max(delta["iterations"], 1)
-        return {"cache_hit_rate": delta["batch_hits"] / delta["batch_rows"] if delta["batch_rows"] else None,
-                "rows_fetched_per_iteration": delta["rows_fetched"] / its,
-                # this trainer's share: evicted rows are written back by one trainer each
-                "rows_written_back_per_iteration": delta["rows_written_back"] / its}
+    def take() -> dict:
+        grown = window.take()
+        iterations = max(grown["iterations"], 1)
+        return {"cache_hit_rate": share(grown["batch_hits"], grown["batch_rows"]),
+                "rows_fetched_per_iteration": grown["rows_fetched"] / iterations,
+                "rows_written_back_per_iteration": grown["rows_written_back"] / iterations}
+    return take
 
 
 def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple:
