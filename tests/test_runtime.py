@@ -316,3 +316,15 @@ def test_a_loopback_master_store_listens_on_loopback_only():
                  if line.split()[3] == "0A" and line.split()[1].endswith(hex_port)]  # 0A: LISTEN
     assert listening == [f"0100007F{hex_port}"]  # 127.0.0.1, and no wildcard socket
     del store
+
+
+def test_a_torch_outside_the_supported_range_is_refused_naming_it():
+    from bagpipe.runtime.world import SUPPORTED_TORCH, check_torch
+
+    check_torch()  # this one's
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_TORCH
+    check_torch(f"{high_major}.{high_minor}.1+cu130")
+    for outside in (f"{low_major}.{low_minor - 1}.0", f"{high_major}.{high_minor + 1}.0a0"):
+        with pytest.raises(RuntimeError, match=rf"supports torch {low_major}.{low_minor} to {high_major}.{high_minor}, "
+                                               rf"this is torch {outside}: install torch>="):
+            check_torch(outside)

@@ -441,8 +441,23 @@ def _rendezvous(url: str, **kwargs):
 dist.register_rendezvous_handler("bagpipe", _rendezvous)
 
 
+SUPPORTED_TORCH = ((2, 11), (2, 13))  # the torch releases whose private RPC state init_rpc resets (pyproject's pin)
+
+
+def check_torch(version: str = torch.__version__) -> None:
+    """Refuse a torch outside SUPPORTED_TORCH, naming the range: re-forming the RPC world resets state that
+    torch keeps privately, which another release may name or keep otherwise."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_TORCH
+    if not (low_major, low_minor) <= (major, minor) <= (high_major, high_minor):
+        raise RuntimeError(f"bagpipe's runtime supports torch {low_major}.{low_minor} to {high_major}.{high_minor}, "
+                           f"this is torch {version}: install torch>={low_major}.{low_minor},"
+                           f"<{high_major}.{high_minor + 1}")
+
+
 def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
     """Join the RPC world (TensorPipe) of ``epoch`` through ``store``; loopback only when the master is."""
+    check_torch()
     if world.is_loopback:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     _RENDEZVOUS["store"] = (store, world.rank, world.world_size, epoch)
