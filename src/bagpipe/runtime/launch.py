@@ -29,9 +29,9 @@ from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, forget_metrics_after, sweep_working_files, write_json_atomic
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
-from bagpipe.runtime.liveness import EXITED_PREFIX, LOST_EXIT_CODE
-from bagpipe.runtime.protocol import (REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE,
-                                       TRAINER_LOST)
+from bagpipe.runtime.keys import (EXITED_PREFIX, REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED,
+                                  TRAINER_DONE, TRAINER_LOST)
+from bagpipe.runtime.liveness import LOST_EXIT_CODE
 from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, OracleWatch,
                                         declare_oracle_lost)
 from bagpipe.runtime.world import LOOPBACK, STORE_SERVED, JobStore, World, free_port

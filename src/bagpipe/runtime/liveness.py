@@ -16,15 +16,13 @@ import time
 from typing import Callable
 
 from bagpipe.runtime.exit_status import ExitStatus, PeerLost, record_exit
-from bagpipe.runtime.world import JOINING_PREFIX, World, connect_store, store_served_apart, uses_agent_store
+from bagpipe.runtime.keys import BEAT_PREFIX, EXITED_PREFIX, JOINING_PREFIX, LEFT_PREFIX
+from bagpipe.runtime.world import World, connect_store, store_served_apart, uses_agent_store
 
 log = logging.getLogger(__name__)
 
 BEAT_S = 1.0
 LOST_EXIT_CODE = 3  # a role that ends because a peer was lost: the peer, not this role, failed
-BEAT_PREFIX = "bagpipe/beat/"
-LEFT_PREFIX = "bagpipe/left/"
-EXITED_PREFIX = "bagpipe/exited/"  # set by a local launcher that saw the process end: lost at once
 NOT_RECOVERED = "it could not be recovered from"  # in a lost peer's message: why the job cannot go on without it
 
 

@@ -44,21 +44,19 @@ from bagpipe.rundir import RunDir
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
+from bagpipe.runtime.keys import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, LOST_AT_PREFIX, ORACLE_REPLACED,
+                                  REPLACE_DATA_SERVERS, REPLACE_ORACLE, REPLACE_PREFIX, REPLACE_TRAINERS,
+                                  SERVER_BACK, SERVER_LOST, STOP_KEY, TRAINED, TRAINER_DONE, TRAINER_LOST)
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import (ORACLE_REPLACED, REPLACE_ORACLE, REPLACE_TRAINERS, SERVER_BACK, SERVER_LOST,
-                                       TRAINED, TRAINER_DONE, TRAINER_LOST, JobInfo, Pulled, TrainerStats, schema_dict,
-                                       slice_messages)
+from bagpipe.runtime.protocol import JobInfo, Pulled, TrainerStats, schema_dict, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
-from bagpipe.runtime.succession import (LOST_AT_PREFIX, JobRecord, NotReplaceable, RecordKeeper, load_record,
-                                        replayed_from)
-from bagpipe.runtime.world import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, REPLACE_PREFIX, STOP_KEY, Epochs, NoEpochs,
-                                    Routes, World, host_store, init_rpc, publish_status, read_hellos, refuse_job,
-                                    store_served_apart, wait_for_ranks)
+from bagpipe.runtime.succession import JobRecord, NotReplaceable, RecordKeeper, load_record, replayed_from
+from bagpipe.runtime.world import (Epochs, NoEpochs, Routes, World, host_store, init_rpc, publish_status,
+                                   read_hellos, refuse_job, store_served_apart, wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
-REPLACE_DATA_SERVERS = "BAGPIPE_REPLACE_DATA_SERVERS"  # "0": a lost data server's stand-in serves to the end
 PULL_MAX_STEPS = 8  # plan messages per pull
 PULL_WAIT_S = 1.0  # how long a pull waits for a plan message before answering with none
 # what a lost server adds to the run's figures (its own were lost with it)

@@ -15,15 +15,6 @@ import torch
 from bagpipe.data.schema import Feature, Schema
 from bagpipe.embeddings import EmbeddingLayout, TableConfig
 
-TRAINED = "trained"  # the metrics event after which every row is back on the servers and gathered
-TRAINER_DONE = "trainer done"  # the metrics event of a trainer that reported: the job no longer needs it
-RESUMED = "resumed"  # the metrics event of a resumed job's first iteration done (trainer 0 logs it)
-SERVER_LOST = "server lost"  # the metrics event of a lost server (a data server's shard moved to its parity server)
-REPLACE_TRAINERS = "BAGPIPE_REPLACE_TRAINERS"  # "0": a lost trainer is not replaced (the job restarts)
-TRAINER_LOST = "trainer lost"  # the metrics event of a lost trainer whose replacement the oracle awaits
-SERVER_BACK = "server back"  # the metrics event of a lost data server's replacement that took its shard back
-REPLACE_ORACLE = "BAGPIPE_REPLACE_ORACLE"  # "0": a lost oracle is not replaced (the local launcher restarts the job)
-ORACLE_REPLACED = "oracle replaced"  # the metrics event of a lost oracle's replacement serving plans again
 
 
 @dataclass(frozen=True)

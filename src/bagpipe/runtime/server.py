@@ -26,10 +26,11 @@ from bagpipe.faults import inject_fault
 from bagpipe.heap import bounded_heap
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import oracle
+from bagpipe.runtime.keys import STOP_KEY
 from bagpipe.runtime.liveness import Liveness, is_peer_gone
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.world import (STOP_KEY, Epochs, NoEpochs, ShardMoved, World, check_in, init_rpc,
-                                    join_rpc_as_replacement, wait_for_job)
+from bagpipe.runtime.world import (Epochs, NoEpochs, ShardMoved, World, check_in, init_rpc, join_rpc_as_replacement,
+                                   wait_for_job)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
 from bagpipe.storage.bits import row_bits

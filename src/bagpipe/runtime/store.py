@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import time
 
-from bagpipe.runtime.liveness import BEAT_PREFIX, LEFT_PREFIX
+from bagpipe.runtime.keys import BEAT_PREFIX, JOB_KEY, LEFT_PREFIX, STOP_KEY
 from bagpipe.runtime.succession import OracleWatch, declare_oracle_lost, load_record
-from bagpipe.runtime.world import JOB_KEY, STOP_KEY, JobStore, World
+from bagpipe.runtime.world import JobStore, World
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-STATE_KEY = "bagpipe/oracle/record"  # the job's record (JobRecord), rewritten by the oracle at every change
-LOST_AT_PREFIX = "bagpipe/lost-at/"  # RANK -> when the local launcher saw that process end (wall time)
+from bagpipe.runtime.keys import (BEAT_PREFIX, EPOCH_KEY, EXITED_PREFIX, JOINING_PREFIX, LOST_AT_PREFIX, REPLACE_PREFIX,
+                                  STATE_KEY)
+
 NOT_REPLACEABLE_EXIT_CODE = 4  # an oracle's replacement that cannot take the job over: restart it instead
 MAX_ORACLE_REPLACEMENTS = 3  # per run of the job: a cause that kills every replacement ends in a restart
 
@@ -86,8 +87,6 @@ def declare_oracle_lost(store, how: str, *, lost_at: float | None = None) -> int
     when, wall time, default now): have a replacement awaited (``bagpipe/replace/0``: the epoch of the RPC world it
     will form) and the others told (their heartbeat watches then await it); the same ``bagpipe oracle`` command
     started again joins as the replacement. Returns the epoch."""
-    from bagpipe.runtime.liveness import EXITED_PREFIX
-    from bagpipe.runtime.world import EPOCH_KEY, JOINING_PREFIX, REPLACE_PREFIX
 
     epoch = (int(store.get(EPOCH_KEY)) if store.check([EPOCH_KEY]) else 0) + 1
     store.delete_key(f"{JOINING_PREFIX}0")  # (set by an earlier replacement)
@@ -107,8 +106,6 @@ class OracleWatch:
 
     def silent_s(self) -> float | None:
         """How long the oracle has been silent, once that is past the liveness window; else None."""
-        from bagpipe.runtime.liveness import BEAT_PREFIX
-        from bagpipe.runtime.world import JOINING_PREFIX, REPLACE_PREFIX
 
         if self.store.check([f"{REPLACE_PREFIX}0"]) and not self.store.check([f"{JOINING_PREFIX}0"]):
             self._beats = None  # a replacement is awaited

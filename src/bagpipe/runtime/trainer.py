@@ -37,16 +37,17 @@ from bagpipe.metrics import CounterWindow, share
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
+from bagpipe.runtime.keys import REPLACE_PREFIX, RESUMED, STOP_KEY, SUMS_PREFIX
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import oracle, server
-from bagpipe.runtime.protocol import RESUMED, JobInfo, SpaceStep, StepMessage, TrainerStats
+from bagpipe.runtime.protocol import JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.exit_status import PeerLost
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, agree_on_sums, backward_slice, dense_share,
                                   main_share, row_shares, sum_order)
-from bagpipe.runtime.world import (REPLACE_PREFIX, STOP_KEY, Epochs, Routes, ShardMoved, World, await_reformation,
-                                    check_in, init_rpc, trainer_group, unwrap, wait_for_job)
+from bagpipe.runtime.world import (Epochs, Routes, ShardMoved, World, await_reformation, check_in, init_rpc,
+                                   trainer_group, unwrap, wait_for_job)
 
 log = logging.getLogger(__name__)
 
@@ -632,7 +633,6 @@ class TrainerRuntime:
         self._stopping.set()
 
 
-SUMS_PREFIX = "bagpipe/trainers/sums/"  # EPOCH/TRAINER -> the sums a survivor of a lost trainer has not finished
 
 
 def read_sums(store, key: str, trainers: list[int], *, timeout: float) -> dict[int, dict]:

@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from bagpipe.faults import set_role
+from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
+                                  ROUTE_PREFIX, SHAPE_KEY, STATUS_KEY, STOP_KEY)
 from bagpipe.threads import Background
 
 log = logging.getLogger(__name__)
@@ -353,15 +355,6 @@ def read_hellos(world: World, store: dist.Store) -> dict[int, dict]:
     return {rank: json.loads(store.get(f"{HELLO_PREFIX}{rank}")) for rank in range(1, world.world_size)}
 
 
-SHAPE_KEY = "bagpipe/shape"
-JOB_KEY = "bagpipe/job"
-REFUSED_KEY = "bagpipe/refused"  # why the oracle refused the job, for the roles waiting on it
-STOP_KEY = "bagpipe/stop"  # set by the oracle when training has ended: servers leave
-STATUS_KEY = "bagpipe/status"
-HELLO_PREFIX = "bagpipe/hello/"
-EPOCH_KEY = "bagpipe/epoch"  # the RPC world every process is to be in (Epochs): set by the oracle
-REPLACE_PREFIX = "bagpipe/replace/"  # RANK -> the epoch a replacement for that rank's lost process joins
-JOINING_PREFIX = "bagpipe/joining/"  # RANK -> set by the replacement once it is ready to join
 
 
 def _shape(world: World) -> str:
@@ -720,7 +713,6 @@ class NoEpochs:
         pass
 
 
-ROUTE_PREFIX = "bagpipe/route/"
 
 
 class ShardMoved(RuntimeError):

@@ -1,0 +1,35 @@
+"""Every name the job's processes meet each other by, in one place: the job store's keys and key prefixes,
+the events roles log to metrics.jsonl (the local launcher reads them), and the switches a job takes from
+the environment."""
+
+# -- the job's store ----------------------------------------------------------------------------------------
+SHAPE_KEY = "bagpipe/shape"
+JOB_KEY = "bagpipe/job"
+REFUSED_KEY = "bagpipe/refused"  # why the oracle refused the job, for the roles waiting on it
+STOP_KEY = "bagpipe/stop"  # set by the oracle when training has ended: servers leave
+STATUS_KEY = "bagpipe/status"
+HELLO_PREFIX = "bagpipe/hello/"
+EPOCH_KEY = "bagpipe/epoch"  # the RPC world every process is to be in (Epochs): set by the oracle
+REPLACE_PREFIX = "bagpipe/replace/"  # RANK -> the epoch a replacement for that rank's lost process joins
+JOINING_PREFIX = "bagpipe/joining/"  # RANK -> set by the replacement once it is ready to join
+ROUTE_PREFIX = "bagpipe/route/"
+BEAT_PREFIX = "bagpipe/beat/"
+LEFT_PREFIX = "bagpipe/left/"
+EXITED_PREFIX = "bagpipe/exited/"  # set by a local launcher that saw the process end: lost at once
+STATE_KEY = "bagpipe/oracle/record"  # the job's record (JobRecord), rewritten by the oracle at every change
+LOST_AT_PREFIX = "bagpipe/lost-at/"  # RANK -> when the local launcher saw that process end (wall time)
+SUMS_PREFIX = "bagpipe/trainers/sums/"  # EPOCH/TRAINER -> the sums a survivor of a lost trainer has not finished
+
+# -- events in metrics.jsonl ----------------------------------------------------------------------------------
+TRAINED = "trained"  # after it every row is back on the servers and gathered
+TRAINER_DONE = "trainer done"  # a trainer reported: the job no longer needs it
+RESUMED = "resumed"  # a resumed job's first iteration done (trainer 0 logs it)
+SERVER_LOST = "server lost"  # a lost server (a data server's shard moved to its parity server)
+TRAINER_LOST = "trainer lost"  # a lost trainer whose replacement the oracle awaits
+SERVER_BACK = "server back"  # a lost data server's replacement took its shard back
+ORACLE_REPLACED = "oracle replaced"  # a lost oracle's replacement serves plans again
+
+# -- switches from the environment ----------------------------------------------------------------------------
+REPLACE_TRAINERS = "BAGPIPE_REPLACE_TRAINERS"  # "0": a lost trainer is not replaced (the job restarts)
+REPLACE_ORACLE = "BAGPIPE_REPLACE_ORACLE"  # "0": a lost oracle is not replaced (the local launcher restarts the job)
+REPLACE_DATA_SERVERS = "BAGPIPE_REPLACE_DATA_SERVERS"  # "0": a lost data server's stand-in serves to the end
