@@ -168,7 +168,9 @@ def _went_on_and_left_nothing(tmp_path, summary: dict, *, server: int, losses: i
     first = summary["failures"][0]
     trained = [r["iteration"] for r in records if "train_loss" in r
                and first["at"] < r["time"] < first["at"] + first["joined_in_s"]]
-    assert len(trained) >= 5, trained
+    # (a replacement joins in about 3 s here, since commands start sooner: a few metrics windows; 2 show that
+    # training went on rather than waiting)
+    assert len(trained) >= 2, trained
     log = (tmp_path / "bagpipe" / "logs" / f"server{server}.log").read_text()
     assert log.count("=== a replacement for the lost process (killed by SIGKILL) ===") == losses
     pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
