@@ -318,3 +318,26 @@ def test_a_moved_bagpipe_run_dir_resumes_where_it_is(small_binary, tmp_path):
     summary = launch_local(resumed_config(str(moved), None, {}), show_progress=False, resume=True)
     assert summary["resumed_at"] == 20 and not (tmp_path / "run").exists()
     assert_same_parameters(export(moved, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
+
+
+def test_an_interrupt_while_waiting_for_background_work_is_not_taken_for_its_error():
+    """Ctrl-C or SIGTERM met while the main thread waits for a checkpoint write is raised as itself (it was
+    reported as "writing a checkpoint failed: " with exit 1); the work's own errors still say what failed."""
+    from bagpipe.cli import Terminated
+    from bagpipe.threads import Background
+
+    def interrupt(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Terminated):
+            Background(lambda: time.sleep(1.0), name="slow write").join(failed="writing a checkpoint failed")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+    def broken():
+        raise OSError("disk gone")
+    with pytest.raises(RuntimeError, match="writing a checkpoint failed: disk gone"):
+        Background(broken, name="write").join(failed="writing a checkpoint failed")

@@ -27,10 +27,11 @@ class Background(Generic[Result]):
         return not self._thread.is_alive()
 
     def join(self, *, failed: str) -> None:
-        """Wait for the call to end; its error raised here as a RuntimeError that starts with ``failed``."""
-        try:
-            self.result()
-        except BaseException as err:  # noqa: BLE001 - the background work's, re-raised with what it was
+        """Wait for the call to end; its error raised here as a RuntimeError that starts with ``failed``. (What
+        interrupts the wait itself, Ctrl-C or SIGTERM, is raised as it is: it is not the work's error.)"""
+        self._thread.join()
+        if "error" in self._outcome:
+            err = self._outcome["error"]
             raise RuntimeError(f"{failed}: {err}") from err
 
     def result(self, timeout: float | None = None) -> Result:
