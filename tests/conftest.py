@@ -1,8 +1,13 @@
-"""Shared fixtures: small synthetic data sets made once per session."""
+"""Shared fixtures: small synthetic data sets made once per session, and one fork server for every job."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from bagpipe.runtime import launch
+from bagpipe.runtime.forkserver import ForkServer
 
 from bagpipe.data.preprocess import ensure_preprocessed, preprocess
 from bagpipe.synth import generate, resolve_table_sizes
@@ -41,3 +46,26 @@ def sequence_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("sequences")
     generate_sequences(out, users=8000, items=300, interactions=20, seed=1, genres=8, show_progress=False)
     return ensure_preprocessed(out, show_progress=False)
+
+
+class _SessionForkServer(ForkServer):
+    """One fork server for the whole session: every job a test launches in this process forks its roles from it,
+    so torch and bagpipe are imported once, not once per job. A job's ``close`` leaves it running."""
+
+    def close(self) -> None:
+        pass
+
+    def close_for_good(self) -> None:
+        super().close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_fork_server():
+    forks = _SessionForkServer(env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    job_fork_server = launch.ForkServer
+    launch.ForkServer = lambda env=None: forks
+    try:
+        yield forks
+    finally:
+        launch.ForkServer = job_fork_server
+        forks.close_for_good()

@@ -40,8 +40,18 @@ def _parse(spec: str, attempt: int = 0) -> dict[tuple[str, str], tuple[str, floa
     return faults
 
 
-_FAULTS = _parse(os.environ.get("BAGPIPE_FAULTS", ""), int(os.environ.get("BAGPIPE_ATTEMPT", "0")))
+_FAULTS: dict[tuple[str, str], tuple[str, float]] = {}
 _ROLE = ""
+
+
+def load() -> None:
+    """Read the faults meant for this process from its environment (done on import; again by a process forked
+    from one that imported this module, runtime/forkserver.py)."""
+    global _FAULTS
+    _FAULTS = _parse(os.environ.get("BAGPIPE_FAULTS", ""), int(os.environ.get("BAGPIPE_ATTEMPT", "0")))
+
+
+load()
 
 
 def set_role(name: str) -> None:

@@ -5,18 +5,18 @@ launcher shows one progress bar (from the metrics trainer 0 appends), and when a
 with an error it stops every other role by pid (SIGTERM, then SIGKILL) and reports the failing
 role, its rank and its error. Whom to blame is decided from exit codes and the status each role
 writes as it exits (runtime/exit_status.py: its cause, the peer whose loss ended it, when), never
-from log text. Children also die with the launcher (PR_SET_PDEATHSIG), so no role outlives the job.
+from log text. Roles (and their replacements) are forked from a fork server that imported torch and bagpipe
+once for the job (runtime/forkserver.py), so a role starts in milliseconds, not seconds. Children die with
+the launcher (PR_SET_PDEATHSIG, through the fork server), so no role outlives the job.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, forget_metrics_after, sweep_working_files, write_json_atomic
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
+from bagpipe.runtime.forkserver import ForkedProcess, ForkServer
 from bagpipe.runtime.keys import (EXITED_PREFIX, REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED,
                                   TRAINER_DONE, TRAINER_LOST)
 from bagpipe.runtime.liveness import LOST_EXIT_CODE
@@ -58,7 +59,7 @@ class Child:
     role: str
     index: int
     rank: int
-    process: subprocess.Popen
+    process: ForkedProcess
     log_path: Path
     ended_at: float | None = None  # when the launcher saw the process end (wall time)
 
@@ -79,13 +80,6 @@ def status_path(log_path: Path) -> Path:
     return log_path.with_name(log_path.stem + ".status.json")
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: int = 1, overwrite: bool = False,
                  resume: bool = False, extra_trainer_args: list[str] | None = None,
                  env: dict[str, str] | None = None) -> dict:
@@ -101,21 +95,24 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     """
     # The run dir is the job's from here until its last process has ended (the roles inherit the lock).
     with lock_run_dir(config.run_dir) as lock:
-        iterations = _prepare(config, overwrite=overwrite, resume=resume, show_progress=show_progress)
+        child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+        forks = ForkServer(env=child_env)  # (it imports torch and bagpipe while the data is prepared)
         run_dir = Path(config.run_dir)
         storage = storage_path(config.storage_dir, config.run_dir)
-        if swept := sweep_working_files(run_dir, storage):
-            log.info("removed what an interrupted run left: %s", ", ".join(str(path) for path in swept))
-        (run_dir / "logs").mkdir(exist_ok=resume)
-        job_file = run_dir / "job.toml"
-        job_file.write_text(dump_toml(config))
-        child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
         restarts: list[dict] = []
+        prepared = False
         try:
+            iterations = _prepare(config, overwrite=overwrite, resume=resume, show_progress=show_progress)
+            prepared = True
+            if swept := sweep_working_files(run_dir, storage):
+                log.info("removed what an interrupted run left: %s", ", ".join(str(path) for path in swept))
+            (run_dir / "logs").mkdir(exist_ok=resume)
+            job_file = run_dir / "job.toml"
+            job_file.write_text(dump_toml(config))
             while True:
                 child_env["BAGPIPE_ATTEMPT"] = str(len(restarts))  # faults meant for this attempt (faults.py)
                 try:
-                    _run_once(config, job_file, total=iterations, resume=resume, env=child_env,
+                    _run_once(config, job_file, total=iterations, resume=resume, env=child_env, forks=forks,
                               show_progress=show_progress, trainer_args=list(extra_trainer_args or []),
                               restart=restarts[-1] if restarts else None, lock_fd=lock.fd)
                     break
@@ -124,7 +121,9 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
                     restarts.append(restart)
                     resume = True
         finally:  # every role has ended: what they kept only while running goes (a failure, Ctrl-C, SIGTERM too)
-            sweep_working_files(run_dir, storage)
+            forks.close()
+            if prepared:
+                sweep_working_files(run_dir, storage)
         summary = json.loads((run_dir / SUMMARY).read_text())
         if restarts:
             summary["restarts"] = restarts
@@ -148,9 +147,9 @@ def _prepare(config: TrainConfig, *, overwrite: bool, resume: bool, show_progres
 
 
 def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, env: dict[str, str],
-              show_progress: bool, trainer_args: list[str], restart: dict | None, lock_fd: int = -1) -> None:
+              forks: ForkServer, show_progress: bool, trainer_args: list[str], restart: dict | None, lock_fd: int = -1) -> None:
     """Start every role of the job (``resume``: from the newest checkpoint) and supervise them to the end;
-    JobFailed if one fails. ``restart``: the record of the restart this run is, completed as it trains;
+    JobFailed if one fails. ``forks``: what starts them; ``restart``: the record of the restart this run is, completed as it trains;
     ``lock_fd``: the run dir's lock, which every role holds too."""
     run_dir = Path(config.run_dir)
     read_from, boundary = 0, None  # where in metrics.jsonl this run's records start; the iteration it starts at
@@ -181,12 +180,11 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
             if note is not None:
                 out.write(f"=== {note} ===\n")
                 out.flush()
-            command = [sys.executable, "-m", "bagpipe.cli", role, "--worker-id", str(rank), *world, *args]
+            command = [role, "--worker-id", str(rank), *world, *args]  # as `bagpipe ...` takes it
             status = status_path(log_path)
             status.unlink(missing_ok=True)  # (a lost process's, which its replacement's would be taken for)
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                       env={**env, STATUS_FILE_ENV: str(status)}, preexec_fn=_die_with_parent,
-                                       pass_fds=(lock_fd,) if lock_fd >= 0 else ())
+            process = forks.start(command, stdout=out.fileno(), env={**env, STATUS_FILE_ENV: str(status)},
+                                  pass_fds=(lock_fd,) if lock_fd >= 0 else (), name=f"bagpipe-{role}{index}")
         return Child(role, index, rank, process, log_path)
 
     def replace(lost: Child) -> Child:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from bagpipe.faults import set_role
+from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
                                   ROUTE_PREFIX, SHAPE_KEY, STATUS_KEY, STOP_KEY)
 from bagpipe.threads import Background
@@ -336,6 +336,7 @@ def check_in(world: World, role: str, *, given: dict | None = None) -> tuple[dis
     epoch = _claim(world, store)
     if epoch:  # a replacement: faults meant for it name it NAME/EPOCH (faults.py)
         set_role(f"{world.name}/{epoch}")
+        inject_fault("joining")
         log.warning("%s joins the job as the replacement of its lost process (RPC world %d)", world.name, epoch)
         return store, dataclasses.replace(world, epoch=epoch)
     store.set(f"{HELLO_PREFIX}{world.rank}", json.dumps({"role": role, "given": given or {}}))

@@ -1,0 +1,92 @@
+"""The fork server (runtime/forkserver.py): a forked child is the process a fresh interpreter would be, its exit
+status comes back as subprocess reports it, and no child outlives the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bagpipe.runtime.forkserver import ForkServer, ForkServerError
+
+HELPERS = Path(__file__).parent / "helpers"
+
+
+@pytest.fixture(scope="module")
+def forks():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")])))
+    with ForkServer(env=env, preload=("torch", "bagpipe.faults", "forked_entry"), entry="forked_entry:main") as server:
+        yield server
+
+
+def _run(forks: ForkServer, tmp_path: Path, *argv: str, env: dict | None = None, **kwargs) -> tuple[int, str, str]:
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        child = forks.start(list(argv), env=env or dict(os.environ), stdout=stdout.fileno(), stderr=stderr.fileno(),
+                            **kwargs)
+    code = child.wait(timeout=60)
+    return code, out.read_text(), err.read_text()
+
+
+def test_a_child_gets_its_own_arguments_environment_directory_streams_threads_and_faults(forks, tmp_path):
+    env = dict(os.environ, ONLY_HERE="yes", OMP_NUM_THREADS="3", BAGPIPE_FAULTS="trainer1@iteration 4:kill")
+    code, out, err = _run(forks, tmp_path, "report", "--flag", env=env, cwd=str(tmp_path))
+    report = json.loads(out)
+    assert code == 0 and err == "to stderr\n"
+    assert report["argv"] == report["sys_argv"] == ["report", "--flag"]
+    assert report["cwd"] == str(tmp_path) and report["env"] == "yes" and report["threads"] == 3
+    assert report["faults"] == [["trainer1", "iteration 4"]]
+    # the next child sees its own request only, not the previous one's
+    code, out, _ = _run(forks, tmp_path, "report", env=dict(os.environ, OMP_NUM_THREADS="1"))
+    again = json.loads(out)
+    assert (again["env"], again["threads"], again["faults"]) == (None, 1, []) and again["pid"] != report["pid"]
+
+
+def test_exit_statuses_come_back_as_subprocess_reports_them(forks, tmp_path):
+    assert _run(forks, tmp_path, "exit", "3")[0] == 3
+    code, _, err = _run(forks, tmp_path, "raise")
+    assert code == 1 and "RuntimeError: raised in the child" in err
+    sleeper = forks.start(["sleep", "60"], env=dict(os.environ))
+    assert sleeper.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.2)
+    sleeper.send_signal(signal.SIGTERM)
+    assert sleeper.wait(timeout=30) == -signal.SIGTERM and sleeper.returncode == -signal.SIGTERM
+    sleeper.kill()  # (ended: nothing is sent to a pid that may be another process's by now)
+
+
+def test_a_child_keeps_only_its_streams_and_the_descriptors_passed_to_it(forks, tmp_path):
+    kept, other = tmp_path / "kept", tmp_path / "other"
+    with open(kept, "w") as keep, open(other, "w"):
+        code, out, _ = _run(forks, tmp_path, "fds", pass_fds=(keep.fileno(),))
+    held = json.loads(out)
+    assert code == 0 and str(kept) in held and str(other) not in held
+    assert not any("socket" in name for name in held), held  # not the server's channels to other children
+
+
+def test_children_do_not_outlive_the_server():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")])))
+    server = ForkServer(env=env, preload=("forked_entry",), entry="forked_entry:main")
+    sleeper = server.start(["sleep", "120"], env=env)
+    assert sleeper.poll() is None
+    server.close()
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL  # (as the server saw it: gone, and its children with it)
+    deadline = time.monotonic() + 30
+    while _alive(sleeper.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(sleeper.pid)
+    with pytest.raises(ForkServerError):
+        server.start(["sleep", "1"], env=env)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
