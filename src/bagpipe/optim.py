@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bagpipe.embeddings.tables import Lookup, update_rows
+
 OPTIMIZER_NAMES = ("sgd", "adagrad", "adam")
 
 
@@ -77,8 +79,6 @@ class RowWise(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from bagpipe.embeddings import Lookup, update_rows  # embeddings imports this module
-
         loss = None if closure is None else closure()
         for group in self.param_groups:
             for param in group["params"]:

@@ -10,14 +10,16 @@ own and still equal the reference.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from bagpipe.data.schema import PAD
 from bagpipe.embeddings.layout import EmbeddingLayout, TableConfig
-from bagpipe.optim import RowOptimizer
+
+if TYPE_CHECKING:  # (bagpipe.optim's RowWise applies this module's update_rows)
+    from bagpipe.optim import RowOptimizer
 
 INIT_BLOCK_ROWS = 65_536
 POOLING = ("sum", "mean")
