@@ -244,7 +244,7 @@ def test_an_answer_the_rpc_agent_takes_while_it_is_shut_down_fails_at_once():
     """A re-formation fails the answers the old RPC agent waits on before shutting it down, and those of requests
     it still takes until then at once: none is left to complete later on the dead agent (whose callback would
     run then); after ``reopen`` answers pass on again."""
-    from bagpipe.runtime.world import AgentAnswers
+    from bagpipe.runtime.transport import AgentAnswers
 
     answers = AgentAnswers()
     before, done = torch.futures.Future(), torch.futures.Future()

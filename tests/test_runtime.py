@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,19 +33,47 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
+# What the reference run does not depend on: where and how a bagpipe job runs (the reference trains the full tables in
+# one process). Two configurations that differ only in these have one reference.
+_NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "master_port",
+                         "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
+                         "policy", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
+                         "keep_checkpoints")
+_REFERENCES: dict[str, tuple[Path, dict]] = {}  # a configuration's reference, trained once per test session
+
+
 def reference_of(config: TrainConfig, run_dir) -> dict:
     """The reference's export for ``config``, its gradients computed as ``config.trainers`` trainers do,
-    on one thread, as each role runs (`bagpipe train --slices` does the same)."""
-    from dataclasses import replace
-
+    on one thread, as each role runs (`bagpipe train --slices` does the same). Trained once per session for
+    each configuration: a later test asking for the same one gets a copy of its run dir in ``run_dir``."""
+    trained_as = {name: value for name, value in dataclasses.asdict(config).items() if name not in _NOT_IN_THE_REFERENCE}
+    key = json.dumps(trained_as, sort_keys=True)
+    if key in _REFERENCES:
+        trained, exported = _REFERENCES[key]
+        shutil.copytree(trained, run_dir)
+        return exported
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train_reference(replace(config, mode="reference", run_dir=str(run_dir), slices=config.trainers),
+        train_reference(dataclasses.replace(config, mode="reference", run_dir=str(run_dir), slices=config.trainers),
                         show_progress=False)
     finally:
         torch.set_num_threads(threads)
-    return export(run_dir, Path(run_dir) / "export.pt")
+    exported = export(run_dir, Path(run_dir) / "export.pt")
+    _REFERENCES[key] = (Path(run_dir), exported)
+    return exported
+
+
+def test_a_reference_is_trained_once_per_configuration(small_binary, tmp_path):
+    """The session's cache of references: a configuration that differs only in where the job runs gets the first
+    one's run dir and export; one that differs in what is trained gets its own."""
+    config = job_config(small_binary, tmp_path / "job", iterations=6)
+    first = reference_of(config, tmp_path / "first")
+    again = reference_of(dataclasses.replace(config, servers=4, parity=3, timeout=5.0), tmp_path / "again")
+    assert again is first and (tmp_path / "again" / "summary.json").read_text() == (
+        tmp_path / "first" / "summary.json").read_text()
+    other = reference_of(dataclasses.replace(config, lr=0.1), tmp_path / "other")
+    assert other is not first and not torch.equal(other["embeddings"][0], first["embeddings"][0])
 
 
 def assert_same_parameters(ours: dict, reference: dict, *, rel: float = 0.0) -> None:
@@ -319,7 +349,7 @@ def test_a_loopback_master_store_listens_on_loopback_only():
 
 
 def test_a_torch_outside_the_supported_range_is_refused_naming_it():
-    from bagpipe.runtime.world import SUPPORTED_TORCH, check_torch
+    from bagpipe.runtime.transport import SUPPORTED_TORCH, check_torch
 
     check_torch()  # this one's
     (low_major, low_minor), (high_major, high_minor) = SUPPORTED_TORCH

@@ -33,7 +33,8 @@ from bagpipe.config import EXTERNAL, MODEL_NAMES, ModelConfig, complete_model
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.reference import Timer
-from bagpipe.runtime.trainer import TrainerRuntime, cache_device, join_as_trainer
+from bagpipe.runtime import transport
+from bagpipe.runtime.trainer import TrainerHandlers, TrainerRuntime, cache_device, join_as_trainer
 from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
         log.info("the oracle plans with lookahead %d and cleanup %.2f (init_cache asked %d and %.2f)",
                  config["lookahead"], config["cleanup_fraction"], lookahead_value, cleanup_batch_proportion)
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, device=device, prefetch_depth=prefetch_depth)
+    transport.serve("trainer", TrainerHandlers(runtime))
     liveness.on_lost = runtime.fail
     return TrainerCache(runtime)
 

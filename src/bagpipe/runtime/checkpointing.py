@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch.distributed.rpc as rpc
 
 from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter, background_priority, load_dense,
                                 read_chain, save_dense, step_name, valid_checkpoints, write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
 from bagpipe.threads import Background
-from bagpipe.runtime.world import NoEpochs, Routes, World, unwrap
+from bagpipe.runtime.endpoints import SERVER
+from bagpipe.runtime.transport import unwrap
+from bagpipe.runtime.world import NoEpochs, Routes, World
 
 log = logging.getLogger(__name__)
 
@@ -107,28 +108,24 @@ class JobCheckpoints:
     def _begin_snapshots(self, boundary: int, directory: Path, *, since: int | None) -> list:
         """Ask every server to write its shard as of ``boundary`` into ``directory`` (every row, or those
         written back from iteration ``since`` on); the futures of their part entries."""
-        from bagpipe.runtime import server  # (server imports the oracle, which imports this)
-
         futures = []
         for shard in range(self.world.num_shards):  # parity servers hold no rows of their own
             args = (boundary, self.evicted[:, shard].tolist(), since, str(directory), shard)
             try:
                 name = self.routes.name(shard)  # a lost server's shard: its parity server, standing in
-                self.epochs.call(name, server.rpc_begin_checkpoint, args)  # sent again after a re-formation
+                self.epochs.call(name, SERVER.begin_checkpoint, args)  # sent again after a re-formation
             except RuntimeError:
                 if not self._lost_meanwhile(shard):
                     raise
                 name = self.routes.name(shard)  # none of its write-backs of this boundary has happened yet
-                self.epochs.call(name, server.rpc_begin_checkpoint, args)
+                self.epochs.call(name, SERVER.begin_checkpoint, args)
             futures.append(self._written(name, boundary))
         return futures
 
     def _written(self, name: str, boundary: int) -> tuple:
         """(epoch, future) of a server's part of the checkpoint at ``boundary``, once written."""
-        from bagpipe.runtime import server
-
-        return self.epochs.epoch, rpc.rpc_async(name, server.rpc_checkpoint_written, args=(boundary,),
-                                                timeout=self.world.timeout + 3 * self.world.timeout)
+        return self.epochs.epoch, SERVER.checkpoint_written.call_async(
+            name, (boundary,), timeout=self.world.timeout + 3 * self.world.timeout)
 
     def _wait_written(self, shard: int, boundary: int, sent: tuple) -> list:
         """A server's part entries; asked again if the RPC world was re-formed meanwhile (the part is kept)."""

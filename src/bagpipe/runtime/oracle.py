@@ -24,7 +24,6 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-import torch.distributed.rpc as rpc
 
 from bagpipe.cache import BatchRows, batch_view
 from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, complete_model, config_from_dict, config_to_dict
@@ -42,13 +41,15 @@ from bagpipe.preflight import cache_rows_of, check_job, claim, job_layout, prepa
 from bagpipe.reference import best_metrics, build_model, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.runlock import lock_run_dir
+from bagpipe.runtime import transport
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
+from bagpipe.runtime.endpoints import SERVER, TRAINER
 from bagpipe.runtime.keys import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, LOST_AT_PREFIX, ORACLE_REPLACED,
                                   REPLACE_DATA_SERVERS, REPLACE_ORACLE, REPLACE_PREFIX, REPLACE_TRAINERS,
                                   SERVER_BACK, SERVER_LOST, STOP_KEY, TRAINED, TRAINER_DONE, TRAINER_LOST)
 from bagpipe.runtime.liveness import Liveness
-from bagpipe.runtime.protocol import JobInfo, Pulled, TrainerStats, schema_dict, slice_messages
+from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, TrainerStats, schema_dict, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
 from bagpipe.runtime.succession import JobRecord, NotReplaceable, RecordKeeper, load_record, replayed_from
 from bagpipe.runtime.world import (Epochs, NoEpochs, Routes, World, host_store, init_rpc, publish_status,
@@ -57,7 +58,6 @@ from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
-PULL_MAX_STEPS = 8  # plan messages per pull
 PULL_WAIT_S = 1.0  # how long a pull waits for a plan message before answering with none
 # what a lost server adds to the run's figures (its own were lost with it)
 LOST_SERVER_DUMP = {"bytes_sent": 0, "fetches": 0, "fetches_waited": 0, "rows_written": 0, "storage": {},
@@ -305,8 +305,6 @@ class Oracle:
         serves it while a replacement process is made (when the RPC world can be re-formed around one) that then
         takes the shard back; a parity server is replaced. True if so; False when parity does not cover the loss
         (the job ends as without parity)."""
-        from bagpipe.runtime import server
-
         role, shard = self.world.role_of(rank)
         if not self.world.parity or role != "server":
             return False
@@ -327,7 +325,7 @@ class Oracle:
                                    f"RPC world cannot be re-formed without it; resume from the newest checkpoint "
                                    f"(--resume)")
             started = time.perf_counter()
-            self.epochs.call(World.server_name(parity_server), server.rpc_stand_in, (shard,))
+            self.epochs.call(World.server_name(parity_server), SERVER.stand_in, (shard,))
             self.routes.move(store, shard, parity_server)
             failure["moved_in_s"] = round(time.perf_counter() - started, 3)
         # else its replacement was lost before it took the shard back: the stand-in serves on
@@ -398,6 +396,13 @@ class Oracle:
                     raise TimeoutError(f"no replacement for {self.world.label(rank)} (rank {rank}) joined within "
                                        f"{self.world.timeout:.0f} s: start the same command again")
                 time.sleep(0.05)
+            role, shard = self.world.role_of(rank)
+            if role == "server" and shard < self.world.num_shards:
+                # A data server's replacement (forked, it is ready within a fraction of a second) joins once its
+                # stand-in has rebuilt the shard: the re-formation fails the requests in flight, and the rebuild's
+                # must not be among them (with a replacement that took seconds to start, they never were).
+                self.epochs.call(World.server_name(self.world.parity_server(shard)), SERVER.stand_in_rebuilt,
+                                 (shard,), timeout=10 * self.world.timeout)
             failure["joined_in_s"] = round(time.time() - failure["at"], 3)
             if self.liveness is not None:
                 self.liveness.readmit(rank)
@@ -437,8 +442,6 @@ class Oracle:
     def _take_over(self, rank: int, failure: dict | None) -> None:
         """Between checkpoints (a stand-in's snapshot must not be cut short): freeze the stand-in, let the
         replacement catch up with it, route the shard to the replacement, and have the stand-in let go."""
-        from bagpipe.runtime import server
-
         shard = self.world.role_of(rank)[1]
         parity = World.server_name(self.world.parity_server(shard))
         try:
@@ -450,12 +453,12 @@ class Oracle:
                                 "server served it to the end", shard)
                     return
                 started = time.perf_counter()
-                versions, received = self.epochs.call(parity, server.rpc_hand_over, (shard,))
+                versions, received = self.epochs.call(parity, SERVER.hand_over, (shard,))
                 try:  # not sent again after a re-formation: that would be to another replacement
-                    figures = rpc.rpc_sync(World.server_name(shard), server.rpc_take_over, (versions, received),
-                                           timeout=self.world.timeout)
+                    figures = SERVER.take_over.call(World.server_name(shard), (versions, received),
+                                                    timeout=self.world.timeout)
                 except RuntimeError as err:
-                    self.epochs.call(parity, server.rpc_keep_standing_in, (shard,))
+                    self.epochs.call(parity, SERVER.keep_standing_in, (shard,))
                     log.warning("server %d's replacement was lost while taking its shard back (%s): its parity server "
                                 "serves it on", shard, str(err).splitlines()[0])
                     return
@@ -463,7 +466,7 @@ class Oracle:
                     self.routes.move(self.store, shard, shard)
                     self.replaced(rank, {**figures, "handover_s": time.perf_counter() - started})
                 self.run.log_metrics(event=SERVER_BACK, server=shard, rank=rank)
-                self.epochs.call(parity, server.rpc_handed_back, (shard,))
+                self.epochs.call(parity, SERVER.handed_back, (shard,))
         except BaseException as err:  # noqa: BLE001 - the job cannot go on: its trainers' next pull says why
             with self.changed:
                 self.failure = self.failure or err
@@ -534,43 +537,6 @@ def _mean_breakdown(breakdowns: list[dict]) -> dict:
     return {p: float(np.mean([b.get(p, 0.0) for b in breakdowns])) for p in phases}
 
 
-_ORACLE: Oracle | None = None  # this process's, once it has joined the job (``run_oracle``)
-_JOINED = threading.Event()
-
-
-def _oracle() -> Oracle:
-    """This process's oracle, for an RPC handler: a request may arrive as soon as the process is in the RPC world,
-    before its oracle is handed the rest of what it runs with."""
-    if not _JOINED.wait(timeout=PULL_WAIT_S * 60):
-        raise RuntimeError("the oracle did not join the job within a minute")
-    return _ORACLE
-
-
-def rpc_ready(name: str) -> None:
-    _oracle().server_ready(name)
-
-
-def rpc_pull(trainer: int, after: int, max_steps: int, finished: int | None = None,
-             written: int | None = None) -> Pulled:
-    return _oracle().pull(trainer, after, max_steps, finished, written)
-
-
-def rpc_replaced(rank: int, info: dict) -> None:
-    _oracle().replaced(rank, info)
-
-
-def rpc_ready_to_take_over(rank: int) -> None:
-    _oracle().ready_to_take_over(rank)
-
-
-def rpc_trainer_done(trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
-    _oracle().trainer_done(trainer, stats, dense_state)
-
-
-def rpc_checkpoint_cache(boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
-    _oracle().checkpoint_cache(boundary, dense, dense_optimizer, parts, extra)
-
-
 def _refill(step: PlanStep, slot_key: np.ndarray) -> PlanStep:
     """The plan step a resumed job starts with: its trainers' caches are empty, so every row resident
     after it (``slot_key``: the replayed plan's slots) is fetched into its slot; the servers hold the
@@ -591,7 +557,6 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
     role's at check-in; the job then runs with the agreed ones. A process started while the local launcher
     awaits a replacement for the job's lost oracle takes the job over instead (``take_over_job``).
     """
-    global _ORACLE
     started_at = time.time()
     deterministic()
     # The run dir is this job's while the oracle lives (a local launcher holds the lock for all its roles).
@@ -604,8 +569,7 @@ def run_oracle(config: TrainConfig, world: World, *, overwrite: bool = False, pr
             oracle = start_job(config, world, store, overwrite=overwrite, prepared=prepared, given=given,
                                resume=resume)
             oracle.keeper.save(started_at=started_at)
-        _ORACLE = oracle
-        _JOINED.set()
+        transport.serve("oracle", oracle)  # (requests that came sooner waited for it)
         return run_job(oracle)
 
 
@@ -658,8 +622,6 @@ def take_over_job(world: World, store) -> Oracle:
     lost oracle had begun; the producer then plans again from the start (a pure function of the data and the
     configuration), sending each trainer only what it does not have. NotReplaceable if the job cannot be taken
     over (the launcher then restarts it from its newest checkpoint)."""
-    from bagpipe.runtime import trainer
-
     epoch = world.epoch
     lost_at = float(store.get(f"{LOST_AT_PREFIX}0")) if store.check([f"{LOST_AT_PREFIX}0"]) else time.time()
     record = load_record(store) if store.check([JOB_KEY]) else None
@@ -692,7 +654,7 @@ def take_over_job(world: World, store) -> Oracle:
     oracle.reformed_before.append({"epoch": epoch, "seconds": round(time.perf_counter() - started, 3)})
     failure["joined_in_s"] = round(time.time() - lost_at, 3)
     epochs = Epochs(world, store)
-    progress = [epochs.call(World.trainer_name(t), trainer.rpc_progress) for t in range(world.num_trainers)]
+    progress = [epochs.call(World.trainer_name(t), TRAINER.progress) for t in range(world.num_trainers)]
     oracle.sent_before = [p["after"] for p in progress]
     oracle.finished = [p["finished"] for p in progress]
     oracle.written = [p["written"] for p in progress]
@@ -730,8 +692,6 @@ def _join(oracle: Oracle, store, liveness: Liveness, epochs: Epochs) -> None:
 def run_job(oracle: Oracle) -> dict:
     """Feed the trainers to the end, gather the final rows (the servers write them) and write the run's results;
     the summary."""
-    from bagpipe.runtime import server
-
     config, world, run, store = oracle.config, oracle.world, oracle.run, oracle.store
     epochs, liveness = oracle.epochs, oracle.liveness
     producer = threading.Thread(target=oracle.produce, name="planner", daemon=True)
@@ -747,7 +707,7 @@ def run_job(oracle: Oracle) -> dict:
         lost = {server for server, f in latest.items() if not f.get("replaced")}
         if config.parity and config.check_parity:
             check_parity(world, epochs, skip=lost)
-        shards = [LOST_SERVER_DUMP if s in lost else epochs.call(World.server_name(s), server.rpc_dump)
+        shards = [LOST_SERVER_DUMP if s in lost else epochs.call(World.server_name(s), SERVER.dump)
                   for s in range(world.num_servers)]
     finally:
         oracle.stop.set()
@@ -762,19 +722,17 @@ def run_job(oracle: Oracle) -> dict:
         log.warning("%s still there %.0f s after the end", ", ".join(world.label(r) for r in staying), world.timeout)
     epochs.stop()
     liveness.stop()
-    rpc.shutdown(graceful=False)  # every role has left: no request is in flight
+    transport.shutdown_rpc()  # every role has left: no request is in flight
     return finish(oracle, run, shards, final_rows, final_dir)
 
 
 def check_parity(world: World, epochs: Epochs, *, skip: set[int] = frozenset()) -> None:
     """Have every parity server (but those ``skip``ped: lost) compare its parity with its group's rows (every
     write-back has landed): a mismatch fails the run, naming the server and the rows."""
-    from bagpipe.runtime import server
-
     for index in range(world.num_shards, world.num_servers):
         if index in skip:
             continue
-        checked = epochs.call(World.server_name(index), server.rpc_check_parity, timeout=4 * world.timeout)
+        checked = epochs.call(World.server_name(index), SERVER.check_parity, timeout=4 * world.timeout)
         if any(checked["mismatched_rows"]):
             raise RuntimeError(f"the parity on server {index} differs from its group's rows at "
                                f"{sum(checked['mismatched_rows'])} of {sum(checked['rows'])} positions")

@@ -15,6 +15,7 @@ import torch
 from bagpipe.data.schema import Feature, Schema
 from bagpipe.embeddings import EmbeddingLayout, TableConfig
 
+PULL_MAX_STEPS = 8  # plan messages a trainer's pull asks the oracle for at most
 
 
 @dataclass(frozen=True)

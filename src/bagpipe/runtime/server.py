@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.rpc as rpc
 
 from bagpipe.checkpoint import background_priority, chain_parts, resume_chain, write_snapshot
 from bagpipe.faults import inject_fault
 from bagpipe.heap import bounded_heap
 from bagpipe.optim import make_row_optimizer
-from bagpipe.runtime import oracle
+from bagpipe.runtime import transport
+from bagpipe.runtime.endpoints import ORACLE, SERVER
 from bagpipe.runtime.keys import STOP_KEY
 from bagpipe.runtime.liveness import Liveness, is_peer_gone
 from bagpipe.runtime.protocol import JobInfo
@@ -259,7 +259,7 @@ class RemoteMember:
         self.num_rows, self.dim, self.state_width = num_rows, dim, state_width
 
     def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        rows, state, versions = self.epochs.call(World.server_name(self.shard), rpc_read_rows,
+        rows, state, versions = self.epochs.call(World.server_name(self.shard), SERVER.read_rows,
                                                  (self.space, torch.from_numpy(np.asarray(local, dtype=np.int64))))
         return rows, state, versions.numpy()
 
@@ -297,7 +297,7 @@ class DeltaSender:
     def _send(self, entry: tuple, answer: torch.futures.Future) -> None:
         sent_in = self.epochs.epoch
         try:
-            sent = rpc.rpc_async(self.parity_name, rpc_parity_apply, args=entry, timeout=self.timeout)
+            sent = SERVER.parity_apply.call_async(self.parity_name, entry, timeout=self.timeout)
         except RuntimeError as err:  # no RPC agent: the world is being re-formed
             self._failed.put((entry, answer, sent_in, err))
             return
@@ -385,7 +385,7 @@ class ParityServer:
         log.warning("serving lost server %d's shard from its parity group; rebuilding it in the background", shard)
         return self.standing_in
 
-    def _serving(self, shard: int) -> StandInServer:
+    def serving(self, shard: int) -> StandInServer:
         if self.standing_in is None or self.standing_in.shard != shard:
             raise RuntimeError(f"the parity server of servers {', '.join(map(str, self.shards))} does not stand in "
                                f"for server {shard}")
@@ -393,17 +393,17 @@ class ParityServer:
 
     def hand_over(self, shard: int) -> tuple[list[torch.Tensor], list[dict]]:
         """Stop serving lost shard ``shard`` (its replacement takes it back; see StandInServer.freeze)."""
-        return self._serving(shard).freeze()
+        return self.serving(shard).freeze()
 
     def keep_standing_in(self, shard: int) -> None:
         """The replacement taking ``shard`` back was lost meanwhile: serve it again."""
-        self._serving(shard).unfreeze()
+        self.serving(shard).unfreeze()
         log.warning("serving server %d's shard again: its replacement was lost while taking it back", shard)
 
     def handed_back(self, shard: int) -> None:
         """``shard``'s replacement holds it and the route names it: let go of the rows (requests that still
         arrive are answered ``ShardMoved``)."""
-        standing_in = self._serving(shard)
+        standing_in = self.serving(shard)
         figures = standing_in.dump()
         self.given_back.append({"shard": shard, "handed_back_after_s": round(time.perf_counter() -
                                                                               standing_in.started, 3),
@@ -447,7 +447,7 @@ class ParityServer:
         if self.standing_in is not None and shard == self.standing_in.shard:
             rows, state, have = self.standing_in.read_range(space, start, stop)
         else:
-            rows, state, have = self.epochs.call(World.server_name(shard), rpc_read_range, (space, start, stop),
+            rows, state, have = self.epochs.call(World.server_name(shard), SERVER.read_range, (space, start, stop),
                                                  timeout=timeout)
         bits = np.zeros((stop - start, width), dtype=np.uint32)
         versions = np.full(stop - start, -1, dtype=np.int64)
@@ -526,16 +526,15 @@ class RemoteStandIn:
         self.name, self.shard, self.epochs, self.timeout = name, shard, epochs, timeout
 
     def rebuilt(self) -> None:
-        self.epochs.call(self.name, rpc_stand_in_rebuilt, (self.shard,), timeout=10 * self.timeout)
+        self.epochs.call(self.name, SERVER.stand_in_rebuilt, (self.shard,), timeout=10 * self.timeout)
 
     def read_range(self, space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        rows, state, versions = self.epochs.call(self.name, rpc_read_range, (space, start, stop))
+        rows, state, versions = self.epochs.call(self.name, SERVER.read_range, (space, start, stop))
         return rows, state, versions.numpy()
 
     def read_rows(self, space: int, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         # not sent again after a re-formation: the take-over is the oracle's to give up then
-        rows, state, versions = rpc.rpc_sync(self.name, rpc_read_rows, (space, torch.from_numpy(local)),
-                                             timeout=self.timeout)
+        rows, state, versions = SERVER.read_rows.call(self.name, (space, torch.from_numpy(local)), timeout=self.timeout)
         return rows, state, versions.numpy()
 
 
@@ -552,23 +551,89 @@ def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list
     return [StorageSpec("disk", directory, budget * part // max(sum(shard_bytes), 1)) for part in shard_bytes]
 
 
-_SERVER: Server | None = None
-_WORLD: World | None = None
+class ServerHandlers:
+    """What this server process answers (runtime/endpoints.py's ServerEndpoints): its data server (``server``; the
+    stand-in a parity server becomes for a lost data server's shard), its parity server (``parity``), or a lost data
+    server's replacement still copying its shard (``taking_over``). ``epochs`` answers the futures it returns."""
 
+    def __init__(self, world: World, job: JobInfo) -> None:
+        self.world, self.job = world, job
+        self.server: Server | None = None
+        self.parity: ParityServer | None = None
+        self.taking_over: ShardTakeOver | None = None
+        self.epochs: Epochs | NoEpochs = NoEpochs()
 
-_PARITY: ParityServer | None = None
-_TAKING_OVER: ShardTakeOver | None = None  # a lost data server's replacement, until it has its shard
-_JOB: JobInfo | None = None
-_EPOCHS: Epochs | None = None  # this server's: the futures its handlers return are answered through it
+    def fetch(self, space: int, keys: torch.Tensor, versions: torch.Tensor, tag: int) -> torch.futures.Future:
+        """Rows, state and versions of ``keys`` once at ``versions``, and ``tag`` (the caller's check that the
+        answer is its request's)."""
+        if self.server is None:
+            return self._not_yet()
+        tagged: torch.futures.Future = torch.futures.Future()
+        self.server.fetch(space, keys, versions).add_done_callback(functools.partial(_pass_on_tagged, tagged, tag))
+        return self.epochs.answer(tagged)
 
+    def write_back(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
+                   version: int) -> torch.futures.Future:
+        if self.server is None:
+            return self._not_yet()
+        return self.epochs.answer(self.server.write_back(space, keys, rows, state, version))
 
-@rpc.functions.async_execution
-def rpc_fetch(space: int, keys: torch.Tensor, versions: torch.Tensor, tag: int) -> torch.futures.Future:
-    """Rows, state and versions of ``keys`` once at ``versions``, and ``tag`` (the caller's check that the answer
-    is its request's)."""
-    tagged: torch.futures.Future = torch.futures.Future()
-    _SERVER.fetch(space, keys, versions).add_done_callback(functools.partial(_pass_on_tagged, tagged, tag))
-    return _EPOCHS.answer(tagged)
+    def _not_yet(self) -> torch.futures.Future:
+        """The answer of a lost data server's replacement to a request for its shard before it has taken the shard
+        back: a request sent here since a re-formation came before the sender learnt that the shard moved to
+        its stand-in (a replacement joins within a second of the loss) goes where the route says."""
+        moved: torch.futures.Future = torch.futures.Future()
+        moved.set_exception(ShardMoved(f"{self.world.name} is a replacement that has not taken its shard back yet"))
+        return self.epochs.answer(moved)
+
+    def read_range(self, space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.server.read_range(space, start, stop)
+
+    def read_rows(self, space: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.server.read_rows(space, local)
+
+    def parity_apply(self, space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
+                     version: int) -> None:
+        inject_fault(f"delta {version}")  # a parity server given a delta, before folding it in
+        self.parity.apply(space, member, local, delta, before, version)
+
+    def check_parity(self) -> dict:
+        return self.parity.check(timeout=self.world.timeout)
+
+    def dump(self) -> dict:
+        return self.parity.dump() if self.parity is not None else self.server.dump()
+
+    def begin_checkpoint(self, boundary: int, expected_rows: list[int], since: int | None, directory: str,
+                         shard: int) -> None:
+        self.server.begin_checkpoint(boundary, expected_rows, since, directory, shard=shard,
+                                     num_shards=self.world.num_shards, timeout=self.world.timeout)
+
+    def checkpoint_written(self, boundary: int) -> torch.futures.Future:
+        return self.epochs.answer(self.server.checkpoints[boundary])  # kept: asked again if lost to a re-formation
+
+    def stand_in(self, shard: int) -> None:
+        self.server = self.parity.stand_in(shard, job=self.job, num_shards=self.world.num_shards,
+                                           timeout=self.world.timeout)
+
+    def stand_in_rebuilt(self, shard: int) -> torch.futures.Future:
+        return self.epochs.answer(self.parity.serving(shard).rebuilt)
+
+    def hand_over(self, shard: int) -> tuple[list[torch.Tensor], list[dict]]:
+        return self.parity.hand_over(shard)
+
+    def keep_standing_in(self, shard: int) -> None:
+        self.parity.keep_standing_in(shard)
+
+    def handed_back(self, shard: int) -> None:
+        self.parity.handed_back(shard)
+
+    def take_over(self, versions: list[torch.Tensor], received: list[dict]) -> dict:
+        """A replacement data server's: the frozen stand-in's state; serve the shard once caught up with it."""
+        inject_fault("take over")
+        figures = self.taking_over.take_over([v.numpy() for v in versions], received)
+        _send_deltas(self.taking_over.server, self.world, self.epochs)
+        self.server, self.taking_over = self.taking_over.server, None
+        return figures
 
 
 def _pass_on_tagged(to: torch.futures.Future, tag: int, done: torch.futures.Future) -> None:
@@ -578,77 +643,6 @@ def _pass_on_tagged(to: torch.futures.Future, tag: int, done: torch.futures.Futu
         to.set_exception(err)
 
 
-@rpc.functions.async_execution
-def rpc_write_back(space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
-                   version: int) -> torch.futures.Future:
-    return _EPOCHS.answer(_SERVER.write_back(space, keys, rows, state, version))
-
-
-def rpc_read_range(space: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _SERVER.read_range(space, start, stop)
-
-
-def rpc_parity_apply(space: int, member: int, local: torch.Tensor, delta: torch.Tensor, before: torch.Tensor,
-                     version: int) -> None:
-    inject_fault(f"delta {version}")  # a parity server given a delta, before folding it in
-    _PARITY.apply(space, member, local, delta, before, version)
-
-
-def rpc_check_parity() -> dict:
-    return _PARITY.check(timeout=_WORLD.timeout)
-
-
-def rpc_dump() -> dict:
-    return _PARITY.dump() if _PARITY is not None else _SERVER.dump()
-
-
-def rpc_begin_checkpoint(boundary: int, expected_rows: list[int], since: int | None, directory: str,
-                         shard: int) -> None:
-    _SERVER.begin_checkpoint(boundary, expected_rows, since, directory, shard=shard, num_shards=_WORLD.num_shards,
-                             timeout=_WORLD.timeout)
-
-
-def rpc_read_rows(space: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _SERVER.read_rows(space, local)
-
-
-def rpc_stand_in(shard: int) -> None:
-    global _SERVER
-    _SERVER = _PARITY.stand_in(shard, job=_JOB, num_shards=_WORLD.num_shards, timeout=_WORLD.timeout)
-
-
-@rpc.functions.async_execution
-def rpc_stand_in_rebuilt(shard: int) -> torch.futures.Future:
-    return _EPOCHS.answer(_PARITY._serving(shard).rebuilt)
-
-
-def rpc_hand_over(shard: int) -> tuple[list[torch.Tensor], list[dict]]:
-    return _PARITY.hand_over(shard)
-
-
-def rpc_keep_standing_in(shard: int) -> None:
-    _PARITY.keep_standing_in(shard)
-
-
-def rpc_handed_back(shard: int) -> None:
-    _PARITY.handed_back(shard)
-
-
-def rpc_take_over(versions: list[torch.Tensor], received: list[dict]) -> dict:
-    """A replacement data server's: the frozen stand-in's state; serve the shard once caught up with it."""
-    global _SERVER, _TAKING_OVER
-    inject_fault("take over")
-    figures = _TAKING_OVER.take_over([v.numpy() for v in versions], received)
-    _send_deltas(_TAKING_OVER.server, _WORLD, _EPOCHS)
-    _SERVER, _TAKING_OVER = _TAKING_OVER.server, None
-    return figures
-
-
-@rpc.functions.async_execution
-def rpc_checkpoint_written(boundary: int) -> torch.futures.Future:
-    return _EPOCHS.answer(_SERVER.checkpoints[boundary])  # kept: asked again if lost to a re-formation
-
-
 def run_server(world: World, *, given: dict | None = None) -> None:
     """Serve one shard until the oracle says training has ended (a lost oracle is the heartbeats' to tell).
 
@@ -656,53 +650,57 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     the oracle agrees with every other role's at check-in. The same command started again for a server
     whose process was lost, while the oracle awaits its replacement, joins as that replacement.
     """
-    global _SERVER, _WORLD, _PARITY, _JOB, _EPOCHS
     store, world = check_in(world, "server", given=given)
     role, index = world.role
     liveness = Liveness(world, watch=[0])
-    _JOB = job = JobInfo.from_json(wait_for_job(world, store))
-    _WORLD = world = dataclasses.replace(world, parity=job.config["parity"])
+    job = JobInfo.from_json(wait_for_job(world, store))
+    world = dataclasses.replace(world, parity=job.config["parity"])
+    handlers = ServerHandlers(world, job)  # served once whole (a request that comes sooner waits for it)
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle)
     config, layout = job.config, job.layout
     row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
     started = time.perf_counter()
     if world.epoch:  # a replacement: ready before the RPC world is re-formed around it (training goes on)
         if index < world.num_shards:
-            _replace_data_server(world, store, liveness, job, row_optimizer)
+            _replace_data_server(handlers, store, liveness, row_optimizer)
             return
         # the parity's structure first: its members' deltas arrive as soon as the RPC world has this process
-        _PARITY = replacement_parity(world, job, index, row_optimizer, NoEpochs())
-        _EPOCHS = epochs = join_rpc_as_replacement(world, store)
+        handlers.parity = parity = replacement_parity(world, job, index, row_optimizer, NoEpochs())
+        transport.serve("server", handlers)
+        epochs = join_rpc_as_replacement(world, store)
         if epochs is None:  # training ended before the job needed it
             liveness.stop()
             return
-        _PARITY.epochs = epochs
-        _PARITY.make()
+        handlers.epochs = parity.epochs = epochs
+        parity.make()
         inject_fault("parity made")
-        epochs.call("oracle", oracle.rpc_replaced, (world.rank, {"made_in_s": _PARITY.made_in_s}))
-        serve_until_stopped(world, store, liveness, epochs, stores=[])
+        epochs.call("oracle", ORACLE.replaced, (world.rank, {"made_in_s": parity.made_in_s}))
+        serve_until_stopped(handlers, store, liveness, stores=[])
         return
     init_rpc(world, store)
-    _EPOCHS = epochs = Epochs(world, store)
+    handlers.epochs = epochs = Epochs(world, store)
     if index >= world.num_shards:
-        _PARITY = start_parity(world, job, index, row_optimizer, epochs)
+        handlers.parity = parity = start_parity(world, job, index, row_optimizer, epochs)
+        transport.serve("server", handlers)
         log.info("server %d holds the parity of servers %s (%d positions); ready in %.1f s", index,
-                 ", ".join(map(str, _PARITY.shards)), sum(p.num_rows for p in _PARITY.parities),
+                 ", ".join(map(str, parity.shards)), sum(p.num_rows for p in parity.parities),
                  time.perf_counter() - started)
-        serve_until_stopped(world, store, liveness, epochs, stores=[])
+        serve_until_stopped(handlers, store, liveness, stores=[])
         return
     specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
-    _SERVER = Server(_shard_stores(world, job, row_optimizer, specs))
+    server = Server(_shard_stores(world, job, row_optimizer, specs))
     if job.resume:
         directory, chain = resume_chain(config["run_dir"], job.resume)
-        _SERVER.restore(directory, chain, shard=index, num_shards=world.num_shards)
+        server.restore(directory, chain, shard=index, num_shards=world.num_shards)
     if world.parity:
-        _send_deltas(_SERVER, world, epochs)
+        _send_deltas(server, world, epochs)
+    handlers.server = server
+    transport.serve("server", handlers)
     where = "in memory" if specs[0].kind == "memory" else (f"on disk in {specs[0].directory}, "
                                                            f"{config['storage_budget_mb']:g} MiB of it in memory")
-    log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in _SERVER.stores),
+    log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in server.stores),
              layout.num_rows, where, time.perf_counter() - started)
-    serve_until_stopped(world, store, liveness, epochs, stores=_SERVER.stores)
+    serve_until_stopped(handlers, store, liveness, stores=server.stores)
 
 
 def _shard_stores(world: World, job: JobInfo, row_optimizer, specs: list[StorageSpec]) -> list[RowStore]:
@@ -718,11 +716,11 @@ def _send_deltas(server: Server, world: World, epochs: Epochs) -> None:
                           timeout=world.timeout)
 
 
-def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, row_optimizer) -> None:
+def _replace_data_server(handlers: ServerHandlers, store, liveness: Liveness, row_optimizer) -> None:
     """A lost data server's replacement: its stores made first (so it is ready before the RPC world is re-formed
     around it), then its shard copied from the stand-in while training goes on; the oracle then has the stand-in
-    hand the shard over (``rpc_take_over``) and routes it here again."""
-    global _TAKING_OVER, _EPOCHS
+    hand the shard over (``ServerHandlers.take_over``) and routes it here again."""
+    world, job = handlers.world, handlers.job
     index = world.role[1]
     specs = storage_specs(job.config, job.layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
     stores = _shard_stores(world, job, row_optimizer, specs)
@@ -732,27 +730,29 @@ def _replace_data_server(world: World, store, liveness: Liveness, job: JobInfo, 
         for row_store in stores:
             row_store.close()
         return
-    _EPOCHS = epochs
+    handlers.epochs = epochs
+    transport.serve("server", handlers)  # (its shard's requests answered with ShardMoved until it takes it back)
     source = RemoteStandIn(World.server_name(world.parity_server(index)), index, epochs=epochs, timeout=world.timeout)
     taking_over = ShardTakeOver(Server(stores), source, shard=index)
     taking_over.copy()
-    _TAKING_OVER = taking_over
+    handlers.taking_over = taking_over
     inject_fault("shard copied")
-    epochs.call("oracle", oracle.rpc_ready_to_take_over, (world.rank,))
-    serve_until_stopped(world, store, liveness, epochs, stores=stores)
+    epochs.call("oracle", ORACLE.ready_to_take_over, (world.rank,))
+    serve_until_stopped(handlers, store, liveness, stores=stores)
 
 
-def serve_until_stopped(world: World, store, liveness: Liveness, epochs: Epochs, *, stores: list[RowStore]) -> None:
+def serve_until_stopped(handlers: ServerHandlers, store, liveness: Liveness, *, stores: list[RowStore]) -> None:
     """Tell the oracle this server is ready, then serve until it says training has ended (its fetches parked for
     longer than the timeout failed meanwhile: those of ``stores``, or of the shard a parity server stands in for).
     A request to a lost oracle that the job replaces waits for its replacement."""
-    if _JOB.replace_oracle:
+    world, epochs = handlers.world, handlers.epochs
+    if handlers.job.replace_oracle:
         epochs.await_peer("oracle")
-    epochs.call("oracle", oracle.rpc_ready, (world.name,))
+    epochs.call("oracle", ORACLE.server_ready, (world.name,))
     try:
         while not store.check([STOP_KEY]):
             time.sleep(0.2)
-            standing_in = _PARITY.standing_in if _PARITY is not None else None
+            standing_in = handlers.parity.standing_in if handlers.parity is not None else None
             for row_store in stores or (standing_in.stores if standing_in is not None else []):
                 row_store.expire_waiting(timeout=world.timeout)
     except RuntimeError as err:
@@ -761,7 +761,7 @@ def serve_until_stopped(world: World, store, liveness: Liveness, epochs: Epochs,
         raise
     epochs.stop()
     liveness.stop()
-    rpc.shutdown(graceful=False)  # the oracle has all it needs: no request is in flight
+    transport.shutdown_rpc()  # the oracle has all it needs: no request is in flight
     for row_store in stores:
         row_store.close()
 

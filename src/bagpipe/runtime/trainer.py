@@ -26,7 +26,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.distributed.rpc as rpc
 
 from bagpipe.cache import BatchView, RowCache, StepTables
 from bagpipe.checkpoint import RowPart, cloned_state, load_dense, resume_chain
@@ -39,15 +38,17 @@ from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.keys import REPLACE_PREFIX, RESUMED, STOP_KEY, SUMS_PREFIX
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
-from bagpipe.runtime import oracle, server
-from bagpipe.runtime.protocol import JobInfo, SpaceStep, StepMessage, TrainerStats
+from bagpipe.runtime import transport
+from bagpipe.runtime.endpoints import ORACLE, SERVER, TRAINER
+from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, SpaceStep, StepMessage, TrainerStats
 from bagpipe.runtime.exit_status import PeerLost
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, agree_on_sums, backward_slice, dense_share,
                                   main_share, row_shares, sum_order)
+from bagpipe.runtime.transport import Endpoint, unwrap
 from bagpipe.runtime.world import (Epochs, Routes, ShardMoved, World, await_reformation, check_in, init_rpc,
-                                   trainer_group, unwrap, wait_for_job)
+                                   trainer_group, wait_for_job)
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,8 @@ class TrainerRuntime:
 
     def _prefetch(self) -> None:
         while not self._stopping.is_set():
-            pulled = self.epochs.call("oracle", oracle.rpc_pull, (self.index, self.received, oracle.PULL_MAX_STEPS,
-                                                                 self.finished, self.written.through()))
+            pulled = self.epochs.call("oracle", ORACLE.pull, (self.index, self.received, PULL_MAX_STEPS, self.finished,
+                                                             self.written.through()))
             self.written_by_all = pulled.written_by_all
             for message in pulled.messages:
                 self.received = message.iteration
@@ -153,19 +154,19 @@ class TrainerRuntime:
                 index = torch.nonzero(shards == shard).flatten()
                 if len(index):
                     self._tags += 1
-                    requests.append((shard, index, self._send(server.rpc_fetch, shard,
+                    requests.append((shard, index, self._send(SERVER.fetch, shard,
                                                               (space, keys[index], versions[index], self._tags))))
             fetches.append(requests)
         return fetches
 
-    def _send(self, handler, shard: int, args: tuple) -> "_Request":
+    def _send(self, endpoint: Endpoint, shard: int, args: tuple) -> "_Request":
         sent_to, epoch = self.routes.server(shard), self.epochs.epoch
         try:
-            future = rpc.rpc_async(World.server_name(sent_to), handler, args=args, timeout=self.world.timeout)
+            future = endpoint.call_async(World.server_name(sent_to), args, timeout=self.world.timeout)
         except RuntimeError as err:  # no RPC agent: the world is being re-formed (the answer says so)
             future = torch.futures.Future()
             future.set_exception(err)
-        return _Request(handler, shard, args, sent_to, future, epoch)
+        return _Request(endpoint, shard, args, sent_to, future, epoch)
 
     def _answer(self, request: "_Request", *, what: str):
         """The answer to ``request``; a request that failed to a re-formation of the RPC world is sent again
@@ -182,14 +183,14 @@ class TrainerRuntime:
                     raise RuntimeError(f"{what} at server {request.sent_to}: shard {request.shard} was not handed "
                                        f"on within {self.world.timeout:.0f} s ({err})") from err
                 self.routes.follow(request.shard, request.sent_to, err)
-                request = self._send(request.handler, request.shard, request.args)
+                request = self._send(request.endpoint, request.shard, request.args)
             except RuntimeError as err:
                 # (one to a server whose shard has moved since goes where it is now at once: the prefetches sent
                 # to a lost server each waiting out the re-formation grace cost a second per iteration)
                 if self.routes.server(request.shard) == request.sent_to and not self.epochs.resend_after(request.epoch):
                     self.routes.failover(request.shard, request.sent_to,
                                          RuntimeError(f"{what} at server {request.sent_to} failed: {err}"))
-                request = self._send(request.handler, request.shard, request.args)
+                request = self._send(request.endpoint, request.shard, request.args)
 
     def _write(self) -> None:
         in_flight: list[_Request] = []
@@ -205,7 +206,7 @@ class TrainerRuntime:
                 if self.writeback_delay:
                     time.sleep(self.writeback_delay)
                 shard, args = item
-                in_flight.append(self._send(server.rpc_write_back, shard, args))
+                in_flight.append(self._send(SERVER.write_back, shard, args))
             done = [request.future.done() for request in in_flight]  # once: one may finish meanwhile
             answered = [request for request, finished in zip(in_flight, done) if finished]
             in_flight = [request for request, finished in zip(in_flight, done) if not finished]
@@ -471,7 +472,7 @@ class TrainerRuntime:
         _, donor = agree_on_sums(read_sums(self.store, f"{SUMS_PREFIX}{self.world.epoch}/", survivors,
                                            timeout=2 * self.world.timeout))
         donor = World.trainer_name(donor)
-        plan = self.epochs.call(donor, rpc_recovery, (self.index,), timeout=2 * self.world.timeout)
+        plan = self.epochs.call(donor, TRAINER.recovery, (self.index,), timeout=2 * self.world.timeout)
         self.group = trainer_group(self.world, self.store, self.index, epoch=self.world.epoch)
         iterations = sorted(plan.kept)
         messages = self._pull_messages(iterations[0] - 1 if iterations else None)
@@ -481,7 +482,7 @@ class TrainerRuntime:
                  for what in plan.sums]
         for mean in means:
             mean.wait()
-        state = self.epochs.call(donor, rpc_handed_over, (self.index,), timeout=2 * self.world.timeout)
+        state = self.epochs.call(donor, TRAINER.handed_over, (self.index,), timeout=2 * self.world.timeout)
         n = state["iteration"]
         messages.update(self._pull_messages(n - REDO_DEPTH, upto=n))
         # the survivor's inputs of the iterations before: this process can give them to a replacement of its own
@@ -506,7 +507,7 @@ class TrainerRuntime:
             self._send_write_backs(space, keys, rows, state_rows, version=version)
         seconds = time.perf_counter() - started
         self.stats.extra["replaced_at_iteration"] = n
-        self.epochs.call("oracle", oracle.rpc_replaced, (self.world.rank, {"sums_again": len(plan.sums),
+        self.epochs.call("oracle", ORACLE.replaced, (self.world.rank, {"sums_again": len(plan.sums),
                                                                            "caught_up_in_s": seconds,
                                                                            "at_iteration": n}))
         log.warning("trainer %d's replacement: %d sums done again, state of iteration %d taken over in %.2f s",
@@ -521,7 +522,7 @@ class TrainerRuntime:
         found: dict[int, StepMessage] = {}
         deadline = time.monotonic() + self.world.timeout
         while True:
-            pulled = self.epochs.call("oracle", oracle.rpc_pull, (self.index, after, oracle.PULL_MAX_STEPS))
+            pulled = self.epochs.call("oracle", ORACLE.pull, (self.index, after, PULL_MAX_STEPS))
             for message in pulled.messages:
                 found[message.iteration] = message
             if upto is None or upto in found or any(m.final for m in pulled.messages):
@@ -598,7 +599,7 @@ class TrainerRuntime:
         self._checkpoint_sends = [sending for sending in self._checkpoint_sends if sending.is_alive()]
         def send() -> None:
             inject_fault(f"sending checkpoint {iteration}")
-            self.epochs.call("oracle", oracle.rpc_checkpoint_cache, args)
+            self.epochs.call("oracle", ORACLE.checkpoint_cache, args)
 
         sending = threading.Thread(target=self._guard, args=(send,), name="checkpoint", daemon=True)
         sending.start()  # (sent again after a re-formation: the oracle keeps the last one it gets)
@@ -615,11 +616,11 @@ class TrainerRuntime:
             sending.join()
         self._raise_if_failed()
         self._stopping.set()
-        self.epochs.call("oracle", oracle.rpc_trainer_done, (self.index, self.stats, dense_state))
+        self.epochs.call("oracle", ORACLE.trainer_done, (self.index, self.stats, dense_state))
         inject_fault("done")
         self.epochs.stop()
         self.liveness.stop()
-        rpc.shutdown(graceful=False)  # the oracle has this trainer's report: nothing is in flight
+        transport.shutdown_rpc()  # the oracle has this trainer's report: nothing is in flight
 
     def abort(self) -> None:
         self._stopping.set()
@@ -664,39 +665,43 @@ class Recovery:
         self.handed = threading.Event()
 
 
-_RUNTIME: TrainerRuntime | None = None  # this process's, for the RPC handlers below
+class TrainerHandlers:
+    """What this trainer process answers (runtime/endpoints.py's TrainerEndpoints), for its ``runtime``."""
 
+    def __init__(self, runtime: TrainerRuntime) -> None:
+        self.runtime = runtime
 
-def _recovery_for(trainer: int) -> Recovery:
-    deadline = time.monotonic() + 2 * _RUNTIME.world.timeout
-    while True:
-        recovery = _RUNTIME.recovery
-        if recovery is not None and recovery.trainer == trainer:
-            return recovery
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"trainer {_RUNTIME.index} has no recovery for trainer {trainer}'s replacement")
-        time.sleep(0.05)
+    def _recovery_for(self, trainer: int) -> Recovery:
+        runtime = self.runtime
+        deadline = time.monotonic() + 2 * runtime.world.timeout
+        while True:
+            recovery = runtime.recovery
+            if recovery is not None and recovery.trainer == trainer:
+                return recovery
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer {runtime.index} has no recovery for trainer {trainer}'s replacement")
+            time.sleep(0.05)
 
+    def recovery(self, trainer: int) -> Recovery:
+        """The sums a replacement for ``trainer`` adds its shares to, and their iterations' inputs (without the
+        state)."""
+        recovery = self._recovery_for(trainer)
+        plan = Recovery(trainer=trainer, epoch=recovery.epoch, sums=recovery.sums, kept=recovery.kept)
+        plan.handed = None
+        return plan
 
-def rpc_recovery(trainer: int) -> "Recovery":
-    """The sums a replacement for ``trainer`` adds its shares to, and their iterations' inputs (without the state)."""
-    recovery = _recovery_for(trainer)
-    plan = Recovery(trainer=trainer, epoch=recovery.epoch, sums=recovery.sums, kept=recovery.kept)
-    plan.handed = None
-    return plan
+    def progress(self) -> dict:
+        """How far this trainer is, for a lost oracle's replacement (``TrainerRuntime.progress``)."""
+        return self.runtime.progress()
 
+    def handed_over(self, trainer: int) -> dict:
+        """This trainer's state for ``trainer``'s replacement, once at an iteration boundary."""
+        recovery = self._recovery_for(trainer)
+        if not recovery.handed.wait(timeout=2 * self.runtime.world.timeout):
+            raise TimeoutError(f"trainer {self.runtime.index} did not reach an iteration boundary to hand over its "
+                               f"state")
+        return recovery.state
 
-def rpc_progress() -> dict:
-    """How far this trainer is, for a lost oracle's replacement (``TrainerRuntime.progress``)."""
-    return _RUNTIME.progress()
-
-
-def rpc_handed_over(trainer: int) -> dict:
-    """This trainer's state for ``trainer``'s replacement, once at an iteration boundary."""
-    recovery = _recovery_for(trainer)
-    if not recovery.handed.wait(timeout=2 * _RUNTIME.world.timeout):
-        raise TimeoutError(f"trainer {_RUNTIME.index} did not reach an iteration boundary to hand over its state")
-    return recovery.state
 
 
 class WrittenBack:
@@ -748,7 +753,7 @@ def check_fetched(space: int, keys: torch.Tensor, wanted: torch.Tensor, tag: int
 class _Request:
     """An RPC to the server of a data shard, kept until answered so that it can be sent again elsewhere."""
 
-    handler: object
+    endpoint: Endpoint
     shard: int
     args: tuple
     sent_to: int  # the server it went to
@@ -931,11 +936,10 @@ def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu",
     if device != "cpu":
         log.warning("--device %s: this trainer's model and cache run on the CPU (the GPU path of the bagpipe "
                     "trainer is not built yet)", device)
-    global _RUNTIME
     world, store, liveness, job = join_as_trainer(world, given={"kind": "model", **(given or {})})
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, writeback_delay=writeback_delay,
                              replacing=bool(world.epoch))
-    _RUNTIME = runtime
+    transport.serve("trainer", TrainerHandlers(runtime))
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle,
                                          replace_trainers=job.replace_trainers)
     try:

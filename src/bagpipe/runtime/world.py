@@ -16,7 +16,6 @@ a trusted network.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import ipaddress
 import json
 import logging
@@ -31,11 +30,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
 
 from bagpipe.faults import inject_fault, set_role
+from bagpipe.runtime import transport
 from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
                                   ROUTE_PREFIX, SHAPE_KEY, STATUS_KEY, STOP_KEY)
+from bagpipe.runtime.transport import AgentAnswers, Endpoint
 from bagpipe.threads import Background
 
 log = logging.getLogger(__name__)
@@ -423,53 +423,10 @@ def wait_for_job(world: World, store: dist.Store) -> str:
     return store.get(JOB_KEY).decode()
 
 
-_RENDEZVOUS: dict[str, tuple] = {}
-
-
-def _rendezvous(url: str, **kwargs):
-    """RPC's rendezvous on the store every rank already checked in at (no second port), under its epoch's prefix."""
-    store, rank, world_size, epoch = _RENDEZVOUS["store"]
-    yield dist.PrefixStore(f"bagpipe/rpc/{epoch}", store), rank, world_size
-
-
-dist.register_rendezvous_handler("bagpipe", _rendezvous)
-
-
-SUPPORTED_TORCH = ((2, 11), (2, 13))  # the torch releases whose private RPC state init_rpc resets (pyproject's pin)
-
-
-def check_torch(version: str = torch.__version__) -> None:
-    """Refuse a torch outside SUPPORTED_TORCH, naming the range: re-forming the RPC world resets state that
-    torch keeps privately, which another release may name or keep otherwise."""
-    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
-    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_TORCH
-    if not (low_major, low_minor) <= (major, minor) <= (high_major, high_minor):
-        raise RuntimeError(f"bagpipe's runtime supports torch {low_major}.{low_minor} to {high_major}.{high_minor}, "
-                           f"this is torch {version}: install torch>={low_major}.{low_minor},"
-                           f"<{high_major}.{high_minor + 1}")
-
-
 def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
-    """Join the RPC world (TensorPipe) of ``epoch`` through ``store``; loopback only when the master is."""
-    check_torch()
-    if world.is_loopback:
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    _RENDEZVOUS["store"] = (store, world.rank, world.world_size, epoch)
-    # torch prefixes each init_rpc of a process with how many it made before, and numbers the all-gathers it
-    # makes (one in init_rpc) per process: a replacement's first init must meet the survivors' second, so the
-    # epoch's prefix above does the first's job and both counts start again at 0 in every process of the world
-    rpc._init_counter = 0
-    rpc.api._all_gather_sequence_id.clear()
-    rpc.api._all_gather_sequence_id_to_states.clear()
-    # TensorPipe's shared-memory transport busy-polls: on a few cores it takes CPU from compute
-    # (measured: ~13% more CPU per iteration over the whole job than "uv", which is TCP). The
-    # environment can choose other transports and channels (comma-separated TensorPipe names).
-    extra = {"_transports": os.environ.get("BAGPIPE_TP_TRANSPORTS", "uv").split(",")}
-    if os.environ.get("BAGPIPE_TP_CHANNELS"):
-        extra["_channels"] = os.environ["BAGPIPE_TP_CHANNELS"].split(",")
-    options = rpc.TensorPipeRpcBackendOptions(init_method="bagpipe://job", num_worker_threads=16,
-                                              rpc_timeout=world.timeout, **extra)
-    rpc.init_rpc(world.name, rank=world.rank, world_size=world.world_size, rpc_backend_options=options)
+    """Join the RPC world of ``epoch`` as ``world``'s rank, through ``store`` (runtime/transport.py)."""
+    transport.init_rpc(world.name, rank=world.rank, world_size=world.world_size, store=store, timeout=world.timeout,
+                       loopback=world.is_loopback, epoch=epoch)
 
 
 def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0) -> dist.ProcessGroup | None:
@@ -477,65 +434,8 @@ def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0
     ``epoch``'s (re-formed around a lost trainer's replacement) rendezvouses under a store prefix of its own."""
     if world.num_trainers == 1:
         return None
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=world.timeout)
-    if world.is_loopback:
-        options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
-    else:
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    prefixed = dist.PrefixStore("bagpipe/trainers" if not epoch else f"bagpipe/trainers/{epoch}", store)
-    return dist.ProcessGroupGloo(prefixed, index, world.num_trainers, options)
-
-
-
-class AgentAnswers:
-    """The answers of a process's ``async_execution`` handlers, as its current RPC agent waits on them. A future an
-    agent waits on must not outlive it (completing it later runs the dead agent's callback), so a re-formation fails
-    them (``leave``) before the agent is shut down, and fails at once those of the requests the agent still takes
-    until then; ``reopen`` once it is gone."""
-
-    def __init__(self) -> None:
-        self._pending: set = set()  # handed to the agent, not completed yet
-        self._leaving: int | None = None  # the epoch being formed, from ``leave`` until ``reopen``
-        self._lock = threading.Lock()
-
-    def answer(self, future: torch.futures.Future) -> torch.futures.Future:
-        """A future of the current agent's own, completed with ``future``'s result, or failed if the agent is shut
-        down for a re-formation first."""
-        proxy: torch.futures.Future = torch.futures.Future()
-        with self._lock:
-            if self._leaving is not None:  # a request taken while the agent is shut down: sent again by its caller
-                proxy.set_exception(self._reformed(self._leaving))
-                return proxy
-            self._pending.add(proxy)
-        future.add_done_callback(functools.partial(self._pass_on, proxy))
-        return proxy
-
-    def _pass_on(self, proxy: torch.futures.Future, future: torch.futures.Future) -> None:
-        with self._lock:
-            if proxy not in self._pending:  # failed at a re-formation already
-                return
-            self._pending.discard(proxy)
-            try:
-                proxy.set_result(future.value())
-            except BaseException as err:  # noqa: BLE001 - the caller's RPC gets it
-                proxy.set_exception(err)
-
-    def leave(self, epoch: int) -> None:
-        """The agent is about to be shut down for the RPC world of ``epoch``: fail every answer it waits on, and
-        every one asked for until ``reopen``."""
-        with self._lock:
-            pending, self._pending, self._leaving = self._pending, set(), epoch
-            for proxy in pending:
-                proxy.set_exception(self._reformed(epoch))
-
-    def reopen(self) -> None:
-        with self._lock:
-            self._leaving = None
-
-    @staticmethod
-    def _reformed(epoch: int) -> RuntimeError:
-        return RuntimeError(f"the job's RPC world is re-formed (epoch {epoch})")
+    return transport.gloo_group(store, "bagpipe/trainers" if not epoch else f"bagpipe/trainers/{epoch}", index,
+                                world.num_trainers, timeout=world.timeout, loopback=world.is_loopback)
 
 
 class Epochs:
@@ -595,7 +495,7 @@ class Epochs:
         started = time.perf_counter()
         log.info("the job's RPC world is re-formed (epoch %d): leaving epoch %d", epoch, self.epoch)
         self._answers.leave(epoch)  # while the agent that waits on them is alive (their callers send them again)
-        rpc.shutdown(graceful=False)  # (waits for the handlers it runs)
+        transport.shutdown_rpc()
         self._answers.reopen()
         init_rpc(self.world, self._rpc_store, epoch=epoch)
         seconds = time.perf_counter() - started
@@ -653,12 +553,12 @@ class Epochs:
                 return False
             time.sleep(0.05)
 
-    def call(self, to: str, handler, args: tuple = (), *, timeout: float | None = None):
-        """``rpc_sync`` that sends the request again after a re-formation."""
+    def call(self, to: str, endpoint: Endpoint, args: tuple = (), *, timeout: float | None = None):
+        """``endpoint`` of ``to``'s answer, the request sent again after a re-formation."""
         while True:
             sent_in = self.epoch
             try:
-                return rpc.rpc_sync(to, handler, args=args, timeout=timeout or self.world.timeout)
+                return endpoint.call(to, args, timeout=timeout or self.world.timeout)
             except RuntimeError as err:
                 if not self.resend_after(sent_in, grace=self.grace(to, err)):
                     raise
@@ -687,14 +587,6 @@ def await_reformation(world: World, store) -> bool:
     return True
 
 
-def unwrap(answer):
-    """An RPC's answer; raised if it is an error: a future an ``async_execution`` handler returned that failed
-    reaches its caller as the exception object (seen with the answers failed at a re-formation)."""
-    if isinstance(answer, BaseException):
-        raise answer
-    return answer
-
-
 class NoEpochs:
     """A process that does not follow epochs (a script's trainer): every failure is the request's own."""
 
@@ -707,8 +599,8 @@ class NoEpochs:
         return False
 
     @staticmethod
-    def call(to: str, handler, args: tuple = (), *, timeout: float | None = None):
-        return rpc.rpc_sync(to, handler, args=args, timeout=timeout)
+    def call(to: str, endpoint: Endpoint, args: tuple = (), *, timeout: float | None = None):
+        return endpoint.call(to, args, timeout=timeout)
 
     def stop(self) -> None:
         pass
