@@ -18,12 +18,8 @@ demo: $(BIN)/bagpipe
 	$(BIN)/bagpipe synth --out $(DEMO_DIR)/data --rows 500000 --test-rows 50000 --seed 1 --max-rows-per-table 20000
 	$(BIN)/bagpipe train --config configs/demo.toml --data $(DEMO_DIR)/data --run-dir $(DEMO_DIR)/run --overwrite
 
-# Two workers: the suite's jobs wait on heartbeats, timeouts and each other as much as they compute (one worker
-# keeps about 1.2 of the 2 cores busy); TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 2
-
 test: $(BIN)/bagpipe
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest
 
 bench: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_reference.py
