@@ -16,26 +16,14 @@ import sys
 import time
 import traceback
 
-import numpy as np
 import torch
 from torch import nn
 
 from bagpipe.nn import CachedEmbeddingBag, Lookahead
 from bagpipe.optim import RowWise, make_row_optimizer
+from bagpipe.synth import zipf_bags
 
 NUM_ROWS, DIM = 400, 6
-
-
-def batches(count: int, *, num_rows: int, dim: int, bags: int = 16, ids_per_bag: int = 3, seed: int = 0,
-            skew: float = 1.3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        ids = np.minimum(rng.zipf(skew, bags * ids_per_bag) - 1, num_rows - 1)
-        rng.shuffle(ids)
-        out.append((torch.from_numpy(ids), torch.arange(0, bags * ids_per_bag, ids_per_bag),
-                    torch.from_numpy(rng.standard_normal((bags, dim)).astype(np.float32))))
-    return out
 
 
 def loss_of(embeddings: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -44,7 +32,7 @@ def loss_of(embeddings: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def exactness(optimizer: str, policy: str, device: str) -> dict:
     """40 batches with evictions every iteration: the cached module against the reference on ``device``."""
-    data = batches(40, num_rows=NUM_ROWS, dim=DIM)
+    data = zipf_bags(40, num_rows=NUM_ROWS, dim=DIM)
     weight = torch.randn(NUM_ROWS, DIM, generator=torch.Generator().manual_seed(0))
     reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", sparse=True, _weight=weight.clone().to(device))
     reference_optimizer = RowWise(reference.parameters(), make_row_optimizer(optimizer, lr=0.05))
@@ -70,7 +58,7 @@ def exactness(optimizer: str, policy: str, device: str) -> dict:
 def throughput(*, rows: int, dim: int, cache_fraction: float, num_batches: int, bags: int) -> dict:
     """Batches per second: the table whole on the GPU (nn.EmbeddingBag + RowWise, Adagrad) against the cached
     module with the table in host memory, LRU and lookahead; medians of 3 alternated repeats."""
-    data = batches(num_batches, num_rows=rows, dim=dim, bags=bags, ids_per_bag=26, skew=1.2, seed=1)
+    data = zipf_bags(num_batches, num_rows=rows, dim=dim, bags=bags, ids_per_bag=26, skew=1.2, seed=1)
     weight = torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))
     cache_rows = max(int(rows * cache_fraction), 26 * bags)
     timings: dict[str, list[float]] = {"whole on the GPU": [], "cached lru": [], "cached lookahead": []}

@@ -14,6 +14,7 @@ from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedT
 from bagpipe.nn.slots import KeyTable
 from bagpipe.optim import RowOptimizer, RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
+from bagpipe.synth import zipf_bags
 
 NUM_ROWS, DIM = 400, 6
 
@@ -21,14 +22,7 @@ NUM_ROWS, DIM = 400, 6
 def _batches(count: int, *, bags: int = 16, ids_per_bag: int = 3, num_rows: int = NUM_ROWS, seed: int = 0,
              skew: float = 1.3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Zipf-skewed bags of ids (1-D + offsets, every bag ``ids_per_bag`` long) with a regression target."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        ids = np.minimum(rng.zipf(skew, bags * ids_per_bag) - 1, num_rows - 1)
-        rng.shuffle(ids)
-        out.append((torch.from_numpy(ids), torch.arange(0, bags * ids_per_bag, ids_per_bag),
-                    torch.from_numpy(rng.standard_normal((bags, DIM)).astype(np.float32))))
-    return out
+    return zipf_bags(count, num_rows=num_rows, dim=DIM, bags=bags, ids_per_bag=ids_per_bag, seed=seed, skew=skew)
 
 
 def _pair(optimizer: str, *, cache_rows: int, mode: str = "sum", policy: str = "lru", seed: int = 0, **options):

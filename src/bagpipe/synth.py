@@ -202,3 +202,20 @@ def generate(
         meta["best_logloss"] = log_loss(labels, probs)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def zipf_bags(count: int, *, num_rows: int, dim: int, bags: int = 16, ids_per_bag: int = 3, seed: int = 0,
+              skew: float = 1.3) -> list[tuple]:
+    """``count`` batches for an ``nn.EmbeddingBag``-shaped module: ``bags`` bags of ``ids_per_bag`` Zipf-skewed
+    ids below ``num_rows`` (ids 1-D, offsets) and a regression target ``[bags, dim]``, as tensors (tests and the
+    GPU check of bagpipe.nn)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        ids = np.minimum(rng.zipf(skew, bags * ids_per_bag) - 1, num_rows - 1)
+        rng.shuffle(ids)
+        out.append((torch.from_numpy(ids), torch.arange(0, bags * ids_per_bag, ids_per_bag),
+                    torch.from_numpy(rng.standard_normal((bags, dim)).astype(np.float32))))
+    return out

@@ -33,7 +33,6 @@ import sys
 import threading
 import traceback
 
-log = logging.getLogger(__name__)
 
 # What a role imports: a child forked after these finds them in sys.modules.
 PRELOAD = ("torch", "torch.distributed.rpc", "numpy", "bagpipe.cli", "bagpipe.runtime.oracle",
