@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -88,6 +91,39 @@ def test_an_unfinished_write_is_never_read_and_is_cleared(tmp_path):
     assert load_latest(tmp_path, num_rows=ROWS).iteration == 10
     CheckpointWriter(tmp_path, keep=2)  # a new writer clears the torn write
     assert not torn.exists()
+
+
+def test_a_wait_cut_short_by_a_signal_still_lets_close_finish_the_write_in_flight(tmp_path, monkeypatch):
+    """SIGTERM while the run waits for the previous checkpoint (a slow disk, a loaded machine): the clean-up's
+    close() must still wait for that write, or the run is left with nothing to resume from."""
+    rng = np.random.default_rng(3)
+    writer = CheckpointWriter(tmp_path, keep=2)
+    release = threading.Event()
+    write = writer.write
+
+    def slow_write(state, *, full):
+        release.wait(10)
+        time.sleep(0.3)  # still writing well after the wait was cut short
+        return write(state, full=full)
+    monkeypatch.setattr(writer, "write", slow_write)
+
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        release.set()  # the write goes on while the wait is cut short
+        raise Stop
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        writer.save(state_at(10, rng, keys=None), full=True)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Stop):
+            writer.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    writer.close()
+    assert [d.name for d, _ in valid_checkpoints(tmp_path)] == ["step-00000010"]
 
 
 # -- exact resume -----------------------------------------------------------------------------------

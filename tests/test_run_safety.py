@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bagpipe import faults
+from bagpipe.checkpoint import valid_checkpoints
 from bagpipe.cli import main
 from bagpipe.config import resumed_config
 from bagpipe.files import WriteFailed, human_bytes, writing
@@ -272,15 +273,19 @@ def test_a_live_run_holds_its_dir_until_killed_and_a_resume_sweeps_what_it_left(
 
 
 def test_sigterm_stops_a_single_run_in_one_line_and_leaves_no_working_file(small_binary, tmp_path):
+    """The SIGTERM comes while the run waits, at iteration 10, for its checkpoint of iteration 5 (slowed on
+    purpose, as a loaded machine once did): that write is finished, not lost, so the run resumes from it."""
     run_dir, tables = tmp_path / "run", tmp_path / "tables"
     running = _cli("train", "--data", str(small_binary), "--run-dir", str(run_dir), *SMALL, *MODES["single-disk"],
-                   "--storage-dir", str(tables), faults_spec="reference@iteration 12:pause=60")
+                   "--storage-dir", str(tables),
+                   faults_spec="reference@iteration 12:pause=60,reference@checkpoint parts written:pause=4")
     _wait_for(lambda: _logged_iteration(run_dir, 10))
     running.send_signal(signal.SIGTERM)
     _, err = running.communicate(timeout=60)
     assert running.returncode == 143, err
     assert err.count("terminated (SIGTERM)") == 1 and "Traceback" not in err
     assert list(tables.iterdir()) == [] and not list(run_dir.rglob("*.tmp"))
+    assert [path.name for path, _ in valid_checkpoints(run_dir)] == ["step-00000005"]
     assert resume(run_dir) == 0  # an interrupted run, resumable as any other
 
 

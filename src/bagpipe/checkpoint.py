@@ -231,9 +231,16 @@ class CheckpointWriter:
         self._job = Background(lambda: self._in_background(state, full), name="checkpoint")
 
     def wait(self) -> None:
-        job, self._job = self._job, None
-        if job is not None:
+        """Wait for the write in flight, and raise its error. A wait cut short (Ctrl-C, SIGTERM) keeps the write in
+        flight, so that ``close`` still waits for it: a run stopped while a checkpoint is being written keeps it."""
+        job = self._job
+        if job is None:
+            return
+        try:
             job.join(failed="writing a checkpoint failed")
+        finally:
+            if job.done():
+                self._job = None
 
     def close(self) -> None:
         """Let the write in flight finish (a run that is ending for another reason: its error only logged), so

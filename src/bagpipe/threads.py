@@ -14,6 +14,10 @@ class Background(Generic[Result]):
 
     def __init__(self, call: Callable[[], Result], *, name: str) -> None:
         self._outcome: dict = {}
+        # The end is an Event of its own, not Thread.join/is_alive: on Python 3.11 a join cut short by a signal
+        # handler's exception (Ctrl-C, SIGTERM) marks the thread stopped while it still runs (the bpo-45274
+        # clean-up releases the lock the running thread holds), and every later join returns at once.
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(call,), name=name, daemon=True)
         self._thread.start()
 
@@ -22,22 +26,24 @@ class Background(Generic[Result]):
             self._outcome["value"] = call()
         except BaseException as err:  # handed to the caller
             self._outcome["error"] = err
+        finally:
+            self._ended.set()
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._ended.is_set()
 
     def join(self, *, failed: str) -> None:
         """Wait for the call to end; its error raised here as a RuntimeError that starts with ``failed``. (What
-        interrupts the wait itself, Ctrl-C or SIGTERM, is raised as it is: it is not the work's error.)"""
-        self._thread.join()
+        interrupts the wait itself, Ctrl-C or SIGTERM, is raised as it is: it is not the work's error, and a later
+        join waits again.)"""
+        self._ended.wait()
         if "error" in self._outcome:
             err = self._outcome["error"]
             raise RuntimeError(f"{failed}: {err}") from err
 
     def result(self, timeout: float | None = None) -> Result:
         """The call's value, or its error raised here; a TimeoutError if it has not ended within ``timeout``."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._ended.wait(timeout):
             raise TimeoutError(f"{self._thread.name} still running after {timeout} s")
         if "error" in self._outcome:
             raise self._outcome["error"]
