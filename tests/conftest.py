@@ -1,4 +1,5 @@
-"""Shared fixtures: small synthetic data sets made once per session, and one fork server for every job."""
+"""Shared fixtures: small synthetic data sets made once per session, and one fork server for every job and every
+`python -m bagpipe.cli` process a test starts (cli_processes.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 import pytest
 
+import cli_processes
 from bagpipe.runtime import launch
 from bagpipe.runtime.forkserver import ForkServer
 
@@ -64,6 +66,7 @@ def session_fork_server():
     forks = _SessionForkServer(env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     job_fork_server = launch.ForkServer
     launch.ForkServer = lambda env=None: forks
+    cli_processes.use(forks)  # ... and every `python -m bagpipe.cli` a test starts itself
     try:
         yield forks
     finally:

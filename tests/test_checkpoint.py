@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,6 +18,7 @@ from bagpipe.checkpoint import (CheckpointWriter, RowPart, TrainState, checkpoin
                                 valid_checkpoints)
 from bagpipe.cli import main
 from bagpipe.rundir import export
+import cli_processes
 
 ROWS = [50, 7]  # two embedding spaces
 
@@ -139,9 +139,7 @@ def train_args(data, run_dir, optimizer: str, *extra: str) -> list[str]:
 
 
 def run_cli(args: list[str], *, faults: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, BAGPIPE_FAULTS=faults)
-    return subprocess.run([sys.executable, "-m", "bagpipe.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return cli_processes.run_cli(args, env=dict(os.environ, BAGPIPE_FAULTS=faults), timeout=300)
 
 
 def same_export(a: dict, b: dict) -> None:

@@ -174,15 +174,13 @@ def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(sm
     store sees its heartbeat stop and has a replacement awaited, and the same oracle command started again takes the
     job over; the job ends bit for bit as the sliced reference and the store leaves with the roles."""
     import os
-    import subprocess
-    import sys
 
     from bagpipe.runtime.world import free_port
+    from cli_processes import CliProcess
 
     config = job_config(small_binary, tmp_path / "run", iterations=ITERATIONS, timeout=20.0)
     world = ["--world-size", "5", "--master-port", str(free_port()), "--timeout", "20"]
-    bagpipe = [sys.executable, "-m", "bagpipe.cli"]
-    oracle = bagpipe + ["oracle", "--store-served", "--worker-id", "0", *world, "--world-size-trainers", "2",
+    oracle = ["oracle", "--store-served", "--worker-id", "0", *world, "--world-size-trainers", "2",
                         "--processed-csv", str(small_binary), "--run-dir", config.run_dir, "--mini-batch-size",
                         str(config.batch_size), "--iterations", str(ITERATIONS), "--lookahead-value", "20", "--seed",
                         str(config.seed), "--cache-size", str(config.cache_rows), "--optimizer", config.optimizer,
@@ -194,15 +192,14 @@ def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(sm
     def start(name, command):
         logs[name] = tmp_path / f"{name}.log"
         with open(logs[name], "a") as out:
-            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+            return CliProcess(command, env=env, cwd=tmp_path, output=out)
 
-    processes = {"store": start("store", bagpipe + ["store", *world])}
+    processes = {"store": start("store", ["store", *world])}
     processes["oracle"] = start("oracle", oracle)
     for rank in (1, 2):
-        processes[f"trainer{rank}"] = start(f"trainer{rank}", bagpipe + ["trainer", "--worker-id", str(rank), *world,
-                                                                         *model])
+        processes[f"trainer{rank}"] = start(f"trainer{rank}", ["trainer", "--worker-id", str(rank), *world, *model])
     for rank in (3, 4):
-        processes[f"server{rank}"] = start(f"server{rank}", bagpipe + ["server", "--worker-id", str(rank), *world])
+        processes[f"server{rank}"] = start(f"server{rank}", ["server", "--worker-id", str(rank), *world])
     try:
         assert processes["oracle"].wait(timeout=120) == -9, logs["oracle"].read_text()[-2000:]
         processes["oracle"] = start("oracle", oracle)  # the same command again

@@ -23,14 +23,20 @@ from bagpipe.model_dir import ModelDir
 from bagpipe.runtime.world import free_port
 from bagpipe.synth import generate
 from bagpipe.synth_sequences import generate_sequences
+from cli_processes import CliProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [40] * 26
 ROWS = 20_000
 
 
-def bagpipe_line(line: str) -> list[str]:
-    return [sys.executable, "-m", "bagpipe.cli", *shlex.split(line)]
+class BagpipeLine(list):
+    """The arguments of a ``bagpipe ...`` command line: run as `python -m bagpipe.cli` would, forked from the
+    session's fork server (cli_processes.py)."""
+
+
+def bagpipe_line(line: str) -> BagpipeLine:
+    return BagpipeLine(shlex.split(line))
 
 
 def run_job(commands: list[list[str]], *, cwd: Path, timeout: float = 240) -> list[str]:
@@ -38,7 +44,8 @@ def run_job(commands: list[list[str]], *, cwd: Path, timeout: float = 240) -> li
     env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
     logs = [cwd / f"role{i}.log" for i in range(len(commands))]
     handles = [open(log, "w") for log in logs]
-    processes = [subprocess.Popen(c, cwd=cwd, env=env, stdout=h, stderr=subprocess.STDOUT)
+    processes = [CliProcess(c, cwd=cwd, env=env, output=h) if isinstance(c, BagpipeLine)
+                 else subprocess.Popen(c, cwd=cwd, env=env, stdout=h, stderr=subprocess.STDOUT)
                  for c, h in zip(commands, handles)]
     try:
         for process in processes:
@@ -52,7 +59,7 @@ def run_job(commands: list[list[str]], *, cwd: Path, timeout: float = 240) -> li
             handle.close()
     texts = [log.read_text() for log in logs]
     codes = [p.returncode for p in processes]
-    assert codes == [0] * len(commands), "\n".join(f"--- {' '.join(c[3:6])}... exit {code}\n{text[-2500:]}"
+    assert codes == [0] * len(commands), "\n".join(f"--- {' '.join(c[:3])}... exit {code}\n{text[-2500:]}"
                                                    for c, code, text in zip(commands, codes, texts) if code)
     return texts
 
@@ -199,10 +206,9 @@ def test_roles_that_disagree_are_refused_naming_both(criteo_arrays, tmp_path):
     write_lines(tmp_path / "data.txt", ({"label": int(l), "dense": d.tolist(), "sparse": i.tolist()}
                                        for l, d, i in zip(labels[:5000], dense[:5000], ids[:5000])))
     env = dict(os.environ, MASTER_PORT=str(free_port()))
-    oracle = subprocess.Popen(bagpipe_line("oracle --worker-id 0 --world-size 4 --world-size-trainers 2 "
-                                           "--processed-csv ../../data.txt --cache-size 900 --emb-size 16"),
-                              cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
-    others = [subprocess.Popen(bagpipe_line(line), cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
+    oracle = CliProcess(bagpipe_line("oracle --worker-id 0 --world-size 4 --world-size-trainers 2 "
+                                     "--processed-csv ../../data.txt --cache-size 900 --emb-size 16"), cwd=cwd, env=env)
+    others = [CliProcess(bagpipe_line(line), cwd=cwd, env=env)
               for line in ("server --worker-id 3 --world-size 4 --emb-size 32",
                            "trainer --worker-id 1 --world-size 4", "trainer --worker-id 2 --world-size 4")]
     try:

@@ -25,6 +25,7 @@ from bagpipe.config import resumed_config
 from bagpipe.files import WriteFailed, human_bytes, writing
 from bagpipe.rundir import export
 from bagpipe.runlock import LOCK, lock_run_dir
+from cli_processes import CliProcess, run_cli
 from test_checkpoint import same_export
 
 SMALL = ["--iterations", "20", "--batch-size", "256", "--emb-dim", "8", "--arch-mlp-bot", "13-16-8",
@@ -225,9 +226,8 @@ def test_writing_names_the_device_and_the_file(tmp_path):
 
 # -- processes: a lock held by a live run, released by the kernel at its death; signals ------------------------
 
-def _cli(*args: str, faults_spec: str = "") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bagpipe.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, BAGPIPE_FAULTS=faults_spec))
+def _cli(*args: str, faults_spec: str = "") -> CliProcess:
+    return CliProcess(list(args), env=dict(os.environ, BAGPIPE_FAULTS=faults_spec))
 
 
 def _wait_for(condition, *, timeout: float = 60.0) -> None:
@@ -258,8 +258,7 @@ def test_a_live_run_holds_its_dir_until_killed_and_a_resume_sweeps_what_it_left(
     try:
         _wait_for(lambda: _logged_iteration(run_dir, 10))
         began = time.monotonic()
-        second = subprocess.run([sys.executable, "-m", "bagpipe.cli", "train", "--run-dir", str(run_dir), "--resume"],
-                                capture_output=True, text=True, timeout=60)
+        second = run_cli(["train", "--run-dir", str(run_dir), "--resume"], timeout=60)
         assert second.returncode == 2 and time.monotonic() - began < 5
         assert f"is in use by a run still going (pid {running.pid} on " in second.stderr, second.stderr
         left = list(tables.rglob("*.rows"))

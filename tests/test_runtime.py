@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from bagpipe.reference import train_reference
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import JobFailed, launch_local
 from bagpipe.runtime.world import free_port
+from cli_processes import CliProcess
 
 ITERATIONS, BATCH, CACHE = 150, 128, 700  # the 861-row data: ~85 rows evicted and re-fetched per iteration
 MODEL = ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1")
@@ -146,9 +145,8 @@ def test_delayed_write_backs_are_still_observed(small_binary, tmp_path):
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
 
 
-def bagpipe_cli(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bagpipe.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+def bagpipe_cli(*args: str, **kwargs) -> CliProcess:
+    return CliProcess(list(args), **kwargs)
 
 
 def alive(pid: int) -> bool:
