@@ -82,14 +82,17 @@ def assert_same_parameters(ours: dict, reference: dict, *, rel: float = 0.0) -> 
     pairs = [(f"table {t}", got, want) for t, (got, want) in
              enumerate(zip(ours["embeddings"], reference["embeddings"], strict=True))]
     pairs += [(name, ours["dense"][name], want) for name, want in reference["dense"].items()]
+    differing = []  # every tensor that differs, not only the first: where a divergence shows is a clue to its cause
     for name, got, want in pairs:
         assert got.shape == want.shape, name
         if rel == 0.0:
             differ = int((got != want).sum())
-            assert differ == 0, f"{name}: {differ} of {want.numel()} elements differ from the reference"
+            if differ:
+                differing.append(f"{name}: {differ} of {want.numel()} elements differ from the reference")
         else:
             error = ((got - want).norm() / want.norm()).item()
             assert error <= rel, f"{name}: relative error {error:.2e} exceeds {rel:.0e}"
+    assert not differing, f"{len(differing)} of {len(pairs)} tensors differ:\n" + "\n".join(differing)
 
 
 # The reference computes each batch's gradient as the trainers do (--slices T: per-slice backward,
