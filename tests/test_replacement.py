@@ -303,3 +303,42 @@ def test_a_fetch_answered_with_rows_older_than_asked_for_is_refused():
     key = np.array([store.shard + store.num_shards])
     store.write_back(key, torch.ones(1, 4), torch.zeros(1, 0), version=6)
     assert store.fetch_async(key, np.array([6])).wait()[2].tolist() == [6]
+
+
+def test_a_fetch_answer_whose_rows_arrived_damaged_is_sent_again_and_never_trained_on():
+    """A fetch's answer carries the digest of its rows, state and versions as the server sent them: an answer whose
+    rows arrived otherwise (half of a row zeroed, as a re-formation once delivered) is sent again at once, and one
+    damaged every time stops training rather than train on it."""
+    import functools
+    import types
+
+    from bagpipe.runtime.endpoints import SERVER
+    from bagpipe.runtime.protocol import DAMAGED_RESENDS
+    from bagpipe.runtime.server import _pass_on_tagged
+    from bagpipe.runtime.trainer import TrainerRuntime, TrainerStats, _Request
+
+    rows, state, versions = torch.randn(3, 8), torch.zeros(3, 0), torch.tensor([4, 9, 2])
+    sent: torch.futures.Future = torch.futures.Future()
+    fetched: torch.futures.Future = torch.futures.Future()
+    fetched.add_done_callback(functools.partial(_pass_on_tagged, sent, 7))
+    fetched.set_result((rows, state, versions))
+    whole = sent.wait()
+    damaged_rows = rows.clone()
+    damaged_rows[1, :4] = 0.0
+    damaged = (damaged_rows, *whole[1:])
+
+    def trainer(answers: list) -> types.SimpleNamespace:
+        def send(endpoint, shard, args):
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(answers.pop(0))
+            return _Request(endpoint, shard, args, 0, future, 0)
+        return types.SimpleNamespace(_send=send, stats=TrainerStats(), index=0)
+
+    args = (0, torch.tensor([3, 7, 11]), versions, 7)
+    runtime = trainer([damaged, damaged, whole])
+    got = TrainerRuntime._answer(runtime, runtime._send(SERVER.fetch, 0, args), what="fetch")
+    assert len(got) == 4 and torch.equal(got[0], rows) and got[3] == 7
+    assert runtime.stats.extra["damaged_answers"] == 2
+    runtime = trainer([damaged] * (DAMAGED_RESENDS + 2))
+    with pytest.raises(RuntimeError, match="answers in a row arrived damaged"):
+        TrainerRuntime._answer(runtime, runtime._send(SERVER.fetch, 0, args), what="fetch")

@@ -25,7 +25,8 @@ class OracleEndpoints:
 class ServerEndpoints:
     """An embedding server, data or parity (RPC names ``server0``, ``server1``, ...)."""
 
-    fetch = Endpoint("server", "fetch", later=True)  # (space, keys, versions, tag) -> (rows, state, versions, tag)
+    # (space, keys, versions, tag) -> (rows, state, versions, tag, digest)
+    fetch = Endpoint("server", "fetch", later=True)
     write_back = Endpoint("server", "write_back", later=True)  # (space, keys, rows, state, version)
     read_range = Endpoint("server", "read_range")  # (space, start, stop) -> (rows, state, versions)
     read_rows = Endpoint("server", "read_rows")  # (space, local) -> (rows, state, versions)

@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from bagpipe.data.schema import Feature, Schema
 from bagpipe.embeddings import EmbeddingLayout, TableConfig
 
 PULL_MAX_STEPS = 8  # plan messages a trainer's pull asks the oracle for at most
+DAMAGED_RESENDS = 5  # a fetch whose answer arrived damaged is sent again at most this many times in a row
+
+
+def answer_digest(*tensors: torch.Tensor) -> int:
+    """A CRC-32 of the tensors' bytes, sent with a fetch's answer in its pickled part: the trainer checks the rows
+    it received against it. (A fetch answered while the RPC world was being re-formed around a parity server's
+    replacement once reached a trainer with half of a row zeroed, versions and tag intact: the tensors of an answer
+    can travel apart from its pickled part, read from the sender's memory, and training on such a row silently
+    leaves the reference's path.)"""
+    crc = 0
+    for tensor in tensors:
+        crc = zlib.crc32(np.ascontiguousarray(tensor.numpy()).view(np.uint8).reshape(-1), crc)
+    return crc
 
 
 @dataclass(frozen=True)

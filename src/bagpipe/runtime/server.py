@@ -28,7 +28,7 @@ from bagpipe.runtime import transport
 from bagpipe.runtime.endpoints import ORACLE, SERVER
 from bagpipe.runtime.keys import STOP_KEY
 from bagpipe.runtime.liveness import Liveness, is_peer_gone
-from bagpipe.runtime.protocol import JobInfo
+from bagpipe.runtime.protocol import JobInfo, answer_digest
 from bagpipe.runtime.world import (Epochs, NoEpochs, ShardMoved, World, check_in, init_rpc, join_rpc_as_replacement,
                                    wait_for_job)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
@@ -637,8 +637,10 @@ class ServerHandlers:
 
 
 def _pass_on_tagged(to: torch.futures.Future, tag: int, done: torch.futures.Future) -> None:
+    """A fetch's answer: rows, state and versions, the request's ``tag`` and their digest (answer_digest)."""
     try:
-        to.set_result((*done.value(), tag))
+        rows, state, versions = done.value()
+        to.set_result((rows, state, versions, tag, answer_digest(rows, state, versions)))
     except BaseException as err:  # noqa: BLE001 - handed on (a ShardMoved included, as itself)
         to.set_exception(err)
 

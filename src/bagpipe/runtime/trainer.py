@@ -40,7 +40,8 @@ from bagpipe.runtime.keys import REPLACE_PREFIX, RESUMED, STOP_KEY, SUMS_PREFIX
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 from bagpipe.runtime import transport
 from bagpipe.runtime.endpoints import ORACLE, SERVER, TRAINER
-from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, SpaceStep, StepMessage, TrainerStats
+from bagpipe.runtime.protocol import (DAMAGED_RESENDS, PULL_MAX_STEPS, JobInfo, SpaceStep, StepMessage, TrainerStats,
+                                      answer_digest)
 from bagpipe.runtime.exit_status import PeerLost
 from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
 from bagpipe.runtime.reduce import Mean
@@ -172,11 +173,12 @@ class TrainerRuntime:
         """The answer to ``request``; a request that failed to a re-formation of the RPC world is sent again
         once it is re-formed, and one to a server that was lost to the server its shard has moved to
         (``--parity``), which answers it as the lost one would have (a write-back it has already is a no-op
-        there); one that a stand-in answered with ``ShardMoved`` goes where the shard went (its replacement)."""
-        handed_on_since = None
+        there); one that a stand-in answered with ``ShardMoved`` goes where the shard went (its replacement); a
+        fetch whose rows arrived other than the server sent them (their digest differs) is sent again at once."""
+        handed_on_since, damaged = None, 0
         while True:
             try:
-                return unwrap(request.future.wait())
+                answer = unwrap(request.future.wait())
             except ShardMoved as err:  # its stand-in hands the shard back to a replacement: sent where it goes
                 handed_on_since = handed_on_since or time.monotonic()
                 if time.monotonic() - handed_on_since > self.world.timeout:
@@ -184,6 +186,7 @@ class TrainerRuntime:
                                        f"on within {self.world.timeout:.0f} s ({err})") from err
                 self.routes.follow(request.shard, request.sent_to, err)
                 request = self._send(request.endpoint, request.shard, request.args)
+                continue
             except RuntimeError as err:
                 # (one to a server whose shard has moved since goes where it is now at once: the prefetches sent
                 # to a lost server each waiting out the re-formation grace cost a second per iteration)
@@ -191,6 +194,20 @@ class TrainerRuntime:
                     self.routes.failover(request.shard, request.sent_to,
                                          RuntimeError(f"{what} at server {request.sent_to} failed: {err}"))
                 request = self._send(request.endpoint, request.shard, request.args)
+                continue
+            if request.endpoint is not SERVER.fetch:
+                return answer
+            *parts, digest = answer  # rows, state, versions, tag; the digest of the first three
+            if answer_digest(*parts[:3]) == digest:
+                return tuple(parts)
+            damaged += 1
+            self.stats.extra["damaged_answers"] = self.stats.extra.get("damaged_answers", 0) + 1
+            if damaged > DAMAGED_RESENDS:
+                raise RuntimeError(f"{what} at server {request.sent_to}: {damaged} answers in a row arrived damaged "
+                                   f"(their rows differ from what the server sent)")
+            log.warning("trainer %d: a fetch's answer from server %d arrived damaged (its rows differ from what the "
+                        "server sent): sent again", self.index, request.sent_to)
+            request = self._send(request.endpoint, request.shard, request.args)
 
     def _write(self) -> None:
         in_flight: list[_Request] = []
