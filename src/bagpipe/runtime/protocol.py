@@ -23,10 +23,12 @@ DAMAGED_RESENDS = 5  # a fetch whose answer arrived damaged is sent again at mos
 
 def answer_digest(*tensors: torch.Tensor) -> int:
     """A CRC-32 of the tensors' bytes, sent with a fetch's answer in its pickled part: the trainer checks the rows
-    it received against it. (A fetch answered while the RPC world was being re-formed around a parity server's
-    replacement once reached a trainer with half of a row zeroed, versions and tag intact: the tensors of an answer
-    can travel apart from its pickled part, read from the sender's memory, and training on such a row silently
-    leaves the reference's path.)"""
+    it received against it. (In 1 of 40 looped runs of a job whose parity server's replacement was itself lost, one
+    row ended the job half zeroed on its data server, its parity consistent with it: a trainer had most likely
+    trained on a damaged fetch answer. An answer's tensors travel apart from its pickled part, where its versions
+    and tag are, and with TensorPipe's same-machine channel they are read out of the sender's memory, which an RPC
+    agent shut down for a re-formation may already have let go. Whatever the cause, training on such a row would
+    silently leave the reference's path.)"""
     crc = 0
     for tensor in tensors:
         crc = zlib.crc32(np.ascontiguousarray(tensor.numpy()).view(np.uint8).reshape(-1), crc)
