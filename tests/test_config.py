@@ -19,6 +19,8 @@ def test_toml_then_flags(tmp_path):
     ({"lr": float("inf")}, "lr must be a positive, finite number, got inf"),
     ({"lr": float("nan")}, "lr must be a positive, finite number, got nan"),
     ({"timeout": float("inf")}, "timeout must be a positive, finite number"),
+    ({"liveness_s": 1.0}, r"liveness_s must be 0 \(from the timeout\) or in \[2, timeout 60\) s, got 1.0"),
+    ({"liveness_s": 20.0, "timeout": 20.0}, r"in \[2, timeout 20\) s, got 20.0"),
     ({"cleanup_fraction": 2.0}, r"cleanup_fraction must be in \[0, 1\), got 2.0"),
     ({"slices": 0}, "slices must be positive"),
     ({"iterations": -3}, "iterations must not be negative"),
@@ -108,3 +110,14 @@ def test_every_flag_has_a_help_line_with_its_default():
             if not action.help or (takes_value and not action.required and not stated):
                 missing.append(flag)
     assert not missing, f"flags without a help line that gives their default (or says they are required): {missing}"
+
+
+def test_the_liveness_window_is_the_setting_or_follows_the_timeout():
+    from bagpipe.runtime.world import World
+
+    def world(**given) -> World:
+        return World(rank=0, world_size=4, num_trainers=2, **given)
+    assert [world(timeout=t).liveness_s for t in (4.0, 12.0, 60.0)] == [3.0, 6.0, 10.0]
+    assert world(timeout=60.0, liveness=2.5).liveness_s == 2.5
+    with pytest.raises(ValueError, match=r"--liveness-s must be 0 \(from --timeout\) or in \[2, --timeout 8\) s"):
+        world(timeout=8.0, liveness=9.0)

@@ -34,8 +34,8 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
 
 # What the reference run does not depend on: where and how a bagpipe job runs (the reference trains the full tables in
 # one process). Two configurations that differ only in these have one reference.
-_NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "master_port",
-                         "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
+_NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "liveness_s",
+                         "master_port", "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
                          "policy", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
                          "keep_checkpoints")
 _REFERENCES: dict[str, tuple[Path, dict]] = {}  # a configuration's reference, trained once per test session

@@ -24,7 +24,8 @@ ITERATIONS = 200
     # then the survivor, in the first iteration after it handed its state over: the replacement gives its own
     ("adagrad", "trainer1@backward 30:kill,trainer0@iteration 31:kill", {"servers": 2}),
     # stopped (SIGSTOP), not killed: taken as lost by the heartbeats, then killed by the launcher to be replaced
-    ("sgd", "trainer1@iteration 30:stop", {"servers": 2}),
+    # (after 3 s of silence: --liveness-s, which a 20 s timeout would otherwise make 10 s)
+    ("sgd", "trainer1@iteration 30:stop", {"servers": 2, "liveness_s": 3.0}),
     # three trainers (a batch of 129): the two survivors agree on the sums to do again, the furthest gives its state
     ("adagrad", "trainer1@backward 30:kill", {"servers": 2, "trainers": 3, "batch_size": 129}),
     ("adam", "trainer0@iteration 45:kill", {"servers": 2, "trainers": 3, "batch_size": 129}),

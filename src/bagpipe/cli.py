@@ -251,6 +251,9 @@ def _add_job_flags(p) -> None:
                    help="iterations whose fetches a trainer has in flight" + _default("prefetch_depth"))
     g.add_argument("--timeout", type=float, default=None,
                    help="seconds any remote wait may take" + _default("timeout"))
+    g.add_argument("--liveness-s", type=float, default=None, help="seconds of silence after which a process of "
+                   "the job counts as lost (stopped, hung or gone); 0: half of --timeout, within 3-10"
+                   + _default("liveness_s"))
     g.add_argument("--master-port", type=int, default=None, help="the local job's one port (default 0: a free one)")
 
 
@@ -269,6 +272,9 @@ def _add_world_flags(p) -> None:
                         "the original system's)")
     g.add_argument("--timeout", dest="world_timeout", type=float, default=None,
                    help="seconds any remote wait may take (default 60)")
+    g.add_argument("--liveness-s", dest="world_liveness", type=float, default=None,
+                   help="seconds of silence after which a process of the job counts as lost (default 0: half of "
+                        "--timeout, within 3-10)")
 
 
 def _add_roles(sub) -> None:
@@ -287,6 +293,8 @@ def _add_roles(sub) -> None:
                    help="the job's store port (default $MASTER_PORT, else 18000)")
     p.add_argument("--timeout", dest="world_timeout", type=float, default=None,
                    help="the job's --timeout: how long a lost oracle's replacement is awaited follows it (default 60)")
+    p.add_argument("--liveness-s", dest="world_liveness", type=float, default=None,
+                   help="the job's --liveness-s (default 0: from --timeout)")
     p = sub.add_parser("server", help="an embedding server: one shard of every table (the last ranks)",
                        allow_abbrev=False)
     _add_world_flags(p)
@@ -558,7 +566,8 @@ def _world(args, *, trainers_from_oracle: bool = False):
 
     return world_from_env(rank=args.rank, world_size=args.world_size, num_trainers=args.num_trainers,
                           master_addr=args.master_addr, master_port=args.world_port,
-                          timeout=args.world_timeout or 60.0, trainers_from_oracle=trainers_from_oracle)
+                          timeout=args.world_timeout or 60.0, liveness=args.world_liveness or 0.0,
+                          trainers_from_oracle=trainers_from_oracle)
 
 
 def _given(args) -> tuple[dict, dict]:
@@ -588,12 +597,12 @@ def run_oracle(args) -> None:
     sizes = read_emb_info(args.emb_info_file) if args.emb_info_file else None
     given = stated(train, model, table_sizes=sizes)
     overrides = {**train, **model, "mode": "bagpipe", "trainers": world.num_trainers, "servers": world.num_servers,
-                 "timeout": args.world_timeout}
+                 "timeout": args.world_timeout, "liveness_s": args.world_liveness}
     if not train.get("run_dir"):
         overrides["run_dir"] = f"runs/oracle-{time.strftime('%Y%m%d-%H%M%S')}"
         log.info("the run goes to %s (--run-dir)", overrides["run_dir"])
     config = load_train_config(args.config, overrides)
-    world = dataclasses.replace(world, timeout=config.timeout)
+    world = dataclasses.replace(world, timeout=config.timeout, liveness=config.liveness_s)
     summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared, given=given,
                           resume=args.resume)
     print(human_summary(summary))
@@ -645,7 +654,8 @@ def run_store(args) -> None:
     setup_logging(role="store", rank="-")
     serve_store(world_from_env(rank=0, world_size=args.world_size, num_trainers=args.num_trainers,
                                master_addr=args.master_addr, master_port=args.world_port,
-                               timeout=args.world_timeout or 60.0, trainers_from_oracle=True))
+                               timeout=args.world_timeout or 60.0, liveness=args.world_liveness or 0.0,
+                               trainers_from_oracle=True))
 
 
 def run_role(args) -> None:

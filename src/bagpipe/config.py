@@ -26,6 +26,7 @@ MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the re
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
 CROSS_KINDS = ("vector", "matrix")
 DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpipe.data
+MIN_LIVENESS_S = 2.0  # the shortest liveness window: two heartbeats (runtime/liveness.py beats once a second)
 
 
 def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
@@ -187,6 +188,7 @@ class TrainConfig:
     cleanup_fraction: float = 0.0  # evict this share of the cache at once when evicting
     prefetch_depth: int = 8  # iterations whose fetches a trainer has in flight
     timeout: float = 60.0  # seconds any remote wait may take before the job fails
+    liveness_s: float = 0.0  # silence after which a peer counts as lost (0: timeout / 2, within 3-10 s)
     master_port: int = 0  # 0: a free port on 127.0.0.1
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -212,6 +214,9 @@ class TrainConfig:
         for name in ("lr", "timeout"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
+        if self.liveness_s and not MIN_LIVENESS_S <= self.liveness_s < self.timeout:
+            raise ValueError(f"liveness_s must be 0 (from the timeout) or in [{MIN_LIVENESS_S:.0f}, timeout "
+                             f"{self.timeout:g}) s, got {self.liveness_s}")
         for name in ("cleanup_fraction", "holdout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -292,8 +297,8 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
-RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "checkpoint_every",
-                     "checkpoint_every_s", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every",
+RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "liveness_s",
+                     "checkpoint_every", "checkpoint_every_s", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every",
                      "master_port",
                      "storage", "storage_dir", "storage_budget_mb")
 

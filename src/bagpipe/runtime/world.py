@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bagpipe.config import MIN_LIVENESS_S
 from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime import transport
 from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
@@ -54,10 +55,14 @@ class World:
     master_addr: str = LOOPBACK
     master_port: int = DEFAULT_PORT
     timeout: float = 60.0
+    liveness: float = 0.0  # silence after which a peer counts as lost (--liveness-s; 0: from the timeout)
     parity: int = 0  # servers in groups of `parity` data shards and one parity server (the job's; 0: none)
     epoch: int = 0  # the RPC world this process joins: 0, or a later one for a replacement (Epochs)
 
     def __post_init__(self) -> None:
+        if self.liveness and not MIN_LIVENESS_S <= self.liveness < self.timeout:
+            raise ValueError(f"--liveness-s must be 0 (from --timeout) or in [{MIN_LIVENESS_S:.0f}, --timeout "
+                             f"{self.timeout:g}) s, got {self.liveness:g}")
         if not 0 < self.master_port < 65535:
             raise ValueError(f"--master-port must be in (0, 65535), got {self.master_port}")
         if not 0 <= self.rank < self.world_size:
@@ -122,8 +127,9 @@ class World:
 
     @property
     def liveness_s(self) -> float:
-        """Silence after which a peer counts as lost: well inside the timeout of any wait on it."""
-        return max(3.0, min(10.0, self.timeout / 2))
+        """Silence after which a peer counts as lost: --liveness-s, else well inside the timeout of any wait on it
+        (half of it, within 3-10 s)."""
+        return self.liveness or max(3.0, min(10.0, self.timeout / 2))
 
     @property
     def replacement_s(self) -> float:
@@ -151,7 +157,7 @@ class World:
 
 
 def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: int | None,
-                   master_addr: str | None, master_port: int | None, timeout: float,
+                   master_addr: str | None, master_port: int | None, timeout: float, liveness: float = 0.0,
                    trainers_from_oracle: bool = False) -> World:
     """Flags first, then the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
@@ -171,7 +177,7 @@ def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: in
     return World(rank=pick(rank, "RANK"), world_size=pick(world_size, "WORLD_SIZE"),
                  num_trainers=pick(num_trainers, "BAGPIPE_TRAINERS", optional=trainers_from_oracle),
                  master_addr=pick(master_addr, "MASTER_ADDR", LOOPBACK, str),
-                 master_port=pick(master_port, "MASTER_PORT", DEFAULT_PORT), timeout=timeout)
+                 master_port=pick(master_port, "MASTER_PORT", DEFAULT_PORT), timeout=timeout, liveness=liveness)
 
 
 def free_port() -> int:
