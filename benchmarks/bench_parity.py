@@ -37,7 +37,7 @@ and to the iteration reached before the death, the iterations trained again, aga
 iteration before the death.
 
 Trainer replacement (--trainer-replacement, one more run with parity, metrics every 10 iterations,
-BAGPIPE_REPLACE_TRAINERS=1): trainer 1 is SIGKILLed after iteration --iterations / 2; trainer 0 waits in its gradient
+replace_trainers on, the default): trainer 1 is SIGKILLed after iteration --iterations / 2; trainer 0 waits in its gradient
 sum while the launcher starts a replacement, which joins the re-formed RPC world and trainers' group, adds its shares
 to the sums that failed and takes trainer 0's state at its next boundary. From summary.json's "failures" and
 metrics.jsonl: the seconds from the death to the replacement joined and to training resumed (its state taken over),
@@ -49,7 +49,7 @@ iterations, metrics every 10): the oracle is SIGKILLed while it plans iteration 
 launcher starts a replacement, which re-forms the RPC world, plans again from the start and serves the plans the
 trainers lack; from summary.json's "failures" and metrics.jsonl, the same figures as for a trainer's replacement
 (death to joined, death to training resumed: the first new plan served) and the planning done again. The second
-runs with BAGPIPE_REPLACE_ORACLE=0: the launcher restarts the job from its newest checkpoint, and its "restarts"
+runs with replace_oracle off (--no-replace-oracle): the launcher restarts the job from its newest checkpoint, and its "restarts"
 record gives the death to training resumed there, in the same invocation.
 """
 
@@ -182,7 +182,7 @@ def trainer_replacement(data: Path, work: Path, args) -> dict:
     config = dataclasses.replace(job(data, work / "trainer_replacement", iterations=args.iterations,
                                      data_servers=args.parity, parity=args.parity, check=False), log_every=10)
     summary = launch_local(config, show_progress=False, overwrite=True,
-                           env={"BAGPIPE_FAULTS": f"trainer1@iteration {kill_at}:kill", "BAGPIPE_REPLACE_TRAINERS": "1"})
+                           env={"BAGPIPE_FAULTS": f"trainer1@iteration {kill_at}:kill"})
     assert "restarts" not in summary, "the job was restarted, not the trainer replaced"
     (failure,) = summary["failures"]
     return {"kill_at_iteration": kill_at, "sums_done_again": failure["sums_again"],
@@ -192,13 +192,12 @@ def trainer_replacement(data: Path, work: Path, args) -> dict:
 def oracle_replacement(data: Path, work: Path, args) -> dict:
     kill_at = args.iterations // 2
     runs = {}
-    for name, replace in (("oracle_replacement", "1"), ("oracle_restart", "0")):
+    for name, replace in (("oracle_replacement", True), ("oracle_restart", False)):
         config = dataclasses.replace(job(data, work / name, iterations=args.iterations, data_servers=args.parity,
                                          parity=args.parity, check=False), log_every=10,
-                                     checkpoint_every=args.checkpoint_every)
+                                     checkpoint_every=args.checkpoint_every, replace_oracle=replace)
         runs[name] = launch_local(config, show_progress=False, overwrite=True,
-                                  env={"BAGPIPE_FAULTS": f"oracle@planned {kill_at}:kill",
-                                       "BAGPIPE_REPLACE_ORACLE": replace})
+                                  env={"BAGPIPE_FAULTS": f"oracle@planned {kill_at}:kill"})
     replaced, restarted = runs["oracle_replacement"], runs["oracle_restart"]
     assert "restarts" not in replaced and len(restarted["restarts"]) == 1
     (failure,) = replaced["failures"]
@@ -248,7 +247,7 @@ def main() -> None:
     parser.add_argument("--replacement", action="store_true", help="also: a run that loses its parity server "
                         "midway, replaced while training goes on")
     parser.add_argument("--trainer-replacement", action="store_true", help="also: a run that loses trainer 1 midway, "
-                        "replaced while the other waits (BAGPIPE_REPLACE_TRAINERS=1)")
+                        "replaced while the other waits")
     parser.add_argument("--oracle-replacement", action="store_true", help="also: a run that loses the oracle "
                         "midway, replaced while the others wait, and one restarted from its checkpoint instead")
     parser.add_argument("--checkpoint-every", type=int, default=100,

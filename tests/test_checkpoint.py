@@ -242,9 +242,10 @@ def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_bina
     config = job_config(sparse_binary, tmp_path / "whole", iterations=50, optimizer=optimizer, checkpoint_every=10,
                         keep_checkpoints=2, cache_rows=6000, batch_size=128)
     launch_local(config, show_progress=False)
-    broken = replace(config, run_dir=str(tmp_path / "broken"), max_restarts=0)  # resumed by hand below
+    broken = replace(config, run_dir=str(tmp_path / "broken"), max_restarts=0,  # resumed by hand below
+                     replace_trainers=False)
     with pytest.raises(JobFailed):
-        launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_TRAINERS": "0"})
+        launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": fault})
     assert not (tmp_path / "broken" / "summary.json").exists()
     summary = launch_local(broken, show_progress=False, resume=True)
     assert summary["resumed_at"] in (10, 20, 30) and summary["iterations"] == 50

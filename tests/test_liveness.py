@@ -85,21 +85,20 @@ def test_a_trainer_with_no_oracle_fails_within_its_timeout():
 
 
 def test_a_stopped_trainer_is_named_not_the_healthy_one_that_waits_for_it(small_binary, tmp_path):
-    config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0)
+    # (replaced instead by default: test_trainer_replacement.py)
+    config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0, replace_trainers=False)
     started = time.monotonic()
     with pytest.raises(JobFailed, match=r"^trainer 1 \(rank 2\) stopped responding .*no heartbeat"):
-        launch_local(config, show_progress=False,  # (replaced instead by default: test_trainer_replacement.py)
-                     env={"BAGPIPE_FAULTS": "trainer1@iteration 20:stop", "BAGPIPE_REPLACE_TRAINERS": "0"})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 20:stop"})
     assert time.monotonic() - started < 40
 
 
 def test_a_stopped_oracle_is_named(small_binary, tmp_path):
     """With its replacement off (a stopped oracle is otherwise killed and replaced: test_oracle_replacement.py)."""
-    config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0)
+    config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0, replace_oracle=False)
     with pytest.raises(JobFailed,
                        match=r"^oracle 0 \(rank 0\) stopped responding .*lost oracle \(rank 0\): no heartbeat"):
-        launch_local(config, show_progress=False,
-                     env={"BAGPIPE_FAULTS": "oracle@planned 40:stop", "BAGPIPE_REPLACE_ORACLE": "0"})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@planned 40:stop"})
 
 
 def test_roles_wait_for_an_oracle_that_prepares_its_data_longer_than_the_timeout(small_binary, tmp_path):
@@ -130,10 +129,9 @@ def test_two_processes_claiming_one_worker_id_are_told(small_binary, tmp_path):
 
 
 def test_the_launcher_quotes_no_unrelated_line_for_a_killed_role(small_binary, tmp_path):
-    config = job_config(small_binary, tmp_path / "run", iterations=1000)
+    config = job_config(small_binary, tmp_path / "run", iterations=1000, replace_trainers=False)
     with pytest.raises(JobFailed) as failed:
-        launch_local(config, show_progress=False,
-                     env={"BAGPIPE_FAULTS": "trainer0@iteration 5:kill", "BAGPIPE_REPLACE_TRAINERS": "0"})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer0@iteration 5:kill"})
     assert str(failed.value).startswith("trainer 0 (rank 1) failed (killed by SIGKILL): it logged no error; logs in")
 
 

@@ -265,12 +265,12 @@ def test_a_second_server_lost_in_a_group_fails_the_job_clearly_and_leaves_no_pro
 
     from bagpipe.runtime.launch import JobFailed, launch_local
 
-    config = job_config(small_binary, tmp_path / "bagpipe", servers=4, parity=3, iterations=60, timeout=20.0)
+    config = job_config(small_binary, tmp_path / "bagpipe", servers=4, parity=3, iterations=60, timeout=20.0,
+                        replace_data_servers=False)  # the first not replaced before the second
     with pytest.raises(JobFailed, match=r"server 2 is the second server lost in its parity group \(servers 0, 1, "
                                         r"2\): parity covers one loss per group; resume from the newest checkpoint"):
         launch_local(config, show_progress=False,
-                     env={"BAGPIPE_FAULTS": "server1@write-back 20:kill,server2@write-back 40:kill",
-                          "BAGPIPE_REPLACE_DATA_SERVERS": "0"})  # the first not replaced before the second
+                     env={"BAGPIPE_FAULTS": "server1@write-back 20:kill,server2@write-back 40:kill"})
     pids = json.loads((tmp_path / "bagpipe" / "pids.json").read_text()).values()
     assert not [pid for pid in pids if alive(pid)]
 
@@ -293,9 +293,9 @@ def test_checkpoints_after_a_server_was_lost_are_taken_from_its_stand_in(small_b
     want = reference_of(config, tmp_path / "ref")
     assert_same_parameters(export(config.run_dir, tmp_path / "lost.pt"), want)
 
-    broken = replace(config, run_dir=str(tmp_path / "broken"))  # a trainer lost, not replaced: restarted instead
-    summary = launch_local(broken, show_progress=False,
-                           env={"BAGPIPE_FAULTS": "trainer1@iteration 33:kill", "BAGPIPE_REPLACE_TRAINERS": "0"})
+    # a trainer lost, not replaced: restarted instead
+    broken = replace(config, run_dir=str(tmp_path / "broken"), replace_trainers=False)
+    summary = launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 33:kill"})
     assert summary["restarts"][0]["resumed_from"] == 30 and summary["resumed_at"] == 30
     assert summary["parity"][0]["check"]["mismatched_rows"] == [0]
     assert_same_parameters(export(broken.run_dir, tmp_path / "broken.pt"), want)
@@ -314,10 +314,9 @@ def test_a_checkpoint_whose_server_is_lost_while_writing_it_is_abandoned_and_the
     from bagpipe.runtime.launch import launch_local
 
     config = job_config(small_binary, tmp_path / "run", optimizer="adam", servers=4, parity=3, iterations=50,
-                        timeout=20.0, checkpoint_every=10, keep_checkpoints=5)
+                        timeout=20.0, checkpoint_every=10, keep_checkpoints=5, replace_trainers=False)
     summary = launch_local(config, show_progress=False,
-                           env={"BAGPIPE_FAULTS": "server1@checkpoint 20 written:kill,trainer1@iteration 43:kill",
-                                "BAGPIPE_REPLACE_TRAINERS": "0"})
+                           env={"BAGPIPE_FAULTS": "server1@checkpoint 20 written:kill,trainer1@iteration 43:kill"})
     [restart] = summary["restarts"]
     assert restart["failed"].startswith("trainer 1") and restart["resumed_from"] == summary["resumed_at"]
     assert summary["resumed_at"] in (30, 40)

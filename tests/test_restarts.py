@@ -20,7 +20,7 @@ from test_runtime import alive, assert_same_parameters, job_config, reference_of
 
 @pytest.mark.parametrize("optimizer, parity, fault", [
     ("sgd", 3, "trainer1@iteration 33:kill"),  # a trainer: parity does not cover it
-    ("adam", 3, "oracle@planned 45:kill"),  # the oracle, with its replacement off (BAGPIPE_REPLACE_ORACLE=0)
+    ("adam", 3, "oracle@planned 45:kill"),  # the oracle, with its replacement off (replace_oracle)
     ("adagrad", 0, "server1@write-back 40:kill"),  # a server, with no parity
     # the parity server, standing in for a lost data server: the group has lost two, and the RPC world cannot be
     # re-formed around a replacement while server 1's rank is gone for good
@@ -28,12 +28,11 @@ from test_runtime import alive, assert_same_parameters, job_config, reference_of
 ])
 def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_export(small_binary, tmp_path,
                                                                                    optimizer, parity, fault):
-    config = job_config(small_binary, tmp_path / "run", optimizer=optimizer, servers=4, parity=parity,
-                        iterations=50, timeout=10.0, checkpoint_every=10)
     # (a data server's replacement that took its shard back before the second loss would cover that loss too)
-    summary = launch_local(config, show_progress=False, env={
-        "BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_DATA_SERVERS": "0", "BAGPIPE_REPLACE_ORACLE": "0",
-        "BAGPIPE_REPLACE_TRAINERS": "0"})
+    config = job_config(small_binary, tmp_path / "run", optimizer=optimizer, servers=4, parity=parity,
+                        iterations=50, timeout=10.0, checkpoint_every=10, replace_data_servers=False,
+                        replace_oracle=False, replace_trainers=False)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault})
     [restart] = summary["restarts"]
     assert restart["attempt"] == 1 and fault.split("@")[0].rstrip("0123456789") in restart["failed"]
     assert restart["resumed_from"] in (10, 20, 30, 40) and summary["resumed_at"] == restart["resumed_from"]
@@ -54,10 +53,10 @@ def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_exp
 ])
 def test_a_failure_a_restart_cannot_help_ends_the_job_saying_why(small_binary, tmp_path, fault, overrides, why):
     config = job_config(small_binary, tmp_path / "run", iterations=50, timeout=10.0, checkpoint_every=10,
-                        **overrides)
+                        replace_trainers=False, **overrides)
     with pytest.raises(JobFailed, match=r"^trainer 1 \(rank 2\) failed .*; not restarted: " + why.replace(
             "-", r"\-")) as failed:
-        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault, "BAGPIPE_REPLACE_TRAINERS": "0"})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault})
     assert ("a fault injected at 'iteration 23'" in str(failed.value)) == fault.endswith(":fail")
     assert not (Path(config.run_dir) / "summary.json").exists()
     restarted = "=== restart 1" in (Path(config.run_dir) / "logs" / "oracle0.log").read_text()
@@ -67,10 +66,9 @@ def test_a_failure_a_restart_cannot_help_ends_the_job_saying_why(small_binary, t
 
 
 def test_a_job_without_checkpoints_fails_as_before(small_binary, tmp_path):
-    config = job_config(small_binary, tmp_path / "run", iterations=30, timeout=10.0)
+    config = job_config(small_binary, tmp_path / "run", iterations=30, timeout=10.0, replace_trainers=False)
     with pytest.raises(JobFailed) as failed:
-        launch_local(config, show_progress=False,
-                     env={"BAGPIPE_FAULTS": "trainer1@iteration 13:kill", "BAGPIPE_REPLACE_TRAINERS": "0"})
+        launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 13:kill"})
     assert str(failed.value).startswith("trainer 1 (rank 2) failed (killed by SIGKILL)")
     assert "not restarted" not in str(failed.value)
 

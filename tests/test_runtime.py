@@ -166,8 +166,7 @@ def test_killing_a_role_fails_the_job_fast_and_leaves_no_process(small_binary, t
     job = bagpipe_cli("train", "--mode", "bagpipe", "--data", str(small_binary), "--run-dir", str(run_dir),
                       "--iterations", "100000", "--batch-size", "128", "--cache-rows", "700", "--lookahead", "20",
                       "--emb-dim", "8", "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1", "--log-every", "5",
-                      "--timeout", "30", "--no-progress",
-                      env=dict(os.environ, BAGPIPE_REPLACE_TRAINERS="0"))  # (else trainer 1 is replaced)
+                      "--timeout", "30", "--no-progress", "--no-replace-trainers")  # (else trainer 1 is replaced)
     try:
         deadline = time.monotonic() + 60
         metrics = run_dir / "metrics.jsonl"

@@ -165,6 +165,13 @@ def _add_storage_flags(p) -> None:
                    "multiple of K + 1); 0: none" + _default("parity"))
     g.add_argument("--check-parity", action="store_true", default=None, help="at the end, each parity server "
                    "checks its parity against its group's rows (reads every row once)")
+    for flag, role, instead in (("trainers", "trainer", "the job restarts from its newest checkpoint"),
+                                ("oracle", "oracle", "the job restarts from its newest checkpoint"),
+                                ("data-servers", "data server", "with --parity, its parity server stands in to the "
+                                                                "end")):
+        g.add_argument(f"--no-replace-{flag}", dest=f"replace_{flag.replace('-', '_')}", action="store_false",
+                       default=None, help=f"a lost {role} is not replaced while training goes on: {instead} "
+                       f"(default: replaced)")
 
 
 def _add_checkpoint_flags(p):

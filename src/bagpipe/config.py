@@ -177,6 +177,11 @@ class TrainConfig:
     # check_parity: at the end, every parity server checks its parity against its group (reads every row once)
     parity: int = 0
     check_parity: bool = False
+    # --mode bagpipe: a lost process replaced while training goes on (False: the job restarts from its newest
+    # checkpoint instead, --max-restarts); data servers: with --parity (False: the stand-in serves to the end)
+    replace_trainers: bool = True
+    replace_oracle: bool = True
+    replace_data_servers: bool = True
     # --mode reference: compute each batch's gradient as this many trainers do (bit for bit)
     slices: int = 1
     # --mode bagpipe: the local job's shape and the cache plan
@@ -298,7 +303,8 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
 RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "liveness_s",
-                     "checkpoint_every", "checkpoint_every_s", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every",
+                     "checkpoint_every", "checkpoint_every_s", "replace_trainers", "replace_oracle",
+                     "replace_data_servers", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every",
                      "master_port",
                      "storage", "storage_dir", "storage_budget_mb")
 

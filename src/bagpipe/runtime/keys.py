@@ -28,8 +28,3 @@ SERVER_LOST = "server lost"  # a lost server (a data server's shard moved to its
 TRAINER_LOST = "trainer lost"  # a lost trainer whose replacement the oracle awaits
 SERVER_BACK = "server back"  # a lost data server's replacement took its shard back
 ORACLE_REPLACED = "oracle replaced"  # a lost oracle's replacement serves plans again
-
-# -- switches from the environment ----------------------------------------------------------------------------
-REPLACE_TRAINERS = "BAGPIPE_REPLACE_TRAINERS"  # "0": a lost trainer is not replaced (the job restarts)
-REPLACE_ORACLE = "BAGPIPE_REPLACE_ORACLE"  # "0": a lost oracle is not replaced (the local launcher restarts the job)
-REPLACE_DATA_SERVERS = "BAGPIPE_REPLACE_DATA_SERVERS"  # "0": a lost data server's stand-in serves to the end

@@ -30,8 +30,7 @@ from bagpipe.rundir import SUMMARY, forget_metrics_after, sweep_working_files, w
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
 from bagpipe.runtime.forkserver import ForkedProcess, ForkServer
-from bagpipe.runtime.keys import (EXITED_PREFIX, REPLACE_ORACLE, REPLACE_TRAINERS, RESUMED, SERVER_LOST, TRAINED,
-                                  TRAINER_DONE, TRAINER_LOST)
+from bagpipe.runtime.keys import EXITED_PREFIX, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE, TRAINER_LOST
 from bagpipe.runtime.liveness import LOST_EXIT_CODE
 from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, OracleWatch,
                                         declare_oracle_lost)
@@ -206,10 +205,10 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
         write_pids()
         # the ranks whose loss the job may go on through: servers with parity, trainers when they are replaced
         covered = {job_world.server_rank(s) for s in range(job_world.num_servers)} if config.parity else set()
-        if env.get(REPLACE_TRAINERS) != "0" and config.trainers >= 2:
+        if config.replace_trainers and config.trainers >= 2:
             covered |= {job_world.trainer_rank(t) for t in range(config.trainers)}
         metrics = _MetricsTail(run_dir / "metrics.jsonl", offset=read_from, iteration=boundary or 0)
-        succession = _Succession(job_world, job_store, replace=replace, enabled=env.get(REPLACE_ORACLE) != "0")
+        succession = _Succession(job_world, job_store, replace=replace, enabled=config.replace_oracle)
         _supervise(children, metrics, total=total, show_progress=show_progress, covered=covered,
                    grace_s=job_world.takeover_s, tell=_Teller(job_store), restart=restart, replace=replace,
                    succession=succession)

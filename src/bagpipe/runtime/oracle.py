@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import queue
 import shutil
 import threading
@@ -46,8 +45,7 @@ from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.endpoints import SERVER, TRAINER
 from bagpipe.runtime.keys import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, LOST_AT_PREFIX, ORACLE_REPLACED,
-                                  REPLACE_DATA_SERVERS, REPLACE_ORACLE, REPLACE_PREFIX, REPLACE_TRAINERS,
-                                  SERVER_BACK, SERVER_LOST, STOP_KEY, TRAINED, TRAINER_DONE, TRAINER_LOST)
+                                  REPLACE_PREFIX, SERVER_BACK, SERVER_LOST, STOP_KEY, TRAINED, TRAINER_DONE, TRAINER_LOST)
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, TrainerStats, schema_dict, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
@@ -83,8 +81,8 @@ class Oracle:
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
                            resume=resume[0] if resume else None, start=self.start,
-                           replace_trainers=os.environ.get(REPLACE_TRAINERS) != "0" and world.num_trainers >= 2,
-                           replace_oracle=store_served_apart() and os.environ.get(REPLACE_ORACLE) != "0")
+                           replace_trainers=config.replace_trainers and world.num_trainers >= 2,
+                           replace_oracle=store_served_apart() and config.replace_oracle)
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the
         # background once ``evaluations`` is set (run_oracle: the run dir they log to is open by then).
         self.evaluates = (config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0)
@@ -330,7 +328,7 @@ class Oracle:
             failure["moved_in_s"] = round(time.perf_counter() - started, 3)
         # else its replacement was lost before it took the shard back: the stand-in serves on
         self.failures.append(failure)
-        replaced = os.environ.get(REPLACE_DATA_SERVERS, "1") != "0" and self._ask_for_replacement(rank, failure)
+        replaced = self.config.replace_data_servers and self._ask_for_replacement(rank, failure)
         self.save_record()
         self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server, replaced=replaced,
                              **({"epoch": failure["epoch"]} if replaced else {}))
