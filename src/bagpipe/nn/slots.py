@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bagpipe.planner.plan import online_scores
+
 ONLINE_POLICIES = ("lru", "lfu")
 CLEANUP_FRACTION = 0.05  # the default share of the cache freed when a batch does not fit
 
@@ -191,8 +193,7 @@ class SlotIndex:
 
     def _scores(self, slots: np.ndarray) -> np.ndarray:
         """Eviction priority, highest first: least recently used, or least used and then least recently."""
-        age = self.tick - self.last_use[slots]
-        return age if self.policy == "lru" else -self.uses[slots] * (1 << 32) + age
+        return online_scores(self.policy, self.tick - self.last_use[slots], self.uses[slots])
 
     def _restack(self) -> None:
         if self._free_stale:

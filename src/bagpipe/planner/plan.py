@@ -251,13 +251,22 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
 
 
+def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
+    """Eviction priority under an online policy, highest first: ``lru`` the longest unused (``age``: iterations
+    since the last use); ``lfu`` the least used (``uses``), and among equals the longest unused. The planner's
+    baselines and bagpipe.nn's online caches (nn/slots.py) both score by this."""
+    if policy == "lru":
+        return age
+    if policy == "lfu":
+        return -uses * (1 << 32) + age
+    raise ValueError(f"{policy!r} is not an online policy (lru, lfu)")
+
+
 def _scores(policy: str, slots: np.ndarray, *, slot_next, slot_last, freq, i: int, lookahead: int) -> np.ndarray:
     """Eviction priority of resident slots (``freq`` is their rows' use counts): highest goes first."""
     age = i - slot_last[slots]
-    if policy == "lru":
-        return age
-    if policy == "lfu":  # least frequent first; among equals, least recently used first
-        return -freq * (1 << 32) + age
+    if policy in ("lru", "lfu"):
+        return online_scores(policy, age, freq)
     # lookahead: rows with no use in the window first (least frequent of those first), then the
     # row whose next use is furthest away.
     nxt = slot_next[slots]
