@@ -51,7 +51,7 @@ class TrainerCache:
         self._lookups: list[Lookup] | None = None
         self._closed = False
         # Steady-state samples/s as the bagpipe trainer counts it: the time from one next_batch() to the next.
-        warmup = runtime.job.config["warmup_iterations"]
+        warmup = runtime.job.config.warmup_iterations
         self._timer = Timer(warmup=min(warmup, max(self.num_iterations - 1, 0)))
         self._tick: float | None = None
 
@@ -61,7 +61,7 @@ class TrainerCache:
     @property
     def model_config(self) -> ModelConfig:
         """The job's model as every role agreed on it (``init_cache(model=...)``; ``external``: the script's own)."""
-        return ModelConfig(**self.runtime.job.config["model"])
+        return self.runtime.job.config.model
 
     @property
     def schema(self) -> Schema:
@@ -71,7 +71,7 @@ class TrainerCache:
     @property
     def seed(self) -> int:
         """The job's seed: a model built after ``torch.manual_seed(cache.seed)`` starts as the bagpipe trainers'."""
-        return self.runtime.job.config["seed"]
+        return self.runtime.job.config.seed
 
     @property
     def iteration(self) -> int:
@@ -104,7 +104,7 @@ class TrainerCache:
         now = time.perf_counter()
         if self._tick is not None:  # the iteration the script just finished
             done = self.runtime.stats.iterations - 1
-            self._timer.record(done, self.runtime.job.config["batch_size"], now - self._tick)
+            self._timer.record(done, self.runtime.job.config.batch_size, now - self._tick)
             if done == 0:
                 self.runtime.stats.extra["first_iteration_at"] = time.time()
         self._tick = now
@@ -200,9 +200,9 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
     # Inside the user's process a lost peer fails the cache's next step; it does not end the process.
     world, store, liveness, job = join_as_trainer(world, given=given, on_lost=lambda lost: log.error("%s", lost.message))
     config = job.config
-    if lookahead_value != config["lookahead"] or cleanup_batch_proportion != config["cleanup_fraction"]:
+    if lookahead_value != config.lookahead or cleanup_batch_proportion != config.cleanup_fraction:
         log.info("the oracle plans with lookahead %d and cleanup %.2f (init_cache asked %d and %.2f)",
-                 config["lookahead"], config["cleanup_fraction"], lookahead_value, cleanup_batch_proportion)
+                 config.lookahead, config.cleanup_fraction, lookahead_value, cleanup_batch_proportion)
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, device=device, prefetch_depth=prefetch_depth)
     transport.serve("trainer", TrainerHandlers(runtime))
     liveness.on_lost = runtime.fail

@@ -302,10 +302,9 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
-RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "liveness_s",
-                     "checkpoint_every", "checkpoint_every_s", "replace_trainers", "replace_oracle",
-                     "replace_data_servers", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every",
-                     "master_port",
+RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "liveness_s", "checkpoint_every",
+                     "checkpoint_every_s", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size",
+                     "eval_every", "master_port", "replace_trainers", "replace_oracle", "replace_data_servers",
                      "storage", "storage_dir", "storage_budget_mb")
 
 

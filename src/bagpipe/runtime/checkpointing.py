@@ -123,7 +123,9 @@ class JobCheckpoints:
         return futures
 
     def _written(self, name: str, boundary: int) -> tuple:
-        """(epoch, future) of a server's part of the checkpoint at ``boundary``, once written."""
+        """(epoch, future) of a server's part of the checkpoint at ``boundary``, once written. (Asked while this
+        process's RPC agent is shut down for a re-formation, the future fails, and ``_wait_written`` asks again:
+        before Endpoint.call_async said so by a failed future, the exception it raised failed the job.)"""
         return self.epochs.epoch, SERVER.checkpoint_written.call_async(
             name, (boundary,), timeout=self.world.timeout + 3 * self.world.timeout)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from bagpipe.cache import BatchRows, batch_view
-from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, complete_model, config_from_dict, config_to_dict
+from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, complete_model, config_to_dict
 from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
@@ -77,7 +77,7 @@ class Oracle:
                              f"{world.num_trainers} trainers")
         self.layout = job_layout(config, dataset)
         shares = cache_rows_of(config, self.layout)
-        self.job = JobInfo(config=config_to_dict(config), schema=schema_dict(dataset.schema),
+        self.job = JobInfo(config=config, schema=schema_dict(dataset.schema),
                            tables=[t.to_dict() for t in self.layout.tables], iterations=self.iterations,
                            cache_rows=shares, slice_size=config.batch_size // world.num_trainers,
                            resume=resume[0] if resume else None, start=self.start,
@@ -629,7 +629,7 @@ def take_over_job(world: World, store) -> Oracle:
     if why:
         raise NotReplaceable(f"the lost oracle cannot be replaced: {why}")
     job = JobInfo.from_json(store.get(JOB_KEY).decode())
-    config = config_from_dict(job.config)
+    config = job.config
     world = dataclasses.replace(world, parity=config.parity)
     liveness = Liveness(world, watch=list(range(1, world.world_size)))
     dataset = prepare_data(config, show_progress=False)

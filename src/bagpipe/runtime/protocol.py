@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from bagpipe.config import TrainConfig, config_from_dict
 from bagpipe.data.schema import Feature, Schema
 from bagpipe.embeddings import EmbeddingLayout, TableConfig
 
@@ -37,7 +38,7 @@ def answer_digest(*tensors: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class JobInfo:
-    config: dict  # TrainConfig as a dict (model under "model")
+    config: TrainConfig  # the job's settings, as the oracle resolved them
     schema: dict  # the data's Schema: {"num_dense", "features": [{"name", "cardinality", "width"}]}
     tables: list[dict]  # the model's TableConfigs, in order
     iterations: int
@@ -49,11 +50,12 @@ class JobInfo:
     replace_oracle: bool = False  # a lost oracle is replaced (the local launcher serves the store): roles wait for it
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return json.dumps(dataclasses.asdict(self))  # (the config as config_to_dict writes it)
 
     @classmethod
     def from_json(cls, text: str) -> "JobInfo":
-        return cls(**json.loads(text))
+        values = json.loads(text)
+        return cls(**{**values, "config": config_from_dict(values["config"])})
 
     @property
     def layout(self) -> EmbeddingLayout:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from bagpipe.checkpoint import background_priority, chain_parts, resume_chain, write_snapshot
+from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
 from bagpipe.heap import bounded_heap
 from bagpipe.optim import make_row_optimizer
@@ -296,11 +297,7 @@ class DeltaSender:
 
     def _send(self, entry: tuple, answer: torch.futures.Future) -> None:
         sent_in = self.epochs.epoch
-        try:
-            sent = SERVER.parity_apply.call_async(self.parity_name, entry, timeout=self.timeout)
-        except RuntimeError as err:  # no RPC agent: the world is being re-formed
-            self._failed.put((entry, answer, sent_in, err))
-            return
+        sent = SERVER.parity_apply.call_async(self.parity_name, entry, timeout=self.timeout)
         sent.add_done_callback(functools.partial(self._arrived, entry, answer, sent_in))
 
     def _arrived(self, entry: tuple, answer: torch.futures.Future, sent_in: int, sent: torch.futures.Future) -> None:
@@ -368,12 +365,12 @@ class ParityServer:
             raise TwoLossesInAGroup(f"server {shard} lost after its group's parity server was replaced: this job's "
                                     f"replacement parity servers do not stand in (the checkpoints cover it)")
         config, layout = job.config, job.layout
-        optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
+        optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
         member = self.shards.index(shard)
         stand_ins = []
         for space, parity in enumerate(self.parities):
             dim = layout.spaces[space].dim
-            fresh = RowStore(layout=layout, space=space, optimizer=optimizer, seed=config["seed"], shard=shard,
+            fresh = RowStore(layout=layout, space=space, optimizer=optimizer, seed=config.seed, shard=shard,
                              num_shards=num_shards)
             fresh.parity_sink = functools.partial(parity.apply, member)
             survivors = {index: RemoteMember(other, space, num_rows=shard_num_rows(layout, space, other, num_shards),
@@ -538,16 +535,16 @@ class RemoteStandIn:
         return rows, state, versions.numpy()
 
 
-def storage_specs(config: dict, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
+def storage_specs(config: TrainConfig, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
     """Each space's storage on this server: the budget of ``--storage-budget-mb`` split among the spaces
     in proportion to the bytes of their shards."""
-    if config.get("storage", "memory") == "memory":
+    if config.storage == "memory":
         return [StorageSpec() for _ in layout.spaces]
     bounded_heap()  # transient buffers go back to the system: the budget holds
-    directory = storage_path(config.get("storage_dir", ""), config["run_dir"])
+    directory = storage_path(config.storage_dir, config.run_dir)
     shard_bytes = [(space.num_rows // num_shards + 1) * record_bytes(space.dim, state_width(space.dim))
                    for space in layout.spaces]
-    budget = int(config["storage_budget_mb"] * 2**20)
+    budget = int(config.storage_budget_mb * 2**20)
     return [StorageSpec("disk", directory, budget * part // max(sum(shard_bytes), 1)) for part in shard_bytes]
 
 
@@ -656,11 +653,11 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     role, index = world.role
     liveness = Liveness(world, watch=[0])
     job = JobInfo.from_json(wait_for_job(world, store))
-    world = dataclasses.replace(world, parity=job.config["parity"])
+    world = dataclasses.replace(world, parity=job.config.parity)
     handlers = ServerHandlers(world, job)  # served once whole (a request that comes sooner waits for it)
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle)
     config, layout = job.config, job.layout
-    row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
+    row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
     started = time.perf_counter()
     if world.epoch:  # a replacement: ready before the RPC world is re-formed around it (training goes on)
         if index < world.num_shards:
@@ -692,7 +689,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
     server = Server(_shard_stores(world, job, row_optimizer, specs))
     if job.resume:
-        directory, chain = resume_chain(config["run_dir"], job.resume)
+        directory, chain = resume_chain(config.run_dir, job.resume)
         server.restore(directory, chain, shard=index, num_shards=world.num_shards)
     if world.parity:
         _send_deltas(server, world, epochs)
@@ -707,7 +704,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
 
 def _shard_stores(world: World, job: JobInfo, row_optimizer, specs: list[StorageSpec]) -> list[RowStore]:
     """This data server's shard of every space, initialised from the seed, where ``specs`` say."""
-    return [RowStore(layout=job.layout, space=s, optimizer=row_optimizer, seed=job.config["seed"],
+    return [RowStore(layout=job.layout, space=s, optimizer=row_optimizer, seed=job.config.seed,
                      shard=world.role[1], num_shards=world.num_shards, storage=spec) for s, spec in enumerate(specs)]
 
 
@@ -789,10 +786,10 @@ def start_parity(world: World, job: JobInfo, index: int, row_optimizer, epochs: 
     group = index - world.num_shards
     shards = world.parity_group(group * world.parity)
     if job.resume:  # the members as restored, held here while their parity is made
-        directory, chain = resume_chain(config["run_dir"], job.resume)
+        directory, chain = resume_chain(config.run_dir, job.resume)
         members = []
         for shard in shards:
-            member = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config["seed"],
+            member = Server([RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=config.seed,
                                       shard=shard, num_shards=world.num_shards) for s in range(len(layout.spaces))])
             member.restore(directory, chain, shard=shard, num_shards=world.num_shards)
             members.append(member)
@@ -802,5 +799,5 @@ def start_parity(world: World, job: JobInfo, index: int, row_optimizer, epochs: 
     else:
         parities = [ParityRows.initial(layout, space, shards=shards, num_shards=world.num_shards,
                                        state_width=row_optimizer.state_width(layout.spaces[space].dim),
-                                       seed=config["seed"]) for space in range(len(layout.spaces))]
+                                       seed=config.seed) for space in range(len(layout.spaces))]
     return ParityServer(parities, group=group, shards=shards, epochs=epochs)

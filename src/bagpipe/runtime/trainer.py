@@ -29,7 +29,7 @@ import torch
 
 from bagpipe.cache import BatchView, RowCache, StepTables
 from bagpipe.checkpoint import RowPart, cloned_state, load_dense, resume_chain
-from bagpipe.config import TrainConfig, config_from_dict
+from bagpipe.config import TrainConfig
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
 from bagpipe.metrics import CounterWindow, share
@@ -70,7 +70,7 @@ class TrainerRuntime:
         self.job = job
         self.layout = job.layout
         config = job.config
-        self.row_optimizer = make_row_optimizer(config["optimizer"], lr=config["lr"])
+        self.row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
         self.caches = [RowCache(capacity=share, dim=space.dim, optimizer=self.row_optimizer, device=device)
                        for space, share in zip(self.layout.spaces, job.cache_rows)]
         # a replacement forms the group of its epoch once it has what to add to the sums that failed (replace_lost)
@@ -83,7 +83,7 @@ class TrainerRuntime:
         self.stats = TrainerStats()
         self.step: StepMessage | None = None
         self.writeback_delay = writeback_delay  # tests only: delays every write-back on purpose
-        self._ready: queue.Queue = queue.Queue(maxsize=prefetch_depth or config["prefetch_depth"])
+        self._ready: queue.Queue = queue.Queue(maxsize=prefetch_depth or config.prefetch_depth)
         self._writes: queue.Queue = queue.Queue()
         # per space, lazily synced updates: (iteration, slots, grads, mean)
         self._pending: list[deque] = [deque() for _ in self.layout.spaces]
@@ -162,11 +162,7 @@ class TrainerRuntime:
 
     def _send(self, endpoint: Endpoint, shard: int, args: tuple) -> "_Request":
         sent_to, epoch = self.routes.server(shard), self.epochs.epoch
-        try:
-            future = endpoint.call_async(World.server_name(sent_to), args, timeout=self.world.timeout)
-        except RuntimeError as err:  # no RPC agent: the world is being re-formed (the answer says so)
-            future = torch.futures.Future()
-            future.set_exception(err)
+        future = endpoint.call_async(World.server_name(sent_to), args, timeout=self.world.timeout)
         return _Request(endpoint, shard, args, sent_to, future, epoch)
 
     def _answer(self, request: "_Request", *, what: str):
@@ -493,7 +489,7 @@ class TrainerRuntime:
         self.group = trainer_group(self.world, self.store, self.index, epoch=self.world.epoch)
         iterations = sorted(plan.kept)
         messages = self._pull_messages(iterations[0] - 1 if iterations else None)
-        recompute = Recomputer(make_model, layout, seed=self.job.config["seed"], part=self.index)
+        recompute = Recomputer(make_model, layout, seed=self.job.config.seed, part=self.index)
         shares = {iteration: recompute(plan.kept[iteration], messages[iteration]) for iteration in iterations}
         means = [Mean(self.group, shares_part(shares[what[1]], what).clone(), timeout=self.world.timeout, what=what)
                  for what in plan.sums]
@@ -941,7 +937,7 @@ def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple
     liveness = Liveness(world, watch=[0, *(world.trainer_rank(t) for t in range(world.num_trainers))],
                         on_lost=on_lost)
     job = JobInfo.from_json(wait_for_job(world, store))
-    world = dataclasses.replace(world, parity=job.config["parity"])
+    world = dataclasses.replace(world, parity=job.config.parity)
     if world.epoch:  # a lost trainer's replacement: in the RPC world the oracle re-forms around it
         if not await_reformation(world, store):
             raise RuntimeError("training ended before this trainer's replacement joined")
@@ -960,7 +956,7 @@ def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu",
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle,
                                          replace_trainers=job.replace_trainers)
     try:
-        train_loop(runtime, config_from_dict(job.config))
+        train_loop(runtime, job.config)
     except BaseException as err:
         runtime.abort()
         if is_peer_gone(err):  # the peer that ended is the failure: name it, not this trainer

@@ -43,9 +43,16 @@ class Endpoint:
                             timeout=timeout)
 
     def call_async(self, to: str, args: tuple = (), *, timeout: float) -> torch.futures.Future:
-        """The answer of ``to``, as a future."""
-        return rpc.rpc_async(to, _answer_later if self.later else _answer, args=(self.service, self.method, *args),
-                             timeout=timeout)
+        """The answer of ``to``, as a future; one that cannot be sent (this process's RPC agent is shut down: the
+        world is being re-formed) is a future failed with that error, as one that failed on its way is, never an
+        exception here, so that every caller's re-sending covers both."""
+        try:
+            return rpc.rpc_async(to, _answer_later if self.later else _answer,
+                                 args=(self.service, self.method, *args), timeout=timeout)
+        except RuntimeError as err:
+            failed: torch.futures.Future = torch.futures.Future()
+            failed.set_exception(err)
+            return failed
 
 
 class _Services:
