@@ -696,7 +696,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     handlers.server = server
     transport.serve("server", handlers)
     where = "in memory" if specs[0].kind == "memory" else (f"on disk in {specs[0].directory}, "
-                                                           f"{config['storage_budget_mb']:g} MiB of it in memory")
+                                                           f"{config.storage_budget_mb:g} MiB of it in memory")
     log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in server.stores),
              layout.num_rows, where, time.perf_counter() - started)
     serve_until_stopped(handlers, store, liveness, stores=server.stores)
