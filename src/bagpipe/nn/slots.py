@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bagpipe.planner.plan import online_scores
+from bagpipe.planner.plan import ONLINE_POLICIES, online_scores
 
-ONLINE_POLICIES = ("lru", "lfu")
 CLEANUP_FRACTION = 0.05  # the default share of the cache freed when a batch does not fit
 
 _EMPTY, _GONE = -1, -2  # a hash table position never used, and one whose key was removed

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 POLICIES = ("lookahead", "lru", "lfu", "none")
+ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
 NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
@@ -259,13 +260,13 @@ def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
         return age
     if policy == "lfu":
         return -uses * (1 << 32) + age
-    raise ValueError(f"{policy!r} is not an online policy (lru, lfu)")
+    raise ValueError(f"{policy!r} is not an online policy ({', '.join(ONLINE_POLICIES)})")
 
 
 def _scores(policy: str, slots: np.ndarray, *, slot_next, slot_last, freq, i: int, lookahead: int) -> np.ndarray:
     """Eviction priority of resident slots (``freq`` is their rows' use counts): highest goes first."""
     age = i - slot_last[slots]
-    if policy in ("lru", "lfu"):
+    if policy in ONLINE_POLICIES:
         return online_scores(policy, age, freq)
     # lookahead: rows with no use in the window first (least frequent of those first), then the
     # row whose next use is furthest away.
