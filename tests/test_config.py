@@ -19,7 +19,7 @@ def test_toml_then_flags(tmp_path):
     ({"lr": float("inf")}, "lr must be a positive, finite number, got inf"),
     ({"lr": float("nan")}, "lr must be a positive, finite number, got nan"),
     ({"timeout": float("inf")}, "timeout must be a positive, finite number"),
-    ({"liveness_s": 1.0}, r"liveness_s must be 0 \(from the timeout\) or in \[2, timeout 60\) s, got 1.0"),
+    ({"liveness_s": 1.0}, r"liveness_s must be 0 \(from timeout\) or in \[2, timeout 60\) s, got 1.0"),
     ({"liveness_s": 20.0, "timeout": 20.0}, r"in \[2, timeout 20\) s, got 20.0"),
     ({"cleanup_fraction": 2.0}, r"cleanup_fraction must be in \[0, 1\), got 2.0"),
     ({"slices": 0}, "slices must be positive"),

@@ -29,6 +29,14 @@ DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpi
 MIN_LIVENESS_S = 2.0  # the shortest liveness window: two heartbeats (runtime/liveness.py beats once a second)
 
 
+def check_liveness(liveness: float, timeout: float, *, name: str, timeout_name: str) -> None:
+    """A liveness window is 0 (derived from the timeout) or in [MIN_LIVENESS_S, timeout); a ValueError naming the
+    settings as the caller's user knows them (``name``, ``timeout_name``: config keys or flags) otherwise."""
+    if liveness and not MIN_LIVENESS_S <= liveness < timeout:
+        raise ValueError(f"{name} must be 0 (from {timeout_name}) or in [{MIN_LIVENESS_S:.0f}, {timeout_name} "
+                         f"{timeout:g}) s, got {liveness}")
+
+
 def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
     """Parse a layer-size string such as ``13-512-256-64`` into a tuple of positive ints."""
     try:
@@ -219,9 +227,7 @@ class TrainConfig:
         for name in ("lr", "timeout"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
-        if self.liveness_s and not MIN_LIVENESS_S <= self.liveness_s < self.timeout:
-            raise ValueError(f"liveness_s must be 0 (from the timeout) or in [{MIN_LIVENESS_S:.0f}, timeout "
-                             f"{self.timeout:g}) s, got {self.liveness_s}")
+        check_liveness(self.liveness_s, self.timeout, name="liveness_s", timeout_name="timeout")
         for name in ("cleanup_fraction", "holdout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

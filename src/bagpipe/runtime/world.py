@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bagpipe.config import MIN_LIVENESS_S
+from bagpipe.config import check_liveness
 from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime import transport
 from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
@@ -60,9 +60,7 @@ class World:
     epoch: int = 0  # the RPC world this process joins: 0, or a later one for a replacement (Epochs)
 
     def __post_init__(self) -> None:
-        if self.liveness and not MIN_LIVENESS_S <= self.liveness < self.timeout:
-            raise ValueError(f"--liveness-s must be 0 (from --timeout) or in [{MIN_LIVENESS_S:.0f}, --timeout "
-                             f"{self.timeout:g}) s, got {self.liveness:g}")
+        check_liveness(self.liveness, self.timeout, name="--liveness-s", timeout_name="--timeout")
         if not 0 < self.master_port < 65535:
             raise ValueError(f"--master-port must be in (0, 65535), got {self.master_port}")
         if not 0 <= self.rank < self.world_size:
