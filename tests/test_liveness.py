@@ -103,9 +103,10 @@ def test_a_stopped_oracle_is_named(small_binary, tmp_path):
 
 def test_roles_wait_for_an_oracle_that_prepares_its_data_longer_than_the_timeout(small_binary, tmp_path):
     """The oracle converts and checks the data after opening its store; the others wait while it
-    is alive (its heartbeat), not for a fixed time: here 7 s of preparation against a 4 s timeout."""
-    config = job_config(small_binary, tmp_path / "run", iterations=20, timeout=4.0)
-    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@data ready:pause=7"})
+    is alive (its heartbeat), not for a fixed time: here 10 s of preparation against a 7 s timeout (which every
+    RPC of the job then runs under: a fetch parked on a 2-core machine running two jobs once took over 4 s)."""
+    config = job_config(small_binary, tmp_path / "run", iterations=20, timeout=7.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@data ready:pause=10"})
     assert summary["iterations"] == 20
 
 

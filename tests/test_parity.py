@@ -296,7 +296,9 @@ def test_checkpoints_after_a_server_was_lost_are_taken_from_its_stand_in(small_b
     # a trainer lost, not replaced: restarted instead
     broken = replace(config, run_dir=str(tmp_path / "broken"), replace_trainers=False)
     summary = launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 33:kill"})
-    assert summary["restarts"][0]["resumed_from"] == 30 and summary["resumed_at"] == 30
+    # from 30, or from 20 where 30 was not committed yet when the trainer died (the kill races the commit): both
+    # were taken after the loss at 15, so either restores its parity from a snapshot the stand-in gave
+    assert summary["restarts"][0]["resumed_from"] == summary["resumed_at"] in (20, 30)
     assert summary["parity"][0]["check"]["mismatched_rows"] == [0]
     assert_same_parameters(export(broken.run_dir, tmp_path / "broken.pt"), want)
 
