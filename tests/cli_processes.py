@@ -1,4 +1,5 @@
-"""``python -m bagpipe.cli ARGS`` processes for tests, forked from the session's fork server (tests/conftest.py).
+"""``python -m bagpipe.cli ARGS`` (and ``python SCRIPT ARGS``) processes for tests, forked from the session's fork
+server (tests/conftest.py).
 
 Each is the process a fresh interpreter running that command would be (its own argv, environment, directory,
 streams, signal dispositions and faults: runtime/forkserver.py), without the 1.5-2 s of CPU a fresh interpreter
@@ -30,11 +31,12 @@ def use(forks: ForkServer) -> None:
 
 
 class CliProcess:
-    """``bagpipe.cli`` run with ``args`` in a forked child. ``output``: a file both streams go to (as
-    ``stdout=f, stderr=STDOUT``); by default they are captured for ``communicate``."""
+    """``bagpipe.cli`` run with ``args`` in a forked child (``script``: that Python file instead, as
+    ``python SCRIPT ARGS...`` runs it). ``output``: a file both streams go to (as ``stdout=f, stderr=STDOUT``);
+    by default they are captured for ``communicate``."""
 
     def __init__(self, args: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 output: IO | None = None) -> None:
+                 output: IO | None = None, script: str | Path | None = None) -> None:
         env = dict(os.environ if env is None else env)
         env.setdefault("OMP_NUM_THREADS", str(FRESH_THREADS))
         if output is None:
@@ -45,7 +47,7 @@ class CliProcess:
             streams = {"stdout": output.fileno(), "stderr": None}
         self.args = list(args)
         self._process = _SESSION["forks"].start(self.args, env=env, cwd=None if cwd is None else str(cwd),
-                                                **streams)
+                                                script=None if script is None else str(script), **streams)
         self.pid = self._process.pid
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from bagpipe.data.binary import open_dataset
 from bagpipe.rundir import export
 from bagpipe.runtime.world import free_port
+from test_original import BagpipeLine, run_job, script_line
 from test_runtime import BATCH, CACHE, assert_same_parameters, job_config, reference_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,38 +50,24 @@ def test_example_script_with_separate_roles_equals_reference(small_binary, tmp_p
     world = ["--world-size", str(size), "--world-size-trainers", str(trainers), "--master-port", port,
              "--timeout", "60"]
     model = ["--arch-mlp-bot", config.model.arch_mlp_bot, "--arch-mlp-top", config.model.arch_mlp_top]
-    bagpipe = [sys.executable, "-m", "bagpipe.cli"]
     commands = [
-        bagpipe + ["oracle", "--processed-csv", str(small_binary), "--run-dir", config.run_dir,
-                   "--emb-info-file", str(emb_info), "--mini-batch-size", str(BATCH), "--cache-size", str(CACHE),
-                   "--lookahead-value", "20", "--iterations", str(ITERATIONS), "--optimizer", "adagrad",
-                   "--lr", str(config.lr), "--seed", str(config.seed), "--emb-size", "8",
-                   "--max-eval-rows", "2000", "--worker-id", "0", *world, *model],
-        bagpipe + ["server", "--worker-id", str(1 + trainers), *world],
-        bagpipe + ["server", "--worker-id", str(2 + trainers), *world],
+        BagpipeLine(["oracle", "--processed-csv", str(small_binary), "--run-dir", config.run_dir,
+                     "--emb-info-file", str(emb_info), "--mini-batch-size", str(BATCH), "--cache-size", str(CACHE),
+                     "--lookahead-value", "20", "--iterations", str(ITERATIONS), "--optimizer", "adagrad",
+                     "--lr", str(config.lr), "--seed", str(config.seed), "--emb-size", "8",
+                     "--max-eval-rows", "2000", "--worker-id", "0", *world, *model]),
+        BagpipeLine(["server", "--worker-id", str(1 + trainers), *world]),
+        BagpipeLine(["server", "--worker-id", str(2 + trainers), *world]),
     ]
     for trainer in range(trainers):
-        commands.append([sys.executable, str(ROOT / "examples" / "dlrm_bagpipe.py"), "--worker-id", str(1 + trainer),
-                         "--training-worker-id", str(trainer), "--world-size", str(size), "--world-size-trainers",
-                         str(trainers), "--master-port", port, "--dist-port", dist_port, "--emb-info-file",
-                         str(emb_info), "--emb-size", "8", "--cache-size", str(CACHE), "--lookahead-value", "20",
-                         "--optimizer", "adagrad", "--lr", str(config.lr), "--seed", str(config.seed), *model,
-                         *([] if ddp else ["--no-ddp"])])
-    logs = [open(tmp_path / f"role{i}.log", "w") for i in range(len(commands))]
-    processes = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT) for c, log in zip(commands, logs)]
-    try:
-        for process in processes:
-            process.wait(timeout=180)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for log in logs:
-            log.close()
-    codes = [p.returncode for p in processes]
-    assert codes == [0] * size, "\n".join(f"--- role {i} (exit {c})\n" + (tmp_path / f"role{i}.log").read_text()[-3000:]
-                                       for i, c in enumerate(codes) if c)
+        commands.append(script_line(
+            ROOT / "examples" / "dlrm_bagpipe.py", "--worker-id", str(1 + trainer), "--training-worker-id",
+            str(trainer), "--world-size", str(size), "--world-size-trainers", str(trainers), "--master-port", port,
+            "--dist-port", dist_port, "--emb-info-file", str(emb_info), "--emb-size", "8", "--cache-size", str(CACHE),
+            "--lookahead-value", "20", "--optimizer", "adagrad", "--lr", str(config.lr), "--seed", str(config.seed),
+            *model, *([] if ddp else ["--no-ddp"])))
+    (tmp_path / "roles").mkdir()
+    run_job(commands, cwd=tmp_path / "roles", timeout=180, env=dict(os.environ))
     ours = export(config.run_dir, tmp_path / "ours.pt")
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
 

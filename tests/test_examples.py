@@ -16,7 +16,8 @@ from bagpipe.api import _model_settings
 from bagpipe.config import ModelConfig
 from bagpipe.rundir import export
 from bagpipe.runtime.world import free_port
-from test_original import run_job
+from cli_processes import CliProcess
+from test_original import BagpipeLine, run_job, script_line
 from test_runtime import BATCH, CACHE, assert_same_parameters, job_config, reference_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,15 +41,14 @@ def test_an_example_trainer_equals_the_sliced_reference(name, request, tmp_path)
     config = job_config(data, tmp_path / "run", iterations=ITERATIONS, servers=1, model=model, **settings)
     world = ["--world-size", "4", "--world-size-trainers", "2"]
     common = ["--cache-size", str(config.cache_rows), "--optimizer", config.optimizer, "--lr", str(config.lr)]
-    bagpipe = [sys.executable, "-m", "bagpipe.cli"]
-    trainer = [sys.executable, str(ROOT / "examples" / script), *world, *common, *flags,
-               "--lookahead-val", "20", "--dist-port", str(free_port()), "--device", "cpu"]
+    trainer = [*world, *common, *flags, "--lookahead-val", "20", "--dist-port", str(free_port()), "--device", "cpu"]
     run_job([
-        bagpipe + ["oracle", "--worker-id", "0", *world, "--processed-csv", str(data), "--run-dir", config.run_dir,
-                   "--mini-batch-size", str(config.batch_size), "--iterations", str(ITERATIONS), "--lookahead-value",
-                   "20", "--seed", str(config.seed), "--max-eval-rows", "2000", *common],
-        bagpipe + ["server", "--worker-id", "3", *world[:2]],
-        trainer + ["--worker-id", "1"], trainer + ["--worker-id", "2"],
+        BagpipeLine(["oracle", "--worker-id", "0", *world, "--processed-csv", str(data), "--run-dir", config.run_dir,
+                     "--mini-batch-size", str(config.batch_size), "--iterations", str(ITERATIONS),
+                     "--lookahead-value", "20", "--seed", str(config.seed), "--max-eval-rows", "2000", *common]),
+        BagpipeLine(["server", "--worker-id", "3", *world[:2]]),
+        script_line(ROOT / "examples" / script, *trainer, "--worker-id", "1"),
+        script_line(ROOT / "examples" / script, *trainer, "--worker-id", "2"),
     ], cwd=tmp_path)
     summary = json.loads((Path(config.run_dir) / "summary.json").read_text())
     assert summary["model"] == name and ("eval_auc" in summary or "eval_hr10" in summary)  # trainer 0's, evaluated
@@ -74,16 +74,16 @@ def test_init_cache_refuses_a_model_it_does_not_know_before_joining():
 
 def test_an_oracle_told_another_model_than_the_scripts_refuses_naming_both(small_binary, tmp_path):
     world = ["--world-size", "4", "--world-size-trainers", "2"]
-    trainer = [sys.executable, str(ROOT / "examples" / "deepfm_bagpipe.py"), *world, "--device", "cpu",
-               "--dist-port", str(free_port())]
-    commands = [
-        [sys.executable, "-m", "bagpipe.cli", "oracle", "--worker-id", "0", *world, "--processed-csv", str(small_binary),
-         "--run-dir", str(tmp_path / "run"), "--model", "dcn"],
-        [sys.executable, "-m", "bagpipe.cli", "server", "--worker-id", "3", *world[:2]],
-        trainer + ["--worker-id", "1"], trainer + ["--worker-id", "2"],
-    ]
+    trainer = [*world, "--device", "cpu", "--dist-port", str(free_port())]
+    script = ROOT / "examples" / "deepfm_bagpipe.py"
     env = dict(os.environ, MASTER_PORT=str(free_port()))
-    processes = [subprocess.Popen(c, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True) for c in commands]
+    processes = [
+        CliProcess(["oracle", "--worker-id", "0", *world, "--processed-csv", str(small_binary),
+                    "--run-dir", str(tmp_path / "run"), "--model", "dcn"], cwd=tmp_path, env=env),
+        CliProcess(["server", "--worker-id", "3", *world[:2]], cwd=tmp_path, env=env),
+        CliProcess([*trainer, "--worker-id", "1"], script=script, cwd=tmp_path, env=env),
+        CliProcess([*trainer, "--worker-id", "2"], script=script, cwd=tmp_path, env=env),
+    ]
     try:
         errors = [p.communicate(timeout=120)[1] for p in processes]
     finally:

@@ -47,6 +47,23 @@ def test_a_child_gets_its_own_arguments_environment_directory_streams_threads_an
     assert (again["env"], again["threads"], again["faults"]) == (None, 1, []) and again["pid"] != report["pid"]
 
 
+def test_a_script_runs_as_python_script_args_would_run_it(forks, tmp_path):
+    """A Python file given instead of the entry point: run as __main__ with its own argv, its folder first on the
+    path (a module beside it imports), its directory the one asked for, and its SystemExit as the exit status."""
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "beside.py").write_text("WHERE = 'beside'\n")
+    (folder / "train.py").write_text(
+        "import json, os, sys\nimport beside\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'cwd': os.getcwd(), 'beside': beside.WHERE}))\n"
+        "    sys.exit(int(sys.argv[-1]))\n")
+    code, out, err = _run(forks, tmp_path, "--epochs", "3", "4", script="scripts/train.py", cwd=str(tmp_path))
+    assert code == 4, err
+    assert json.loads(out) == {"argv": [str(folder / "train.py"), "--epochs", "3", "4"], "path0": str(folder),
+                               "cwd": str(tmp_path), "beside": "beside"}
+
+
 def test_exit_statuses_come_back_as_subprocess_reports_them(forks, tmp_path):
     assert _run(forks, tmp_path, "exit", "3")[0] == 3
     code, _, err = _run(forks, tmp_path, "raise")

@@ -4,9 +4,9 @@ A role started as ``python -m bagpipe.cli trainer ...`` spends 1.5-2 s of CPU im
 before it does anything, and a replacement started while the job goes on spends them while the job waits for it.
 The local launcher (and the test suite) instead starts one fork server per job: a process that imports what
 the roles need, then forks a child for each command it is sent. The child sets up what a fresh interpreter
-would have (its argv, environment, working directory, stdout and stderr, signal dispositions, torch's
-thread count, the faults meant for it) and runs the command's entry point; its exit status comes back to
-the process that asked for it.
+would have (its argv, environment, working directory, stdout and stderr, signal dispositions, torch's thread
+count, the faults meant for it) and runs the command's entry point, or a Python script given instead (the test
+suite runs the example training scripts so); its exit status comes back to the process that asked for it.
 
 Protocol (AF_UNIX SOCK_SEQPACKET, one message each): the client sends a JSON request with, as SCM_RIGHTS
 descriptors, a fresh channel for the child, its stdin, stdout and stderr and the descriptors it keeps; the
@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import os
+import runpy
 import select
 import signal
 import socket
@@ -81,17 +82,19 @@ class ForkServer:
 
     def start(self, argv: list[str], *, env: dict[str, str], stdout: int | None = None,
               stderr: int | None = None, stdin: int | None = None, cwd: str | None = None,
-              pass_fds: tuple[int, ...] = (), name: str | None = None) -> "ForkedProcess":
+              pass_fds: tuple[int, ...] = (), name: str | None = None, script: str | None = None) -> "ForkedProcess":
         """Run ``argv`` (the entry point's arguments) in a fresh child; ``stdout``/``stderr``/``stdin``:
         descriptors for it (None: /dev/null, stderr None: stdout's); ``pass_fds``: descriptors it keeps open
-        (under numbers of their own); ``name``: what ps and top call it."""
+        (under numbers of their own); ``name``: what ps and top call it; ``script``: run this Python file with
+        ``argv`` instead of the entry point, as ``python SCRIPT ARGV...`` would (a user's training script)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDWR)
         try:
             fds = [theirs.fileno(), null if stdin is None else stdin, null if stdout is None else stdout]
             fds.append(fds[2] if stderr is None else stderr)
             fds += list(pass_fds)
-            request = {"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(), "name": name}
+            request = {"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(), "name": name,
+                       "script": None if script is None else os.path.abspath(os.path.join(cwd or os.getcwd(), script))}
             with self._lock:
                 try:
                     socket.send_fds(self._control, [json.dumps(request).encode()], fds)
@@ -272,12 +275,19 @@ def _run_child(request: dict, fds: list[int], server_pid: int, entry: str, *, cl
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own, open until it exits)
         sys.stdout = _text_stream(1, line_buffered=unbuffered)
         sys.stderr = _text_stream(2, line_buffered=True)
-        module, _, function = entry.partition(":")
-        sys.argv = [module, *request["argv"]]
-        _after_fork()
-        target = getattr(importlib.import_module(module), function)
-        result = target(request["argv"])
-        code = result if isinstance(result, int) else 0
+        if request.get("script"):  # as `python SCRIPT ARGV...`: its folder first on the path, run as __main__
+            sys.argv = [request["script"], *request["argv"]]
+            sys.path[0] = os.path.dirname(request["script"])
+            _after_fork()
+            runpy.run_path(request["script"], run_name="__main__")
+            code = 0
+        else:
+            module, _, function = entry.partition(":")
+            sys.argv = [module, *request["argv"]]
+            _after_fork()
+            target = getattr(importlib.import_module(module), function)
+            result = target(request["argv"])
+            code = result if isinstance(result, int) else 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             code = exit_.code or 0
