@@ -180,7 +180,7 @@ def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(sm
     from cli_processes import CliProcess
 
     config = job_config(small_binary, tmp_path / "run", iterations=ITERATIONS, timeout=20.0)
-    world = ["--world-size", "5", "--master-port", str(free_port()), "--timeout", "20"]
+    world = ["--world-size", "5", "--master-port", str(free_port()), "--timeout", "20", "--liveness-s", "4"]
     oracle = ["oracle", "--store-served", "--worker-id", "0", *world, "--world-size-trainers", "2",
                         "--processed-csv", str(small_binary), "--run-dir", config.run_dir, "--mini-batch-size",
                         str(config.batch_size), "--iterations", str(ITERATIONS), "--lookahead-value", "20", "--seed",

@@ -35,10 +35,12 @@ import threading
 import traceback
 
 
-# What a role imports: a child forked after these finds them in sys.modules.
-PRELOAD = ("torch", "torch.distributed.rpc", "numpy", "bagpipe.cli", "bagpipe.runtime.oracle",
-           "bagpipe.runtime.server", "bagpipe.runtime.trainer", "bagpipe.runtime.launch", "bagpipe.models",
-           "bagpipe.reference")
+# What a role imports: a child forked after these finds them in sys.modules. torch._inductor.config is what
+# torch.use_deterministic_algorithms imports on its first call (with dynamo and sympy: ~1 s of CPU), which every
+# trainer makes before its first iteration (reference.deterministic).
+PRELOAD = ("torch", "torch.distributed.rpc", "torch._inductor.config", "numpy", "bagpipe.cli",
+           "bagpipe.runtime.oracle", "bagpipe.runtime.server", "bagpipe.runtime.trainer", "bagpipe.runtime.launch",
+           "bagpipe.models", "bagpipe.reference")
 ENTRY = "bagpipe.cli:main"
 START_TIMEOUT_S = 120.0  # for the first answer, which waits for the server's imports
 _MAX_MESSAGE = 1 << 20
