@@ -1,12 +1,12 @@
-"""Every name the job's processes meet each other by, in one place: the job store's keys and key prefixes,
-the events roles log to metrics.jsonl (the local launcher reads them), and the switches a job takes from
-the environment."""
+"""Every name the job's processes meet each other by, in one place: the job store's keys and key prefixes (the local
+launcher, which serves the store, decides from them), and the events roles log to metrics.jsonl (for the run's
+readers: reports, tests, a person)."""
 
 # -- the job's store ----------------------------------------------------------------------------------------
 SHAPE_KEY = "bagpipe/shape"
 JOB_KEY = "bagpipe/job"
 REFUSED_KEY = "bagpipe/refused"  # why the oracle refused the job, for the roles waiting on it
-STOP_KEY = "bagpipe/stop"  # set by the oracle when training has ended: servers leave
+STOP_KEY = "bagpipe/stop"  # set by the oracle once training has ended and every row is gathered: servers leave
 STATUS_KEY = "bagpipe/status"
 HELLO_PREFIX = "bagpipe/hello/"
 EPOCH_KEY = "bagpipe/epoch"  # the RPC world every process is to be in (Epochs): set by the oracle

@@ -5,7 +5,9 @@ launcher shows one progress bar (from the metrics trainer 0 appends), and when a
 with an error it stops every other role by pid (SIGTERM, then SIGKILL) and reports the failing
 role, its rank and its error. Whom to blame is decided from exit codes and the status each role
 writes as it exits (runtime/exit_status.py: its cause, the peer whose loss ended it, when), never
-from log text. Roles (and their replacements) are forked from a fork server that imported torch and bagpipe
+from log text; whom to replace, and which exits the job goes on without, from what the oracle writes to the
+job's store, which the launcher serves (``_JobState``: the job's record, the replacements it awaits, whether
+training has ended), never from metrics.jsonl, which only feeds the progress bar and a restart's timings. Roles (and their replacements) are forked from a fork server that imported torch and bagpipe
 once for the job (runtime/forkserver.py), so a role starts in milliseconds, not seconds. Children die with
 the launcher (PR_SET_PDEATHSIG, through the fork server), so no role outlives the job.
 """
@@ -30,10 +32,10 @@ from bagpipe.rundir import SUMMARY, forget_metrics_after, sweep_working_files, w
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
 from bagpipe.runtime.forkserver import ForkedProcess, ForkServer
-from bagpipe.runtime.keys import EXITED_PREFIX, RESUMED, SERVER_LOST, TRAINED, TRAINER_DONE, TRAINER_LOST
+from bagpipe.runtime.keys import EXITED_PREFIX, REPLACE_PREFIX, RESUMED, STOP_KEY
 from bagpipe.runtime.liveness import LOST_EXIT_CODE
-from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, OracleWatch,
-                                        declare_oracle_lost)
+from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, JobRecord, OracleWatch,
+                                        declare_oracle_lost, load_record)
 from bagpipe.runtime.world import LOOPBACK, STORE_SERVED, JobStore, World, free_port
 from bagpipe.storage.disk import storage_path
 
@@ -208,8 +210,9 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
         if config.replace_trainers and config.trainers >= 2:
             covered |= {job_world.trainer_rank(t) for t in range(config.trainers)}
         metrics = _MetricsTail(run_dir / "metrics.jsonl", offset=read_from, iteration=boundary or 0)
+        state = _JobState(job_store.store)
         succession = _Succession(job_world, job_store, replace=replace, enabled=config.replace_oracle)
-        _supervise(children, metrics, total=total, show_progress=show_progress, covered=covered,
+        _supervise(children, metrics, state, total=total, show_progress=show_progress, covered=covered,
                    grace_s=job_world.takeover_s, tell=_Teller(job_store), restart=restart, replace=replace,
                    succession=succession)
     except BaseException:
@@ -252,18 +255,14 @@ def _newest_boundary(run_dir: Path) -> int | None:
 
 
 class _MetricsTail:
-    """What the roles have appended to metrics.jsonl so far: the iterations done, and whether
-    training has ended (every row gathered by the oracle), read incrementally."""
+    """What trainer 0 has appended to metrics.jsonl so far, read incrementally: the iterations done and the loss
+    (the progress bar), when they were reached and when a resumed job trained again (a restart's timings)."""
 
     def __init__(self, path: Path, *, offset: int = 0, iteration: int = 0) -> None:
         self.path, self.offset = path, offset
-        self.iteration, self.loss, self.trained = iteration, None, False
+        self.iteration, self.loss = iteration, None
         self.resumed_at: float | None = None  # when a resumed job's first iteration ended (wall time)
         self.reached: dict[int, float] = {}  # iteration logged -> when (wall time)
-        self.servers_lost: set[int] = set()  # data servers the oracle moved to their parity servers
-        self.servers_replaced: set[int] = set()  # lost servers the oracle awaits a replacement process for
-        self.trainers_replaced: set[int] = set()  # lost trainers the oracle awaits a replacement process for
-        self.trainers_done: set[int] = set()  # trainers whose report the oracle has: the job no longer needs them
 
     def read(self) -> None:
         try:
@@ -279,17 +278,7 @@ class _MetricsTail:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if record.get("event") == TRAINED:
-                self.trained = True
-            elif record.get("event") == SERVER_LOST:
-                self.servers_lost.add(record["server"])
-                if record.get("replaced"):
-                    self.servers_replaced.add(record["server"])
-            elif record.get("event") == TRAINER_LOST:
-                self.trainers_replaced.add(record["trainer"])
-            elif record.get("event") == TRAINER_DONE:
-                self.trainers_done.add(record["trainer"])
-            elif record.get("event") == RESUMED:
+            if record.get("event") == RESUMED:
                 self.resumed_at = record["time"]
             elif "train_loss" in record and record["iteration"] > self.iteration:
                 self.iteration, self.loss = record["iteration"], record["train_loss"]
@@ -298,6 +287,46 @@ class _MetricsTail:
     def caught_up_at(self, iteration: int) -> float | None:
         """When the job first logged an iteration at or past ``iteration`` (wall time), if it has."""
         return min((at for logged, at in self.reached.items() if logged >= iteration), default=None)
+
+
+class _JobState:
+    """What the oracle has decided about the job's processes, as it wrote it to the job's store (which the launcher
+    serves): whether training has ended, which trainers have reported, the replacements it awaits, the data servers
+    whose shards their parity servers serve for good. ``read`` refreshes the first two and the job's record once per
+    round of the launcher's loop; the rest is read when a decision needs it."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.trained = False  # every row is gathered: a role lost from here on costs nothing (STOP_KEY)
+        self.record: JobRecord | None = None  # the oracle's record (runtime/succession.py), once it wrote one
+
+    def read(self) -> None:
+        self.trained = self.store.check([STOP_KEY])
+        self.record = load_record(self.store)
+
+    @property
+    def trainers_done(self) -> set[int]:
+        """Trainers whose report the oracle has: the job no longer needs them."""
+        return set(self.record.done) if self.record is not None else set()
+
+    def awaited(self, rank: int) -> int:
+        """The RPC world (epoch) whose replacement for ``rank`` the oracle awaits, the latest it asked for; 0 if none.
+        Read from the key the replacement meets the job by (set once the oracle is ready for it), not from the
+        record (written a moment before)."""
+        key = f"{REPLACE_PREFIX}{rank}"
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def may_await(self, rank: int) -> bool:
+        """Whether the oracle's record has a replacement for ``rank`` under way (then ``awaited`` says which)."""
+        return self.record is not None and rank in self.record.replacing
+
+    def moved_for_good(self, rank: int) -> bool:
+        """Whether the oracle's latest word on lost ``rank`` (a data server) is that its parity server serves its
+        shard from now on, with no replacement asked for."""
+        if self.record is None:
+            return False
+        latest = next((f for f in reversed(self.record.failures) if f.get("rank") == rank), None)
+        return latest is not None and "parity_server" in latest and "epoch" not in latest
 
 
 class _Teller:
@@ -321,9 +350,9 @@ class _Succession:
         self.count = 0
         self._watch = OracleWatch(world, job_store.store)
 
-    def take_over(self, lost: Child, metrics: "_MetricsTail") -> bool:
+    def take_over(self, lost: Child, state: _JobState) -> bool:
         """``lost`` (the oracle, killed) is replaced: True if the job goes on (a replacement was started)."""
-        if (not self.enabled or lost.process.returncode >= 0 or metrics.trained or metrics.trainers_done
+        if (not self.enabled or lost.process.returncode >= 0 or state.trained or state.trainers_done
                 or self.count >= MAX_ORACLE_REPLACEMENTS):
             return False
         declare_oracle_lost(self.job_store.store, _describe(lost.process.returncode))
@@ -333,10 +362,10 @@ class _Succession:
         self.replace(lost)
         return True
 
-    def watch(self, oracle: Child, metrics: "_MetricsTail") -> None:
+    def watch(self, oracle: Child, state: _JobState) -> None:
         """Kill the oracle (by pid) if its heartbeat has stopped for the liveness window while its process is there
         (stopped, or hung): its replacement then starts as for a killed one."""
-        if not self.enabled or metrics.trained or oracle.process.poll() is not None:
+        if not self.enabled or state.trained or oracle.process.poll() is not None:
             return
         silent = self._watch.silent_s()
         if silent is not None:
@@ -346,25 +375,27 @@ class _Succession:
             oracle.process.wait()
 
 
-def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show_progress: bool,
+def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *, total: int, show_progress: bool,
                covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None,
                restart: dict | None = None, replace=None, succession: _Succession | None = None) -> None:
-    """Until every role has exited (``metrics``: what they log): fail on the first that fails, except a
-    non-oracle role lost after training ended or a trainer lost after its report reached the oracle (the run
-    no longer needs them: a warning), and a ``covered`` server (with --parity) that the oracle has taken care
-    of within ``grace_s`` of its exit (training goes on): a data server's shard moved to its parity server, or
-    a parity server to be replaced, which ``replace(child)`` starts. ``restart``: the record of the restart
-    this run is, given when it trained again and when it got back to where it failed."""
+    """Until every role has exited (``state``: what the oracle decided, ``metrics``: the progress trainer 0 logs):
+    fail on the first that fails, except a non-oracle role lost after training ended or a trainer lost after its
+    report reached the oracle (the run no longer needs them: a warning), and a ``covered`` role that the oracle
+    has taken care of within ``grace_s`` of its exit (training goes on): a replacement it awaits, which
+    ``replace(child)`` starts, or a data server whose shard its parity server serves from now on. ``restart``:
+    the record of the restart this run is, given when it trained again and when it got back to where it failed."""
     bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress, initial=metrics.iteration)
     excused: set[int] = set()
-    takeover_due: dict[int, float] = {}  # rank of a covered server that ended -> until when the oracle may take over
+    takeover_due: dict[int, float] = {}  # rank of a covered role that ended -> until when the oracle may take over
+    started: dict[int, int] = {}  # rank -> the epoch of the last replacement started for it
     try:
         while True:
-            # Exit codes first, then the log: what a role's peers logged before it ended is read with its end.
+            # Exit codes first, then the store: what the oracle decided before a role ended is read with its end.
             codes = {c.rank: c.process.poll() for c in children}
             for child in children:
                 if codes[child.rank] is not None and child.ended_at is None:
                     child.ended_at = time.time()
+            state.read()
             metrics.read()
             if metrics.iteration > bar.n:
                 bar.update(metrics.iteration - bar.n)
@@ -373,35 +404,33 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
                 _timed(restart, metrics)
             for child in children:  # declared lost (no heartbeat: stopped, hung) and awaited again: its process
                 # would hold the rank, so the replacement could not start
-                if codes[child.rank] is None and child.rank in covered and replace is not None and child.index in (
-                        metrics.servers_replaced if child.role == "server" else metrics.trainers_replaced):
+                if (codes[child.rank] is None and child.rank in covered and replace is not None
+                        and state.may_await(child.rank) and state.awaited(child.rank) > started.get(child.rank, 0)):
                     log.warning("%s was taken as lost but its process is still there: killing it (pid %d) so that "
                                 "its replacement can start", child.label, child.process.pid)
                     child.process.kill()
             if succession is not None and codes[0] is None:
-                succession.watch(children[0], metrics)
+                succession.watch(children[0], state)
             failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
             for child in failed:
                 if child.role == "oracle" and succession is not None:
                     if child.process.returncode == NOT_REPLACEABLE_EXIT_CODE:  # a replacement that cannot take over
                         raise JobFailed(f"{child.label} failed: {_last_error(child)}", restartable=True,
                                         iteration=metrics.iteration)
-                    succession.take_over(child, metrics)
+                    succession.take_over(child, state)
                     continue
                 # (a trainer is replaced only when its process was lost: one that failed by its own error would
                 # fail again)
-                if (child.rank in covered and not _done_with(child, metrics)
+                if (child.rank in covered and not _done_with(child, state)
                         and (child.role == "server" or child.process.returncode < 0)):
-                    replaced = metrics.servers_replaced if child.role == "server" else metrics.trainers_replaced
-                    if child.index in replaced and replace is not None:
-                        replaced.discard(child.index)
-                        if child.role == "server":
-                            metrics.servers_lost.discard(child.index)
+                    awaited = state.awaited(child.rank)
+                    if awaited > started.get(child.rank, 0) and replace is not None:
+                        started[child.rank] = awaited
                         log.warning("%s exited (%s); starting its replacement (training goes on meanwhile)",
                                     child.label, _describe(child.process.returncode))
                         takeover_due.pop(child.rank, None)
                         replace(child)
-                    elif child.role == "server" and child.index in metrics.servers_lost:
+                    elif child.role == "server" and state.moved_for_good(child.rank):
                         log.warning("%s exited (%s); its shard is served by its parity server from now on",
                                     child.label, _describe(child.process.returncode))
                         excused.add(child.rank)
@@ -412,7 +441,7 @@ def _supervise(children: list[Child], metrics: _MetricsTail, *, total: int, show
             now = time.monotonic()
             failed = [c for c in failed if c in children  # not one replaced just now
                       and c.rank not in excused and takeover_due.get(c.rank, 0.0) <= now]
-            needed = [c for c in failed if not _done_with(c, metrics)]
+            needed = [c for c in failed if not _done_with(c, state)]
             for child in failed:
                 if child not in needed:
                     log.warning("%s exited (%s) after its part of the training ended; the run does not need it",
@@ -444,12 +473,12 @@ def _timed(restart: dict, metrics: _MetricsTail) -> None:
             restart["caught_up_in_s"] = round(caught_up - restart["failed_at"], 3)
 
 
-def _done_with(child: Child, metrics: _MetricsTail) -> bool:
+def _done_with(child: Child, state: _JobState) -> bool:
     """Whether the run no longer needs ``child``: training has ended (not the oracle: it writes the run's
     results), or it is a trainer whose report the oracle has."""
     if child.role == "oracle":
         return False
-    return metrics.trained or (child.role == "trainer" and child.index in metrics.trainers_done)
+    return state.trained or (child.role == "trainer" and child.index in state.trainers_done)
 
 
 def _blame(children: list[Child], failed: list[Child]) -> tuple[str, bool]:

@@ -357,8 +357,9 @@ class Oracle:
         return True
 
     def _ask_for_replacement(self, rank: int, failure: dict) -> bool:
-        """Have a replacement for lost ``rank`` started (the local launcher starts one on the ``server lost``
-        event; on several machines, the same command started again joins as it) and re-form the RPC world around
+        """Have a replacement for lost ``rank`` started (the local launcher starts one once ``REPLACE_PREFIX`` names
+        a new epoch for the rank; on several machines, the same command started again joins as it) and re-form the
+        RPC world around
         it once it is ready (``_await_replacement``). False, with a warning, when the RPC world cannot be
         re-formed: a process of it is gone for good, or some trainer has left the job."""
         gone = [f["rank"] for f in self.failures if not f.get("replaced") and f["rank"] != rank]
@@ -492,11 +493,12 @@ class Oracle:
             self.done[trainer] = (stats, dense_state)
             self.written[trainer] = self.iterations  # the final flush's write-backs are acknowledged
             self.save_record()  # (a replacement of this oracle cannot take over once a trainer has left)
-            # Logged before the trainer has its answer (so before it can end): the launcher reads it as the
-            # trainer's part of the job done, whatever becomes of its process after (logged at the last
-            # iteration: a resumed run forgets it with the iterations it trains again). Logged before the main
-            # thread is woken too: an oracle lost past wait_for_trainers has every report in the log, so the
-            # launcher restarts the job rather than start a replacement that cannot take it over.
+            # Recorded before the trainer has its answer (so before it can end): the launcher reads the record's
+            # "done" as the trainer's part of the job done, whatever becomes of its process after. Recorded before
+            # the main thread is woken too: an oracle lost past wait_for_trainers has every report in its record,
+            # so the launcher restarts the job rather than start a replacement that cannot take it over. (The
+            # event is for the run's readers, logged at the last iteration: a resumed run forgets it with the
+            # iterations it trains again.)
             self.run.log_metrics(event=TRAINER_DONE, trainer=trainer, iteration=self.iterations)
             self.changed.notify_all()
 
@@ -710,7 +712,7 @@ def run_job(oracle: Oracle) -> dict:
     finally:
         oracle.stop.set()
         oracle.join_helpers(timeout=world.timeout)
-    # Everything the run needs is here now: a role lost from here on costs nothing (the launcher reads this).
+    # Everything the run needs is here now: a role lost from here on costs nothing (the launcher reads STOP_KEY).
     run.log_metrics(event=TRAINED, iteration=oracle.iterations)
     liveness.fatal = False
     store.set(STOP_KEY, "1")
