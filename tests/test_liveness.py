@@ -224,10 +224,11 @@ def test_a_trainer_that_lost_its_gradient_group_defers_to_the_one_that_names_the
     closed connection (a gloo error, no rank). Trainer 1 ended as a lost peer first, yet the
     oracle is named, not trainer 1 nor trainer 0."""
     from bagpipe.runtime.launch import _blame
-    from bagpipe.runtime.liveness import LOST_EXIT_CODE, is_peer_gone
+    from bagpipe.runtime.liveness import LOST_EXIT_CODE
+    from bagpipe.runtime.transport import peer_gone
 
     gloo = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:54493"
-    assert is_peer_gone(RuntimeError(gloo)) and not is_peer_gone(RuntimeError("shape mismatch"))
+    assert peer_gone(RuntimeError(gloo)) and not peer_gone(RuntimeError("shape mismatch"))
     oracle = _child(tmp_path, "oracle", 0, 0, None)
     trainer0 = _child(tmp_path, "trainer", 0, 1, LOST_EXIT_CODE, dict(
         cause="lost_peer", peer=0, at=2000.0, message="lost the oracle (rank 0): the job's store it serves at "

@@ -26,17 +26,6 @@ LOST_EXIT_CODE = 3  # a role that ends because a peer was lost: the peer, not th
 NOT_RECOVERED = "it could not be recovered from"  # in a lost peer's message: why the job cannot go on without it
 
 
-# how gloo, TensorPipe and a TCPStore client say that the process at the other end has ended
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "EOF: end of file",
-             "Connection was likely closed")
-
-
-def is_peer_gone(err: BaseException) -> bool:
-    """Whether ``err`` is a collective (gloo), an RPC or the job's store failing because a peer's process
-    ended: a symptom of that peer's failure, not a failure of this role."""
-    return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_GONE)
-
-
 def exit_on_lost(lost: PeerLost) -> None:
     """What a role process does when a peer it needs is lost: say so, record whom, and end at once."""
     log.error("%s", lost.message)

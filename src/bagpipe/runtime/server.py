@@ -28,7 +28,7 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import transport
 from bagpipe.runtime.endpoints import ORACLE, SERVER
 from bagpipe.runtime.keys import STOP_KEY
-from bagpipe.runtime.liveness import Liveness, is_peer_gone
+from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import JobInfo, answer_digest
 from bagpipe.runtime.world import (Epochs, NoEpochs, ShardMoved, World, check_in, init_rpc, join_rpc_as_replacement,
                                    wait_for_job)
@@ -755,7 +755,7 @@ def serve_until_stopped(handlers: ServerHandlers, store, liveness: Liveness, *, 
             for row_store in stores or (standing_in.stores if standing_in is not None else []):
                 row_store.expire_waiting(timeout=world.timeout)
     except RuntimeError as err:
-        if is_peer_gone(err):  # the store's host, the oracle, has ended: the heartbeats name it
+        if transport.peer_gone(err):  # the store's host, the oracle, has ended: the heartbeats name it
             liveness.await_verdict(err)
         raise
     epochs.stop()

@@ -43,7 +43,7 @@ from bagpipe.runtime.endpoints import ORACLE, SERVER, TRAINER
 from bagpipe.runtime.protocol import (DAMAGED_RESENDS, PULL_MAX_STEPS, JobInfo, SpaceStep, StepMessage, TrainerStats,
                                       answer_digest)
 from bagpipe.runtime.exit_status import PeerLost
-from bagpipe.runtime.liveness import Liveness, exit_on_lost, is_peer_gone
+from bagpipe.runtime.liveness import Liveness, exit_on_lost
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, agree_on_sums, backward_slice, dense_share,
                                   main_share, row_shares, sum_order)
@@ -959,7 +959,7 @@ def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu",
         train_loop(runtime, job.config)
     except BaseException as err:
         runtime.abort()
-        if is_peer_gone(err):  # the peer that ended is the failure: name it, not this trainer
+        if transport.peer_gone(err):  # the peer that ended is the failure: name it, not this trainer
             liveness.await_verdict(err)
         raise
 

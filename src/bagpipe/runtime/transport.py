@@ -2,7 +2,8 @@
 
 This module alone touches torch's private state (the counters ``init_rpc`` resets so that a re-formed world
 meets, gloo's device and timeout options), and checks at start-up that the torch installed is one whose private
-state it knows (``SUPPORTED_TORCH``, pyproject's pin).
+state it knows (``SUPPORTED_TORCH``, pyproject's pin). It alone reads torch's error messages too: whether a
+failure was a peer's process ending (``peer_gone``) or an error its handler raised (``raised_by_handler``).
 
 Endpoints: a role serves an object of handlers under its service name (``serve("server", handlers)``); a caller
 names what it asks for by an ``Endpoint`` (runtime/endpoints.py: ``SERVER.fetch``), never by importing the role
@@ -90,6 +91,24 @@ def _answer(service: str, method: str, *args):
 @rpc.functions.async_execution
 def _answer_later(service: str, method: str, *args) -> torch.futures.Future:
     return _SERVICES.handler(service, method)(*args)
+
+
+# How gloo, TensorPipe and a TCPStore client say that the process at the other end has ended, and how torch RPC
+# marks an error that the handler raised on the callee (re-raised at the caller with the callee named first).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "EOF: end of file",
+             "Connection was likely closed")
+RAISED_BY_HANDLER = "On WorkerInfo("
+
+
+def peer_gone(err: BaseException) -> bool:
+    """Whether ``err`` is a collective (gloo), an RPC or the job's store failing because a peer's process ended: a
+    symptom of that peer's failure, not a failure of the process that saw it."""
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_GONE)
+
+
+def raised_by_handler(err: BaseException) -> bool:
+    """Whether an RPC's error was raised by the handler on a live callee (its own error), not by the connection."""
+    return RAISED_BY_HANDLER in str(err)
 
 
 def unwrap(answer):

@@ -522,7 +522,7 @@ class Epochs:
     def grace(self, to: str, err: BaseException) -> float:
         """How long a request to ``to`` that failed with ``err`` waits for a re-formation: ``GRACE_S``, or the peer's
         patience when its connection broke (an error its handler raised is its own, answered by a live peer)."""
-        if to in self.patience and "On WorkerInfo(" not in str(err):
+        if to in self.patience and not transport.raised_by_handler(err):
             return self.patience[to]
         return self.GRACE_S
 
