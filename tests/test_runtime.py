@@ -35,6 +35,7 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
 # What the reference run does not depend on: where and how a bagpipe job runs (the reference trains the full tables in
 # one process). Two configurations that differ only in these have one reference.
 _NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "liveness_s",
+                         "rpc_transports", "rpc_channels",
                          "master_port", "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
                          "policy", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
                          "keep_checkpoints")
@@ -104,9 +105,14 @@ def assert_same_parameters(ours: dict, reference: dict, *, rel: float = 0.0) -> 
     ("adam", "lookahead", 1), ("adagrad", "lookahead", 3)])
 def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy, trainers):
     batch = BATCH - BATCH % trainers
+    # (the 3-trainer job names TensorPipe's channel too: the setting reaches every role's RPC agent)
+    rpc = {"rpc_channels": "basic"} if trainers == 3 else {}
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, policy=policy, trainers=trainers,
-                        batch_size=batch)
+                        batch_size=batch, **rpc)
     summary = launch_local(config, show_progress=False)
+    if rpc:
+        for log_file in (tmp_path / "bagpipe" / "logs").glob("*.log"):
+            assert "RPC over TensorPipe: transports uv, channels basic" in log_file.read_text(), log_file.name
     ours = export(config.run_dir, tmp_path / "ours.pt")
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
     # The cache really was too small: rows were evicted, written back and fetched again.

@@ -262,6 +262,10 @@ def _add_job_flags(p) -> None:
                    "the job counts as lost (stopped, hung or gone); 0: half of --timeout, within 3-10"
                    + _default("liveness_s"))
     g.add_argument("--master-port", type=int, default=None, help="the local job's one port (default 0: a free one)")
+    g.add_argument("--rpc-transports", default=None, help="TensorPipe transports for the job's RPC, comma-separated "
+                   "(uv: TCP; shm: shared memory, busy-polls; ibv: InfiniBand)" + _default("rpc_transports"))
+    g.add_argument("--rpc-channels", default=None, help="TensorPipe channels, comma-separated (default: "
+                   "TensorPipe's choice)")
 
 
 def _add_world_flags(p) -> None:
@@ -282,6 +286,12 @@ def _add_world_flags(p) -> None:
     g.add_argument("--liveness-s", dest="world_liveness", type=float, default=None,
                    help="seconds of silence after which a process of the job counts as lost (default 0: half of "
                         "--timeout, within 3-10)")
+    g.add_argument("--rpc-transports", dest="world_rpc_transports", default=None,
+                   help="TensorPipe transports for the job's RPC, comma-separated, the same in every process "
+                        "(default uv: TCP; shm: shared memory, busy-polls; ibv: InfiniBand)")
+    g.add_argument("--rpc-channels", dest="world_rpc_channels", default=None,
+                   help="TensorPipe channels, comma-separated, the same in every process (default: TensorPipe's "
+                        "choice)")
 
 
 def _add_roles(sub) -> None:
@@ -574,6 +584,7 @@ def _world(args, *, trainers_from_oracle: bool = False):
     return world_from_env(rank=args.rank, world_size=args.world_size, num_trainers=args.num_trainers,
                           master_addr=args.master_addr, master_port=args.world_port,
                           timeout=args.world_timeout or 60.0, liveness=args.world_liveness or 0.0,
+                          rpc_transports=args.world_rpc_transports, rpc_channels=args.world_rpc_channels,
                           trainers_from_oracle=trainers_from_oracle)
 
 
@@ -604,12 +615,14 @@ def run_oracle(args) -> None:
     sizes = read_emb_info(args.emb_info_file) if args.emb_info_file else None
     given = stated(train, model, table_sizes=sizes)
     overrides = {**train, **model, "mode": "bagpipe", "trainers": world.num_trainers, "servers": world.num_servers,
-                 "timeout": args.world_timeout, "liveness_s": args.world_liveness}
+                 "timeout": args.world_timeout, "liveness_s": args.world_liveness,
+                 "rpc_transports": args.world_rpc_transports, "rpc_channels": args.world_rpc_channels}
     if not train.get("run_dir"):
         overrides["run_dir"] = f"runs/oracle-{time.strftime('%Y%m%d-%H%M%S')}"
         log.info("the run goes to %s (--run-dir)", overrides["run_dir"])
     config = load_train_config(args.config, overrides)
-    world = dataclasses.replace(world, timeout=config.timeout, liveness=config.liveness_s)
+    world = dataclasses.replace(world, timeout=config.timeout, liveness=config.liveness_s,
+                                rpc_transports=config.rpc_transports, rpc_channels=config.rpc_channels)
     summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared, given=given,
                           resume=args.resume)
     print(human_summary(summary))

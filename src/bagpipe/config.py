@@ -27,6 +27,21 @@ EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the
 CROSS_KINDS = ("vector", "matrix")
 DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpipe.data
 MIN_LIVENESS_S = 2.0  # the shortest liveness window: two heartbeats (runtime/liveness.py beats once a second)
+# TensorPipe's transports and channels, by the names TensorPipeRpcBackendOptions takes (whether one is usable
+# depends on the machine: ibv needs InfiniBand, the cuda_* channels GPUs)
+RPC_TRANSPORTS = ("uv", "shm", "ibv")
+RPC_CHANNELS = ("basic", "xth", "cma", "mpt_uv", "cuda_basic", "cuda_xth", "cuda_ipc", "cuda_gdr")
+
+
+def rpc_names(text: str, *, name: str, known: tuple[str, ...], empty_ok: bool) -> tuple[str, ...]:
+    """A comma-separated list of TensorPipe transports or channels (``--rpc-transports uv,shm``), checked against
+    ``known``; a ValueError naming the setting (``name``) otherwise."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [part for part in names if part not in known]
+    if unknown or not (names or empty_ok):
+        raise ValueError(f"{name} must be a comma-separated list of {', '.join(known)}"
+                         f"{' (or empty: TensorPipe chooses)' if empty_ok else ''}, got {text!r}")
+    return names
 
 
 def check_liveness(liveness: float, timeout: float, *, name: str, timeout_name: str) -> None:
@@ -203,6 +218,10 @@ class TrainConfig:
     timeout: float = 60.0  # seconds any remote wait may take before the job fails
     liveness_s: float = 0.0  # silence after which a peer counts as lost (0: timeout / 2, within 3-10 s)
     master_port: int = 0  # 0: a free port on 127.0.0.1
+    # TensorPipe's transports and channels for the job's RPC (every process of a job takes the same). uv is TCP; shm,
+    # shared memory, busy-polls: on a few cores it takes CPU from compute (~13% more CPU per iteration measured).
+    rpc_transports: str = "uv"
+    rpc_channels: str = ""  # empty: TensorPipe's own choice
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def __post_init__(self) -> None:
@@ -228,6 +247,8 @@ class TrainConfig:
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
         check_liveness(self.liveness_s, self.timeout, name="liveness_s", timeout_name="timeout")
+        rpc_names(self.rpc_transports, name="rpc_transports", known=RPC_TRANSPORTS, empty_ok=False)
+        rpc_names(self.rpc_channels, name="rpc_channels", known=RPC_CHANNELS, empty_ok=True)
         for name in ("cleanup_fraction", "holdout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -308,10 +329,10 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
-RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "liveness_s", "checkpoint_every",
-                     "checkpoint_every_s", "keep_checkpoints", "max_restarts", "max_eval_rows", "eval_batch_size",
-                     "eval_every", "master_port", "replace_trainers", "replace_oracle", "replace_data_servers",
-                     "storage", "storage_dir", "storage_budget_mb")
+RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "liveness_s", "rpc_transports",
+                     "rpc_channels", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints", "max_restarts",
+                     "max_eval_rows", "eval_batch_size", "eval_every", "master_port", "replace_trainers",
+                     "replace_oracle", "replace_data_servers", "storage", "storage_dir", "storage_budget_mb")
 
 
 def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) -> TrainConfig:

@@ -163,9 +163,11 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
     world_size = 1 + config.servers + config.trainers
     world = ["--world-size", str(world_size), "--world-size-trainers", str(config.trainers),
              "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout),
-             "--liveness-s", repr(config.liveness_s)]
+             "--liveness-s", repr(config.liveness_s), "--rpc-transports", config.rpc_transports,
+             *(["--rpc-channels", config.rpc_channels] if config.rpc_channels else [])]
     job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
-                      timeout=config.timeout, liveness=config.liveness_s, parity=config.parity)
+                      timeout=config.timeout, liveness=config.liveness_s, parity=config.parity,
+                      rpc_transports=config.rpc_transports, rpc_channels=config.rpc_channels)
     # The launcher serves the job's store, so that it outlives the oracle: a lost oracle's replacement meets the
     # others there (runtime/succession.py).
     job_store = JobStore(job_world)

@@ -16,6 +16,7 @@ arrives before its service is served (a process is in the RPC world before its r
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_TORCH = ((2, 11), (2, 13))  # the torch releases whose private RPC state init_rpc resets (pyproject's pin)
 SERVED_WAIT_S = 60.0  # how long a request waits for its service to be served in this process
@@ -145,9 +148,9 @@ def check_torch(version: str = torch.__version__) -> None:
 
 
 def init_rpc(name: str, *, rank: int, world_size: int, store: dist.Store, timeout: float, loopback: bool,
-             epoch: int = 0) -> None:
+             epoch: int = 0, transports: tuple[str, ...] = ("uv",), channels: tuple[str, ...] = ()) -> None:
     """Join the RPC world (TensorPipe) of ``epoch`` as ``name`` through ``store``; loopback only when the master
-    is (``loopback``)."""
+    is (``loopback``). ``transports``, ``channels``: TensorPipe's, by name (``channels`` empty: its own choice)."""
     check_torch()
     if loopback:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
@@ -158,12 +161,14 @@ def init_rpc(name: str, *, rank: int, world_size: int, store: dist.Store, timeou
     rpc._init_counter = 0
     rpc.api._all_gather_sequence_id.clear()
     rpc.api._all_gather_sequence_id_to_states.clear()
-    # TensorPipe's shared-memory transport busy-polls: on a few cores it takes CPU from compute
-    # (measured: ~13% more CPU per iteration over the whole job than "uv", which is TCP). The
-    # environment can choose other transports and channels (comma-separated TensorPipe names).
-    extra = {"_transports": os.environ.get("BAGPIPE_TP_TRANSPORTS", "uv").split(",")}
-    if os.environ.get("BAGPIPE_TP_CHANNELS"):
-        extra["_channels"] = os.environ["BAGPIPE_TP_CHANNELS"].split(",")
+    # (TensorPipe's shared-memory transport busy-polls: on a few cores it takes CPU from compute, measured ~13% more
+    # CPU per iteration over the whole job than "uv", which is TCP: the job's default, config.rpc_transports)
+    extra = {"_transports": list(transports)}
+    if channels:
+        extra["_channels"] = list(channels)
+    if not epoch:
+        log.info("RPC over TensorPipe: transports %s, channels %s", ",".join(transports),
+                 ",".join(channels) or "TensorPipe's choice")
     options = rpc.TensorPipeRpcBackendOptions(init_method="bagpipe://job", num_worker_threads=16,
                                               rpc_timeout=timeout, **extra)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

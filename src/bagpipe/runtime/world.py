@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bagpipe.config import check_liveness
+from bagpipe.config import RPC_CHANNELS, RPC_TRANSPORTS, check_liveness, rpc_names
 from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime import transport
 from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
@@ -58,9 +58,13 @@ class World:
     liveness: float = 0.0  # silence after which a peer counts as lost (--liveness-s; 0: from the timeout)
     parity: int = 0  # servers in groups of `parity` data shards and one parity server (the job's; 0: none)
     epoch: int = 0  # the RPC world this process joins: 0, or a later one for a replacement (Epochs)
+    rpc_transports: str = "uv"  # TensorPipe's transports and channels (--rpc-transports, --rpc-channels)
+    rpc_channels: str = ""
 
     def __post_init__(self) -> None:
         check_liveness(self.liveness, self.timeout, name="--liveness-s", timeout_name="--timeout")
+        rpc_names(self.rpc_transports, name="--rpc-transports", known=RPC_TRANSPORTS, empty_ok=False)
+        rpc_names(self.rpc_channels, name="--rpc-channels", known=RPC_CHANNELS, empty_ok=True)
         if not 0 < self.master_port < 65535:
             raise ValueError(f"--master-port must be in (0, 65535), got {self.master_port}")
         if not 0 <= self.rank < self.world_size:
@@ -156,6 +160,7 @@ class World:
 
 def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: int | None,
                    master_addr: str | None, master_port: int | None, timeout: float, liveness: float = 0.0,
+                   rpc_transports: str | None = None, rpc_channels: str | None = None,
                    trainers_from_oracle: bool = False) -> World:
     """Flags first, then the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
@@ -175,7 +180,8 @@ def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: in
     return World(rank=pick(rank, "RANK"), world_size=pick(world_size, "WORLD_SIZE"),
                  num_trainers=pick(num_trainers, "BAGPIPE_TRAINERS", optional=trainers_from_oracle),
                  master_addr=pick(master_addr, "MASTER_ADDR", LOOPBACK, str),
-                 master_port=pick(master_port, "MASTER_PORT", DEFAULT_PORT), timeout=timeout, liveness=liveness)
+                 master_port=pick(master_port, "MASTER_PORT", DEFAULT_PORT), timeout=timeout, liveness=liveness,
+                 rpc_transports="uv" if rpc_transports is None else rpc_transports, rpc_channels=rpc_channels or "")
 
 
 def free_port() -> int:
@@ -430,7 +436,11 @@ def wait_for_job(world: World, store: dist.Store) -> str:
 def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
     """Join the RPC world of ``epoch`` as ``world``'s rank, through ``store`` (runtime/transport.py)."""
     transport.init_rpc(world.name, rank=world.rank, world_size=world.world_size, store=store, timeout=world.timeout,
-                       loopback=world.is_loopback, epoch=epoch)
+                       loopback=world.is_loopback, epoch=epoch,
+                       transports=rpc_names(world.rpc_transports, name="--rpc-transports", known=RPC_TRANSPORTS,
+                                            empty_ok=False),
+                       channels=rpc_names(world.rpc_channels, name="--rpc-channels", known=RPC_CHANNELS,
+                                          empty_ok=True))
 
 
 def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0) -> dist.ProcessGroup | None:
