@@ -88,7 +88,7 @@ class Job:
             guard.cancel()
 
 
-LOST = {"role": "server 1", "server": 1, "rank": 4, "parity_server": 5}
+LOST = {"role": "server 1", "server": 1, "rank": 4, "parity_server": 5, "at": 1.0}
 
 
 def test_a_lost_server_is_replaced_once_the_store_names_the_world_its_replacement_joins(tmp_path):

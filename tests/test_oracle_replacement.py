@@ -4,6 +4,7 @@ asks the trainers how far they are, plans again from the start (a pure function 
 and sends each trainer only what it does not have. The job ends bit for bit as the sliced reference, with no
 restart; what it cannot take over restarts the job from its newest checkpoint, as before."""
 
+import dataclasses
 import json
 import threading
 from dataclasses import replace
@@ -12,7 +13,7 @@ import pytest
 
 from bagpipe.checkpoint import valid_checkpoints
 from bagpipe.rundir import export
-from bagpipe.runtime.succession import JobRecord, replayed_from
+from bagpipe.runtime.succession import Failure, JobRecord, replayed_from
 from bagpipe.runtime.world import World
 from test_runtime import alive, assert_same_parameters, job_config, reference_of
 
@@ -108,15 +109,21 @@ def test_an_oracle_lost_after_a_trainer_has_left_restarts_the_job_from_its_check
 def test_what_a_replacement_cannot_take_over_is_named():
     world = World(rank=0, world_size=5, num_trainers=2)
     assert JobRecord(started_at=0.0).why_not_replaceable(world) is None
-    assert JobRecord(started_at=0.0, failures=[{"role": "server 0", "replaced": True}]).why_not_replaceable(world) \
-        is None
+    back = Failure(role="server 0", rank=3, at=1.0, epoch=1, replaced=True)
+    assert JobRecord(started_at=0.0, failures=[back]).why_not_replaceable(world) is None
     assert "trainer 1 had reported done" in JobRecord(started_at=0.0, done=[1]).why_not_replaceable(world)
     assert "replacement for server 1 was under way" in JobRecord(started_at=0.0, replacing=[4]).why_not_replaceable(
         world)
     assert "server 0 was lost for good" in JobRecord(
-        started_at=0.0, failures=[{"role": "server 0", "replaced": False}]).why_not_replaceable(world)
-    record = JobRecord(started_at=1.5, servers_ready=["server0"], done=[0])
+        started_at=0.0, failures=[Failure(role="server 0", rank=3, at=1.0, replaced=False)]).why_not_replaceable(world)
+    record = JobRecord(started_at=1.5, servers_ready=["server0"], done=[0], failures=[
+        Failure(role="server 1", rank=4, at=2.0, server=1, parity_server=2, moved_in_s=0.01),
+        dataclasses.replace(back, figures={"rows_copied": 287, "handover_s": 0.02})])
     assert JobRecord.from_json(record.to_json()) == record
+    # as summary.json has them: flat, without what does not apply
+    assert record.failures[1].to_dict() == {"role": "server 0", "rank": 3, "at": 1.0, "epoch": 1, "replaced": True,
+                                            "rows_copied": 287, "handover_s": 0.02}
+    assert record.failures[0].moved_for_good and not record.failures[1].moved_for_good
 
 
 def test_a_replacement_makes_the_plan_messages_again_from_redo_depth_before_the_slowest_trainer():

@@ -7,9 +7,10 @@ role, its rank and its error. Whom to blame is decided from exit codes and the s
 writes as it exits (runtime/exit_status.py: its cause, the peer whose loss ended it, when), never
 from log text; whom to replace, and which exits the job goes on without, from what the oracle writes to the
 job's store, which the launcher serves (``_JobState``: the job's record, the replacements it awaits, whether
-training has ended), never from metrics.jsonl, which only feeds the progress bar and a restart's timings. Roles (and their replacements) are forked from a fork server that imported torch and bagpipe
-once for the job (runtime/forkserver.py), so a role starts in milliseconds, not seconds. Children die with
-the launcher (PR_SET_PDEATHSIG, through the fork server), so no role outlives the job.
+training has ended), never from metrics.jsonl, which only feeds the progress bar and a restart's timings.
+Roles (and their replacements) are forked from a fork server that imported torch and bagpipe once for the job
+(runtime/forkserver.py), so a role starts in milliseconds, not seconds. Children die with the launcher
+(PR_SET_PDEATHSIG, through the fork server), so no role outlives the job.
 """
 
 from __future__ import annotations
@@ -327,8 +328,8 @@ class _JobState:
         shard from now on, with no replacement asked for."""
         if self.record is None:
             return False
-        latest = next((f for f in reversed(self.record.failures) if f.get("rank") == rank), None)
-        return latest is not None and "parity_server" in latest and "epoch" not in latest
+        latest = next((f for f in reversed(self.record.failures) if f.rank == rank), None)
+        return latest is not None and latest.moved_for_good
 
 
 class _Teller:

@@ -49,7 +49,7 @@ from bagpipe.runtime.keys import (EPOCH_KEY, JOB_KEY, JOINING_PREFIX, LOST_AT_PR
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, TrainerStats, schema_dict, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
-from bagpipe.runtime.succession import JobRecord, NotReplaceable, RecordKeeper, load_record, replayed_from
+from bagpipe.runtime.succession import Failure, JobRecord, NotReplaceable, RecordKeeper, load_record, replayed_from
 from bagpipe.runtime.world import (Epochs, NoEpochs, Routes, World, host_store, init_rpc, publish_status,
                                    read_hellos, refuse_job, store_served_apart, wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
@@ -90,7 +90,7 @@ class Oracle:
         self.run: RunDir | None = None  # the run dir events are logged to (run_oracle sets it once open)
         self.routes = Routes(world)
         self.keeper = RecordKeeper(JobRecord(started_at=time.time()))  # what a replacement of this oracle reads
-        self.failures: list[dict] = self.keeper.record.failures  # lost roles the job went on without
+        self.failures: list[Failure] = self.keeper.record.failures  # lost roles the job went on without
         self.planned = self.start  # the last iteration planned
         self.checkpoints = JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
                                           resumed_at=resume[1] if resume else None, routes=self.routes,
@@ -102,7 +102,7 @@ class Oracle:
         self.first_message = self.start
         self.sent_before = [self.start - 1] * world.num_trainers
         self.sent_checkpoints: set[int] = set()
-        self.takeover: dict | None = None  # this replacement's failure record, until it serves new plans
+        self.takeover: Failure | None = None  # this replacement's failure record, until it serves new plans
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=world.num_trainers, policy=config.policy,
                                               cleanup_fraction=config.cleanup_fraction)
@@ -116,7 +116,7 @@ class Oracle:
         self.written = [self.start - 1] * world.num_trainers  # and the version its write-backs are acknowledged to
         self.epochs = NoEpochs()  # run_oracle's Epochs once the oracle is in the RPC world
         self.store = None  # the job's store (run_oracle)
-        self.replacing: dict[int, dict] = {}  # rank -> the failure record of a lost process being replaced
+        self.replacing: dict[int, Failure] = {}  # rank -> the failure record of a lost process being replaced
         self.liveness: Liveness | None = None
         self.servers_ready: set[str] = set()
         self.done: dict[int, tuple[TrainerStats, dict | None]] = {}
@@ -288,13 +288,13 @@ class Oracle:
         the RPC world cannot be re-formed (the job then restarts from its newest checkpoint)."""
         if self.replacing:
             return False  # another replacement is under way: the survivors' sums could not be done again
-        failure = {"role": f"trainer {index}", "trainer": index, "rank": rank, "planned_iteration": self.planned,
-                   "at": time.time()}
+        failure = Failure(role=f"trainer {index}", trainer=index, rank=rank, planned_iteration=self.planned,
+                          at=time.time())
         if not self._ask_for_replacement(rank, failure):
             return False
         self.failures.append(failure)
         self.save_record()
-        self.run.log_metrics(event=TRAINER_LOST, trainer=index, rank=rank, replaced=True, epoch=failure["epoch"])
+        self.run.log_metrics(event=TRAINER_LOST, trainer=index, rank=rank, replaced=True, epoch=failure.epoch)
         log.warning("trainer %d lost: the other trainers wait in their gradient sums for its replacement", index)
         return True
 
@@ -311,10 +311,10 @@ class Oracle:
         parity_server = self.world.parity_server(shard)
         with self.changed:
             earlier = self.replacing.get(rank)
-        failure = {"role": f"server {shard}", "server": shard, "rank": rank, "parity_server": parity_server,
-                   "planned_iteration": self.planned, "at": time.time()}
+        failure = Failure(role=f"server {shard}", server=shard, rank=rank, parity_server=parity_server,
+                          planned_iteration=self.planned, at=time.time())
         if earlier is None:
-            if any(f.get("parity_server") == parity_server and not f.get("replaced") for f in self.failures):
+            if any(f.parity_server == parity_server and not f.replaced for f in self.failures):
                 group = ", ".join(str(s) for s in self.world.parity_group(shard))
                 raise RuntimeError(f"server {shard} is the second server lost in its parity group (servers {group}): "
                                    f"parity covers one loss per group; resume from the newest checkpoint (--resume)")
@@ -325,13 +325,13 @@ class Oracle:
             started = time.perf_counter()
             self.epochs.call(World.server_name(parity_server), SERVER.stand_in, (shard,))
             self.routes.move(store, shard, parity_server)
-            failure["moved_in_s"] = round(time.perf_counter() - started, 3)
+            failure.moved_in_s = round(time.perf_counter() - started, 3)
         # else its replacement was lost before it took the shard back: the stand-in serves on
         self.failures.append(failure)
         replaced = self.config.replace_data_servers and self._ask_for_replacement(rank, failure)
         self.save_record()
         self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server, replaced=replaced,
-                             **({"epoch": failure["epoch"]} if replaced else {}))
+                             **({"epoch": failure.epoch} if replaced else {}))
         log.warning("server %d%s lost: its shard is served by server %d (its parity server) %s", shard,
                     "'s replacement" if earlier is not None else "", parity_server,
                     "until a replacement takes it back" if replaced else "from now on")
@@ -344,25 +344,25 @@ class Oracle:
         ``_ask_for_replacement``): the job then fails as without parity (the launcher restarts it from its newest
         checkpoint)."""
         group = self.world.parity_group((index - self.world.num_shards) * self.world.parity)
-        failure = {"role": f"server {index}", "server": index, "rank": rank, "parity_of": group,
-                   "planned_iteration": self.planned, "at": time.time()}
+        failure = Failure(role=f"server {index}", server=index, rank=rank, parity_of=group,
+                          planned_iteration=self.planned, at=time.time())
         # (a replacement for this rank lost before it was whole is replaced in turn: its group's rows are all there)
         if not self._ask_for_replacement(rank, failure):
             return False
         self.failures.append(failure)
         self.save_record()
-        self.run.log_metrics(event=SERVER_LOST, server=index, rank=rank, replaced=True, epoch=failure["epoch"])
+        self.run.log_metrics(event=SERVER_LOST, server=index, rank=rank, replaced=True, epoch=failure.epoch)
         log.warning("server %d (the parity server of servers %s) lost: its group goes on without parity until a "
                     "replacement has made it again", index, ", ".join(map(str, group)))
         return True
 
-    def _ask_for_replacement(self, rank: int, failure: dict) -> bool:
+    def _ask_for_replacement(self, rank: int, failure: Failure) -> bool:
         """Have a replacement for lost ``rank`` started (the local launcher starts one once ``REPLACE_PREFIX`` names
         a new epoch for the rank; on several machines, the same command started again joins as it) and re-form the
         RPC world around
         it once it is ready (``_await_replacement``). False, with a warning, when the RPC world cannot be
         re-formed: a process of it is gone for good, or some trainer has left the job."""
-        gone = [f["rank"] for f in self.failures if not f.get("replaced") and f["rank"] != rank]
+        gone = [f.rank for f in self.failures if not f.replaced and f.rank != rank]
         with self.changed:
             reported = bool(self.done)
         if gone or reported or self.store is None:
@@ -371,10 +371,10 @@ class Oracle:
             log.warning("%s lost: no replacement, since the RPC world cannot be re-formed (%s)",
                         self.world.label(rank), why)
             return False
-        failure["epoch"] = epoch = self.epochs.announced() + 1
+        failure.epoch = epoch = self.epochs.announced() + 1
         earlier = self.replacing.pop(rank, None)
         if earlier is not None:
-            earlier["replaced"] = False  # its replacement was lost too, before it was whole: this one takes over
+            earlier.replaced = False  # its replacement was lost too, before it was whole: this one takes over
         self.replacing[rank] = failure
         self.save_record()
         self.store.delete_key(f"{JOINING_PREFIX}{rank}")
@@ -402,7 +402,7 @@ class Oracle:
                 # must not be among them (with a replacement that took seconds to start, they never were).
                 self.epochs.call(World.server_name(self.world.parity_server(shard)), SERVER.stand_in_rebuilt,
                                  (shard,), timeout=10 * self.world.timeout)
-            failure["joined_in_s"] = round(time.time() - failure["at"], 3)
+            failure.joined_in_s = round(time.time() - failure.at, 3)
             if self.liveness is not None:
                 self.liveness.readmit(rank)
             with self.changed:  # a trainer that has reported leaves the RPC world: announced before, it takes part
@@ -438,7 +438,7 @@ class Oracle:
         for thread in self.helpers:
             thread.join(timeout=timeout)
 
-    def _take_over(self, rank: int, failure: dict | None) -> None:
+    def _take_over(self, rank: int, failure: Failure | None) -> None:
         """Between checkpoints (a stand-in's snapshot must not be cut short): freeze the stand-in, let the
         replacement catch up with it, route the shard to the replacement, and have the stand-in let go."""
         shard = self.world.role_of(rank)[1]
@@ -474,13 +474,13 @@ class Oracle:
     def replaced(self, rank: int, info: dict) -> None:
         """The replacement for ``rank`` has made what it holds (an RPC handler)."""
         failure = self.replacing.pop(rank)
-        failure.update(replaced=True, recovered_in_s=round(time.time() - failure["at"], 3),
-                       **{key: round(value, 3) for key, value in info.items()})
+        failure.replaced, failure.recovered_in_s = True, round(time.time() - failure.at, 3)
+        failure.figures.update({key: round(value, 3) for key, value in info.items()})
         self.save_record()
         if self.world.role_of(rank) == ("trainer", 0):  # its checkpoint parts sent before its loss may be lost
             self.checkpoints.cache_parts_lost(before=info["at_iteration"])
         log.info("%s (rank %d) is replaced and whole again, %.2f s after it was lost", self.world.label(rank), rank,
-                 failure["recovered_in_s"])
+                 failure.recovered_in_s)
 
     def server_ready(self, name: str) -> None:
         with self.changed:
@@ -506,13 +506,13 @@ class Oracle:
         """This replacement has planned again what its trainers had (in ``replay_s``): its next plans are new."""
         with self.changed:
             failure, self.takeover = self.takeover, None
-            failure["replay_s"] = round(replay_s, 3)
-            failure["resumed_in_s"] = failure["recovered_in_s"] = round(time.time() - failure["at"], 3)
+            failure.replay_s = round(replay_s, 3)
+            failure.resumed_in_s = failure.recovered_in_s = round(time.time() - failure.at, 3)
             self.save_record()
-        self.run.log_metrics(event=ORACLE_REPLACED, rank=0, epoch=failure["epoch"],
-                             **{key: failure[key] for key in ("joined_in_s", "resumed_in_s", "replayed_iterations")})
+        self.run.log_metrics(event=ORACLE_REPLACED, rank=0, epoch=failure.epoch, joined_in_s=failure.joined_in_s,
+                             resumed_in_s=failure.resumed_in_s, replayed_iterations=failure.replayed_iterations)
         log.warning("the lost oracle is replaced: plans served again %.2f s after it was lost (%d iterations planned "
-                    "again in %.2f s)", failure["resumed_in_s"], failure["replayed_iterations"], failure["replay_s"])
+                    "again in %.2f s)", failure.resumed_in_s, failure.replayed_iterations, failure.replay_s)
 
     # -- the main thread ---------------------------------------------------------------------
     def wait_for_trainers(self) -> None:
@@ -639,8 +639,7 @@ def take_over_job(world: World, store) -> Oracle:
         dataset = dataset.with_schema(job.layout.schema)
     oracle = Oracle(config, world, dataset, resume=(job.resume, job.start) if job.resume else None, takes_over=True)
     oracle.job = job
-    record.failures.append(failure := {"role": "oracle", "rank": 0, "planned_iteration": None, "at": lost_at,
-                                       "epoch": epoch, "replaced": True})
+    record.failures.append(failure := Failure(role="oracle", rank=0, at=lost_at, epoch=epoch, replaced=True))
     oracle.keeper.record = record
     oracle.failures, oracle.servers_ready = record.failures, set(record.servers_ready)
     oracle.reformed_before = list(record.reformed)
@@ -652,7 +651,7 @@ def take_over_job(world: World, store) -> Oracle:
     store.set(EPOCH_KEY, str(epoch))  # every other process leaves its RPC world for this one
     init_rpc(world, store, epoch=epoch)
     oracle.reformed_before.append({"epoch": epoch, "seconds": round(time.perf_counter() - started, 3)})
-    failure["joined_in_s"] = round(time.time() - lost_at, 3)
+    failure.joined_in_s = round(time.time() - lost_at, 3)
     epochs = Epochs(world, store)
     progress = [epochs.call(World.trainer_name(t), TRAINER.progress) for t in range(world.num_trainers)]
     oracle.sent_before = [p["after"] for p in progress]
@@ -661,12 +660,12 @@ def take_over_job(world: World, store) -> Oracle:
     oracle.first_message = replayed_from(progress, start=oracle.start, redo_depth=REDO_DEPTH)
     oracle.checkpoints.epochs = epochs
     oracle.sent_checkpoints = oracle.checkpoints.take_over(sent_through=max(oracle.sent_before))
-    failure["planned_iteration"] = max(oracle.sent_before)  # (at least: what the lost oracle had sent)
-    failure["replayed_iterations"] = max(oracle.sent_before) + 1 - oracle.start
+    failure.planned_iteration = max(oracle.sent_before)  # (at least: what the lost oracle had sent)
+    failure.replayed_iterations = max(oracle.sent_before) + 1 - oracle.start
     oracle.takeover = failure
     oracle.save_record()
     log.warning("the job's lost oracle is replaced (RPC world %d, %.2f s after the loss): trainers have plans up to "
-                "iterations %s; planning again from iteration %d", epoch, failure["joined_in_s"],
+                "iterations %s; planning again from iteration %d", epoch, failure.joined_in_s,
                 ", ".join(map(str, oracle.sent_before)), oracle.start)
     _join(oracle, store, liveness, epochs)
     return oracle
@@ -702,9 +701,9 @@ def run_job(oracle: Oracle) -> dict:
         inject_fault("trainers reported")
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
         for failure in oracle.replacing.values():  # its rows are on its group's servers: the run does not need it
-            log.warning("training ended before %s's replacement was whole: the run goes without it", failure["role"])
-        latest = {f["server"]: f for f in oracle.failures if "server" in f}  # a server's last loss: is it back?
-        lost = {server for server, f in latest.items() if not f.get("replaced")}
+            log.warning("training ended before %s's replacement was whole: the run goes without it", failure.role)
+        latest = {f.server: f for f in oracle.failures if f.server is not None}  # a server's last loss: is it back?
+        lost = {server for server, f in latest.items() if not f.replaced}
         if config.parity and config.check_parity:
             check_parity(world, epochs, skip=lost)
         shards = [LOST_SERVER_DUMP if s in lost else epochs.call(World.server_name(s), SERVER.dump)
@@ -828,7 +827,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "trainers": oracle.world.num_trainers,
         "servers": oracle.world.num_servers,
         **({"parity": [s["parity"] for s in shards if "parity" in s]} if oracle.world.parity else {}),
-        "failures": oracle.failures,
+        "failures": [failure.to_dict() for failure in oracle.failures],
         **({"epochs": oracle.reformed(),  # each re-formation of the RPC world (a replacement joined)
             # write-backs the data servers acknowledged while their parity server was lost
             "unprotected_write_backs": sum(s.get("unprotected_write_backs", 0) for s in shards)}

@@ -27,19 +27,63 @@ class NotReplaceable(RuntimeError):
 
 
 @dataclass(kw_only=True)
+class Failure:
+    """A process the job lost and went on without (summary.json's "failures", the job's record): what it was, when,
+    what the oracle did about it and how long recovering took. Fields that do not apply stay None (and out of its
+    JSON); ``figures``: what its replacement reported as it became whole (rows copied, seconds taken, ...)."""
+
+    role: str  # "server 1", "trainer 0", "oracle"
+    rank: int
+    at: float  # when it was lost (wall time)
+    planned_iteration: int | None = None  # the last iteration the oracle had planned by then
+    trainer: int | None = None  # a trainer's index
+    server: int | None = None  # a server's index (data or parity)
+    parity_server: int | None = None  # a data server's: the parity server that serves its shard since
+    parity_of: list[int] | None = None  # a parity server's: its group's data servers
+    moved_in_s: float | None = None  # a data server's: how long moving its shard to the parity server took
+    epoch: int | None = None  # the RPC world its replacement joins; None: no replacement was asked for
+    replaced: bool | None = None  # True once the replacement is whole; False: that replacement was lost too
+    joined_in_s: float | None = None  # from the loss to the replacement in the job's RPC world
+    recovered_in_s: float | None = None  # from the loss to the replacement whole
+    replayed_iterations: int | None = None  # an oracle's replacement: iterations it planned again
+    replay_s: float | None = None
+    resumed_in_s: float | None = None
+    figures: dict = field(default_factory=dict)
+
+    @property
+    def moved_for_good(self) -> bool:
+        """A data server whose shard its parity server serves, with no replacement asked for."""
+        return self.parity_server is not None and self.epoch is None
+
+    def to_dict(self) -> dict:
+        fields = {name: value for name, value in dataclasses.asdict(self).items()
+                  if value is not None and name != "figures"}
+        return {**fields, **self.figures}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Failure":
+        names = {f.name for f in dataclasses.fields(cls)} - {"figures"}
+        return cls(**{k: v for k, v in values.items() if k in names},
+                   figures={k: v for k, v in values.items() if k not in names})
+
+
+@dataclass(kw_only=True)
 class JobRecord:
     """The oracle's bookkeeping that no other role keeps: written to the store at every change, read by a
     replacement oracle."""
 
     started_at: float  # when the job's first oracle started (wall time): start-up and train time count from it
     servers_ready: list[str] = field(default_factory=list)
-    failures: list[dict] = field(default_factory=list)  # lost roles the job went on without (summary.json's)
+    failures: list[Failure] = field(default_factory=list)  # lost roles the job went on without (summary.json's)
     replacing: list[int] = field(default_factory=list)  # ranks whose replacement was awaited
     done: list[int] = field(default_factory=list)  # trainers that reported: they left the RPC world
     reformed: list[dict] = field(default_factory=list)  # the re-formations of the RPC world (summary's "epochs")
 
+    def __post_init__(self) -> None:
+        self.failures = [f if isinstance(f, Failure) else Failure.from_dict(f) for f in self.failures]
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return json.dumps({**dataclasses.asdict(self), "failures": [f.to_dict() for f in self.failures]})
 
     @classmethod
     def from_json(cls, text: str) -> "JobRecord":
@@ -52,7 +96,7 @@ class JobRecord:
                     f"re-formed without it")
         if self.replacing:
             return f"a replacement for {world.label(self.replacing[0])} was under way"
-        gone = [f["role"] for f in self.failures if not f.get("replaced")]
+        gone = [f.role for f in self.failures if not f.replaced]
         if gone:  # its rank cannot take part in a new RPC world
             return f"{gone[0]} was lost for good"
         return None
