@@ -19,8 +19,8 @@ def test_toml_then_flags(tmp_path):
     ({"lr": float("inf")}, "lr must be a positive, finite number, got inf"),
     ({"lr": float("nan")}, "lr must be a positive, finite number, got nan"),
     ({"timeout": float("inf")}, "timeout must be a positive, finite number"),
-    ({"liveness_s": 1.0}, r"liveness_s must be 0 \(from timeout\) or in \[2, timeout 60\) s, got 1.0"),
-    ({"liveness_s": 20.0, "timeout": 20.0}, r"in \[2, timeout 20\) s, got 20.0"),
+    ({"liveness_s": 0.5}, r"liveness_s must be 0 \(from timeout\) or in \[1, timeout 60\) s, got 0.5"),
+    ({"liveness_s": 20.0, "timeout": 20.0}, r"in \[1, timeout 20\) s, got 20.0"),
     ({"rpc_transports": "tcp"}, r"rpc_transports must be a comma-separated list of uv, shm, ibv, got 'tcp'"),
     ({"rpc_transports": ""}, r"rpc_transports must be a comma-separated list of uv, shm, ibv, got ''"),
     ({"rpc_channels": "basic,fast"}, r"rpc_channels must be .* \(or empty: TensorPipe chooses\), got 'basic,fast'"),
@@ -122,5 +122,7 @@ def test_the_liveness_window_is_the_setting_or_follows_the_timeout():
         return World(rank=0, world_size=4, num_trainers=2, **given)
     assert [world(timeout=t).liveness_s for t in (4.0, 12.0, 60.0)] == [3.0, 6.0, 10.0]
     assert world(timeout=60.0, liveness=2.5).liveness_s == 2.5
-    with pytest.raises(ValueError, match=r"--liveness-s must be 0 \(from --timeout\) or in \[2, --timeout 8\) s"):
+    # heartbeats once a second, or four per window where that is shorter
+    assert [world(timeout=60.0, liveness=w).beat_s for w in (0.0, 4.0, 2.0, 1.0)] == [1.0, 1.0, 0.5, 0.25]
+    with pytest.raises(ValueError, match=r"--liveness-s must be 0 \(from --timeout\) or in \[1, --timeout 8\) s"):
         world(timeout=8.0, liveness=9.0)

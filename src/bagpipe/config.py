@@ -26,7 +26,7 @@ MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the re
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
 CROSS_KINDS = ("vector", "matrix")
 DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpipe.data
-MIN_LIVENESS_S = 2.0  # the shortest liveness window: two heartbeats (runtime/liveness.py beats once a second)
+MIN_LIVENESS_S = 1.0  # the shortest liveness window (judged on four heartbeats: World.beat_s)
 # TensorPipe's transports and channels, by the names TensorPipeRpcBackendOptions takes (whether one is usable
 # depends on the machine: ibv needs InfiniBand, the cuda_* channels GPUs)
 RPC_TRANSPORTS = ("uv", "shm", "ibv")

@@ -1,4 +1,5 @@
-"""Heartbeats: every role beats in the job's store once a second and watches the peers it waits on.
+"""Heartbeats: every role beats in the job's store once a second (four times per liveness window where that is
+shorter: ``World.beat_s``) and watches the peers it waits on.
 
 A peer whose beat stops for ``world.liveness_s`` is stopped, hung or gone, however long its
 iterations take; so is the oracle when the store it hosts stops answering. The watcher names it
@@ -21,7 +22,6 @@ from bagpipe.runtime.world import World, connect_store, store_served_apart, uses
 
 log = logging.getLogger(__name__)
 
-BEAT_S = 1.0
 LOST_EXIT_CODE = 3  # a role that ends because a peer was lost: the peer, not this role, failed
 NOT_RECOVERED = "it could not be recovered from"  # in a lost peer's message: why the job cannot go on without it
 
@@ -125,7 +125,7 @@ class Liveness:
         then, end as a lost peer anyway, quoting the symptom."""
         if not self.fatal:
             return
-        deadline = time.monotonic() + self.world.liveness_s + 2 * BEAT_S + 1.0
+        deadline = time.monotonic() + self.world.liveness_s + 2 * self.world.beat_s + 1.0
         log.warning("a peer is gone (%s): waiting for the heartbeats to name it", str(symptom).splitlines()[0])
         while time.monotonic() < deadline and not self.lost:
             time.sleep(0.1)
@@ -157,11 +157,11 @@ class Liveness:
                 if count and count != self._seen.get(rank, (0, 0.0))[0]:
                     self._seen[rank] = (count, time.monotonic())
             self._answered, self._asking_since = time.monotonic(), None
-            self._stop.wait(BEAT_S)
+            self._stop.wait(self.world.beat_s)
 
     def _judge(self) -> None:
         limit = self.world.liveness_s
-        while not self._stop.wait(BEAT_S / 2):
+        while not self._stop.wait(self.world.beat_s / 2):
             now = time.monotonic()
             asking = self._asking_since
             if asking is not None and now - asking > limit:
@@ -170,7 +170,7 @@ class Liveness:
             for rank, how in list(self._exited.items()):
                 if rank not in self.left and rank not in self.lost:
                     self._lose(rank, f"lost {self.world.label(rank)} (rank {rank}): its process ended ({how})")
-            if now - self._answered > 2 * BEAT_S + 1.0:
+            if now - self._answered > 2 * self.world.beat_s + 1.0:
                 continue  # this process's own view is stale (starved or busy): judge no one on it
             for rank, (_, changed) in list(self._seen.items()):
                 # Silence is counted over reads the store answered: a peer whose beats stopped reaching a store

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 18000  # the original system's
 ROLES = ("oracle", "server", "trainer")
+MAX_BEAT_S = 1.0  # heartbeats: once a second, or four times per liveness window where that is shorter
 TAKEOVER_MARGIN_S = 10.0  # beyond the liveness window: how long a lost data server's parity server may take
 
 
@@ -132,6 +133,12 @@ class World:
         """Silence after which a peer counts as lost: --liveness-s, else well inside the timeout of any wait on it
         (half of it, within 3-10 s)."""
         return self.liveness or max(3.0, min(10.0, self.timeout / 2))
+
+    @property
+    def beat_s(self) -> float:
+        """How often every process beats and reads its peers' beats: four times per liveness window, at most once a
+        second (a window of 1 s, the shortest, is judged on beats 0.25 s apart)."""
+        return min(MAX_BEAT_S, self.liveness_s / 4)
 
     @property
     def replacement_s(self) -> float:
