@@ -126,3 +126,20 @@ def test_the_liveness_window_is_the_setting_or_follows_the_timeout():
     assert [world(timeout=60.0, liveness=w).beat_s for w in (0.0, 4.0, 2.0, 1.0)] == [1.0, 1.0, 0.5, 0.25]
     with pytest.raises(ValueError, match=r"--liveness-s must be 0 \(from --timeout\) or in \[1, --timeout 8\) s"):
         world(timeout=8.0, liveness=9.0)
+
+
+def test_every_role_takes_the_jobs_rpc_transports_and_refuses_others():
+    """A trainer or server (or a script's init_cache) given none runs on the job's; one given the job's own is
+    fine; one given others is refused before it joins the RPC world, naming both."""
+    from bagpipe.config import TrainConfig
+    from bagpipe.runtime.world import World, job_world
+
+    job = TrainConfig(data="d", run_dir="r", rpc_transports="uv,shm", rpc_channels="basic", parity=0)
+    role = World(rank=1, world_size=4, num_trainers=2)
+    joined = job_world(role, job)
+    assert (joined.rpc_transports, joined.rpc_channels) == ("uv,shm", "basic")
+    assert job_world(World(rank=1, world_size=4, num_trainers=2, rpc_transports="uv,shm"), job) == joined
+    with pytest.raises(ValueError, match=r"--rpc-transports 'uv': the job runs with 'uv,shm'"):
+        job_world(World(rank=1, world_size=4, num_trainers=2, rpc_transports="uv"), job)
+    with pytest.raises(ValueError, match=r"--rpc-transports must be a comma-separated list"):
+        World(rank=1, world_size=4, num_trainers=2, rpc_transports="tcp")

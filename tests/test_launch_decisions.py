@@ -76,6 +76,11 @@ class Job:
             if child.process.returncode is None:
                 child.process.returncode = 0
 
+    def end_after(self, seconds: float) -> None:
+        """Every process still running ends (as the job does) ``seconds`` from now: a launcher that failed the job
+        on an exit it should have let go does so first."""
+        threading.Timer(seconds, self.end_all).start()
+
     def supervise(self, *, grace_s: float = 0.5) -> None:
         """The launcher's loop over these children, until they have all ended (after GUARD_S, whatever the launcher
         waited for, the job ends: a launcher that would wait for ever fails the test instead of hanging it)."""
@@ -127,8 +132,8 @@ def test_a_data_server_whose_shard_moved_for_good_is_excused(tmp_path):
     state = _JobState(job.store)
     state.read()
     assert state.moved_for_good(4) and not state.moved_for_good(3)
-    job.end_all()
-    job.supervise()  # returns: the exit was excused
+    job.end_after(1.0)
+    job.supervise(grace_s=0.3)  # returns: the exit was excused (else JobFailed after the grace)
     assert job.replaced == []
 
 
@@ -140,25 +145,29 @@ def test_a_replacement_lost_before_it_took_its_shard_back_waits_for_the_oracles_
     job.record(failures=[{**LOST, "epoch": 1}], replacing=[4])
     job.store.set(f"{REPLACE_PREFIX}4", "1")
 
+    before_the_second: list[int] = []
+
     def oracle_asks_again():
+        before_the_second.extend(job.replaced)  # one replacement only, until the oracle asks for the next
         job.record(failures=[{**LOST, "epoch": 1}, {**LOST, "epoch": 2}], replacing=[4])
         job.store.set(f"{REPLACE_PREFIX}4", "2")
 
     threading.Timer(0.5, oracle_asks_again).start()
     job.supervise(grace_s=5.0)
-    assert job.replaced == [4, 4]
+    assert before_the_second == [4] and job.replaced == [4, 4]
 
 
 def test_a_trainer_that_reported_and_any_role_after_training_ended_are_not_needed(tmp_path):
+    """Neither fails the job (each would, after the grace, if the launcher thought the job needed it)."""
     job = Job(tmp_path / "reported", {2: -9})
     job.record(done=[1])  # trainer 1 (rank 2) has reported
-    job.end_all()
-    job.supervise()
+    job.end_after(1.0)
+    job.supervise(grace_s=0.3)
 
-    ended = Job(tmp_path / "ended", {1: -9, 3: 1})
+    ended = Job(tmp_path / "ended", {1: -9, 3: 1})  # (server 0's own error too)
     ended.store.set(STOP_KEY, "1")
-    ended.end_all()
-    ended.supervise()
+    ended.end_after(1.0)
+    ended.supervise(grace_s=0.3)
 
 
 def test_a_killed_trainer_the_oracle_does_not_replace_fails_the_job_after_the_grace(tmp_path):

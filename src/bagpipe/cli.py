@@ -287,11 +287,11 @@ def _add_world_flags(p) -> None:
                    help="seconds of silence after which a process of the job counts as lost (default 0: half of "
                         "--timeout, within 3-10)")
     g.add_argument("--rpc-transports", dest="world_rpc_transports", default=None,
-                   help="TensorPipe transports for the job's RPC, comma-separated, the same in every process "
-                        "(default uv: TCP; shm: shared memory, busy-polls; ibv: InfiniBand)")
+                   help="TensorPipe transports for the job's RPC, comma-separated: the oracle's setting, which every "
+                        "other role takes (default uv: TCP; shm: shared memory, busy-polls; ibv: InfiniBand)")
     g.add_argument("--rpc-channels", dest="world_rpc_channels", default=None,
-                   help="TensorPipe channels, comma-separated, the same in every process (default: TensorPipe's "
-                        "choice)")
+                   help="TensorPipe channels, comma-separated: the oracle's setting, which every other role takes "
+                        "(default: TensorPipe's choice)")
 
 
 def _add_roles(sub) -> None:

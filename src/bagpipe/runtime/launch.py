@@ -164,11 +164,9 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
     world_size = 1 + config.servers + config.trainers
     world = ["--world-size", str(world_size), "--world-size-trainers", str(config.trainers),
              "--master-ip", LOOPBACK, "--master-port", str(port), "--timeout", repr(config.timeout),
-             "--liveness-s", repr(config.liveness_s), "--rpc-transports", config.rpc_transports,
-             *(["--rpc-channels", config.rpc_channels] if config.rpc_channels else [])]
+             "--liveness-s", repr(config.liveness_s)]  # (the RPC transports: every role takes the job's)
     job_world = World(rank=0, world_size=world_size, num_trainers=config.trainers, master_port=port,
-                      timeout=config.timeout, liveness=config.liveness_s, parity=config.parity,
-                      rpc_transports=config.rpc_transports, rpc_channels=config.rpc_channels)
+                      timeout=config.timeout, liveness=config.liveness_s, parity=config.parity)
     # The launcher serves the job's store, so that it outlives the oracle: a lost oracle's replacement meets the
     # others there (runtime/succession.py).
     job_store = JobStore(job_world)
@@ -414,7 +412,9 @@ def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *
                     child.process.kill()
             if succession is not None and codes[0] is None:
                 succession.watch(children[0], state)
-            failed = [c for c in children if codes[c.rank] not in (None, 0) and c.rank not in excused]
+            # (an exit excused as needing no replacement is not, once the oracle asks for one after all)
+            failed = [c for c in children if codes[c.rank] not in (None, 0) and (c.rank not in excused or (
+                c.rank in covered and state.awaited(c.rank) > started.get(c.rank, 0)))]
             for child in failed:
                 if child.role == "oracle" and succession is not None:
                     if child.process.returncode == NOT_REPLACEABLE_EXIT_CODE:  # a replacement that cannot take over
@@ -429,6 +429,7 @@ def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *
                     awaited = state.awaited(child.rank)
                     if awaited > started.get(child.rank, 0) and replace is not None:
                         started[child.rank] = awaited
+                        excused.discard(child.rank)
                         log.warning("%s exited (%s); starting its replacement (training goes on meanwhile)",
                                     child.label, _describe(child.process.returncode))
                         takeover_due.pop(child.rank, None)

@@ -50,7 +50,7 @@ from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, TrainerStats, schema_dict, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
 from bagpipe.runtime.succession import Failure, JobRecord, NotReplaceable, RecordKeeper, load_record, replayed_from
-from bagpipe.runtime.world import (Epochs, NoEpochs, Routes, World, host_store, init_rpc, publish_status,
+from bagpipe.runtime.world import (Epochs, NoEpochs, Routes, World, host_store, init_rpc, job_world, publish_status,
                                    read_hellos, refuse_job, store_served_apart, wait_for_ranks)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
@@ -327,8 +327,10 @@ class Oracle:
             self.routes.move(store, shard, parity_server)
             failure.moved_in_s = round(time.perf_counter() - started, 3)
         # else its replacement was lost before it took the shard back: the stand-in serves on
-        self.failures.append(failure)
         replaced = self.config.replace_data_servers and self._ask_for_replacement(rank, failure)
+        # recorded once the epoch is decided: a record saved meanwhile (another thread's) would otherwise show a
+        # moved shard with no replacement asked for, which the launcher takes as served for good
+        self.failures.append(failure)
         self.save_record()
         self.run.log_metrics(event=SERVER_LOST, server=shard, rank=rank, served_by=parity_server, replaced=replaced,
                              **({"epoch": failure.epoch} if replaced else {}))
@@ -595,7 +597,7 @@ def start_job(config: TrainConfig, world: World, store, *, overwrite: bool, prep
     except ValueError as err:
         refuse_job(store, str(err))
         raise
-    world = dataclasses.replace(world, parity=config.parity)
+    world = job_world(world, config)
     oracle = Oracle(config, world, dataset, resume=checkpoint if resume else None)
     if any(hello["given"].get("kind") == "script" for hello in hellos.values()):  # a script's model is its own:
         oracle.job = dataclasses.replace(oracle.job, replace_trainers=False)  # no share of it can be computed again
@@ -632,7 +634,7 @@ def take_over_job(world: World, store) -> Oracle:
         raise NotReplaceable(f"the lost oracle cannot be replaced: {why}")
     job = JobInfo.from_json(store.get(JOB_KEY).decode())
     config = job.config
-    world = dataclasses.replace(world, parity=config.parity)
+    world = job_world(world, config)
     liveness = Liveness(world, watch=list(range(1, world.world_size)))
     dataset = prepare_data(config, show_progress=False)
     if dataset.schema != job.layout.schema:  # the table sizes the roles agreed on

@@ -7,7 +7,6 @@ parked fetch fails after the timeout, as its caller's RPC deadline does.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import queue
@@ -30,8 +29,8 @@ from bagpipe.runtime.endpoints import ORACLE, SERVER
 from bagpipe.runtime.keys import STOP_KEY
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import JobInfo, answer_digest
-from bagpipe.runtime.world import (Epochs, NoEpochs, ShardMoved, World, check_in, init_rpc, join_rpc_as_replacement,
-                                   wait_for_job)
+from bagpipe.runtime.world import (Epochs, NoEpochs, ShardMoved, World, check_in, init_rpc, job_world,
+                                   join_rpc_as_replacement, wait_for_job)
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
 from bagpipe.storage.bits import row_bits
@@ -653,7 +652,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     role, index = world.role
     liveness = Liveness(world, watch=[0])
     job = JobInfo.from_json(wait_for_job(world, store))
-    world = dataclasses.replace(world, parity=job.config.parity)
+    world = job_world(world, job.config)
     handlers = ServerHandlers(world, job)  # served once whole (a request that comes sooner waits for it)
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle)
     config, layout = job.config, job.layout

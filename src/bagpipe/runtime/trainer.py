@@ -48,7 +48,7 @@ from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import (REDO_DEPTH, Recomputer, RedoLog, Shares, agree_on_sums, backward_slice, dense_share,
                                   main_share, row_shares, sum_order)
 from bagpipe.runtime.transport import Endpoint, unwrap
-from bagpipe.runtime.world import (Epochs, Routes, ShardMoved, World, await_reformation, check_in, init_rpc,
+from bagpipe.runtime.world import (Epochs, Routes, ShardMoved, World, await_reformation, check_in, init_rpc, job_world,
                                    trainer_group, wait_for_job)
 
 log = logging.getLogger(__name__)
@@ -937,7 +937,7 @@ def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple
     liveness = Liveness(world, watch=[0, *(world.trainer_rank(t) for t in range(world.num_trainers))],
                         on_lost=on_lost)
     job = JobInfo.from_json(wait_for_job(world, store))
-    world = dataclasses.replace(world, parity=job.config.parity)
+    world = job_world(world, job.config)
     if world.epoch:  # a lost trainer's replacement: in the RPC world the oracle re-forms around it
         if not await_reformation(world, store):
             raise RuntimeError("training ended before this trainer's replacement joined")

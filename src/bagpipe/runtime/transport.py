@@ -166,9 +166,8 @@ def init_rpc(name: str, *, rank: int, world_size: int, store: dist.Store, timeou
     extra = {"_transports": list(transports)}
     if channels:
         extra["_channels"] = list(channels)
-    if not epoch:
-        log.info("RPC over TensorPipe: transports %s, channels %s", ",".join(transports),
-                 ",".join(channels) or "TensorPipe's choice")
+    log.info("RPC over TensorPipe: transports %s, channels %s", ",".join(transports),
+             ",".join(channels) or "TensorPipe's choice")
     options = rpc.TensorPipeRpcBackendOptions(init_method="bagpipe://job", num_worker_threads=16,
                                               rpc_timeout=timeout, **extra)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

@@ -59,13 +59,17 @@ class World:
     liveness: float = 0.0  # silence after which a peer counts as lost (--liveness-s; 0: from the timeout)
     parity: int = 0  # servers in groups of `parity` data shards and one parity server (the job's; 0: none)
     epoch: int = 0  # the RPC world this process joins: 0, or a later one for a replacement (Epochs)
-    rpc_transports: str = "uv"  # TensorPipe's transports and channels (--rpc-transports, --rpc-channels)
-    rpc_channels: str = ""
+    # TensorPipe's transports and channels (--rpc-transports, --rpc-channels); None: the job's (every role but the
+    # oracle takes them from the job it joins: job_world)
+    rpc_transports: str | None = None
+    rpc_channels: str | None = None
 
     def __post_init__(self) -> None:
         check_liveness(self.liveness, self.timeout, name="--liveness-s", timeout_name="--timeout")
-        rpc_names(self.rpc_transports, name="--rpc-transports", known=RPC_TRANSPORTS, empty_ok=False)
-        rpc_names(self.rpc_channels, name="--rpc-channels", known=RPC_CHANNELS, empty_ok=True)
+        if self.rpc_transports is not None:
+            rpc_names(self.rpc_transports, name="--rpc-transports", known=RPC_TRANSPORTS, empty_ok=False)
+        if self.rpc_channels is not None:
+            rpc_names(self.rpc_channels, name="--rpc-channels", known=RPC_CHANNELS, empty_ok=True)
         if not 0 < self.master_port < 65535:
             raise ValueError(f"--master-port must be in (0, 65535), got {self.master_port}")
         if not 0 <= self.rank < self.world_size:
@@ -188,7 +192,19 @@ def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: in
                  num_trainers=pick(num_trainers, "BAGPIPE_TRAINERS", optional=trainers_from_oracle),
                  master_addr=pick(master_addr, "MASTER_ADDR", LOOPBACK, str),
                  master_port=pick(master_port, "MASTER_PORT", DEFAULT_PORT), timeout=timeout, liveness=liveness,
-                 rpc_transports="uv" if rpc_transports is None else rpc_transports, rpc_channels=rpc_channels or "")
+                 rpc_transports=rpc_transports, rpc_channels=rpc_channels)
+
+
+def job_world(world: World, config) -> World:
+    """``world`` as the job (``config``, the oracle's) has it: its parity, and its RPC transports and channels,
+    which every process of a job shares; a ValueError if this process was given other ones."""
+    for name, flag in (("rpc_transports", "--rpc-transports"), ("rpc_channels", "--rpc-channels")):
+        mine, theirs = getattr(world, name), getattr(config, name)
+        if mine is not None and mine != theirs:
+            raise ValueError(f"{flag} {mine!r}: the job runs with {theirs!r} (every process of a job takes the same; "
+                             f"leave it out to take the job's)")
+    return dataclasses.replace(world, parity=config.parity, rpc_transports=config.rpc_transports,
+                               rpc_channels=config.rpc_channels)
 
 
 def free_port() -> int:
@@ -444,9 +460,9 @@ def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
     """Join the RPC world of ``epoch`` as ``world``'s rank, through ``store`` (runtime/transport.py)."""
     transport.init_rpc(world.name, rank=world.rank, world_size=world.world_size, store=store, timeout=world.timeout,
                        loopback=world.is_loopback, epoch=epoch,
-                       transports=rpc_names(world.rpc_transports, name="--rpc-transports", known=RPC_TRANSPORTS,
-                                            empty_ok=False),
-                       channels=rpc_names(world.rpc_channels, name="--rpc-channels", known=RPC_CHANNELS,
+                       transports=rpc_names(world.rpc_transports or "uv", name="--rpc-transports",
+                                            known=RPC_TRANSPORTS, empty_ok=False),
+                       channels=rpc_names(world.rpc_channels or "", name="--rpc-channels", known=RPC_CHANNELS,
                                           empty_ok=True))
 
 
