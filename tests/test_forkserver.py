@@ -62,6 +62,13 @@ def test_a_script_runs_as_python_script_args_would_run_it(forks, tmp_path):
     assert code == 4, err
     assert json.loads(out) == {"argv": [str(folder / "train.py"), "--epochs", "3", "4"], "path0": str(folder),
                                "cwd": str(tmp_path), "beside": "beside"}
+    # a thread the script leaves running (not a daemon) ends before the process does, as with `python SCRIPT`
+    (folder / "writer.py").write_text(
+        "import threading, time\n"
+        "def write():\n    time.sleep(0.5)\n    print('written', flush=True)\n"
+        "threading.Thread(target=write).start()\n")
+    code, out, err = _run(forks, tmp_path, script="scripts/writer.py", cwd=str(tmp_path))
+    assert (code, out) == (0, "written\n"), err
 
 
 def test_exit_statuses_come_back_as_subprocess_reports_them(forks, tmp_path):

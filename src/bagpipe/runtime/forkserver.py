@@ -283,6 +283,9 @@ def _run_child(request: dict, fds: list[int], server_pid: int, entry: str, *, cl
             _after_fork()
             runpy.run_path(request["script"], run_name="__main__")
             code = 0
+            for thread in threading.enumerate():  # as an interpreter does at exit: a script's own threads end first
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join()
         else:
             module, _, function = entry.partition(":")
             sys.argv = [module, *request["argv"]]
