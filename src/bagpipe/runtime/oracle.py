@@ -477,7 +477,8 @@ class Oracle:
         """The replacement for ``rank`` has made what it holds (an RPC handler)."""
         failure = self.replacing.pop(rank)
         failure.replaced, failure.recovered_in_s = True, round(time.time() - failure.at, 3)
-        failure.figures.update({key: round(value, 3) for key, value in info.items()})
+        # (a new dict, not updated in place: another thread's save_record may be serialising the old one)
+        failure.figures = {**failure.figures, **{key: round(value, 3) for key, value in info.items()}}
         self.save_record()
         if self.world.role_of(rank) == ("trainer", 0):  # its checkpoint parts sent before its loss may be lost
             self.checkpoints.cache_parts_lost(before=info["at_iteration"])
