@@ -41,6 +41,7 @@ import traceback
 PRELOAD = ("torch", "torch.distributed.rpc", "torch._inductor.config", "numpy", "bagpipe.cli",
            "bagpipe.runtime.oracle", "bagpipe.runtime.server", "bagpipe.runtime.trainer", "bagpipe.runtime.launch",
            "bagpipe.models", "bagpipe.reference")
+PRELOAD_IF_PRESENT = ("torch._inductor.config",)  # a speed-up only: a torch build without it still serves
 ENTRY = "bagpipe.cli:main"
 START_TIMEOUT_S = 120.0  # for the first answer, which waits for the server's imports
 _MAX_MESSAGE = 1 << 20
@@ -183,7 +184,11 @@ def serve(control_fd: int, entry: str, preload: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
     control = socket.socket(fileno=control_fd)
     for name in preload:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if name not in PRELOAD_IF_PRESENT:
+                raise
     import gc
 
     gc.freeze()  # what was imported stays out of the children's collections (fewer pages copied)
