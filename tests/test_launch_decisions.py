@@ -113,7 +113,7 @@ def test_no_replacement_starts_before_its_epoch_is_set_and_none_from_the_log(tmp
     job.metrics_path.write_text(json.dumps({"event": SERVER_LOST, "server": 1, "replaced": True}) + "\n")
     state = _JobState(job.store)
     state.read()
-    assert state.may_await(4) and state.awaited(4) == 0
+    assert state.awaited(4) == 0 and not state.awaits_newer(4, than=0)
     with pytest.raises(JobFailed, match=r"server 1 \(rank 4\) failed \(killed by SIGKILL\)"):
         job.supervise(grace_s=0.3)
     assert job.replaced == []

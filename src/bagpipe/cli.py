@@ -621,8 +621,7 @@ def run_oracle(args) -> None:
         overrides["run_dir"] = f"runs/oracle-{time.strftime('%Y%m%d-%H%M%S')}"
         log.info("the run goes to %s (--run-dir)", overrides["run_dir"])
     config = load_train_config(args.config, overrides)
-    world = dataclasses.replace(world, timeout=config.timeout, liveness=config.liveness_s,
-                                rpc_transports=config.rpc_transports, rpc_channels=config.rpc_channels)
+    world = dataclasses.replace(world, timeout=config.timeout, liveness=config.liveness_s)
     summary = oracle_main(config, world, overwrite=args.overwrite, prepared=args.prepared, given=given,
                           resume=args.resume)
     print(human_summary(summary))

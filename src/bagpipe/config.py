@@ -31,17 +31,23 @@ MIN_LIVENESS_S = 1.0  # the shortest liveness window (judged on four heartbeats:
 # depends on the machine: ibv needs InfiniBand, the cuda_* channels GPUs)
 RPC_TRANSPORTS = ("uv", "shm", "ibv")
 RPC_CHANNELS = ("basic", "xth", "cma", "mpt_uv", "cuda_basic", "cuda_xth", "cuda_ipc", "cuda_gdr")
+DEFAULT_RPC_TRANSPORTS = "uv"  # TCP (shm, shared memory, busy-polls: on a few cores it takes CPU from compute)
 
 
-def rpc_names(text: str, *, name: str, known: tuple[str, ...], empty_ok: bool) -> tuple[str, ...]:
-    """A comma-separated list of TensorPipe transports or channels (``--rpc-transports uv,shm``), checked against
-    ``known``; a ValueError naming the setting (``name``) otherwise."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [part for part in names if part not in known]
-    if unknown or not (names or empty_ok):
-        raise ValueError(f"{name} must be a comma-separated list of {', '.join(known)}"
-                         f"{' (or empty: TensorPipe chooses)' if empty_ok else ''}, got {text!r}")
-    return names
+def rpc_lists(transports: str | None, channels: str | None, *, names: tuple[str, str] = ("rpc_transports",
+              "rpc_channels")) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The job's TensorPipe transports and channels, each a comma-separated list (``uv,shm``; None: uv, and
+    TensorPipe's own choice of channels), as tuples of names checked against TensorPipe's; a ValueError naming the
+    setting as its user knows it (``names``: config keys or flags) otherwise. Channels may be empty, transports not."""
+    lists = []
+    for text, name, known in ((DEFAULT_RPC_TRANSPORTS if transports is None else transports, names[0], RPC_TRANSPORTS),
+                              ("" if channels is None else channels, names[1], RPC_CHANNELS)):
+        parts = tuple(part.strip() for part in text.split(",") if part.strip())
+        if any(part not in known for part in parts) or not (parts or known is RPC_CHANNELS):
+            choice = " (or empty: TensorPipe chooses)" if known is RPC_CHANNELS else ""
+            raise ValueError(f"{name} must be a comma-separated list of {', '.join(known)}{choice}, got {text!r}")
+        lists.append(parts)
+    return lists[0], lists[1]
 
 
 def check_liveness(liveness: float, timeout: float, *, name: str, timeout_name: str) -> None:
@@ -220,7 +226,7 @@ class TrainConfig:
     master_port: int = 0  # 0: a free port on 127.0.0.1
     # TensorPipe's transports and channels for the job's RPC (every process of a job takes the same). uv is TCP; shm,
     # shared memory, busy-polls: on a few cores it takes CPU from compute (~13% more CPU per iteration measured).
-    rpc_transports: str = "uv"
+    rpc_transports: str = DEFAULT_RPC_TRANSPORTS
     rpc_channels: str = ""  # empty: TensorPipe's own choice
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -247,8 +253,7 @@ class TrainConfig:
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
         check_liveness(self.liveness_s, self.timeout, name="liveness_s", timeout_name="timeout")
-        rpc_names(self.rpc_transports, name="rpc_transports", known=RPC_TRANSPORTS, empty_ok=False)
-        rpc_names(self.rpc_channels, name="rpc_channels", known=RPC_CHANNELS, empty_ok=True)
+        rpc_lists(self.rpc_transports, self.rpc_channels)
         for name in ("cleanup_fraction", "holdout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

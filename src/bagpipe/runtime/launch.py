@@ -317,9 +317,10 @@ class _JobState:
         key = f"{REPLACE_PREFIX}{rank}"
         return int(self.store.get(key)) if self.store.check([key]) else 0
 
-    def may_await(self, rank: int) -> bool:
-        """Whether the oracle's record has a replacement for ``rank`` under way (then ``awaited`` says which)."""
-        return self.record is not None and rank in self.record.replacing
+    def awaits_newer(self, rank: int, than: int) -> bool:
+        """Whether the oracle awaits a replacement for ``rank`` of a later epoch than ``than``: asked of the store only
+        for a rank whose replacement the record has under way (the loop asks it of running and excused processes)."""
+        return self.record is not None and rank in self.record.replacing and self.awaited(rank) > than
 
     def moved_for_good(self, rank: int) -> bool:
         """Whether the oracle's latest word on lost ``rank`` (a data server) is that its parity server serves its
@@ -406,15 +407,15 @@ def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *
             for child in children:  # declared lost (no heartbeat: stopped, hung) and awaited again: its process
                 # would hold the rank, so the replacement could not start
                 if (codes[child.rank] is None and child.rank in covered and replace is not None
-                        and state.may_await(child.rank) and state.awaited(child.rank) > started.get(child.rank, 0)):
+                        and state.awaits_newer(child.rank, than=started.get(child.rank, 0))):
                     log.warning("%s was taken as lost but its process is still there: killing it (pid %d) so that "
                                 "its replacement can start", child.label, child.process.pid)
                     child.process.kill()
             if succession is not None and codes[0] is None:
                 succession.watch(children[0], state)
             # (an exit excused as needing no replacement is not, once the oracle asks for one after all)
-            failed = [c for c in children if codes[c.rank] not in (None, 0) and (c.rank not in excused or (
-                c.rank in covered and state.awaited(c.rank) > started.get(c.rank, 0)))]
+            failed = [c for c in children if codes[c.rank] not in (None, 0) and (
+                c.rank not in excused or state.awaits_newer(c.rank, than=started.get(c.rank, 0)))]
             for child in failed:
                 if child.role == "oracle" and succession is not None:
                     if child.process.returncode == NOT_REPLACEABLE_EXIT_CODE:  # a replacement that cannot take over

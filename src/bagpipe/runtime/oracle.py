@@ -361,9 +361,8 @@ class Oracle:
     def _ask_for_replacement(self, rank: int, failure: Failure) -> bool:
         """Have a replacement for lost ``rank`` started (the local launcher starts one once ``REPLACE_PREFIX`` names
         a new epoch for the rank; on several machines, the same command started again joins as it) and re-form the
-        RPC world around
-        it once it is ready (``_await_replacement``). False, with a warning, when the RPC world cannot be
-        re-formed: a process of it is gone for good, or some trainer has left the job."""
+        RPC world around it once it is ready (``_await_replacement``). False, with a warning, when the RPC world
+        cannot be re-formed: a process of it is gone for good, or some trainer has left the job."""
         gone = [f.rank for f in self.failures if not f.replaced and f.rank != rank]
         with self.changed:
             reported = bool(self.done)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bagpipe.config import RPC_CHANNELS, RPC_TRANSPORTS, check_liveness, rpc_names
+from bagpipe.config import check_liveness, rpc_lists
 from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime import transport
 from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 18000  # the original system's
 ROLES = ("oracle", "server", "trainer")
+RPC_FLAGS = ("--rpc-transports", "--rpc-channels")
 MAX_BEAT_S = 1.0  # heartbeats: once a second, or four times per liveness window where that is shorter
 TAKEOVER_MARGIN_S = 10.0  # beyond the liveness window: how long a lost data server's parity server may take
 
@@ -66,10 +67,7 @@ class World:
 
     def __post_init__(self) -> None:
         check_liveness(self.liveness, self.timeout, name="--liveness-s", timeout_name="--timeout")
-        if self.rpc_transports is not None:
-            rpc_names(self.rpc_transports, name="--rpc-transports", known=RPC_TRANSPORTS, empty_ok=False)
-        if self.rpc_channels is not None:
-            rpc_names(self.rpc_channels, name="--rpc-channels", known=RPC_CHANNELS, empty_ok=True)
+        rpc_lists(self.rpc_transports, self.rpc_channels, names=RPC_FLAGS)
         if not 0 < self.master_port < 65535:
             raise ValueError(f"--master-port must be in (0, 65535), got {self.master_port}")
         if not 0 <= self.rank < self.world_size:
@@ -198,7 +196,7 @@ def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: in
 def job_world(world: World, config) -> World:
     """``world`` as the job (``config``, the oracle's) has it: its parity, and its RPC transports and channels,
     which every process of a job shares; a ValueError if this process was given other ones."""
-    for name, flag in (("rpc_transports", "--rpc-transports"), ("rpc_channels", "--rpc-channels")):
+    for name, flag in zip(("rpc_transports", "rpc_channels"), RPC_FLAGS):
         mine, theirs = getattr(world, name), getattr(config, name)
         if mine is not None and mine != theirs:
             raise ValueError(f"{flag} {mine!r}: the job runs with {theirs!r} (every process of a job takes the same; "
@@ -458,12 +456,9 @@ def wait_for_job(world: World, store: dist.Store) -> str:
 
 def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
     """Join the RPC world of ``epoch`` as ``world``'s rank, through ``store`` (runtime/transport.py)."""
+    transports, channels = rpc_lists(world.rpc_transports, world.rpc_channels, names=RPC_FLAGS)
     transport.init_rpc(world.name, rank=world.rank, world_size=world.world_size, store=store, timeout=world.timeout,
-                       loopback=world.is_loopback, epoch=epoch,
-                       transports=rpc_names(world.rpc_transports or "uv", name="--rpc-transports",
-                                            known=RPC_TRANSPORTS, empty_ok=False),
-                       channels=rpc_names(world.rpc_channels or "", name="--rpc-channels", known=RPC_CHANNELS,
-                                          empty_ok=True))
+                       loopback=world.is_loopback, epoch=epoch, transports=transports, channels=channels)
 
 
 def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0) -> dist.ProcessGroup | None:
