@@ -122,7 +122,8 @@ def test_a_shard_copied_while_it_is_written_back_to_is_taken_over_bit_for_bit(se
     """A replacement copies a stand-in's shard in chunks while write-backs land there between the reads; once
     the stand-in is frozen, its versions and counts bring the copy level: rows, optimizer state, versions and
     write-back counts equal the stand-in's, and a write-back sent again to the replacement is a no-op."""
-    from bagpipe.runtime.server import Server, ShardTakeOver
+    from bagpipe.runtime.server.data import Server
+    from bagpipe.runtime.server.takeover import ShardTakeOver
 
     rng = np.random.default_rng(seed)
     source = _TrainedWhileRead(members()[1], rng)
@@ -314,7 +315,7 @@ def test_a_fetch_answer_whose_rows_arrived_damaged_is_sent_again_and_never_train
 
     from bagpipe.runtime.endpoints import SERVER
     from bagpipe.runtime.protocol import DAMAGED_RESENDS
-    from bagpipe.runtime.server import _pass_on_tagged
+    from bagpipe.runtime.server.handlers import _pass_on_tagged
     from bagpipe.runtime.trainer import TrainerRuntime, TrainerStats, _Request
 
     rows, state, versions = torch.randn(3, 8), torch.zeros(3, 0), torch.tensor([4, 9, 2])

@@ -20,7 +20,7 @@ from bagpipe.model_dir import MODEL_DIR, ModelDir, ModelRows, TableRows, table_b
 from bagpipe.reference import build_model, build_tables, train_reference
 from bagpipe.report import load_run, write_plots
 from bagpipe.runtime.launch import launch_local
-from bagpipe.runtime.server import Server
+from bagpipe.runtime.server.data import Server
 from test_runtime import job_config
 
 ROWS = [50, 7]  # two embedding spaces

@@ -636,7 +636,7 @@ def read_emb_info(path: str) -> list[int]:
 
 
 def run_server(args) -> None:
-    from bagpipe.runtime.server import run_server as server_main
+    from bagpipe.runtime.server.main import run_server as server_main
 
     world = _world(args, trainers_from_oracle=True)
     setup_logging(role="server", rank=world.rank)
