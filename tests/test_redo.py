@@ -181,7 +181,7 @@ def test_the_oracle_keeps_a_trainers_messages_from_before_its_last_step_and_tell
 
 
 def test_written_back_is_the_version_every_write_back_is_acknowledged_to():
-    from bagpipe.runtime.trainer import WrittenBack
+    from bagpipe.runtime.trainer.runtime import WrittenBack
 
     written = WrittenBack(start=0)
     assert written.through() == -1

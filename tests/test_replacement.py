@@ -290,7 +290,7 @@ def test_a_fetch_answered_with_rows_older_than_asked_for_is_refused():
     """Fetch answers carry their rows' versions and echo their request's tag; a row older than the plan asked for,
     or another request's answer (a fault that would leave the reference's path silently) stops training with the
     key and versions named; newer is a resume's."""
-    from bagpipe.runtime.trainer import check_fetched
+    from bagpipe.runtime.trainer.runtime import check_fetched
 
     keys, wanted = torch.tensor([3, 7, 11]), torch.tensor([4, 9, -1])
     check_fetched(0, keys, wanted, 5, torch.tensor([4, 9, -1]), 5, server=1, iteration=10)
@@ -316,7 +316,7 @@ def test_a_fetch_answer_whose_rows_arrived_damaged_is_sent_again_and_never_train
     from bagpipe.runtime.endpoints import SERVER
     from bagpipe.runtime.protocol import DAMAGED_RESENDS
     from bagpipe.runtime.server.handlers import _pass_on_tagged
-    from bagpipe.runtime.trainer import TrainerRuntime, TrainerStats, _Request
+    from bagpipe.runtime.trainer.runtime import TrainerRuntime, TrainerStats, _Request
 
     rows, state, versions = torch.randn(3, 8), torch.zeros(3, 0), torch.tensor([4, 9, 2])
     sent: torch.futures.Future = torch.futures.Future()

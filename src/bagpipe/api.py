@@ -34,7 +34,9 @@ from bagpipe.data.schema import Schema
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.reference import Timer
 from bagpipe.runtime import transport
-from bagpipe.runtime.trainer import TrainerHandlers, TrainerRuntime, cache_device, join_as_trainer
+from bagpipe.runtime.trainer.handlers import TrainerHandlers
+from bagpipe.runtime.trainer.main import cache_device, join_as_trainer
+from bagpipe.runtime.trainer.runtime import TrainerRuntime
 from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
 
 log = logging.getLogger(__name__)

@@ -651,7 +651,7 @@ def run_server(args) -> None:
 def run_trainer(args) -> None:
     from bagpipe.config import complete_model
     from bagpipe.runtime.agree import stated
-    from bagpipe.runtime.trainer import run_trainer as trainer_main
+    from bagpipe.runtime.trainer.main import run_trainer as trainer_main
 
     world = _world(args, trainers_from_oracle=True)
     setup_logging(role="trainer", rank=world.rank)

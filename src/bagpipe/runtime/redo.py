@@ -8,8 +8,8 @@ the iterations whose sums may still be in flight when a peer is lost), and a rep
 and k's message, computes k's share again bit for bit (``recompute``): the same code as the training loop's
 (``slice_shares``) on the same values.
 
-No process knowledge here: the trainer (runtime/trainer.py) keeps the log and sums the shares; a replacement sums
-the shares it recomputes in the sums that failed with the lost trainer.
+No process knowledge here: the trainer (runtime/trainer/recovery.py) keeps the log and sums the shares; a
+replacement sums the shares it recomputes in the sums that failed with the lost trainer.
 """
 
 from __future__ import annotations

@@ -1,0 +1,171 @@
+"""The training loop of ``--mode bagpipe``, for any model: the reference step, on the rows of the trainer's cache,
+with the gradients summed over trainers."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from bagpipe.checkpoint import cloned_state, load_dense, resume_chain
+from bagpipe.config import TrainConfig
+from bagpipe.faults import inject_fault
+from bagpipe.metrics import CounterWindow, share
+from bagpipe.optim import make_row_optimizer
+from bagpipe.reference import Timer, build_model, check_loss, deterministic
+from bagpipe.rundir import RunDir
+from bagpipe.runtime.keys import RESUMED
+from bagpipe.runtime.protocol import TrainerStats
+from bagpipe.runtime.redo import Recomputer, RedoLog, backward_slice, dense_share
+from bagpipe.runtime.trainer.grad_sync import EarlyBucket
+from bagpipe.runtime.trainer.recovery import ModelHooks
+from bagpipe.runtime.trainer.runtime import TrainerRuntime
+from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
+
+
+class DenseModel:
+    """The dense model a trainer trains (this trainer's ``part`` of the global batch) and its optimizer, with what
+    a lost trainer's recovery needs of them (``hooks``): the last iterations' inputs, the shares computed again,
+    and the state a replacement takes. ``losses``: those since the last log (a replacement for trainer 0 logs
+    with them)."""
+
+    def __init__(self, config: TrainConfig, layout, *, part: int) -> None:
+        deterministic()
+        self.config, self.layout, self.part = config, layout, part
+        self.model = self.make()
+        self.optimizer = make_row_optimizer(config.optimizer, lr=config.lr).dense_optimizer(self.model.parameters())
+        self.redo = RedoLog(list(self.model.parameters()))
+        self.losses: list[float] = []
+
+    def make(self) -> torch.nn.Module:
+        """A fresh copy of the model, from the run's seed."""
+        return build_model(self.config, self.layout.schema)
+
+    def hooks(self) -> ModelHooks:
+        return ModelHooks(redo=self.redo, recompute=Recomputer(self.make, self.layout, seed=self.config.seed,
+                                                               part=self.part), state=self.state)
+
+    def state(self, boundary: int) -> dict:
+        """What a lost trainer's replacement takes at ``boundary``: the model, its optimizer, the losses logged
+        with the next log."""
+        since_log = boundary % self.config.log_every
+        return {"dense": cloned_state(self.model.state_dict()),
+                "dense_optimizer": cloned_state(self.optimizer.state_dict()),
+                "losses": self.losses[len(self.losses) - since_log:] if since_log else []}
+
+    def load(self, dense: dict, dense_optimizer: dict) -> None:
+        self.model.load_state_dict(dense)
+        self.optimizer.load_state_dict(dense_optimizer)
+
+
+def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
+    """Train ``dense`` from ``runtime``'s caches to the end of the job (a replacement's from the state it takes
+    over, a resumed job's from its checkpoint)."""
+    job, config = runtime.job, dense.config
+    model, dense_optimizer = dense.model, dense.optimizer
+    start = job.start
+    if runtime.replacing:  # a lost trainer's replacement: a survivor's state
+        handed = runtime.lost.replace_lost(dense.make, runtime.layout)
+        dense.load(handed["dense"], handed["dense_optimizer"])
+        start, dense.losses = handed["iteration"], list(handed["losses"])
+    elif job.resume:  # the dense state of the checkpoint; the rows come from the servers through the plan
+        directory, chain = resume_chain(config.run_dir, job.resume)
+        saved = load_dense(directory, chain[-1])
+        dense.load(saved["dense"], saved["dense_optimizer"])
+        dense.losses = list(chain[-1]["extra"].get("recent_losses", []))
+    losses = dense.losses
+    params = list(model.parameters())
+    # The parameters the model names as complete first in the backward (DLRM: the top MLP): their
+    # all-reduce starts then and runs while the rest of the backward computes (as DDP's buckets do).
+    early = EarlyBucket(runtime.grads, model.early_params(), lambda: runtime.step.iteration)
+    late_params = [p for p in params if all(p is not q for q in early.params)]
+    leader = runtime.index == 0
+    run = RunDir(config.run_dir, append=True) if leader else None
+    timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - start - 1, 0)))
+    clock = PhaseClock(warmup=timer.warmup)
+    stats = runtime.stats
+    loss = float("nan")
+    tick = window_start = time.perf_counter()
+    started = tick
+    cache_figures = cache_window(stats)
+    clock.restart()
+    while True:
+        waits = (stats.plan_wait_s, stats.fetch_wait_s, stats.lazy_sync_wait_s)
+        message = runtime.advance()
+        clock.lap("cache")
+        for kind, before in zip(("plan_wait", "fetch_wait", "lazy_sync_wait"), waits):
+            clock.carve("cache", kind, getattr(stats, f"{kind}_s") - before)
+        if message is None:
+            break
+        if message.checkpoint and leader:
+            runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
+                                    dense_optimizer=cloned_state(dense_optimizer.state_dict()),
+                                    extra={"recent_losses": list(losses)})
+            inject_fault(f"checkpoint sent {message.iteration}")
+        embeddings, lookups = runtime.lookup()
+        clock.lap("lookup")
+        early.reset()
+        local_loss = backward_slice(model, message, embeddings, seed=config.seed, part=runtime.index, lap=clock.lap)
+        dense.redo.keep(message.iteration, lookups)  # before the step: a replacement may need this slice again
+        inject_fault(f"backward {message.iteration}")
+        flat = dense_share(late_params, local_loss)
+        sync_before = stats.sync_s
+        flat = runtime.sync(lookups, flat)
+        early_flat = early.finish()
+        clock.lap("sync")
+        clock.carve("sync", "sync_wait", stats.sync_s - sync_before)
+        for group, values in ((late_params, flat), (early.params, early_flat)):
+            offset = 0
+            for p in group:
+                p.grad.copy_(values[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        dense_optimizer.step()
+        loss = float(flat[-1])
+        clock.lap("optimizer")
+        iteration = message.iteration
+        check_loss(loss, iteration, config)
+        inject_fault(f"iteration {iteration}")
+        now = time.perf_counter()
+        if iteration == start:
+            stats.extra["first_iteration_at"] = time.time()
+            if leader and start:  # a resumed job trains again: when, the launcher reports (its restarts)
+                run.log_metrics(event=RESUMED, iteration=iteration + 1)
+        timer.record(iteration - start, config.batch_size, now - tick)
+        tick = now
+        losses.append(loss)
+        if leader and ((iteration + 1) % config.log_every == 0 or iteration + 1 == job.iterations):
+            run.log_metrics(iteration=iteration + 1, samples=(iteration + 1) * config.batch_size,
+                            train_loss=float(np.mean(losses)), elapsed_s=now - started,
+                            samples_per_s=timer.samples_per_s,
+                            window_samples_per_s=len(losses) * config.batch_size / (now - window_start),
+                            stall_fraction=stats.stall_s / max(now - runtime.started, 1e-9),
+                            time_ms=clock.window(), **cache_figures())
+            losses.clear()
+            window_start = now
+        clock.lap("other")
+        clock.end_iteration()
+    stats.extra["time_breakdown_ms"] = clock.steady_ms()
+    stats.extra["peak_rss_bytes"] = peak_rss_bytes()
+    stats.extra["cpu_s"] = cpu_seconds()
+    runtime.stats.samples_per_s = timer.samples_per_s
+    runtime.stats.extra["final_train_loss"] = loss
+    if run is not None:
+        run.close()
+    runtime.close(dense_state=model.state_dict() if leader else None)
+
+
+def cache_window(stats: TrainerStats) -> Callable[[], dict]:
+    """The cache figures of each metrics window: its hit rate, rows fetched and (this trainer's share of, as
+    evicted rows are written back by one trainer each) rows written back per iteration."""
+    fields = ("iterations", "rows_fetched", "rows_written_back", "batch_rows", "batch_hits")
+    window = CounterWindow(lambda: {name: getattr(stats, name) for name in fields})
+
+    def take() -> dict:
+        grown = window.take()
+        iterations = max(grown["iterations"], 1)
+        return {"cache_hit_rate": share(grown["batch_hits"], grown["batch_rows"]),
+                "rows_fetched_per_iteration": grown["rows_fetched"] / iterations,
+                "rows_written_back_per_iteration": grown["rows_written_back"] / iterations}
+    return take

@@ -1,0 +1,467 @@
+"""A trainer's row caches kept in step with the oracle's plan, ahead of compute.
+
+A prefetcher thread pulls plan messages from the oracle and issues each iteration's fetches as soon as it sees them
+(servers park a fetch until the write-back it must observe has arrived); a writer thread sends write-backs. The
+compute thread, at each iteration boundary, applies the gradient updates that were synced lazily, evicts, installs
+the fetched rows and hands out the batch. Every trainer holds the same rows (the plan is global). ``TrainerRuntime``
+holds the trainer's components: this cache sync, its gradient sync (trainer/grad_sync.py) and its side of replacing
+a lost trainer (trainer/recovery.py); it knows nothing of the model but the hooks recovery needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bagpipe.cache import BatchView, RowCache, StepTables
+from bagpipe.checkpoint import RowPart
+from bagpipe.embeddings import Embeddings, Lookup
+from bagpipe.faults import inject_fault
+from bagpipe.optim import make_row_optimizer
+from bagpipe.runtime import transport
+from bagpipe.runtime.endpoints import ORACLE, SERVER
+from bagpipe.runtime.exit_status import PeerLost
+from bagpipe.runtime.liveness import Liveness
+from bagpipe.runtime.protocol import (DAMAGED_RESENDS, PULL_MAX_STEPS, JobInfo, SpaceStep, StepMessage, TrainerStats,
+                                      answer_digest)
+from bagpipe.runtime.reduce import Mean
+from bagpipe.runtime.redo import REDO_DEPTH
+from bagpipe.runtime.trainer.grad_sync import GradientSync, stalled
+from bagpipe.runtime.trainer.recovery import LostTrainers, ModelHooks
+from bagpipe.runtime.transport import Endpoint, unwrap
+from bagpipe.runtime.world import Epochs, Routes, ShardMoved, World, trainer_group
+
+log = logging.getLogger(__name__)
+
+_END = object()
+WRITE_POLL_S = 0.05  # how often the writer looks at its write-backs in flight while none is queued
+
+
+class TrainerRuntime:
+    """One trainer's caches (one per embedding space), prefetcher, writer, gradient sync (``grads``) and recovery
+    (``lost``), whole once constructed. ``model``: the hooks into the model trained that recovery needs (None where
+    the model is the user's, as in ``init_cache``: a lost trainer then ends the job)."""
+
+    def __init__(self, world: World, store, *, job: JobInfo, liveness: Liveness, model: ModelHooks | None = None,
+                 device: str = "cpu", writeback_delay: float = 0.0, prefetch_depth: int | None = None,
+                 replacing: bool = False) -> None:
+        """``replacing``: this process replaces a lost trainer (``lost.replace_lost``, before any step)."""
+        self.world = world
+        self.store = store
+        self.liveness = liveness
+        self.index = world.role[1]
+        self.job = job
+        self.layout = job.layout
+        self.replacing = replacing
+        config = job.config
+        self.row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
+        self.caches = [RowCache(capacity=share, dim=space.dim, optimizer=self.row_optimizer, device=device)
+                       for space, share in zip(self.layout.spaces, job.cache_rows)]
+        self.epochs = Epochs(world, store)  # requests that fail to a re-formation of the RPC world are sent again
+        if job.replace_oracle:  # requests to a lost oracle wait for its replacement
+            self.epochs.await_peer("oracle")
+        self.routes = Routes(world)  # a lost server's shard moves to its parity server (--parity)
+        self.stats = TrainerStats()
+        self.lost = LostTrainers(self, model, replaceable=job.replace_trainers)
+        # a replacement forms the group of its epoch once it has what to add to the sums that failed (replace_lost)
+        self.grads = GradientSync(None if replacing else trainer_group(world, store, self.index), caches=self.caches,
+                                  stats=self.stats, timeout=world.timeout, recover=self.lost.recover)
+        self.step: StepMessage | None = None
+        self.writeback_delay = writeback_delay  # tests only: delays every write-back on purpose
+        self._ready: queue.Queue = queue.Queue(maxsize=prefetch_depth or config.prefetch_depth)
+        self._writes: queue.Queue = queue.Queue()
+        self._failure: BaseException | None = None
+        self._checkpoint_sends: list[threading.Thread] = []  # trainer 0's parts of checkpoints, on their way
+        self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
+        self.recent: deque = deque(maxlen=REDO_DEPTH + 1)  # this trainer's last plan messages, by the compute thread
+        self._first: StepMessage | None = None  # a replacement's: the step it starts with, its boundary done
+        self.finished = job.start - 1  # the last iteration stepped (the oracle keeps the messages from before it)
+        self.written = WrittenBack(job.start)  # how far this trainer's write-backs are acknowledged
+        # Rows evicted that other trainers write back, by version, until every trainer's write-backs up to it are
+        # acknowledged (``written_by_all``, from the oracle): those of a lost trainer are sent again from here.
+        self.others_evicted: deque = deque()
+        self.written_by_all = job.start - 1
+        self.received = -1  # the last plan message received (``begin``)
+        self.stopping = threading.Event()
+        self.started: float | None = None  # when the first step was asked for
+        self._prefetcher = threading.Thread(target=self._guard, args=(self._prefetch,), name="prefetch", daemon=True)
+        self._writer = threading.Thread(target=self._guard, args=(self._write,), name="write-back", daemon=True)
+        if not replacing:
+            self.begin(after=-1)
+
+    def begin(self, *, after: int) -> None:
+        """Start pulling plan messages after iteration ``after`` and writing back."""
+        self.received = after  # the last plan message received: the oracle sends the ones after it
+        self._prefetcher.start()
+        self._writer.start()
+
+    def _guard(self, body) -> None:
+        try:
+            body()
+        except BaseException as err:
+            self._failure = self._failure or err
+            self.stopping.set()
+
+    def _prefetch(self) -> None:
+        while not self.stopping.is_set():
+            pulled = self.epochs.call("oracle", ORACLE.pull, (self.index, self.received, PULL_MAX_STEPS, self.finished,
+                                                             self.written.through()))
+            self.written_by_all = pulled.written_by_all
+            for message in pulled.messages:
+                self.received = message.iteration
+                fetches = self._issue_fetches(message)
+                while not self.stopping.is_set():
+                    try:
+                        self._ready.put((message, fetches), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if message.final:
+                    return
+
+    def _issue_fetches(self, message: StepMessage) -> list[list]:
+        """Each space's fetches, sent to the shards that hold them: (shard, index, future) per request."""
+        fetches = []
+        for space, step in enumerate(message.spaces):
+            keys, versions = step.fetch_keys, step.fetch_versions
+            shards = keys % self.world.num_shards
+            requests = []
+            for shard in range(self.world.num_shards):
+                index = torch.nonzero(shards == shard).flatten()
+                if len(index):
+                    self._tags += 1
+                    requests.append((shard, index, self._send(SERVER.fetch, shard,
+                                                              (space, keys[index], versions[index], self._tags))))
+            fetches.append(requests)
+        return fetches
+
+    def _send(self, endpoint: Endpoint, shard: int, args: tuple) -> "_Request":
+        sent_to, epoch = self.routes.server(shard), self.epochs.epoch
+        future = endpoint.call_async(World.server_name(sent_to), args, timeout=self.world.timeout)
+        return _Request(endpoint, shard, args, sent_to, future, epoch)
+
+    def _answer(self, request: "_Request", *, what: str):
+        """The answer to ``request``; a request that failed to a re-formation of the RPC world is sent again
+        once it is re-formed, and one to a server that was lost to the server its shard has moved to
+        (``--parity``), which answers it as the lost one would have (a write-back it has already is a no-op
+        there); one that a stand-in answered with ``ShardMoved`` goes where the shard went (its replacement); a
+        fetch whose rows arrived other than the server sent them (their digest differs) is sent again at once."""
+        handed_on_since, damaged = None, 0
+        while True:
+            try:
+                answer = unwrap(request.future.wait())
+            except ShardMoved as err:  # its stand-in hands the shard back to a replacement: sent where it goes
+                handed_on_since = handed_on_since or time.monotonic()
+                if time.monotonic() - handed_on_since > self.world.timeout:
+                    raise RuntimeError(f"{what} at server {request.sent_to}: shard {request.shard} was not handed "
+                                       f"on within {self.world.timeout:.0f} s ({err})") from err
+                self.routes.follow(request.shard, request.sent_to, err)
+                request = self._send(request.endpoint, request.shard, request.args)
+                continue
+            except RuntimeError as err:
+                # (one to a server whose shard has moved since goes where it is now at once: the prefetches sent
+                # to a lost server each waiting out the re-formation grace cost a second per iteration)
+                if self.routes.server(request.shard) == request.sent_to and not self.epochs.resend_after(request.epoch):
+                    self.routes.failover(request.shard, request.sent_to,
+                                         RuntimeError(f"{what} at server {request.sent_to} failed: {err}"))
+                request = self._send(request.endpoint, request.shard, request.args)
+                continue
+            if request.endpoint is not SERVER.fetch:
+                return answer
+            *parts, digest = answer  # rows, state, versions, tag; the digest of the first three
+            if answer_digest(*parts[:3]) == digest:
+                return tuple(parts)
+            damaged += 1
+            self.stats.extra["damaged_answers"] = self.stats.extra.get("damaged_answers", 0) + 1
+            if damaged > DAMAGED_RESENDS:
+                raise RuntimeError(f"{what} at server {request.sent_to}: {damaged} answers in a row arrived damaged "
+                                   f"(their rows differ from what the server sent)")
+            log.warning("trainer %d: a fetch's answer from server %d arrived damaged (its rows differ from what the "
+                        "server sent): sent again", self.index, request.sent_to)
+            request = self._send(request.endpoint, request.shard, request.args)
+
+    def _write(self) -> None:
+        in_flight: list[_Request] = []
+        while True:
+            try:  # with write-backs in flight, look at them now and then: a failed one is sent again at once,
+                # since a fetch (and so the compute thread, and the next write-back) may be waiting for it
+                item = self._writes.get(timeout=WRITE_POLL_S if in_flight else None)
+            except queue.Empty:
+                item = None
+            if item is _END:
+                break
+            if item is not None:
+                if self.writeback_delay:
+                    time.sleep(self.writeback_delay)
+                shard, args = item
+                in_flight.append(self._send(SERVER.write_back, shard, args))
+            done = [request.future.done() for request in in_flight]  # once: one may finish meanwhile
+            answered = [request for request, finished in zip(in_flight, done) if finished]
+            in_flight = [request for request, finished in zip(in_flight, done) if not finished]
+            for request in answered:
+                self._answer(request, what="write-back")
+                self.written.acknowledged(request.args[-1])
+        for request in in_flight:
+            self._answer(request, what="write-back")
+            self.written.acknowledged(request.args[-1])
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"trainer {self.index}: {self._failure}") from self._failure
+
+    def advance(self) -> StepMessage | None:
+        """Carry out the next plan step and return its message; None after the final flush."""
+        if self.started is None:
+            self.started = time.perf_counter()
+        if self._first is not None:  # a replacement's first step: its boundary is in the state it was given
+            message, self._first = self._first, None
+            self.step = message
+            self.recent.append(message)
+            if message.final:
+                self._flush()
+                return None
+            self.stats.iterations += 1
+            return message
+        waited = since = time.perf_counter()
+        while True:
+            self._raise_if_failed()
+            try:
+                message, fetches = self._ready.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if self.epochs.awaiting:  # a lost oracle's replacement, awaited within its own deadline
+                    since = time.perf_counter()
+                elif time.perf_counter() - since > self.world.timeout:
+                    raise TimeoutError(f"trainer {self.index}: no plan from the oracle for "
+                                       f"{self.world.timeout:.0f} s") from None
+        stalled(self.stats, "plan_wait_s", waited)
+        if self.step is not None and not self.step.final:
+            self.finished = self.step.iteration
+        while self.others_evicted and self.others_evicted[0][0] <= self.written_by_all:
+            self.others_evicted.popleft()
+        for space, (step, requests) in enumerate(zip(message.spaces, fetches)):
+            self._boundary(space, message.iteration, step, requests)
+            if not message.final:
+                self.stats.batch_rows += len(step.batch_keys)
+                self.stats.batch_hits += len(step.batch_keys) - len(step.fetch_keys)
+        self.written.boundary(message.iteration - 1)  # every write-back of this boundary is counted by now
+        self.recent.append(message)
+        self.step = message
+        self.lost.hand_over()  # to a lost trainer's replacement, if one awaits this trainer's state
+        kept = sum(len(entry[2]) for entry in self.others_evicted)
+        self.stats.extra["others_evicted_peak_rows"] = max(self.stats.extra.get("others_evicted_peak_rows", 0), kept)
+        if message.final:
+            self._flush()
+            return None
+        self.stats.iterations += 1
+        return message
+
+    def _boundary(self, space: int, iteration: int, step: SpaceStep, requests: list) -> None:
+        """One space's part of the boundary before ``iteration``: due updates, evictions, fetched rows."""
+        cache, dim = self.caches[space], self.layout.spaces[space].dim
+        evict_slots = step.evict_slots.numpy()
+        self.grads.apply_pending(space, upto=iteration - 2, evicting=evict_slots)
+        if len(evict_slots):
+            rows, state = cache.evict(evict_slots, step.evict_keys.numpy())
+            mine = step.write_mask
+            if mine.any():
+                self._send_write_backs(space, step.evict_keys[mine], rows[mine], state[mine], version=iteration - 1)
+            others = ~mine
+            if self.grads.group is not None and others.any():
+                self.others_evicted.append((iteration - 1, space, step.evict_keys[others], rows[others], state[others]))
+        fetch_keys = step.fetch_keys.numpy()
+        if len(fetch_keys):
+            rows = torch.empty(len(fetch_keys), dim)
+            state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(dim))
+            waited = time.perf_counter()
+            for _, index, request in requests:
+                rows[index], state[index], have, tag = self._answer(request, what="fetch")
+                check_fetched(*request.args, have, tag, server=request.sent_to, iteration=iteration)
+            stalled(self.stats, "fetch_wait_s", waited)
+            cache.install(step.fetch_slots.numpy(), fetch_keys, rows, state)
+            self.stats.rows_fetched += len(fetch_keys)
+
+    def _send_write_backs(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *,
+                          version: int) -> None:
+        shards = keys % self.world.num_shards
+        for shard in range(self.world.num_shards):
+            index = torch.nonzero(shards == shard).flatten()
+            if len(index):
+                self.written.sending(version)
+                self._writes.put((shard, (space, keys[index], rows[index], state[index], version)))
+        self.stats.rows_written_back += len(keys)
+        self.stats.bytes_sent += rows.numel() * 4 + state.numel() * 4 + keys.numel() * 8
+
+    def resend_others_evicted(self) -> None:
+        """Send again the rows evicted that other trainers write back (a lost trainer's may be missing; a repeat
+        is a no-op where it arrived)."""
+        for version, space, keys, rows, state in list(self.others_evicted):
+            self._send_write_backs(space, keys, rows, state, version=version)
+
+    def await_written(self, version: int) -> None:
+        """Wait until this trainer's write-backs up to ``version`` are acknowledged."""
+        deadline = time.monotonic() + self.world.timeout
+        while self.written.through() < version:
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer {self.index}: its write-backs up to iteration {version} were not "
+                                   f"acknowledged within {self.world.timeout:.0f} s")
+            time.sleep(0.005)
+
+    def take_over(self, state: dict, *, first: StepMessage, recent: list[StepMessage]) -> None:
+        """A replacement's: a survivor's cache-side state at iteration ``state["iteration"]`` (``first``'s, whose
+        boundary it has done), with its plan messages of the iterations before (``recent``); then start pulling
+        after it, and send again the lost trainer's write-backs up to it (any may be missing)."""
+        n = state["iteration"]
+        self.recent.extend(recent)
+        for cache, (slot_key, weights, cache_state, resident) in zip(self.caches, state["caches"]):
+            cache.slot_key[:] = slot_key
+            cache.weights.copy_(weights)
+            cache.state.copy_(cache_state)
+            cache.resident_rows = resident
+        for pending, entries in zip(self.grads.pending, state["pending"]):
+            pending.extend((iteration, slots, grads, Mean(None, grads, timeout=self.world.timeout))
+                           for iteration, slots, grads in entries)
+        self.others_evicted.extend(state["others_evicted"])
+        self.written_by_all = state["written_by_all"]
+        self.finished = n - 1
+        self.written = WrittenBack(n)
+        self._first = first
+        self.begin(after=n)
+        self.resend_others_evicted()
+
+    def sync(self, lookups: list[Lookup], extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """This iteration's gradient sync (``GradientSync.sync``)."""
+        return self.grads.sync(self.step, lookups, extra)
+
+    def lookup(self) -> tuple[Embeddings, list[Lookup]]:
+        """This iteration's slice's embeddings, and each space's Lookup.
+
+        The oracle sent each id's row (``positions``) and each row's slot: no search here.
+        """
+        message = self.step
+        views = [BatchView(step.batch_keys.numpy(), step.batch_slots.numpy(), step.num_now, step.positions)
+                 for step in message.spaces]
+        return StepTables(self.caches, views, self.layout).lookup(message.ids)
+
+    def _flush(self) -> None:
+        self._writes.put(_END)
+        self._writer.join()
+        self._raise_if_failed()
+        self.stats.loop_s = time.perf_counter() - self.started
+
+    def send_checkpoint(self, iteration: int, *, dense: dict, dense_optimizer: dict, extra: dict) -> None:
+        """Trainer 0's part of the checkpoint at boundary ``iteration`` (runtime.checkpointing): every cached
+        row, with every update of the iterations before applied (their background syncs are waited for),
+        and the dense state given, sent to the oracle in the background."""
+        no_evictions = np.zeros(0, dtype=np.int64)
+        parts = []
+        for space, cache in enumerate(self.caches):
+            self.grads.apply_pending(space, upto=iteration - 1, evicting=no_evictions)
+            slots = np.flatnonzero(cache.slot_key >= 0)
+            index = torch.from_numpy(slots).to(cache.weights.device)
+            parts.append(RowPart(space=space, keys=cache.slot_key[slots].copy(),
+                                 rows=cache.weights.index_select(0, index).cpu().numpy(),
+                                 state=cache.state.index_select(0, index).cpu().numpy()))
+        args = (iteration, dense, dense_optimizer, parts, extra)
+        self._checkpoint_sends = [sending for sending in self._checkpoint_sends if sending.is_alive()]
+        def send() -> None:
+            inject_fault(f"sending checkpoint {iteration}")
+            self.epochs.call("oracle", ORACLE.checkpoint_cache, args)
+
+        sending = threading.Thread(target=self._guard, args=(send,), name="checkpoint", daemon=True)
+        sending.start()  # (sent again after a re-formation: the oracle keeps the last one it gets)
+        self._checkpoint_sends.append(sending)
+
+    def progress(self) -> dict:
+        """How far this trainer is (for a lost oracle's replacement): the last plan message received, the last
+        iteration stepped, and the version its write-backs are acknowledged to."""
+        return {"after": self.received, "finished": self.finished, "written": self.written.through()}
+
+    def close(self, *, dense_state: dict | None = None) -> None:
+        """Report to the oracle (after the final flush) and leave the job."""
+        for sending in self._checkpoint_sends:
+            sending.join()
+        self._raise_if_failed()
+        self.stopping.set()
+        self.epochs.call("oracle", ORACLE.trainer_done, (self.index, self.stats, dense_state))
+        inject_fault("done")
+        self.epochs.stop()
+        self.liveness.stop()
+        transport.shutdown_rpc()  # the oracle has this trainer's report: nothing is in flight
+
+    def abort(self) -> None:
+        self.stopping.set()
+        self._writes.put(_END)
+        self.epochs.stop()
+
+    def fail(self, lost: PeerLost) -> None:
+        """A peer this trainer needs is lost: the compute thread's next step raises it."""
+        log.error("%s", lost.message)
+        self._failure = self._failure or RuntimeError(lost.message)
+        self.stopping.set()
+
+
+class WrittenBack:
+    """The version up to which every write-back a trainer sent is acknowledged: the write-backs in flight, counted
+    by version (the compute thread sends them, the writer thread sees them answered)."""
+
+    def __init__(self, start: int) -> None:
+        self._in_flight: collections.Counter = collections.Counter()
+        self._last = start - 1  # the version of the last boundary whose write-backs were all sent
+        self._lock = threading.Lock()
+
+    def sending(self, version: int) -> None:
+        with self._lock:
+            self._in_flight[version] += 1
+
+    def boundary(self, version: int) -> None:
+        """Every write-back of ``version`` is sent (or counted by ``sending``)."""
+        with self._lock:
+            self._last = max(self._last, version)
+
+    def acknowledged(self, version: int) -> None:
+        with self._lock:
+            self._in_flight[version] -= 1
+            if not self._in_flight[version]:
+                del self._in_flight[version]
+
+    def through(self) -> int:
+        with self._lock:
+            return min(self._in_flight) - 1 if self._in_flight else self._last
+
+
+def check_fetched(space: int, keys: torch.Tensor, wanted: torch.Tensor, tag: int, have: torch.Tensor,
+                  answered: int, *, server: int, iteration: int) -> None:
+    """A fetch's answer is its request's (the tag it was sent with comes back) and holds every row at (or, after a
+    resume, past) the version the plan asked for; anything else is a fault of the servers or the RPC layer, and
+    training on it would silently leave the reference's path: raised."""
+    if answered != tag:
+        raise RuntimeError(f"iteration {iteration}: server {server} answered fetch {tag} of space {space} with the "
+                           f"answer to fetch {answered}")
+    behind = torch.nonzero(have < wanted).flatten()
+    if len(behind):
+        first = int(behind[0])
+        raise RuntimeError(f"iteration {iteration}: server {server} answered a fetch of space {space} with "
+                           f"{len(behind)} rows older than asked for (first: key {int(keys[first])} at version "
+                           f"{int(have[first])}, asked for {int(wanted[first])})")
+
+
+@dataclass(frozen=True)
+class _Request:
+    """An RPC to the server of a data shard, kept until answered so that it can be sent again elsewhere."""
+
+    endpoint: Endpoint
+    shard: int
+    args: tuple
+    sent_to: int  # the server it went to
+    future: torch.futures.Future
+    epoch: int  # the RPC world it was sent in
