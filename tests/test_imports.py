@@ -169,7 +169,7 @@ def test_no_role_state_in_module_globals():
 
 
 @pytest.mark.parametrize("endpoints, handlers", [
-    ("ORACLE", ("bagpipe.runtime.oracle", "Oracle")),
+    ("ORACLE", ("bagpipe.runtime.oracle.service", "Oracle")),
     ("SERVER", ("bagpipe.runtime.server.handlers", "ServerHandlers")),
     ("TRAINER", ("bagpipe.runtime.trainer.handlers", "TrainerHandlers"))])
 def test_every_endpoint_is_answered_by_its_roles_handlers(endpoints, handlers):

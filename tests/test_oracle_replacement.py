@@ -138,33 +138,33 @@ def test_a_replacement_oracles_plan_messages_equal_the_lost_ones_and_each_traine
     11) makes every later message as the first oracle made it, keeps those from REDO_DEPTH before each trainer's last
     step (a lost trainer's replacement may pull them), and a pull after what a trainer has gets the next ones."""
     from bagpipe.data.binary import open_dataset
-    from bagpipe.runtime.oracle import Oracle
+    from bagpipe.runtime.oracle.feed import Sent
     from bagpipe.runtime.redo import REDO_DEPTH
+    from feeds import feed_of
 
     config = job_config(small_binary, tmp_path / "run", iterations=40)
     world = World(rank=0, world_size=5, num_trainers=2)
     dataset = open_dataset(small_binary)
 
-    def pulled_all(oracle, afters):  # every trainer's messages after ``afters``, pulled in turn (queues are bounded)
+    def pulled_all(feed, afters):  # every trainer's messages after ``afters``, pulled in turn (queues are bounded)
         messages = {trainer: [] for trainer in range(len(afters))}
         while not all(got and got[-1].final for got in messages.values()):
             for trainer, got in messages.items():
                 if not (got and got[-1].final):
-                    got += oracle.pull(trainer, got[-1].iteration if got else afters[trainer], 8).messages
+                    got += feed.pull(trainer, got[-1].iteration if got else afters[trainer], 8).messages
         return messages
 
-    def started(oracle):
-        oracle.servers_ready = {f"server{s}" for s in range(world.num_servers)}
-        threading.Thread(target=oracle.produce, daemon=True).start()
-        return oracle
+    def started(feed):
+        threading.Thread(target=feed.produce, daemon=True).start()
+        return feed
 
-    first = started(Oracle(config, world, dataset))
+    first = started(feed_of(config, world, dataset))
     expected = pulled_all(first, [-1, -1])
-    first.stop.set()
-    second = Oracle(config, world, dataset, takes_over=True)
-    second.sent_before, second.finished = [17, 12], [15, 11]
-    second.first_message = replayed_from([{"finished": f} for f in second.finished], start=0, redo_depth=REDO_DEPTH)
-    started(second)
+    first.state.stop.set()
+    finished = [15, 11]
+    second = started(feed_of(config, world, dataset, sent=Sent(
+        before=[17, 12], finished=finished, written=[-1, -1],
+        first=replayed_from([{"finished": f} for f in finished], start=0, redo_depth=REDO_DEPTH))))
     pulled = pulled_all(second, second.sent_before)
     for trainer, after in enumerate(second.sent_before):
         got = pulled[trainer]
@@ -174,7 +174,7 @@ def test_a_replacement_oracles_plan_messages_equal_the_lost_ones_and_each_traine
             assert all(a.equal(b) for a, b in zip(_tensors(ours), _tensors(theirs), strict=True))
     # the messages kept for a lost trainer's replacement begin REDO_DEPTH before the slowest trainer's last step
     assert second.sent[1][0].iteration <= 11 - REDO_DEPTH + 1
-    second.stop.set()
+    second.state.stop.set()
 
 
 def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(small_binary, tmp_path):

@@ -150,14 +150,13 @@ def test_the_log_copies_the_parameters_so_a_step_after_it_does_not_change_what_i
 
 def test_the_oracle_keeps_a_trainers_messages_from_before_its_last_step_and_tells_the_rows_written_by_all(
         small_binary):
-    from bagpipe.runtime.oracle import Oracle
     from bagpipe.runtime.protocol import StepMessage
     from bagpipe.runtime.world import World
+    from feeds import feed_of
 
     config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH, iterations=40, trainers=2,
                          model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"))
-    oracle = Oracle(config, World(rank=0, world_size=4, num_trainers=2), open_dataset(small_binary))
-    oracle.servers_ready = {"server0"}
+    oracle = feed_of(config, World(rank=0, world_size=4, num_trainers=2), open_dataset(small_binary))
     for iteration in range(12):
         for out in oracle.queues:
             out.put(StepMessage(iteration=iteration, final=False, dense_x=None, ids=None, target=None, spaces=[]))

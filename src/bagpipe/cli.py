@@ -603,7 +603,7 @@ def run_oracle(args) -> None:
 
     from bagpipe.config import load_train_config
     from bagpipe.runtime.agree import stated
-    from bagpipe.runtime.oracle import run_oracle as oracle_main
+    from bagpipe.runtime.oracle.main import run_oracle as oracle_main
 
     setup_logging(role="oracle", rank=0)
     if args.store_served:  # a process-wide switch, read where the oracle joins the store and states the job

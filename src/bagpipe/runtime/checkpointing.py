@@ -32,7 +32,7 @@ from bagpipe.faults import inject_fault
 from bagpipe.threads import Background
 from bagpipe.runtime.endpoints import SERVER
 from bagpipe.runtime.transport import unwrap
-from bagpipe.runtime.world import NoEpochs, Routes, World
+from bagpipe.runtime.world import Epochs, NoEpochs, Routes, World
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,14 @@ class JobCheckpoints:
 
     def __init__(self, config: TrainConfig, world: World, *, num_spaces: int, resumed_at: int | None,
                  routes: Routes, on_evaluable: Callable[[int, dict, ChainRows], None] | None = None,
-                 keep_staged: bool = False) -> None:
+                 keep_staged: bool = False, epochs: Epochs | NoEpochs | None = None) -> None:
         """``on_evaluable(boundary, dense, rows)``: called with each checkpoint taken for ``--eval-every`` once
         committed (its rows read lazily, from files opened before any later prune). ``keep_staged``: checkpoints
-        being written are left alone (a lost oracle's replacement takes them over, ``take_over``)."""
+        being written are left alone (a lost oracle's replacement takes them over, ``take_over``). ``epochs``: the
+        oracle's, through which requests to the servers are sent again after a re-formation of the RPC world."""
         self.config, self.world, self.routes = config, world, routes
         self.on_evaluable = on_evaluable
-        self.epochs = NoEpochs()  # the oracle's Epochs once it is in the RPC world: requests resent after a re-formation
+        self.epochs = epochs if epochs is not None else NoEpochs()  # requests sent again after a re-formation
         self.writer = (CheckpointWriter(config.run_dir, keep=config.keep_checkpoints, clear_staged=not keep_staged)
                        if self.periodic else None)
         self.schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)

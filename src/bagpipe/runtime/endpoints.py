@@ -1,9 +1,9 @@
 """What each role answers, by name: the endpoints a caller asks for (runtime/transport.py).
 
 A caller imports this module, never the role that answers, so the oracle, the servers and the trainers do not
-import each other. Each role serves an object of handlers whose methods carry these names (the ``Oracle`` itself
-in runtime/oracle.py, ``ServerHandlers`` in runtime/server.py, ``TrainerHandlers`` in runtime/trainer.py;
-tests/test_imports.py checks that every endpoint has its handler).
+import each other. Each role serves an object of handlers whose methods carry these names (the ``Oracle`` in
+runtime/oracle/service.py, ``ServerHandlers`` in runtime/server/handlers.py, ``TrainerHandlers`` in
+runtime/trainer/handlers.py; tests/test_imports.py checks that every endpoint has its handler).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import traceback
 # torch.use_deterministic_algorithms imports on its first call (with dynamo and sympy: ~1 s of CPU), which every
 # trainer makes before its first iteration (reference.deterministic).
 PRELOAD = ("torch", "torch.distributed.rpc", "torch._inductor.config", "numpy", "bagpipe.cli",
-           "bagpipe.runtime.oracle", "bagpipe.runtime.server.main", "bagpipe.runtime.trainer.main",
+           "bagpipe.runtime.oracle.main", "bagpipe.runtime.server.main", "bagpipe.runtime.trainer.main",
            "bagpipe.runtime.launch", "bagpipe.models", "bagpipe.reference")
 PRELOAD_IF_PRESENT = ("torch._inductor.config",)  # a speed-up only: a torch build without it still serves
 ENTRY = "bagpipe.cli:main"

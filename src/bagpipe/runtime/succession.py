@@ -105,9 +105,8 @@ class JobRecord:
 class RecordKeeper:
     """Writes the oracle's JobRecord to the store whenever it changes (``save``)."""
 
-    def __init__(self, record: JobRecord) -> None:
-        self.record = record
-        self.store = None  # the job's store, once the oracle has one
+    def __init__(self, record: JobRecord, *, store) -> None:
+        self.record, self.store = record, store
         self._lock = threading.Lock()
 
     def save(self, **changes) -> None:
@@ -115,8 +114,7 @@ class RecordKeeper:
         with self._lock:
             for name, value in changes.items():
                 setattr(self.record, name, value)
-            if self.store is not None:
-                self.store.set(STATE_KEY, self.record.to_json())
+            self.store.set(STATE_KEY, self.record.to_json())
 
 
 def load_record(store) -> JobRecord | None:

@@ -25,6 +25,7 @@ from bagpipe.storage import RowStore
 
 log = logging.getLogger(__name__)
 
+
 def run_server(world: World, *, given: dict | None = None) -> None:
     """Serve one shard until the oracle says training has ended (a lost oracle is the heartbeats' to tell).
 
@@ -32,43 +33,31 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     the oracle agrees with every other role's at check-in. The same command started again for a server
     whose process was lost, while the oracle awaits its replacement, joins as that replacement.
     """
+    # 1. check in, watch the oracle, and wait for the job as every role agreed on it
     store, world = check_in(world, "server", given=given)
-    role, index = world.role
     liveness = Liveness(world, watch=[0])
     job = JobInfo.from_json(wait_for_job(world, store))
     world = job_world(world, job.config)
-    handlers = ServerHandlers(world, job)  # served once whole (a request that comes sooner waits for it)
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle)
-    config, layout = job.config, job.layout
-    row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
+    # 2. become what this rank is: a data server or a parity server, or a lost one's replacement (which is made
+    # ready before the RPC world is re-formed around it, while training goes on)
+    handlers = ServerHandlers(world, job)  # served once whole (a request that comes sooner waits for it)
+    data = world.role[1] < world.num_shards
+    if world.epoch:
+        become = _replace_data_server if data else _replace_parity_server
+    else:
+        become = _start_data_server if data else _start_parity_server
+    # 3. serve until the oracle says training has ended
+    become(handlers, store, liveness, make_row_optimizer(job.config.optimizer, lr=job.config.lr))
+
+
+def _start_data_server(handlers: ServerHandlers, store, liveness: Liveness, row_optimizer) -> None:
+    """A data server of the job's first RPC world: its shard from the seed or the checkpoint resumed."""
+    world, job = handlers.world, handlers.job
+    config, layout, index = job.config, job.layout, world.role[1]
     started = time.perf_counter()
-    if world.epoch:  # a replacement: ready before the RPC world is re-formed around it (training goes on)
-        if index < world.num_shards:
-            _replace_data_server(handlers, store, liveness, row_optimizer)
-            return
-        # the parity's structure first: its members' deltas arrive as soon as the RPC world has this process
-        handlers.parity = parity = replacement_parity(world, job, index, row_optimizer, NoEpochs())
-        transport.serve("server", handlers)
-        epochs = join_rpc_as_replacement(world, store)
-        if epochs is None:  # training ended before the job needed it
-            liveness.stop()
-            return
-        handlers.epochs = parity.epochs = epochs
-        parity.make()
-        inject_fault("parity made")
-        epochs.call("oracle", ORACLE.replaced, (world.rank, {"made_in_s": parity.made_in_s}))
-        serve_until_stopped(handlers, store, liveness, stores=[])
-        return
     init_rpc(world, store)
     handlers.epochs = epochs = Epochs(world, store)
-    if index >= world.num_shards:
-        handlers.parity = parity = start_parity(world, job, index, row_optimizer, epochs)
-        transport.serve("server", handlers)
-        log.info("server %d holds the parity of servers %s (%d positions); ready in %.1f s", index,
-                 ", ".join(map(str, parity.shards)), sum(p.num_rows for p in parity.parities),
-                 time.perf_counter() - started)
-        serve_until_stopped(handlers, store, liveness, stores=[])
-        return
     specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
     server = Server(shard_stores(world, job, row_optimizer, specs))
     if job.resume:
@@ -83,6 +72,37 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in server.stores),
              layout.num_rows, where, time.perf_counter() - started)
     serve_until_stopped(handlers, store, liveness, stores=server.stores)
+
+
+def _start_parity_server(handlers: ServerHandlers, store, liveness: Liveness, row_optimizer) -> None:
+    """A parity server of the job's first RPC world: the parity of its group as the members start."""
+    world, index = handlers.world, handlers.world.role[1]
+    started = time.perf_counter()
+    init_rpc(world, store)
+    handlers.epochs = epochs = Epochs(world, store)
+    handlers.parity = parity = start_parity(world, handlers.job, index, row_optimizer, epochs)
+    transport.serve("server", handlers)
+    log.info("server %d holds the parity of servers %s (%d positions); ready in %.1f s", index,
+             ", ".join(map(str, parity.shards)), sum(p.num_rows for p in parity.parities),
+             time.perf_counter() - started)
+    serve_until_stopped(handlers, store, liveness, stores=[])
+
+
+def _replace_parity_server(handlers: ServerHandlers, store, liveness: Liveness, row_optimizer) -> None:
+    """A lost parity server's replacement: the parity's structure first (its members' deltas arrive as soon as the
+    RPC world has this process), then the parity made from its group's rows while they train."""
+    world = handlers.world
+    handlers.parity = parity = replacement_parity(world, handlers.job, world.role[1], row_optimizer, NoEpochs())
+    transport.serve("server", handlers)
+    epochs = join_rpc_as_replacement(world, store)
+    if epochs is None:  # training ended before the job needed it
+        liveness.stop()
+        return
+    handlers.epochs = parity.epochs = epochs
+    parity.make()
+    inject_fault("parity made")
+    epochs.call("oracle", ORACLE.replaced, (world.rank, {"made_in_s": parity.made_in_s}))
+    serve_until_stopped(handlers, store, liveness, stores=[])
 
 
 def _replace_data_server(handlers: ServerHandlers, store, liveness: Liveness, row_optimizer) -> None:

@@ -26,7 +26,7 @@ from bagpipe.storage.rowstore import shard_num_rows
 log = logging.getLogger(__name__)
 
 class ParityServer:
-    """The parity of one group of data shards (a ParityRows per space), behind the RPC handlers of server/handlers.py."""
+    """The parity of one group of data shards (a ParityRows per space), behind server/handlers.py's handlers."""
 
     def __init__(self, parities: list[ParityRows], *, group: int, shards: list[int], epochs: Epochs) -> None:
         self.parities, self.group, self.shards, self.epochs = parities, group, shards, epochs

@@ -1,0 +1,213 @@
+"""The oracle's feed: the planner run over the global batches, and each trainer's plan messages, pulled.
+
+A producer thread runs the planner over the global batches in order and fills one bounded queue per trainer;
+trainers pull from their queue (flow control: the oracle never runs further ahead than the queues hold). Every
+trainer's messages are kept from REDO_DEPTH before the last iteration it stepped (a pull's answer lost to a
+re-formation of the RPC world is pulled again; a lost trainer's replacement computes those iterations again). A
+lost oracle's replacement plans again from the start (a pure function of the data and the configuration) and
+sends each trainer only what it does not have (``Sent``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from bagpipe.cache import BatchRows, batch_view
+from bagpipe.config import TrainConfig
+from bagpipe.data.batches import batch_rows, read_batch
+from bagpipe.data.binary import BinaryDataset
+from bagpipe.embeddings import valid_keys
+from bagpipe.faults import inject_fault
+from bagpipe.planner import PlannerConfig, plan_spaces
+from bagpipe.planner.plan import PlanStep
+from bagpipe.runtime.checkpointing import JobCheckpoints
+from bagpipe.runtime.oracle.state import JobState
+from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, slice_messages
+from bagpipe.runtime.redo import REDO_DEPTH
+
+PULL_WAIT_S = 1.0  # how long a pull waits for a plan message before answering with none
+
+
+@dataclasses.dataclass
+class Sent:
+    """What the trainers had from a lost oracle when its replacement took over (their ``progress``): per trainer
+    the last plan message it has (``before``), the last iteration it stepped and the version its write-backs are
+    acknowledged to; the first message made again (``first``: those before it no trainer may pull again), and which
+    of the messages made again carried a checkpoint."""
+
+    before: list[int]
+    finished: list[int]
+    written: list[int]
+    first: int
+    checkpoints: set[int] = dataclasses.field(default_factory=set)
+
+
+class Feed:
+    """The plan of ``job`` over ``dataset``'s training split, fed to its trainers. ``checkpoints``: which
+    boundaries carry one (and what each snapshot waits for); ``state``: the servers a checkpoint waits for, the
+    job's failure, ``stop``. A replacement oracle's feed is given what its trainers have (``sent``) and calls
+    ``on_resumed(replay_s)`` once its plans are new."""
+
+    def __init__(self, config: TrainConfig, dataset: BinaryDataset, job: JobInfo, *, checkpoints: JobCheckpoints,
+                 state: JobState, sent: Sent | None = None, on_resumed: Callable[[float], None] | None = None) -> None:
+        self.config, self.dataset, self.checkpoints, self.state = config, dataset, checkpoints, state
+        self.layout, self.iterations, self.start = job.layout, job.iterations, job.start
+        num_trainers = state.world.num_trainers
+        self.planned = self.start  # the last iteration planned
+        self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
+                                              num_trainers=num_trainers, policy=config.policy,
+                                              cleanup_fraction=config.cleanup_fraction)
+                                for space, share in zip(self.layout.spaces, job.cache_rows)]
+        depth = max(2 * config.prefetch_depth, 2 * PULL_MAX_STEPS)
+        self.queues = [queue.Queue(maxsize=depth) for _ in range(num_trainers)]
+        # per trainer, the plan messages sent from REDO_DEPTH before the last iteration it stepped on
+        self.sent: list[deque] = [deque() for _ in range(num_trainers)]
+        sent = sent or Sent(before=[self.start - 1] * num_trainers, finished=[self.start - 1] * num_trainers,
+                            written=[self.start - 1] * num_trainers, first=self.start)
+        self.sent_before, self.first_message, self.sent_checkpoints = sent.before, sent.first, sent.checkpoints
+        self.finished = list(sent.finished)  # per trainer, the last iteration it said it stepped
+        self.written = list(sent.written)  # and the version its write-backs are acknowledged to
+        self.on_resumed = on_resumed
+        self.bytes_sent = 0
+
+    def produce(self) -> None:
+        """The producer thread's: plan to the end of the job (a failure is the job's: the trainers' next pull
+        says it)."""
+        try:
+            self._produce()
+        except BaseException as err:  # noqa: BLE001 - handed to the trainers' next pull and to the main thread
+            self.state.fail(err)
+
+    def _produce(self) -> None:
+        config, split, layout, stop = self.config, self.dataset.train, self.layout, self.state.stop
+        pending: deque = deque()
+
+        def key_stream():
+            for rows in batch_rows(split, batch_size=config.batch_size, iterations=self.iterations,
+                                   shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
+                batch = read_batch(split, rows)
+                pending.append(batch)
+                yield [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
+
+        rows = [BatchRows(space.num_rows) for space in layout.spaces]
+        started = time.perf_counter()
+        resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
+        for steps in plan_spaces(key_stream(), self.planner_configs):
+            iteration = self.planned = steps[0].iteration
+            batch = pending.popleft() if iteration < self.iterations else None
+            if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
+                for slot_key, step in zip(resident, steps):
+                    slot_key[step.evict_slots] = -1
+                    slot_key[step.fetch_slots] = step.fetch_keys
+                if iteration < self.start:
+                    continue
+                steps = tuple(_refill(step, slot_key) for step, slot_key in zip(steps, resident))
+            checkpoint = False
+            for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
+                self.checkpoints.count_evictions(space, step.evict_keys)
+            sent = iteration <= max(self.sent_before)  # by a lost oracle this one replaces: planned again
+            if sent and iteration < self.first_message:
+                continue
+            if not sent:
+                self._resumed(started)
+            if sent:
+                checkpoint = iteration in self.sent_checkpoints
+            elif self.checkpoints.periodic and self.start < iteration < self.iterations:
+                self.state.await_servers()  # a checkpoint asks every server for its part
+                checkpoint = self.checkpoints.maybe_begin(iteration)
+            views = [batch_view(step) for step in steps]
+            for space_rows, view in zip(rows, views):
+                space_rows.load(view)
+            inject_fault(f"planned {iteration}")
+            messages = slice_messages(iteration, steps, views, rows, batch, layout, len(self.queues),
+                                      checkpoint=checkpoint)
+            for out, message in zip(self.queues, messages):
+                self.bytes_sent += message.nbytes()
+                while not stop.is_set():
+                    try:
+                        out.put(message, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        self._resumed(started)  # (the lost oracle had sent every plan: none is new)
+
+    def _resumed(self, started: float) -> None:
+        if self.on_resumed is not None:
+            on_resumed, self.on_resumed = self.on_resumed, None
+            on_resumed(time.perf_counter() - started)
+
+    def pull(self, trainer: int, after: int, max_steps: int, finished: int | None = None,
+             written: int | None = None) -> Pulled:
+        """The next plan messages of ``trainer``, which has those up to iteration ``after``: the ones it was sent
+        and did not get (the answer lost to a re-formation of the RPC world) again, else new ones; none after
+        PULL_WAIT_S without any (the trainer asks again: an RPC thread is not held for long).
+
+        ``finished``: the last iteration the trainer has stepped; its messages are kept from REDO_DEPTH before it
+        on (a replacement for it may compute those iterations' shares again, runtime/redo.py). ``written``: the
+        last version all its write-backs up to are acknowledged; the answer says the lowest of all the trainers'
+        (every trainer keeps the rows others write back until then)."""
+        state = self.state
+        state.await_servers()
+        kept = self.sent[trainer]
+        with state.changed:
+            if finished is not None:
+                self.finished[trainer] = max(self.finished[trainer], finished)
+            if written is not None:
+                self.written[trainer] = max(self.written[trainer], written)
+            written_by_all = min(self.written)
+        while kept and kept[0].iteration <= self.finished[trainer] - REDO_DEPTH:
+            kept.popleft()
+        if kept and after + 1 < kept[0].iteration:
+            raise RuntimeError(f"trainer {trainer}'s plan messages from iteration {after + 1} are no longer kept "
+                               f"(from {kept[0].iteration} on)")
+        again = [message for message in kept if message.iteration > after]
+        if again:
+            return Pulled(again, written_by_all)
+        if kept and after > kept[-1].iteration and after > self.sent_before[trainer]:
+            raise RuntimeError(f"trainer {trainer} pulled after iteration {after}, past the {kept[-1].iteration} "
+                               f"it was sent")
+        out = self.queues[trainer]
+        deadline = time.monotonic() + PULL_WAIT_S
+        messages = []
+        while not messages:
+            if state.failure is not None:
+                raise RuntimeError(f"the oracle failed: {state.failure}")
+            try:
+                message = out.get(timeout=0.2)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    return Pulled([], written_by_all)
+                continue
+            kept.append(message)
+            if message.iteration > after:  # (one a lost oracle had sent, planned again, is kept only)
+                messages.append(message)
+        while len(messages) < max_steps and not messages[-1].final:
+            try:
+                messages.append(out.get_nowait())
+            except queue.Empty:
+                break
+            kept.append(messages[-1])
+        return Pulled(messages, written_by_all)
+
+    def trainer_done(self, trainer: int) -> None:
+        """``trainer``'s final flush's write-backs are acknowledged (under ``state.changed``)."""
+        self.written[trainer] = self.iterations
+
+
+def _refill(step: PlanStep, slot_key: np.ndarray) -> PlanStep:
+    """The plan step a resumed job starts with: its trainers' caches are empty, so every row resident
+    after it (``slot_key``: the replayed plan's slots) is fetched into its slot; the servers hold the
+    checkpoint's rows, at its boundary's version."""
+    slots = np.flatnonzero(slot_key >= 0)
+    empty = np.zeros(0, dtype=np.int64)
+    return dataclasses.replace(step, fetch_keys=slot_key[slots], fetch_slots=slots,
+                               fetch_versions=np.full(len(slots), -1, dtype=np.int64), evict_keys=empty,
+                               evict_writers=empty, evict_slots=empty)
