@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bagpipe.runtime.trainer.recovery import Recovery
+from bagpipe.runtime.trainer.recovery import HandedOver, Recovery
 from bagpipe.runtime.trainer.runtime import TrainerRuntime
 
 
@@ -38,7 +38,7 @@ class TrainerHandlers:
         """How far this trainer is, for a lost oracle's replacement (``TrainerRuntime.progress``)."""
         return self.runtime.progress()
 
-    def handed_over(self, trainer: int) -> dict:
+    def handed_over(self, trainer: int) -> HandedOver:
         """This trainer's state for ``trainer``'s replacement, once at an iteration boundary."""
         recovery = self._recovery_for(trainer)
         if not recovery.handed.wait(timeout=2 * self.runtime.world.timeout):

@@ -20,7 +20,7 @@ from bagpipe.runtime.keys import RESUMED
 from bagpipe.runtime.protocol import TrainerStats
 from bagpipe.runtime.redo import Recomputer, RedoLog, backward_slice, dense_share
 from bagpipe.runtime.trainer.grad_sync import EarlyBucket
-from bagpipe.runtime.trainer.recovery import ModelHooks
+from bagpipe.runtime.trainer.recovery import DenseState, ModelHooks
 from bagpipe.runtime.trainer.runtime import TrainerRuntime
 from bagpipe.timing import PhaseClock, cpu_seconds, peak_rss_bytes
 
@@ -47,17 +47,17 @@ class DenseModel:
         return ModelHooks(redo=self.redo, recompute=Recomputer(self.make, self.layout, seed=self.config.seed,
                                                                part=self.part), state=self.state)
 
-    def state(self, boundary: int) -> dict:
+    def state(self, boundary: int) -> DenseState:
         """What a lost trainer's replacement takes at ``boundary``: the model, its optimizer, the losses logged
         with the next log."""
         since_log = boundary % self.config.log_every
-        return {"dense": cloned_state(self.model.state_dict()),
-                "dense_optimizer": cloned_state(self.optimizer.state_dict()),
-                "losses": self.losses[len(self.losses) - since_log:] if since_log else []}
+        return DenseState(model=cloned_state(self.model.state_dict()),
+                          optimizer=cloned_state(self.optimizer.state_dict()),
+                          losses=self.losses[len(self.losses) - since_log:] if since_log else [])
 
-    def load(self, dense: dict, dense_optimizer: dict) -> None:
-        self.model.load_state_dict(dense)
-        self.optimizer.load_state_dict(dense_optimizer)
+    def load(self, model: dict, optimizer: dict) -> None:
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
 
 
 def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
@@ -68,8 +68,8 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     start = job.start
     if runtime.replacing:  # a lost trainer's replacement: a survivor's state
         handed = runtime.lost.replace_lost(dense.make, runtime.layout)
-        dense.load(handed["dense"], handed["dense_optimizer"])
-        start, dense.losses = handed["iteration"], list(handed["losses"])
+        dense.load(handed.dense.model, handed.dense.optimizer)
+        start, dense.losses = handed.iteration, list(handed.dense.losses)
     elif job.resume:  # the dense state of the checkpoint; the rows come from the servers through the plan
         directory, chain = resume_chain(config.run_dir, job.resume)
         saved = load_dense(directory, chain[-1])

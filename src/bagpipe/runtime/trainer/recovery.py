@@ -19,13 +19,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from bagpipe.runtime.endpoints import ORACLE, TRAINER
 from bagpipe.runtime.keys import REPLACE_PREFIX, STOP_KEY, SUMS_PREFIX
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, StepMessage
 from bagpipe.runtime.reduce import Mean
-from bagpipe.runtime.redo import REDO_DEPTH, Recomputer, RedoLog, Shares, agree_on_sums, sum_order
+from bagpipe.runtime.redo import REDO_DEPTH, Kept, Recomputer, RedoLog, Shares, agree_on_sums, sum_order
 from bagpipe.runtime.world import World, trainer_group
 
 if TYPE_CHECKING:
@@ -35,15 +36,51 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
+class DenseState:
+    """The dense part of a trainer's state at an iteration boundary: the model's and its optimizer's state dicts,
+    and the losses since the last log (a replacement for trainer 0 logs with them)."""
+
+    model: dict
+    optimizer: dict
+    losses: list[float]
+
+
+@dataclasses.dataclass
+class CacheState:
+    """One embedding space's cache at an iteration boundary: which row each slot holds, the rows, their optimizer
+    state, the count of rows resident, and the updates waiting for their sums ((iteration, slots, grads) each)."""
+
+    slot_key: np.ndarray
+    weights: torch.Tensor
+    state: torch.Tensor
+    resident_rows: int
+    pending: list[tuple]
+
+
+@dataclasses.dataclass
+class HandedOver:
+    """What a survivor hands a lost trainer's replacement at its boundary before ``iteration``: the inputs of the
+    iterations before (``kept``, for a replacement of its own), each space's cache, the rows evicted that other
+    trainers write back (until every trainer's write-backs up to ``written_by_all`` are acknowledged) and the
+    dense state."""
+
+    iteration: int
+    kept: list[Kept]
+    caches: list[CacheState]
+    others_evicted: list[tuple]
+    written_by_all: int
+    dense: DenseState
+
+
+@dataclasses.dataclass
 class ModelHooks:
     """What recovery needs of the model a trainer trains (trainer/loop.py's DenseModel gives them): its last
     iterations' inputs (``redo``), its shares of an iteration computed again (``recompute(kept, message)``) and
-    the dense state a replacement takes at a boundary (``state(iteration)``: the model, its optimizer, the losses
-    since the last log)."""
+    the dense state a replacement takes at a boundary (``state(iteration)``)."""
 
     redo: RedoLog
     recompute: Callable
-    state: Callable[[int], dict]
+    state: Callable[[int], DenseState]
 
 
 class Recovery:
@@ -52,7 +89,7 @@ class Recovery:
 
     def __init__(self, *, trainer: int, epoch: int, sums: list[tuple], kept: dict) -> None:
         self.trainer, self.epoch, self.sums, self.kept = trainer, epoch, sums, kept
-        self.state: dict | None = None
+        self.state: HandedOver | None = None
         self.handed = threading.Event()
 
 
@@ -179,19 +216,20 @@ class LostTrainers:
         redo = self.model.redo
         kept = [dataclasses.replace(redo.kept(i), params=[p.clone() for p in redo.kept(i).params])
                 for i in redo.iterations() if i >= boundary - REDO_DEPTH + 1]  # (the log reuses its copies)
-        recovery.state = {
-            "iteration": boundary, "kept": kept,
-            "caches": [(cache.slot_key.copy(), cache.weights.cpu().clone(), cache.state.cpu().clone(),
-                        cache.resident_rows) for cache in runtime.caches],
-            "pending": [[(iteration, slots.copy(), grads.clone()) for iteration, slots, grads, _ in pending]
-                        for pending in runtime.grads.pending],
-            "others_evicted": list(runtime.others_evicted), "written_by_all": runtime.written_by_all,
-            **self.model.state(boundary)}
+        recovery.state = HandedOver(
+            iteration=boundary, kept=kept,
+            caches=[CacheState(slot_key=cache.slot_key.copy(), weights=cache.weights.cpu().clone(),
+                               state=cache.state.cpu().clone(), resident_rows=cache.resident_rows,
+                               pending=[(iteration, slots.copy(), grads.clone())
+                                        for iteration, slots, grads, _ in pending])
+                    for cache, pending in zip(runtime.caches, runtime.grads.pending)],
+            others_evicted=list(runtime.others_evicted), written_by_all=runtime.written_by_all,
+            dense=self.model.state(boundary))
         recovery.handed.set()
         log.info("trainer %d: its state at iteration %d is ready for trainer %d's replacement", runtime.index,
                  boundary, recovery.trainer)
 
-    def replace_lost(self, make_model, layout) -> dict:
+    def replace_lost(self, make_model, layout) -> HandedOver:
         """This process replaces a lost trainer: add its shares to the sums that failed with it (computed again from
         what the lowest survivor kept), then take that survivor's state at its next boundary; returns the state
         (its dense part is the caller's to load)."""
@@ -213,12 +251,12 @@ class LostTrainers:
         for mean in means:
             mean.wait()
         state = epochs.call(donor, TRAINER.handed_over, (runtime.index,), timeout=2 * world.timeout)
-        n = state["iteration"]
+        n = state.iteration
         messages.update(self._pull_messages(n - REDO_DEPTH, upto=n))
         # the survivor's inputs of the iterations before: this process can give them to a replacement of its own
-        for kept in state["kept"]:
+        for kept in state.kept:
             self.model.redo.adopt(kept)
-        runtime.take_over(state, first=messages[n], recent=[messages[kept.iteration] for kept in state["kept"]])
+        runtime.take_over(state, first=messages[n], recent=[messages[kept.iteration] for kept in state.kept])
         seconds = time.perf_counter() - started
         runtime.stats.extra["replaced_at_iteration"] = n
         epochs.call("oracle", ORACLE.replaced, (world.rank, {"sums_again": len(plan.sums), "caught_up_in_s": seconds,

@@ -35,7 +35,7 @@ from bagpipe.runtime.protocol import (DAMAGED_RESENDS, PULL_MAX_STEPS, JobInfo, 
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import REDO_DEPTH
 from bagpipe.runtime.trainer.grad_sync import GradientSync, stalled
-from bagpipe.runtime.trainer.recovery import LostTrainers, ModelHooks
+from bagpipe.runtime.trainer.recovery import HandedOver, LostTrainers, ModelHooks
 from bagpipe.runtime.transport import Endpoint, unwrap
 from bagpipe.runtime.world import Epochs, Routes, ShardMoved, World, trainer_group
 
@@ -316,22 +316,21 @@ class TrainerRuntime:
                                    f"acknowledged within {self.world.timeout:.0f} s")
             time.sleep(0.005)
 
-    def take_over(self, state: dict, *, first: StepMessage, recent: list[StepMessage]) -> None:
-        """A replacement's: a survivor's cache-side state at iteration ``state["iteration"]`` (``first``'s, whose
-        boundary it has done), with its plan messages of the iterations before (``recent``); then start pulling
-        after it, and send again the lost trainer's write-backs up to it (any may be missing)."""
-        n = state["iteration"]
+    def take_over(self, state: HandedOver, *, first: StepMessage, recent: list[StepMessage]) -> None:
+        """A replacement's: a survivor's cache-side state at ``state.iteration`` (``first``'s, whose boundary it has
+        done), with its plan messages of the iterations before (``recent``); then start pulling after it, and send
+        again the lost trainer's write-backs up to it (any may be missing)."""
+        n = state.iteration
         self.recent.extend(recent)
-        for cache, (slot_key, weights, cache_state, resident) in zip(self.caches, state["caches"]):
-            cache.slot_key[:] = slot_key
-            cache.weights.copy_(weights)
-            cache.state.copy_(cache_state)
-            cache.resident_rows = resident
-        for pending, entries in zip(self.grads.pending, state["pending"]):
+        for cache, pending, taken in zip(self.caches, self.grads.pending, state.caches):
+            cache.slot_key[:] = taken.slot_key
+            cache.weights.copy_(taken.weights)
+            cache.state.copy_(taken.state)
+            cache.resident_rows = taken.resident_rows
             pending.extend((iteration, slots, grads, Mean(None, grads, timeout=self.world.timeout))
-                           for iteration, slots, grads in entries)
-        self.others_evicted.extend(state["others_evicted"])
-        self.written_by_all = state["written_by_all"]
+                           for iteration, slots, grads in taken.pending)
+        self.others_evicted.extend(state.others_evicted)
+        self.written_by_all = state.written_by_all
         self.finished = n - 1
         self.written = WrittenBack(n)
         self._first = first
