@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, Lookahead
-from bagpipe.nn.host import DiskTable, MemoryTable
+from bagpipe.nn.host import HostTable, host_table
+from bagpipe.storage.disk import DiskRows
+from bagpipe.storage.memory import MemoryRows
 from bagpipe.optim import RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
 from test_nn import DIM, NUM_ROWS, _batches, _loss, _pair
@@ -33,7 +35,7 @@ def _disk(tmp_path: Path, *, budget_rows: int = 20) -> StorageSpec:
 def test_training_on_disk_equals_the_reference_bit_for_bit(tmp_path, optimizer, policy):
     batches = _batches(40)
     reference, reference_optimizer, cached = _pair(optimizer, cache_rows=60, storage=_disk(tmp_path))
-    assert isinstance(cached.rows.host, DiskTable) and cached.rows.host.path.parent == tmp_path
+    assert isinstance(cached.rows.host.tier, DiskRows) and cached.rows.host.path.parent == tmp_path
     for ids, offsets, target in batches:
         reference_optimizer.zero_grad()
         _loss(reference(ids, offsets), target).backward()
@@ -74,7 +76,7 @@ def test_a_collection_on_disk_equals_one_in_memory(tmp_path):
         for module in modules:
             sum(_loss(out, target) for out, target in zip(module(inputs), targets)).backward()
     memory, disk = modules
-    assert [type(rows.host) for rows in disk.spaces] == [DiskTable, DiskTable]
+    assert [type(rows.host.tier) for rows in disk.spaces] == [DiskRows, DiskRows]
     assert sum(rows.stats["rows_written_back"] for rows in disk.spaces) > 100
     assert sum(rows.host.stats()["disk_rows_read"] for rows in disk.spaces) > 50
     for t in range(len(shapes)):
@@ -101,9 +103,9 @@ def test_a_memory_table_and_a_disk_table_answer_alike(tmp_path):
     optimizer = make_row_optimizer("adam", lr=0.1)
     width = optimizer.state_width(3)
     initial = torch.from_numpy(rng.standard_normal((500, 3)).astype(np.float32))
-    memory = MemoryTable(initial.clone(), torch.zeros(500, width))
-    disk = DiskTable(tmp_path, num_rows=500, dim=3, state_width=width, budget_bytes=30 * 80,
-                     blocks=[initial[:123], initial[123:]])
+    memory = HostTable(MemoryRows(initial.clone(), state_width=width, versioned=False))
+    disk = host_table(StorageSpec("disk", tmp_path, 30 * 80), num_rows=500, dim=3, state_width=width,
+                      blocks=[initial[:123], initial[123:]])
     for step in range(200):
         keys = np.unique(rng.integers(0, 500, 40))
         kind = step % 4
@@ -125,7 +127,7 @@ def test_a_memory_table_and_a_disk_table_answer_alike(tmp_path):
                 table.set_rows(start, rows)
     assert all(torch.equal(a, b) for a, b in zip(memory.rows(0, 500), disk.rows(0, 500)))
     with pytest.raises(ValueError, match="hold 10 rows, the table 20"):
-        DiskTable(tmp_path, num_rows=20, dim=3, state_width=0, budget_bytes=0, blocks=[torch.zeros(10, 3)])
+        host_table(StorageSpec("disk", tmp_path, 0), num_rows=20, dim=3, state_width=0, blocks=[torch.zeros(10, 3)])
     disk.close()
     assert list(tmp_path.iterdir()) == []
 

@@ -1,12 +1,13 @@
-"""Where a cached module's full table lives: tensors in host memory (``MemoryTable``), or a file of records
-on local disk behind a bounded DRAM cache (``DiskTable``, the servers' disk tier ``storage.DiskRows``).
+"""Where a cached module's full table lives: any storage tier (storage/tiers.py), in host memory (``MemoryRows``)
+or in a file of records on local disk behind a bounded DRAM cache (``DiskRows``), the tiers the servers use.
 
-Both read and write rows by key together with their optimizer state, so a row evicted from the device
-cache keeps its state wherever the table lives, and training is the same bit for bit over either.
+``HostTable`` reads and writes rows by key together with their optimizer state, so a row evicted from the device
+cache keeps its state wherever the table lives, and training is the same bit for bit over every tier.
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import threading
 from pathlib import Path
@@ -15,122 +16,67 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from bagpipe.embeddings import Lookup, update_rows
 from bagpipe.optim import RowOptimizer
-from bagpipe.storage import DiskRows, StorageSpec
+from bagpipe.storage import StorageSpec, open_tier
+from bagpipe.storage.tiers import RowTier
 
 DISK_BUDGET_BYTES = 64 << 20  # storage="disk"'s default DRAM cache in front of the file
-INIT_BLOCK_ROWS = 8192  # rows drawn, written or read at once when a table on disk is filled or read whole
+INIT_BLOCK_ROWS = 8192  # rows drawn at once when a table on disk is filled
 
 
-class MemoryTable:
-    """``weight`` ``[N, D]`` and ``state`` ``[N, S]`` as host tensors (``weight`` shared with the caller)."""
-
-    def __init__(self, weight: torch.Tensor, state: torch.Tensor) -> None:
-        self.weight, self.state = weight, state
-        self.num_rows, self.dim = weight.shape
-
-    def read(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of rows ``keys`` and their state. Safe beside a ``write`` of other rows on another thread."""
-        index = torch.from_numpy(keys)
-        return self.weight.index_select(0, index), self.state.index_select(0, index)
-
-    def write(self, keys: np.ndarray, weights: torch.Tensor, state: torch.Tensor) -> None:
-        index = torch.from_numpy(keys)
-        self.weight.index_copy_(0, index, weights)
-        if self.state.shape[1]:
-            self.state.index_copy_(0, index, state)
-
-    def step(self, optimizer: RowOptimizer, keys: np.ndarray, grads: torch.Tensor) -> None:
-        """Row-optimizer step on rows ``keys`` (distinct), in place."""
-        index = torch.from_numpy(keys)
-        update_rows(optimizer, self.weight, self.state, Lookup(index, self.weight.index_select(0, index)), grads)
-
-    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``start:stop`` and their state: views of the table, which the module keeps updating."""
-        return self.weight[start:stop], self.state[start:stop]
-
-    def set_rows(self, start: int, weights: torch.Tensor) -> None:
-        """Rows from ``start`` on replaced by ``weights``; their optimizer state kept."""
-        self.weight[start:start + len(weights)].copy_(weights)
-
-    def close(self) -> None:
-        pass
-
-
-class DiskTable:
-    """A table of ``num_rows x dim`` (and its optimizer state) in a file of fixed-size records in ``directory``,
-    with at most ``budget_bytes`` of it cached in this process (``storage.DiskRows``). ``blocks``: the initial
-    rows, block by block, so that the table is never whole in memory. The file is this module's working copy:
+class HostTable:
+    """A table of ``num_rows x dim`` rows and their optimizer state in a storage ``tier``, as a cached module
+    reads and writes it: by key, with no versions. Calls are serialised where the tier's reads change it (a disk
+    tier's DRAM cache: the module's read-ahead thread reads too). A table in a file is the module's working copy:
     deleted by ``close`` (or when the module is collected, or at exit)."""
 
-    def __init__(self, directory: str | Path, *, num_rows: int, dim: int, state_width: int, budget_bytes: int,
-                 blocks: Iterable[torch.Tensor]) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        handle = tempfile.NamedTemporaryFile(dir=directory, prefix="bagpipe-table-", suffix=".rows", delete=False)
-        handle.close()  # a unique name; DiskRows opens it again
-        self.num_rows, self.dim, self.state_width = num_rows, dim, state_width
-        self.disk = DiskRows(Path(handle.name), num_rows=num_rows, dim=dim, state_width=state_width,
-                             budget_bytes=budget_bytes)
-        self._lock = threading.Lock()  # DiskRows' DRAM cache changes on reads too (a read-ahead thread reads)
-        start = 0
-        for block in blocks:
-            self.disk.fill(start, block.detach().to("cpu", torch.float32).contiguous())
-            start += len(block)
-        if start != num_rows:
-            self.close()
-            raise ValueError(f"the initial blocks hold {start} rows, the table {num_rows}")
+    def __init__(self, tier: RowTier) -> None:
+        self.tier = tier
+        self.num_rows, self.dim, self.state_width = tier.num_rows, tier.dim, tier.state_width
+        self.views = tier.views  # ``rows`` gives views of the table (in memory), not copies
+        self._lock = threading.Lock() if tier.needs_lock else contextlib.nullcontext()
+        self._closed = False
 
     @property
-    def path(self) -> Path:
-        return self.disk.path
+    def path(self) -> Path | None:
+        """The table's file, for a tier that keeps one."""
+        return getattr(self.tier, "path", None)
 
     def read(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of rows ``keys`` and their state."""
         with self._lock:
-            weights, state, _ = self.disk.read(keys)
+            weights, state, _ = self.tier.read(keys)
         return weights, state
 
     def write(self, keys: np.ndarray, weights: torch.Tensor, state: torch.Tensor) -> None:
         with self._lock:
-            self.disk.write(keys, weights.contiguous(), state.contiguous(), version=0)
+            self.tier.write(keys, weights.contiguous(), state.contiguous(), version=0)
 
     def step(self, optimizer: RowOptimizer, keys: np.ndarray, grads: torch.Tensor) -> None:
-        """Row-optimizer step on rows ``keys`` (distinct): read, stepped as the memory tier steps them, written."""
-        weights, state = self.read(keys)
-        index = torch.arange(len(keys))
-        update_rows(optimizer, weights, state, Lookup(index, weights), grads)
-        self.write(keys, weights, state)
+        """Row-optimizer step on rows ``keys`` (distinct)."""
+        with self._lock:
+            self.tier.step(optimizer, keys, grads)
 
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of rows ``start:stop`` and their state, read from the file (and the DRAM cache's newer rows)."""
-        parts = []
+        """Rows ``start:stop`` and their state: views of a table in memory (which the module keeps updating),
+        copies of one on disk."""
         with self._lock:
-            for first in range(start, stop, INIT_BLOCK_ROWS):
-                parts.append(self.disk.read_range(first, min(first + INIT_BLOCK_ROWS, stop))[:2])
-        if not parts:
-            return torch.zeros(0, self.dim), torch.zeros(0, self.state_width)
-        return (torch.from_numpy(np.concatenate([w for w, _ in parts])),
-                torch.from_numpy(np.concatenate([s for _, s in parts])))
+            return self.tier.rows(start, stop)
 
     def set_rows(self, start: int, weights: torch.Tensor) -> None:
-        """Rows from ``start`` on replaced by ``weights``, block by block; their optimizer state kept."""
-        for first in range(0, len(weights), INIT_BLOCK_ROWS):
-            part = weights[first:first + INIT_BLOCK_ROWS].detach().to("cpu", torch.float32)
-            keys = np.arange(start + first, start + first + len(part), dtype=np.int64)
-            with self._lock:
-                _, state, _ = self.disk.read_range(int(keys[0]), int(keys[-1]) + 1)
-                self.disk.write(keys, part.contiguous(), torch.from_numpy(state), version=0)
+        """Rows from ``start`` on replaced by ``weights``; their optimizer state kept."""
+        with self._lock:
+            self.tier.set_rows(start, weights.detach().to("cpu", torch.float32))
 
     def stats(self) -> dict:
-        return self.disk.stats()
+        return self.tier.stats()
 
     def close(self) -> None:
-        """Delete the file (idempotent)."""
+        """Let go of the table, deleting its file if it has one (idempotent)."""
         with self._lock:
-            if self.disk is not None:
-                self.disk.close()
-                self.disk = None
+            if not self._closed:
+                self._closed = True
+                self.tier.close()
 
 
 def storage_spec(storage: str | StorageSpec) -> StorageSpec:
@@ -143,15 +89,19 @@ def storage_spec(storage: str | StorageSpec) -> StorageSpec:
     return StorageSpec(storage)  # "memory", or a ValueError naming the kinds
 
 
-def host_table(storage: StorageSpec, *, num_rows: int, dim: int, state_width: int,
-               blocks: Iterable[torch.Tensor]) -> MemoryTable | DiskTable:
-    """A table of the initial rows ``blocks`` (concatenated) and zero optimizer state, where ``storage`` says."""
-    if storage.kind == "memory":
-        blocks = list(blocks)
-        weight = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        return MemoryTable(weight, torch.zeros(num_rows, state_width))
-    return DiskTable(storage.directory, num_rows=num_rows, dim=dim, state_width=state_width,
-                     budget_bytes=storage.budget_bytes, blocks=blocks)
+def host_table(storage: StorageSpec, *, num_rows: int, dim: int, state_width: int, blocks: Iterable[torch.Tensor],
+               state: torch.Tensor | None = None) -> HostTable:
+    """A table of the initial rows ``blocks`` (concatenated) and zero optimizer state (or ``state``, shared, in
+    memory), where ``storage`` says (a file on disk gets a name of its own in its directory)."""
+    name = None
+    if storage.directory is not None:
+        Path(storage.directory).mkdir(parents=True, exist_ok=True)
+        handle = tempfile.NamedTemporaryFile(dir=storage.directory, prefix="bagpipe-table-", suffix=".rows",
+                                             delete=False)
+        handle.close()  # a unique name, whose file the tier opens again (and deletes when closed)
+        name = Path(handle.name).name.removesuffix(".rows")
+    return HostTable(open_tier(storage, name=name or "table", num_rows=num_rows, dim=dim, state_width=state_width,
+                               blocks=blocks, versioned=False, state=state))
 
 
 def initial_blocks(num_rows: int, dim: int, weight: torch.Tensor | None, *, storage: StorageSpec) -> Iterable[torch.Tensor]:

@@ -12,21 +12,21 @@ import torch
 from torch import nn
 
 from bagpipe.embeddings import Lookup, update_rows
-from bagpipe.nn.host import DiskTable, MemoryTable
+from bagpipe.nn.host import HostTable
 from bagpipe.nn.slots import CLEANUP_FRACTION, SlotIndex
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlanStep
 
 
 class CachedRows(nn.Module):
-    """``host``: the full table ``[N, D]`` and its optimizer state (a MemoryTable or a DiskTable); ``cache_rows``
+    """``host``: the full table ``[N, D]`` and its optimizer state (a HostTable, in any storage tier); ``cache_rows``
     of its rows in buffers on the device.
 
     A submodule, so that ``.to(device)`` moves the cache (buffers, not saved in a state dict) and leaves
     the host table where it is.
     """
 
-    def __init__(self, host: MemoryTable | DiskTable, *, cache_rows: int, optimizer: RowOptimizer,
+    def __init__(self, host: HostTable, *, cache_rows: int, optimizer: RowOptimizer,
                  policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION,
                  device: torch.device | str | None = None) -> None:
         super().__init__()

@@ -3,8 +3,8 @@ in host memory or on disk behind one cache per embedding width: what ``bagpipe t
 through.
 
 In memory the host tables are the reference's own ``EmbeddingTables`` (same initial rows, same optimizer
-state); on disk each space is a file of records (nn.host.DiskTable) filled with the same initial rows, block
-by block. Each space sits behind a CachedRows as in CachedEmbeddingBagCollection; a lookup gathers the batch's
+state); on disk each space is a file of records (the disk tier, storage.DiskRows) filled with the same initial rows,
+block by block. Each space sits behind a CachedRows as in CachedEmbeddingBagCollection; a lookup gathers the batch's
 rows from the cache with the reference's own code, so training equals ``--mode reference`` bit for bit.
 """
 
@@ -19,11 +19,12 @@ import torch
 from bagpipe.cache import BatchRows, BatchView
 from bagpipe.embeddings import (EmbeddingLayout, EmbeddingTables, Embeddings, Lookup, distinct_positions, gather,
                                 init_row_blocks, valid_keys)
-from bagpipe.nn.host import DiskTable, MemoryTable
+from bagpipe.nn.host import HostTable, host_table
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.optim import RowOptimizer
 from bagpipe.storage import StorageSpec
+from bagpipe.storage.memory import MemoryRows
 from bagpipe.storage.disk import record_bytes
 
 
@@ -31,12 +32,12 @@ LOAD_BLOCK_ROWS = 65_536  # rows written at once when a space is restored
 
 
 class CachedTables:
-    """The rows of ``layout``'s spaces (``hosts``: one MemoryTable or DiskTable each) behind a cache of
+    """The rows of ``layout``'s spaces (``hosts``: one HostTable each, in any storage tier) behind a cache of
     ``cache_rows[s]`` rows for each space s (a trainer's shares: ``EmbeddingLayout.split_cache``); ``policy``
     "lru" or "lfu" evicts for an unknown future (with ``bagpipe.nn.Lookahead`` the planner decides instead).
     ``over`` makes them over the reference's tables in memory, ``on_disk`` in files."""
 
-    def __init__(self, layout: EmbeddingLayout, optimizer: RowOptimizer, hosts: list[MemoryTable | DiskTable], *,
+    def __init__(self, layout: EmbeddingLayout, optimizer: RowOptimizer, hosts: list[HostTable], *,
                  cache_rows: list[int], policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION,
                  device: torch.device | str | None = None) -> None:
         self.layout, self.optimizer = layout, optimizer
@@ -53,7 +54,8 @@ class CachedTables:
     @classmethod
     def over(cls, tables: EmbeddingTables, **options) -> "CachedTables":
         """The reference's tables (in memory, shared) behind the caches."""
-        hosts = [MemoryTable(weights, state) for weights, state in zip(tables.weights, tables.state)]
+        hosts = [HostTable(MemoryRows(weights, state_width=state.shape[1], state=state, versioned=False))
+                 for weights, state in zip(tables.weights, tables.state)]
         return cls(tables.layout, tables.optimizer, hosts, **options)
 
     @classmethod
@@ -67,9 +69,9 @@ class CachedTables:
             for space, size in zip(layout.spaces, sizes):
                 blocks = itertools.chain.from_iterable(init_row_blocks(t, layout.tables[t], seed=seed)
                                                        for t in space.tables)
-                hosts.append(DiskTable(storage.directory, num_rows=space.num_rows, dim=space.dim,
-                                       state_width=optimizer.state_width(space.dim),
-                                       budget_bytes=storage.budget_bytes * size // max(sum(sizes), 1), blocks=blocks))
+                share = StorageSpec("disk", storage.directory, storage.budget_bytes * size // max(sum(sizes), 1))
+                hosts.append(host_table(share, num_rows=space.num_rows, dim=space.dim,
+                                        state_width=optimizer.state_width(space.dim), blocks=blocks))
         except BaseException:
             for host in hosts:
                 host.close()
@@ -136,7 +138,7 @@ class CachedTables:
         rows = self.spaces[space]
         rows.flush()
         if keys is None:  # a table on disk reads a copy; one in memory gives views, copied here
-            weights, state = (part.numpy() if isinstance(rows.host, DiskTable) else part.numpy().copy()
+            weights, state = (part.numpy().copy() if rows.host.views else part.numpy()
                               for part in rows.host.rows(0, rows.num_rows))
         else:
             weights, state = (part.numpy() for part in rows.host.read(keys))
@@ -186,7 +188,6 @@ class CachedTables:
         empty in memory."""
         totals: dict = {}
         for rows in self.spaces:
-            if isinstance(rows.host, DiskTable):
-                for name, value in rows.host.stats().items():
-                    totals[name] = totals.get(name, 0) + value
+            for name, value in rows.host.stats().items():
+                totals[name] = totals.get(name, 0) + value
         return totals

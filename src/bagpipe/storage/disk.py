@@ -23,11 +23,15 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
 
+from bagpipe.embeddings import Lookup, update_rows
 from bagpipe.files import writing
+from bagpipe.optim import RowOptimizer
+from bagpipe.storage.tiers import tier
 
 # per cached row beyond its record: its key twice (slot owner and sorted index), its slot in the index,
 # its last use and whether it is dirty
@@ -53,8 +57,12 @@ def storage_path(storage_dir: str, run_dir: str) -> Path:
     return Path(storage_dir) / f"bagpipe-{Path(where).name}-{tag}"
 
 
+@tier("disk")
 class DiskRows:
-    """A shard of ``num_rows`` rows in ``path``, with at most ``budget_bytes`` of it in this process."""
+    """``num_rows`` rows in ``path``, with at most ``budget_bytes`` of them in this process."""
+
+    views = False  # ``rows`` reads copies
+    needs_lock = True  # a read changes the DRAM cache
 
     def __init__(self, path: Path, *, num_rows: int, dim: int, state_width: int, budget_bytes: int) -> None:
         self.path = Path(path)
@@ -78,7 +86,28 @@ class DiskRows:
         self._clock = 0
         self.hits = self.rows_read = self.rows_written = 0
 
-    # -- the RowStore's interface --------------------------------------------------------------
+    @classmethod
+    def open(cls, spec, *, name: str, num_rows: int, dim: int, state_width: int, blocks: Iterable[torch.Tensor],
+             versioned: bool = True, state: torch.Tensor | None = None) -> "DiskRows":
+        """A file ``name``.rows in ``spec.directory`` behind ``spec.budget_bytes`` of DRAM, filled with ``blocks``
+        and zero optimizer state (every record holds a version: ``versioned`` changes nothing here)."""
+        if state is not None:
+            raise ValueError("a table on disk starts with zero optimizer state: only the memory tier shares one")
+        rows = cls(Path(spec.directory) / f"{name}.rows", num_rows=num_rows, dim=dim, state_width=state_width,
+                   budget_bytes=spec.budget_bytes)
+        start = 0
+        try:
+            for block in blocks:
+                rows.fill(start, block.detach().to("cpu", torch.float32).contiguous())
+                start += len(block)
+            if start != num_rows:
+                raise ValueError(f"the initial blocks hold {start} rows, the table {num_rows}")
+        except BaseException:
+            rows.close()
+            raise
+        return rows
+
+    # -- the tier's interface (storage/tiers.py) ------------------------------------------------
     def fill(self, start: int, rows: torch.Tensor) -> None:
         """Initial rows from ``start`` on (no state, never written back), straight to the file."""
         for first in range(0, len(rows), FILL_ROWS):
@@ -100,10 +129,7 @@ class DiskRows:
               version: int | np.ndarray) -> None:
         """Write-backs land in the cache (dirty); the file gets them in batches, as they are evicted."""
         local = np.asarray(local, dtype=np.int64)
-        records = np.empty((len(local), self.width), dtype=np.float32)
-        records[:, :self.dim] = rows.numpy()
-        records[:, self.dim:self.dim + self.state_width] = state.numpy()
-        records[:, -1:].view(np.int32)[:, 0] = version + 1
+        records = self._records(rows, state, version)
         hit, slots = self._lookup(local)
         self._cache[slots] = records[hit]
         self._dirty[slots], self._used_at[slots] = True, self._clock
@@ -119,6 +145,30 @@ class DiskRows:
         block[self._keys[lo:hi] - start] = self._cache[self._slots[lo:hi]]
         rows, state, versions = self._split(block)
         return rows.numpy(), state.numpy(), versions
+
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of rows ``start:stop`` and their state, read from the file (and the DRAM cache's newer rows) a
+        chunk at a time."""
+        parts = [self.read_range(first, min(first + FILL_ROWS, stop))[:2] for first in range(start, stop, FILL_ROWS)]
+        if not parts:
+            return torch.zeros(0, self.dim), torch.zeros(0, self.state_width)
+        return (torch.from_numpy(np.concatenate([w for w, _ in parts])),
+                torch.from_numpy(np.concatenate([s for _, s in parts])))
+
+    def set_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Rows from ``start`` on replaced by ``rows``, a chunk at a time; their optimizer state and versions kept."""
+        for first in range(0, len(rows), FILL_ROWS):
+            part = rows[first:first + FILL_ROWS].detach().to("cpu", torch.float32).contiguous()
+            local = np.arange(start + first, start + first + len(part), dtype=np.int64)
+            _, state, versions = self.read_range(int(local[0]), int(local[-1]) + 1)
+            self.write(local, part, torch.from_numpy(state), version=versions)
+
+    def step(self, optimizer: RowOptimizer, local: np.ndarray, grads: torch.Tensor) -> None:
+        """Row-optimizer step on rows ``local`` (distinct): read, stepped as the memory tier steps them, written
+        back at the versions they had."""
+        weights, state, versions = self.read(local)
+        update_rows(optimizer, weights, state, Lookup(torch.arange(len(local)), weights), grads)
+        self.write(local, weights, state, version=versions)
 
     def set_versions(self, version: int) -> None:
         """Every row at ``version`` (a restored checkpoint's boundary)."""
@@ -140,6 +190,13 @@ class DiskRows:
                 "disk_cache_hits": self.hits, "disk_cache_rows": self.capacity}
 
     # -- the cache -------------------------------------------------------------------------
+    def _records(self, rows: torch.Tensor, state: torch.Tensor, version: int | np.ndarray) -> np.ndarray:
+        records = np.empty((len(rows), self.width), dtype=np.float32)
+        records[:, :self.dim] = rows.numpy()
+        records[:, self.dim:self.dim + self.state_width] = state.numpy()
+        records[:, -1:].view(np.int32)[:, 0] = np.asarray(version) + 1
+        return records
+
     def _split(self, records: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         rows = torch.from_numpy(np.ascontiguousarray(records[:, :self.dim]))
         state = torch.from_numpy(np.ascontiguousarray(records[:, self.dim:self.dim + self.state_width]))

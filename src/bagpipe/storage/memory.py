@@ -1,25 +1,47 @@
-"""The memory tier: a shard's rows, optimizer state and row versions as arrays in memory."""
+"""The memory tier: rows, optimizer state and (if versioned) row versions as tensors and arrays in memory."""
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import numpy as np
 import torch
 
+from bagpipe.embeddings import Lookup, update_rows
+from bagpipe.optim import RowOptimizer
+from bagpipe.storage.tiers import tier
 
+
+@tier("memory")
 class MemoryRows:
-    """Rows ``[num_rows, dim]``, optimizer state ``[num_rows, state_width]`` and versions in memory."""
+    """Rows ``weights`` ``[num_rows, dim]`` (shared with the caller), optimizer state ``[num_rows, state_width]``
+    (``state``, shared, or zeros) and, if ``versioned``, each row's version, in memory."""
 
     max_chunk_rows = 1 << 30  # a snapshot's chunk as its writer asks
+    views = True  # ``rows`` gives views: the table itself
+    needs_lock = False  # a read changes nothing
 
-    def __init__(self, weights: torch.Tensor, *, state_width: int) -> None:
+    def __init__(self, weights: torch.Tensor, *, state_width: int, state: torch.Tensor | None = None,
+                 versioned: bool = True) -> None:
         self.weights = weights
-        self.state = torch.zeros(weights.shape[0], state_width)
-        self._versions = np.full(weights.shape[0], -1, dtype=np.int64)
+        self.state = state if state is not None else torch.zeros(weights.shape[0], state_width)
+        self._versions = np.full(weights.shape[0], -1, dtype=np.int64) if versioned else None
         self.num_rows, self.dim, self.state_width = weights.shape[0], weights.shape[1], state_width
 
-    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    @classmethod
+    def open(cls, spec, *, name: str, num_rows: int, dim: int, state_width: int, blocks: Iterable[torch.Tensor],
+             versioned: bool = True, state: torch.Tensor | None = None) -> "MemoryRows":
+        blocks = list(blocks)
+        weights = blocks[0] if len(blocks) == 1 else torch.cat(blocks) if blocks else torch.zeros(0, dim)
+        if weights.shape != (num_rows, dim):
+            raise ValueError(f"the initial blocks hold {tuple(weights.shape)} rows, the table ({num_rows}, {dim})")
+        return cls(weights, state_width=state_width, state=state, versioned=versioned)
+
+    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+        """Copies of rows ``local`` and their state. Safe beside a ``write`` of other rows on another thread."""
         index = torch.from_numpy(np.asarray(local, dtype=np.int64))
-        return self.weights.index_select(0, index), self.state.index_select(0, index), self._versions[local]
+        return (self.weights.index_select(0, index), self.state.index_select(0, index),
+                self._versions[local] if self._versions is not None else None)
 
     def versions(self, local: np.ndarray) -> np.ndarray:
         return self._versions[local]
@@ -30,12 +52,26 @@ class MemoryRows:
         self.weights.index_copy_(0, index, rows)
         if self.state_width:
             self.state.index_copy_(0, index, state)
-        self._versions[local] = version
+        if self._versions is not None:
+            self._versions[local] = version
 
     def read_range(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of rows ``start:stop``, their state and versions."""
         return (self.weights[start:stop].numpy().copy(), self.state[start:stop].numpy().copy(),
                 self._versions[start:stop].copy())
+
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``start:stop`` and their state: views of the table, which its users keep updating."""
+        return self.weights[start:stop], self.state[start:stop]
+
+    def set_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Rows from ``start`` on replaced by ``rows``; their optimizer state kept."""
+        self.weights[start:start + len(rows)].copy_(rows)
+
+    def step(self, optimizer: RowOptimizer, local: np.ndarray, grads: torch.Tensor) -> None:
+        """Row-optimizer step on rows ``local`` (distinct), in place."""
+        index = torch.from_numpy(np.asarray(local, dtype=np.int64))
+        update_rows(optimizer, self.weights, self.state, Lookup(index, self.weights.index_select(0, index)), grads)
 
     def set_versions(self, version: int) -> None:
         self._versions[:] = version

@@ -21,11 +21,10 @@ import numpy as np
 import torch
 
 from bagpipe.config import STORAGE_KINDS
-from bagpipe.embeddings import EmbeddingLayout, init_row_blocks, init_rows
+from bagpipe.embeddings import EmbeddingLayout, init_row_blocks
 from bagpipe.optim import RowOptimizer
 from bagpipe.storage.bits import row_bits
-from bagpipe.storage.disk import DiskRows
-from bagpipe.storage.memory import MemoryRows
+from bagpipe.storage.tiers import open_tier
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +72,10 @@ class RowStore:
         members = layout.spaces[space]
         self.shard, self.num_shards, self.dim = shard, num_shards, members.dim
         self.state_width = optimizer.state_width(self.dim)
-        storage = storage or StorageSpec()
-        if storage.kind == "memory":
-            self.rows = MemoryRows(torch.cat([init_rows(table, layout.tables[table], seed=seed, first=first,
-                                                        step=num_shards)
-                                              for table, first in shard_tables(layout, space, shard, num_shards)]),
-                                   state_width=self.state_width)
-        else:
-            self.rows = DiskRows(storage.directory / f"shard{shard}.space{space}.rows",
-                                 num_rows=shard_num_rows(layout, space, shard, num_shards), dim=self.dim,
-                                 state_width=self.state_width, budget_bytes=storage.budget_bytes)
-            start = 0
-            for block in initial_blocks(layout, space, shard, num_shards, seed=seed):
-                self.rows.fill(start, block)
-                start += len(block)
+        self.rows = open_tier(storage or StorageSpec(), name=f"shard{shard}.space{space}",
+                              num_rows=shard_num_rows(layout, space, shard, num_shards), dim=self.dim,
+                              state_width=self.state_width,
+                              blocks=initial_blocks(layout, space, shard, num_shards, seed=seed))
         self.num_rows = self.rows.num_rows
         self.received: Counter = Counter()  # rows written back, by version
         self.counts_write_backs = True  # False: someone else counts them into ``received`` (a parity's stand-in)
