@@ -132,6 +132,27 @@ def test_a_memory_table_and_a_disk_table_answer_alike(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_host_table_is_closed_for_good_and_leaves_no_file_behind(tmp_path):
+    """Closing a table deletes its file and ends its use (a late read-ahead must not read a reused descriptor); a
+    table in memory given a directory, or one whose opening fails, leaves no file there; rows set from another
+    dtype are set a block at a time."""
+    disk = host_table(StorageSpec("disk", tmp_path, 1 << 12), num_rows=20_000, dim=2, state_width=0,
+                      blocks=[torch.zeros(20_000, 2)])
+    disk.set_rows(5, torch.arange(40_000, dtype=torch.float64).view(20_000, 2)[:19_995])
+    assert disk.read(np.array([4, 5, 19_999]))[0].tolist() == [[0.0, 0.0], [0.0, 1.0], [39_988.0, 39_989.0]]
+    disk.close()
+    disk.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="this table is closed"):
+        disk.read(np.array([0]))
+    memory = host_table(StorageSpec("memory"), num_rows=3, dim=2, state_width=0, blocks=[torch.zeros(3, 2)])
+    assert memory.path is None and memory.views
+    with pytest.raises(ValueError, match="zero optimizer state"):
+        host_table(StorageSpec("disk", tmp_path, 0), num_rows=3, dim=2, state_width=1, blocks=[torch.zeros(3, 2)],
+                   state=torch.zeros(3, 1))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_table_on_disk_many_times_the_budget_keeps_the_process_within_it(tmp_path):
     """A fresh process: resident memory after a small warm-up, then its peak while it makes a 3M-row table
     (192 MiB of rows, as much again of Adagrad state) on disk and trains on it through a 5,000-row cache."""

@@ -21,7 +21,7 @@ from bagpipe.storage import StorageSpec, open_tier
 from bagpipe.storage.tiers import RowTier
 
 DISK_BUDGET_BYTES = 64 << 20  # storage="disk"'s default DRAM cache in front of the file
-INIT_BLOCK_ROWS = 8192  # rows drawn at once when a table on disk is filled
+INIT_BLOCK_ROWS = 8192  # rows drawn at once when a table on disk is filled, or set by a load
 
 
 class HostTable:
@@ -31,11 +31,16 @@ class HostTable:
     deleted by ``close`` (or when the module is collected, or at exit)."""
 
     def __init__(self, tier: RowTier) -> None:
-        self.tier = tier
+        self._tier: RowTier | None = tier
         self.num_rows, self.dim, self.state_width = tier.num_rows, tier.dim, tier.state_width
         self.views = tier.views  # ``rows`` gives views of the table (in memory), not copies
         self._lock = threading.Lock() if tier.needs_lock else contextlib.nullcontext()
-        self._closed = False
+
+    @property
+    def tier(self) -> RowTier:
+        if self._tier is None:
+            raise RuntimeError("this table is closed (its file deleted)")
+        return self._tier
 
     @property
     def path(self) -> Path | None:
@@ -64,19 +69,22 @@ class HostTable:
             return self.tier.rows(start, stop)
 
     def set_rows(self, start: int, weights: torch.Tensor) -> None:
-        """Rows from ``start`` on replaced by ``weights``; their optimizer state kept."""
-        with self._lock:
-            self.tier.set_rows(start, weights.detach().to("cpu", torch.float32))
+        """Rows from ``start`` on replaced by ``weights`` (on any device), a block at a time (a table on disk is
+        never whole in this process, and a read-ahead waits for one block at most); their optimizer state kept."""
+        for first in range(0, len(weights), INIT_BLOCK_ROWS):
+            part = weights[first:first + INIT_BLOCK_ROWS].detach().to("cpu", torch.float32)
+            with self._lock:
+                self.tier.set_rows(start + first, part)
 
     def stats(self) -> dict:
         return self.tier.stats()
 
     def close(self) -> None:
-        """Let go of the table, deleting its file if it has one (idempotent)."""
+        """Let go of the table, deleting its file if it has one (idempotent; using it after is an error)."""
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                self.tier.close()
+            if self._tier is not None:
+                self._tier.close()
+                self._tier = None
 
 
 def storage_spec(storage: str | StorageSpec) -> StorageSpec:
@@ -93,15 +101,18 @@ def host_table(storage: StorageSpec, *, num_rows: int, dim: int, state_width: in
                state: torch.Tensor | None = None) -> HostTable:
     """A table of the initial rows ``blocks`` (concatenated) and zero optimizer state (or ``state``, shared, in
     memory), where ``storage`` says (a file on disk gets a name of its own in its directory)."""
-    name = None
-    if storage.directory is not None:
-        Path(storage.directory).mkdir(parents=True, exist_ok=True)
-        handle = tempfile.NamedTemporaryFile(dir=storage.directory, prefix="bagpipe-table-", suffix=".rows",
-                                             delete=False)
-        handle.close()  # a unique name, whose file the tier opens again (and deletes when closed)
-        name = Path(handle.name).name.removesuffix(".rows")
-    return HostTable(open_tier(storage, name=name or "table", num_rows=num_rows, dim=dim, state_width=state_width,
-                               blocks=blocks, versioned=False, state=state))
+    if storage.kind != "disk":
+        return HostTable(open_tier(storage, name="table", num_rows=num_rows, dim=dim, state_width=state_width,
+                                   blocks=blocks, versioned=False, state=state))
+    Path(storage.directory).mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile(dir=storage.directory, prefix="bagpipe-table-", suffix=".rows", delete=False)
+    handle.close()  # a unique name, whose file the tier opens again (and deletes when closed)
+    try:
+        return HostTable(open_tier(storage, name=Path(handle.name).name.removesuffix(".rows"), num_rows=num_rows,
+                                   dim=dim, state_width=state_width, blocks=blocks, versioned=False, state=state))
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
 
 
 def initial_blocks(num_rows: int, dim: int, weight: torch.Tensor | None, *, storage: StorageSpec) -> Iterable[torch.Tensor]:

@@ -37,14 +37,14 @@ class MemoryRows:
             raise ValueError(f"the initial blocks hold {tuple(weights.shape)} rows, the table ({num_rows}, {dim})")
         return cls(weights, state_width=state_width, state=state, versioned=versioned)
 
-    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """Copies of rows ``local`` and their state. Safe beside a ``write`` of other rows on another thread."""
         index = torch.from_numpy(np.asarray(local, dtype=np.int64))
-        return (self.weights.index_select(0, index), self.state.index_select(0, index),
-                self._versions[local] if self._versions is not None else None)
+        return self.weights.index_select(0, index), self.state.index_select(0, index), self.versions(local)
 
     def versions(self, local: np.ndarray) -> np.ndarray:
-        return self._versions[local]
+        """Rows ``local``'s versions (-1 each where the tier keeps none: never written back, for all it knows)."""
+        return self._versions[local] if self._versions is not None else np.full(len(local), -1, dtype=np.int64)
 
     def write(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *,
               version: int | np.ndarray) -> None:
@@ -58,7 +58,8 @@ class MemoryRows:
     def read_range(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of rows ``start:stop``, their state and versions."""
         return (self.weights[start:stop].numpy().copy(), self.state[start:stop].numpy().copy(),
-                self._versions[start:stop].copy())
+                self._versions[start:stop].copy() if self._versions is not None
+                else np.full(len(self.weights[start:stop]), -1, dtype=np.int64))
 
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``start:stop`` and their state: views of the table, which its users keep updating."""
@@ -74,6 +75,8 @@ class MemoryRows:
         update_rows(optimizer, self.weights, self.state, Lookup(index, self.weights.index_select(0, index)), grads)
 
     def set_versions(self, version: int) -> None:
+        if self._versions is None:
+            raise ValueError("this memory tier keeps no versions (it was opened unversioned)")
         self._versions[:] = version
 
     def close(self) -> None:

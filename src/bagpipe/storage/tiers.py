@@ -4,7 +4,7 @@
 A tier holds ``num_rows`` rows of ``dim`` floats, each with ``state_width`` floats of optimizer state and (if
 versioned) the version of the write-back that wrote it, and answers:
 
-- ``read(local)`` -> (rows, state, versions): copies (versions None where the tier keeps none);
+- ``read(local)`` -> (rows, state, versions): copies (versions -1 where the tier keeps none);
 - ``versions(local)``; ``write(local, rows, state, version=)``;
 - ``read_range(start, stop)`` -> numpy copies of rows, state and versions, without disturbing any cache;
 - ``rows(start, stop)`` -> (rows, state) as tensors: views of the table where the tier can give them
@@ -39,7 +39,7 @@ class RowTier(Protocol):
     views: bool  # ``rows`` gives views of the table (a caller copies what it keeps)
     needs_lock: bool  # its reads change it too (a cache): callers on several threads serialise their calls
 
-    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]: ...
+    def read(self, local: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]: ...
     def versions(self, local: np.ndarray) -> np.ndarray: ...
     def write(self, local: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *,
               version: int | np.ndarray) -> None: ...

@@ -99,8 +99,11 @@ class Oracle:
 
     # -- what the oracle answers (runtime/endpoints.py's ORACLE) --------------------------------------------------
     def server_ready(self, name: str) -> None:
-        self.state.server_ready(name)
-        self.save_record()
+        state = self.state
+        with state.changed:  # recorded before anyone acts on it (a replacement of this oracle reads the record)
+            state.servers_ready.add(name)
+            self.save_record()
+            state.changed.notify_all()
 
     def pull(self, trainer: int, after: int, max_steps: int, finished: int | None = None,
              written: int | None = None) -> Pulled:

@@ -29,11 +29,6 @@ class JobState:
             self.failure = self.failure or err
             self.changed.notify_all()
 
-    def server_ready(self, name: str) -> None:
-        with self.changed:
-            self.servers_ready.add(name)
-            self.changed.notify_all()
-
     def await_servers(self) -> None:
         """Until every server is ready (or the job failed); a TimeoutError after the world's timeout."""
         deadline = time.monotonic() + self.world.timeout

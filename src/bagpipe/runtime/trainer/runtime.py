@@ -65,15 +65,16 @@ class TrainerRuntime:
         self.row_optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
         self.caches = [RowCache(capacity=share, dim=space.dim, optimizer=self.row_optimizer, device=device)
                        for space, share in zip(self.layout.spaces, job.cache_rows)]
+        self.stats = TrainerStats()
+        self.lost = LostTrainers(self, model, replaceable=job.replace_trainers)
+        # the trainers' group first (before this process follows re-formations of the RPC world); a replacement
+        # forms the group of its epoch once it has what to add to the sums that failed (replace_lost)
+        self.grads = GradientSync(None if replacing else trainer_group(world, store, self.index), caches=self.caches,
+                                  stats=self.stats, timeout=world.timeout, recover=self.lost.recover)
         self.epochs = Epochs(world, store)  # requests that fail to a re-formation of the RPC world are sent again
         if job.replace_oracle:  # requests to a lost oracle wait for its replacement
             self.epochs.await_peer("oracle")
         self.routes = Routes(world)  # a lost server's shard moves to its parity server (--parity)
-        self.stats = TrainerStats()
-        self.lost = LostTrainers(self, model, replaceable=job.replace_trainers)
-        # a replacement forms the group of its epoch once it has what to add to the sums that failed (replace_lost)
-        self.grads = GradientSync(None if replacing else trainer_group(world, store, self.index), caches=self.caches,
-                                  stats=self.stats, timeout=world.timeout, recover=self.lost.recover)
         self.step: StepMessage | None = None
         self.writeback_delay = writeback_delay  # tests only: delays every write-back on purpose
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch_depth or config.prefetch_depth)
