@@ -213,3 +213,34 @@ def test_survivors_agree_on_the_union_of_their_unfinished_sums_in_start_order_an
     assert donor == 1 and entries[donor]["reached"] - REDO_DEPTH < min(what[1] for what in union)
     assert agree_on_sums({1: {"sums": [], "reached": 4}, 0: {"sums": [], "reached": 4}})[1] == 0  # a tie: the lowest
     assert agree_on_sums({0: entries[0]})[0] == [tuple(what) for what in entries[0]["sums"]]  # two trainers: its own
+
+
+def test_the_feed_counts_its_planners_time_apart_from_its_reading_and_every_id_it_plans(small_binary):
+    """The producer's CPU is split into the planner's steps and the reading of the batches they plan (the reading
+    happens inside the planner's iteration: it is taken out), and the ids planned are those the messages carry."""
+    import threading
+
+    from bagpipe.runtime.world import World
+    from feeds import feed_of
+
+    config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH, iterations=12, trainers=2,
+                         cache_rows=4000,
+                         model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"))
+    feed = feed_of(config, World(rank=0, world_size=4, num_trainers=2), open_dataset(small_binary))
+    producer = threading.Thread(target=feed.produce)
+    producer.start()
+    pulled = {0: [], 1: []}
+    while not all(got and got[-1].final for got in pulled.values()):
+        for trainer, got in pulled.items():
+            if not (got and got[-1].final):
+                got += feed.pull(trainer, got[-1].iteration if got else -1, 8).messages
+    producer.join()
+    figures = feed.figures
+    assert figures.iterations == 13  # the 12 iterations and the final flush
+    assert figures.ids == sum(message.lookups for message in pulled[0]) > 12 * BATCH
+    assert figures.planner_cpu_s > 0 and figures.read_cpu_s > 0
+    assert figures.thread_cpu_s >= figures.planner_cpu_s + figures.read_cpu_s
+    figures.end()
+    summary = figures.summary()
+    assert summary["oracle_ms_per_iteration"]["planner"] == pytest.approx(1e3 * figures.planner_cpu_s / 13, abs=1e-3)
+    assert summary["planned_ids_per_planner_s"] == round(figures.ids / figures.planner_cpu_s)

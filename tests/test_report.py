@@ -65,6 +65,12 @@ def test_metrics_carry_the_breakdown_and_cache_counters(demo_runs):
     assert set(summary["peak_rss_bytes"]) == {"oracle", "server0", "trainer0", "trainer1"}
     assert all(b > 10 * 2**20 for b in summary["peak_rss_bytes"].values())
     assert summary["startup_s"] > 0
+    # the oracle while feeding: its CPU per iteration holds its producer's, which holds the planner's and reading's
+    oracle = summary["oracle_ms_per_iteration"]
+    assert oracle["cpu"] >= oracle["producer"] * 0.9 and oracle["planner"] > 0 and oracle["reading"] > 0
+    assert oracle["producer"] >= (oracle["planner"] + oracle["reading"]) * 0.9
+    assert summary["oracle_cpu_per_planner"] == pytest.approx(oracle["cpu"] / oracle["planner"], rel=0.01)
+    assert summary["planned_ids_per_planner_s"] > 0
     reference = load_run(demo_runs["reference"]).summary
     assert {"data", "forward", "backward", "optimizer"} <= set(reference["time_breakdown_ms"])
     assert sum(reference["time_breakdown_ms"].values()) == pytest.approx(

@@ -30,6 +30,7 @@ from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.oracle.state import JobState
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
+from bagpipe.timing import cpu_seconds
 
 PULL_WAIT_S = 1.0  # how long a pull waits for a plan message before answering with none
 
@@ -75,6 +76,7 @@ class Feed:
         self.written = list(sent.written)  # and the version its write-backs are acknowledged to
         self.on_resumed = on_resumed
         self.bytes_sent = 0
+        self.figures = PlanningFigures()
 
     def produce(self) -> None:
         """The producer thread's: plan to the end of the job (a failure is the job's: the trainers' next pull
@@ -83,22 +85,30 @@ class Feed:
             self._produce()
         except BaseException as err:  # noqa: BLE001 - handed to the trainers' next pull and to the main thread
             self.state.fail(err)
+        finally:
+            self.figures.finish_thread()
 
     def _produce(self) -> None:
         config, split, layout, stop = self.config, self.dataset.train, self.layout, self.state.stop
         pending: deque = deque()
 
+        figures = self.figures
+
         def key_stream():
             for rows in batch_rows(split, batch_size=config.batch_size, iterations=self.iterations,
                                    shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
+                reading = time.thread_time()
                 batch = read_batch(split, rows)
                 pending.append(batch)
-                yield [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
+                keys = [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
+                figures.read_cpu_s += time.thread_time() - reading
+                yield keys
 
         rows = [BatchRows(space.num_rows) for space in layout.spaces]
         started = time.perf_counter()
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
-        for steps in plan_spaces(key_stream(), self.planner_configs):
+        figures.begin()
+        for steps in figures.timed(plan_spaces(key_stream(), self.planner_configs)):
             iteration = self.planned = steps[0].iteration
             batch = pending.popleft() if iteration < self.iterations else None
             if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
@@ -200,6 +210,57 @@ class Feed:
     def trainer_done(self, trainer: int) -> None:
         """``trainer``'s final flush's write-backs are acknowledged (under ``state.changed``)."""
         self.written[trainer] = self.iterations
+
+
+class PlanningFigures:
+    """Where the producer thread's time goes, in its own CPU time (``time.thread_time``): planning (the planner's
+    steps, the data it reads excluded), reading the batches and mapping their ids to keys, and the rest of the
+    feed (each trainer's messages made and queued); the ids planned and the process's CPU while it fed the trainers
+    (``cpu_s``: every thread, the RPC answers to pulls included)."""
+
+    def __init__(self) -> None:
+        self.planner_cpu_s = self.read_cpu_s = self.thread_cpu_s = 0.0
+        self.ids = self.iterations = 0
+        self._thread_start = self._cpu_start = None
+        self.cpu_s = 0.0
+
+    def begin(self) -> None:
+        self._thread_start, self._cpu_start = time.thread_time(), cpu_seconds()
+
+    def timed(self, steps):
+        """``steps`` (the planner's), each one's CPU time counted, less the reading it did for it."""
+        steps = iter(steps)
+        while True:
+            started, read_before = time.thread_time(), self.read_cpu_s
+            try:
+                planned = next(steps)
+            except StopIteration:
+                return
+            self.planner_cpu_s += time.thread_time() - started - (self.read_cpu_s - read_before)
+            self.ids += sum(step.lookups for step in planned)
+            self.iterations += 1
+            yield planned
+
+    def end(self) -> None:
+        """The trainers are fed (every one has reported): the producer's and the process's CPU so far."""
+        if self._cpu_start is not None:
+            self.cpu_s = cpu_seconds() - self._cpu_start
+
+    def finish_thread(self) -> None:
+        if self._thread_start is not None:
+            self.thread_cpu_s = time.thread_time() - self._thread_start
+
+    def summary(self) -> dict:
+        """Per iteration planned, in milliseconds: the oracle's CPU while feeding (every thread), the producer
+        thread's, and of that the planner's and the reading's; ids planned per second of the planner's CPU."""
+        per = 1e3 / max(self.iterations, 1)
+        return {"oracle_ms_per_iteration": {"cpu": round(self.cpu_s * per, 3),
+                                            "producer": round(self.thread_cpu_s * per, 3),
+                                            "planner": round(self.planner_cpu_s * per, 3),
+                                            "reading": round(self.read_cpu_s * per, 3)},
+                "oracle_cpu_per_planner": (round(self.cpu_s / self.planner_cpu_s, 3) if self.planner_cpu_s
+                                           else float("nan")),
+                "planned_ids_per_planner_s": round(self.ids / self.planner_cpu_s) if self.planner_cpu_s else 0}
 
 
 def _refill(step: PlanStep, slot_key: np.ndarray) -> PlanStep:

@@ -118,6 +118,8 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "peak_rss_bytes": _per_role("peak_rss_bytes", peak_rss_bytes(), shards, stats),
         # CPU seconds per role up to the end of training (the oracle's: before evaluation)
         "cpu_s": _per_role("cpu_s", train_cpu_s, shards, stats),
+        # the oracle while it fed the trainers, per iteration: its CPU (every thread), the producer's, the planner's
+        **oracle.feed.figures.summary(),
     }
     run.finish(summary)
     return summary
