@@ -70,7 +70,8 @@ def test_metrics_carry_the_breakdown_and_cache_counters(demo_runs):
     assert oracle["cpu"] >= oracle["producer"] * 0.9 and oracle["planner"] > 0 and oracle["reading"] > 0
     assert oracle["producer"] >= (oracle["planner"] + oracle["reading"]) * 0.9
     assert summary["oracle_cpu_per_planner"] == pytest.approx(oracle["cpu"] / oracle["planner"], rel=0.01)
-    assert summary["planned_ids_per_planner_s"] > 0
+    assert summary["planned_ids_per_planner_s"] > 0 and summary["oracle_ms_per_1k_ids"] > 0
+    assert set(summary["server_ms_per_1k_rows"]) == {"server0"} and summary["server_ms_per_1k_rows"]["server0"] > 0
     reference = load_run(demo_runs["reference"]).summary
     assert {"data", "forward", "backward", "optimizer"} <= set(reference["time_breakdown_ms"])
     assert sum(reference["time_breakdown_ms"].values()) == pytest.approx(

@@ -252,7 +252,8 @@ class PlanningFigures:
 
     def summary(self) -> dict:
         """Per iteration planned, in milliseconds: the oracle's CPU while feeding (every thread), the producer
-        thread's, and of that the planner's and the reading's; ids planned per second of the planner's CPU."""
+        thread's, and of that the planner's and the reading's; the oracle's CPU per 1,000 ids planned, and ids
+        planned per second of the planner's CPU."""
         per = 1e3 / max(self.iterations, 1)
         return {"oracle_ms_per_iteration": {"cpu": round(self.cpu_s * per, 3),
                                             "producer": round(self.thread_cpu_s * per, 3),
@@ -260,6 +261,7 @@ class PlanningFigures:
                                             "reading": round(self.read_cpu_s * per, 3)},
                 "oracle_cpu_per_planner": (round(self.cpu_s / self.planner_cpu_s, 3) if self.planner_cpu_s
                                            else float("nan")),
+                "oracle_ms_per_1k_ids": round(self.cpu_s * 1e6 / self.ids, 4) if self.ids else float("nan"),
                 "planned_ids_per_planner_s": round(self.ids / self.planner_cpu_s) if self.planner_cpu_s else 0}
 
 

@@ -120,6 +120,10 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "cpu_s": _per_role("cpu_s", train_cpu_s, shards, stats),
         # the oracle while it fed the trainers, per iteration: its CPU (every thread), the producer's, the planner's
         **oracle.feed.figures.summary(),
+        # each data server's CPU from ready to the end, per 1,000 rows it served (fetched or written back)
+        "server_ms_per_1k_rows": {f"server{i}": round(s["serving_cpu_s"] * 1e6
+                                                      / max(s.get("rows_fetched", 0) + s["rows_written"], 1), 4)
+                                  for i, s in enumerate(shards) if "serving_cpu_s" in s},
     }
     run.finish(summary)
     return summary

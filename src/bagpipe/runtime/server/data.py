@@ -38,7 +38,9 @@ class Server:
         self.stores = stores
         self.bytes_sent = 0
         self.fetches = 0
+        self.rows_fetched = 0  # rows served by fetches
         self.rows_written = 0
+        self._cpu_ready: float | None = None  # the process's CPU when it began serving (``ready``)
         self.checkpoints: dict[int, torch.futures.Future] = {}  # boundary -> its part's manifest entries, once written
         self.deltas: DeltaSender | None = None  # with --parity: where its write-backs' deltas go
         self._lock = threading.Lock()
@@ -48,6 +50,7 @@ class Server:
         future = store.fetch_async(keys.numpy(), versions.numpy())
         with self._lock:
             self.fetches += 1
+            self.rows_fetched += len(keys)
             self.bytes_sent += len(keys) * 4 * (store.dim + store.state_width)
         return future
 
@@ -122,11 +125,18 @@ class Server:
             if len(mine):
                 self.stores[space].restore(keys[mine] // num_shards, rows[mine], state[mine], version=boundary - 1)
 
+    def ready(self) -> None:
+        """The shard is built (its rows initialised or restored): its CPU from now on is serving's."""
+        self._cpu_ready = cpu_seconds()
+
     def dump(self) -> dict:
         """The shard's figures for the run's summary (its rows reach the run dir as snapshots, never by RPC)."""
+        cpu_s = cpu_seconds()
         return {"bytes_sent": self.bytes_sent,
                 "fetches": self.fetches, "fetches_waited": sum(store.fetches_waited for store in self.stores),
-                "rows_written": self.rows_written, "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_seconds(),
+                "rows_fetched": self.rows_fetched, "rows_written": self.rows_written,
+                "peak_rss_bytes": peak_rss_bytes(), "cpu_s": cpu_s,
+                **({"serving_cpu_s": cpu_s - self._cpu_ready} if self._cpu_ready is not None else {}),
                 **({"unprotected_write_backs": self.deltas.unprotected} if self.deltas is not None else {}),
                 "storage": dict(sum((Counter(store.rows.stats()) for store in self.stores), Counter()))}
 
