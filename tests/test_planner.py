@@ -155,3 +155,28 @@ def test_plan_stats_command_counts_what_moves(small_binary, capsys):
         assert stats["rows_written_back"] == stats["rows_fetched"]
     assert results["lookahead"]["rows_fetched"] == results["belady"]["rows_fetched"]
     assert results["belady"]["rows_fetched"] <= results["lru"]["rows_fetched"] < results["none"]["rows_fetched"]
+
+
+def test_plan_stats_with_trainers_compares_a_replicated_and_a_partitioned_cache(small_binary, capsys):
+    """With several trainers plan-stats says what each moves per iteration in both designs: replicated, every
+    trainer fetches every planned row and all-reduces every row of the global batch; partitioned, a trainer
+    exchanges only the rows it shares, and every row it uses is either shared or its own."""
+    import json
+
+    from bagpipe.cli import main
+
+    assert main(["plan-stats", "--data", str(small_binary), "--batch-size", "64", "--cache-rows", "600",
+                 "--lookahead", "50", "--iterations", "40", "--trainers", "4", "--emb-dim", "8",
+                 "--optimizer", "adagrad"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    traffic = stats["traffic"]
+    replicated, partitioned = traffic["replicated"], traffic["partitioned"]
+    assert traffic["row_bytes"] == 4 * (8 + 8)  # the row and Adagrad's state
+    assert replicated["rows_fetched_per_iteration"] == pytest.approx(stats["rows_fetched"] / 40)
+    assert replicated["rows_written_back_per_iteration"] == pytest.approx(stats["rows_written_back"] / 40 / 4)
+    assert 0 < partitioned["rows_synchronised_per_iteration"] < replicated["rows_synchronised_per_iteration"]
+    assert partitioned["busiest_trainer_rows_fetched_per_iteration"] >= partitioned["rows_fetched_per_iteration"] > 0
+    # a trainer's slice is 16 samples of 26 ids: each distinct row of it is shared or its own
+    assert 0 < partitioned["rows_synchronised_per_iteration"] + partitioned["rows_own_per_iteration"] <= 16 * 26
+    assert traffic["partitioned_vs_replicated"]["bytes_per_iteration"] == pytest.approx(
+        partitioned["bytes_per_iteration"] / replicated["bytes_per_iteration"])

@@ -430,7 +430,12 @@ def _add_plan_stats(sub) -> None:
     p.add_argument("--lookahead", type=int, default=200, help="batches planned ahead (default 200)")
     p.add_argument("--policy", default="lookahead", help="lookahead, lru, lfu, none or belady (default lookahead)")
     p.add_argument("--iterations", type=int, default=0, help="batches planned (default 0: one pass over the split)")
-    p.add_argument("--trainers", type=int, default=1, help="trainers sharing the write-backs (default 1)")
+    p.add_argument("--trainers", type=int, default=1, help="trainers sharing the write-backs (default 1); with 2 or "
+                   "more, also what each trainer moves per iteration with a replicated and with a partitioned cache "
+                   "of --cache-rows rows each (\"traffic\")")
+    p.add_argument("--emb-dim", type=int, default=16, help="the rows' width, for the traffic's bytes (default 16)")
+    p.add_argument("--optimizer", default="sgd", help="sgd, adagrad or adam: the optimizer state a fetched or written "
+                   "row carries, for the traffic's bytes (default sgd)")
     p.add_argument("--cleanup-fraction", type=float, default=0.0,
                    help="when evicting, also free this share of the cache (fewer, larger eviction rounds; default 0)")
 
@@ -570,12 +575,19 @@ def run_report(args) -> None:
 
 def run_plan_stats(args) -> None:
     from bagpipe.data.binary import open_dataset
-    from bagpipe.planner.stats import plan_stats
+    from bagpipe.optim import make_row_optimizer
+    from bagpipe.planner.stats import plan_stats, traffic
 
     split = open_dataset(args.data).train
-    print(json.dumps(plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows,
-                                lookahead=args.lookahead, policy=args.policy, iterations=args.iterations,
-                                num_trainers=args.trainers, cleanup_fraction=args.cleanup_fraction)))
+    stats = plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows, lookahead=args.lookahead,
+                       policy=args.policy, iterations=args.iterations, num_trainers=args.trainers,
+                       cleanup_fraction=args.cleanup_fraction)
+    if args.trainers > 1:
+        state_width = make_row_optimizer(args.optimizer, lr=0.01).state_width(args.emb_dim)
+        stats["traffic"] = traffic(split, batch_size=args.batch_size, cache_rows=args.cache_rows,
+                                   lookahead=args.lookahead, trainers=args.trainers, iterations=args.iterations,
+                                   cleanup_fraction=args.cleanup_fraction, dim=args.emb_dim, state_width=state_width)
+    print(json.dumps(stats))
 
 
 def _world(args, *, trainers_from_oracle: bool = False):

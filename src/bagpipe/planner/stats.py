@@ -9,6 +9,7 @@ import numpy as np
 from bagpipe.data.batches import batch_rows, batches_per_epoch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import EmbeddingLayout, one_per_feature, valid_keys
+from bagpipe.planner.partitioned import plan_partitioned
 from bagpipe.planner.plan import PlannerConfig, plan
 from bagpipe.planner.reference import belady
 
@@ -23,6 +24,65 @@ def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list
     return [valid_keys(layout.keys(np.asarray(split.ids[rows], dtype=np.int64))[0])
             for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=False,
                                    shuffle_seed=0)]
+
+
+def slice_key_batches(split: BinarySplit, *, batch_size: int, iterations: int, trainers: int) -> list[list[np.ndarray]]:
+    """Each global batch cut into ``trainers`` equal consecutive slices, as the trainers take it, each slice's rows
+    as flat keys (``key_batches``' keys, per slice)."""
+    layout = EmbeddingLayout(one_per_feature(split.schema, 1), split.schema)
+    if batch_size % trainers:
+        raise ValueError(f"--batch-size {batch_size} is not a multiple of the {trainers} trainers")
+    size = batch_size // trainers
+    iterations = iterations or batches_per_epoch(split, batch_size)
+    batches = []
+    for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=False, shuffle_seed=0):
+        ids = np.asarray(split.ids[rows], dtype=np.int64)
+        batches.append([valid_keys(layout.keys(ids[t * size:(t + 1) * size])[0]) for t in range(trainers)])
+    return batches
+
+
+def traffic(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: int, trainers: int,
+            iterations: int = 0, cleanup_fraction: float = 0.0, dim: int = 16, state_width: int = 0) -> dict:
+    """What each trainer moves per iteration, on average over the trainers, in the two designs with ``cache_rows``
+    rows per trainer: *replicated* (every trainer holds the same rows, planned on the global batch: each fetches
+    every row fetched, writes back its share of the evictions and all-reduces every row of the global batch) and
+    *partitioned* (planner/partitioned.py: each holds the rows its slices use, and exchanges the rows it shares with
+    other users of them only). Rows fetched and written back carry the row and its optimizer state; rows
+    synchronised carry a gradient."""
+    row_bytes, grad_bytes = 4 * (dim + state_width), 4 * dim
+    global_batches = key_batches(split, batch_size=batch_size, iterations=iterations)
+    config = PlannerConfig(num_rows=int(sum(split.table_sizes)), cache_rows=cache_rows, lookahead=lookahead,
+                           num_trainers=trainers, cleanup_fraction=cleanup_fraction)
+    fetched = written = synchronised = 0
+    for step in plan(global_batches, config):
+        fetched += len(step.fetch_keys)
+        written += len(step.evict_keys)
+        synchronised += len(step.batch_keys)
+    count = len(global_batches)
+    replicated = _per_iteration(fetched, written / trainers, synchronised, count, row_bytes, grad_bytes)
+    per_trainer = np.zeros((trainers, 4), dtype=np.int64)  # fetched, written back, shared, own
+    for step in plan_partitioned(slice_key_batches(split, batch_size=batch_size, iterations=iterations,
+                                                   trainers=trainers), config):
+        for t, part in enumerate(step.trainers):
+            per_trainer[t] += (len(part.fetch_keys), len(part.write_keys), len(part.shared_keys), len(part.own_keys))
+    mean = per_trainer.mean(axis=0)
+    partitioned = _per_iteration(mean[0], mean[1], mean[2], count, row_bytes, grad_bytes)
+    partitioned["rows_own_per_iteration"] = float(mean[3] / count)  # updated with no exchange
+    partitioned["busiest_trainer_rows_fetched_per_iteration"] = float(per_trainer[:, 0].max() / count)
+    return {"trainers": trainers, "cache_rows_per_trainer": cache_rows, "row_bytes": row_bytes,
+            "replicated": replicated, "partitioned": partitioned,
+            "partitioned_vs_replicated": {
+                name: (partitioned[name] / replicated[name] if replicated[name] else float("nan"))
+                for name in ("rows_fetched_per_iteration", "rows_written_back_per_iteration",
+                             "rows_synchronised_per_iteration", "bytes_per_iteration")}}
+
+
+def _per_iteration(fetched: float, written: float, synchronised: float, iterations: int, row_bytes: int,
+                   grad_bytes: int) -> dict:
+    per = 1 / max(iterations, 1)
+    return {"rows_fetched_per_iteration": float(fetched * per), "rows_written_back_per_iteration": float(written * per),
+            "rows_synchronised_per_iteration": float(synchronised * per),
+            "bytes_per_iteration": float(((fetched + written) * row_bytes + synchronised * grad_bytes) * per)}
 
 
 def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: int, policy: str,
