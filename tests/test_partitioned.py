@@ -25,25 +25,31 @@ def replay(slices: list[list[np.ndarray]], config: PlannerConfig) -> dict:
     latest: dict[int, int] = {}  # row -> its last update (-1: the initial row)
     server: dict[int, int] = {}
     held: list[dict[int, int]] = [{} for _ in range(trainers)]  # per trainer: row -> the version of its copy
+    slot_key: list[dict[int, int]] = [{} for _ in range(trainers)]  # per trainer: slot -> the row in it
     totals = {"fetched": 0, "written": 0, "shared": 0, "own": 0}
     steps = list(plan_partitioned(iter(slices), config))
     assert [step.iteration for step in steps] == list(range(len(slices) + 1))
     for step in steps:
         i = step.iteration
         for t, part in enumerate(step.trainers):  # write-backs first: from a current copy
-            for key, version in zip(part.write_keys.tolist(), part.write_versions.tolist()):
+            for key, version, slot in zip(part.write_keys.tolist(), part.write_versions.tolist(),
+                                          part.write_slots.tolist()):
                 assert held[t].get(key) == latest.get(key, -1) == version, (i, t, key)
+                assert slot_key[t][slot] == key  # read from the slot that holds it
                 server[key] = version
             totals["written"] += len(part.write_keys)
         for t, part in enumerate(step.trainers):
-            for key in part.drop_keys.tolist():
-                assert key in held[t], (i, t, key)
+            for key, slot in zip(part.drop_keys.tolist(), part.drop_slots.tolist(), strict=True):
+                assert key in held[t] and slot_key[t].pop(slot) == key, (i, t, key)
                 del held[t][key]
         for t, part in enumerate(step.trainers):
-            for key, version in zip(part.fetch_keys.tolist(), part.fetch_versions.tolist()):
+            for key, version, slot in zip(part.fetch_keys.tolist(), part.fetch_versions.tolist(),
+                                          part.fetch_slots.tolist(), strict=True):
                 assert key not in held[t]
                 assert version == latest.get(key, -1) == server.get(key, -1), (i, t, key)  # never stale
+                assert 0 <= slot < config.cache_rows and slot not in slot_key[t]  # into a free slot
                 held[t][key] = version
+                slot_key[t][slot] = key
             totals["fetched"] += len(part.fetch_keys)
             assert len(held[t]) == part.resident_rows <= config.cache_rows
         if i == len(slices):  # the final flush
@@ -56,6 +62,8 @@ def replay(slices: list[list[np.ndarray]], config: PlannerConfig) -> dict:
                 users.setdefault(key, set()).add(t)
         for t, part in enumerate(step.trainers):
             mine = set(slices[i][t].tolist())
+            assert part.batch_keys.tolist() == sorted(mine)
+            assert [slot_key[t][slot] for slot in part.batch_slots.tolist()] == sorted(mine)
             assert set(part.own_keys.tolist()) | set(part.shared_keys.tolist()) == mine
             assert all(len(users[key]) == 1 for key in part.own_keys.tolist())
             assert all(len(users[key]) > 1 for key in part.shared_keys.tolist())
@@ -66,7 +74,6 @@ def replay(slices: list[list[np.ndarray]], config: PlannerConfig) -> dict:
             totals["shared"] += len(part.shared_keys)
             totals["own"] += len(part.own_keys)
         for t in range(trainers):
-            assert set(held[t]) <= {key for key, who in users.items() if t in who} | set(held[t]) - set(users)
             for key in set(held[t]) & set(users):
                 assert t in users[key], (i, t, key)  # holders are among the users
         for key, who in users.items():  # the iteration: each user applies the same update

@@ -40,9 +40,14 @@ class TrainerStep:
 
     write_keys: np.ndarray  # rows this trainer writes back first (hand-offs, and dirty rows it is the last to hold)
     write_versions: np.ndarray  # the version each carries (the iteration of the row's last update)
+    write_slots: np.ndarray  # the slot each is read from
     drop_keys: np.ndarray  # rows it lets go (another trainer updates them without it, or its capacity needs them)
+    drop_slots: np.ndarray  # the slots they leave
     fetch_keys: np.ndarray  # rows it fetches
     fetch_versions: np.ndarray  # the version each fetch must observe (-1: the initial row)
+    fetch_slots: np.ndarray  # the slot each goes to
+    batch_keys: np.ndarray  # its slice's distinct rows, sorted
+    batch_slots: np.ndarray  # and their slots
     own_keys: np.ndarray  # rows of its slice no other trainer uses now: updated here, no exchange
     shared_keys: np.ndarray  # rows of its slice other trainers use too: their contributions summed among the users
     shared_owners: np.ndarray  # each shared row's owner (one of its users)
@@ -71,13 +76,15 @@ class _Cache:
         return cls(np.full(num_rows, -1, dtype=np.int32), np.full(capacity, -1, dtype=np.int64),
                    np.full(capacity, NEVER, dtype=np.int64), np.arange(capacity - 1, -1, -1, dtype=np.int64), capacity)
 
-    def let_go(self, keys: np.ndarray) -> None:
+    def let_go(self, keys: np.ndarray) -> np.ndarray:
+        """Free the slots of ``keys``; the slots."""
         slots = self.slot_of[keys].astype(np.int64)
         self.free[self.num_free:self.num_free + len(slots)] = slots
         self.num_free += len(slots)
         self.slot_key[slots] = -1
         self.slot_next[slots] = NEVER
         self.slot_of[keys] = -1
+        return slots
 
     def take(self, keys: np.ndarray) -> None:
         slots = self.free[self.num_free - len(keys):self.num_free][::-1].copy()
@@ -148,7 +155,9 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         users = [_in(batch, keys) for keys in mine]  # per trainer: which rows of the batch it uses now
         count = np.sum(users, axis=0)
         writes: list[list] = [[] for _ in range(trainers)]
+        write_slots: list[list] = [[] for _ in range(trainers)]
         drops: list[list] = [[] for _ in range(trainers)]
+        drop_slots: list[list] = [[] for _ in range(trainers)]
         # 1. Holders that do not use a row now let it go; a dirty row some user lacks is handed off first.
         held_by = [caches[t].slot_of[batch] >= 0 for t in range(trainers)]
         fetching = np.zeros(len(batch), dtype=bool)
@@ -164,13 +173,14 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 write = here & (seen == turn)
                 if write.any():
                     writes[t].append(rows[write])
+                    write_slots[t].append(caches[t].slot_of[rows[write]].astype(np.int64))
                 seen += here
             server[rows] = latest[rows]
         for t in range(trainers):
             stale = held_by[t] & ~users[t]
             if stale.any():
                 keys = batch[stale]
-                caches[t].let_go(keys)
+                drop_slots[t].append(caches[t].let_go(keys))
                 holders[keys] -= 1
                 drops[t].append(keys)
         # 2. Room for the fetches: each trainer evicts for its own capacity (never a row of its slice).
@@ -190,13 +200,15 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 score = np.where(next_any[rows] < nxt, _GIVEN_UP,
                                  np.where(nxt - i >= config.lookahead, _NOT_IN_WINDOW, nxt))
                 chosen = np.sort(rows[np.argpartition(-score, overflow - 1)[:overflow]])
-                cache.let_go(chosen)
+                slots = cache.let_go(chosen)
                 holders[chosen] -= 1
                 drops[t].append(chosen)
-                last = chosen[(holders[chosen] == 0) & (latest[chosen] > server[chosen])]
-                if len(last):  # the last holder of a dirty row writes it back
-                    writes[t].append(last)
-                    server[last] = latest[last]
+                drop_slots[t].append(slots)
+                last = (holders[chosen] == 0) & (latest[chosen] > server[chosen])
+                if last.any():  # the last holder of a dirty row writes it back
+                    writes[t].append(chosen[last])
+                    write_slots[t].append(slots[last])
+                    server[chosen[last]] = latest[chosen[last]]
             fetches.append(missing)
         # 3. The fetches, at the version of each row's last update (the servers have it now).
         steps = []
@@ -212,8 +224,12 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
             write_keys = np.concatenate(writes[t]) if writes[t] else empty
             steps.append(TrainerStep(
                 write_keys=write_keys, write_versions=latest[write_keys],
+                write_slots=np.concatenate(write_slots[t]) if write_slots[t] else empty,
                 drop_keys=np.concatenate(drops[t]) if drops[t] else empty,
+                drop_slots=np.concatenate(drop_slots[t]) if drop_slots[t] else empty,
                 fetch_keys=missing, fetch_versions=latest[missing],
+                fetch_slots=cache.slot_of[missing].astype(np.int64),
+                batch_keys=keys, batch_slots=cache.slot_of[keys].astype(np.int64),
                 own_keys=keys[~shared], shared_keys=shared_keys, shared_owners=owners,
                 resident_rows=capacity - cache.num_free))
         # 4. The iteration: every row of the batch is updated by its users.
@@ -225,13 +241,14 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
     steps = []
     for t, cache in enumerate(caches):
         keys = np.sort(cache.slot_key[cache.slot_key >= 0])
-        cache.let_go(keys)
+        slots = cache.let_go(keys)
         holders[keys] -= 1
-        last = keys[(holders[keys] == 0) & (latest[keys] > server[keys])]
-        server[last] = latest[last]
-        steps.append(TrainerStep(write_keys=last, write_versions=latest[last], drop_keys=keys, fetch_keys=empty,
-                                 fetch_versions=empty, own_keys=empty, shared_keys=empty, shared_owners=empty,
-                                 resident_rows=0))
+        last = (holders[keys] == 0) & (latest[keys] > server[keys])
+        server[keys[last]] = latest[keys[last]]
+        steps.append(TrainerStep(write_keys=keys[last], write_versions=latest[keys[last]], write_slots=slots[last],
+                                 drop_keys=keys, drop_slots=slots, fetch_keys=empty, fetch_versions=empty,
+                                 fetch_slots=empty, batch_keys=empty, batch_slots=empty, own_keys=empty,
+                                 shared_keys=empty, shared_owners=empty, resident_rows=0))
     yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=0)
 
 
