@@ -105,3 +105,33 @@ def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
     slot_of = dict(zip(steps[0].batch_keys.tolist(), steps[0].batch_slots.tolist()))
     assert view.slots.tolist() == [slot_of[k] for k in view.keys.tolist()]
     assert rows.at(np.array([9, 9, 3])).positions.tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize("optimizer, trainers, shards, cache_rows", [("sgd", 2, 1, 520), ("adagrad", 3, 2, 420),
+                                                                     ("adam", 4, 1, 360)])
+def test_partitioned_training_equals_the_sliced_reference(small_binary, optimizer, trainers, shards, cache_rows):
+    """The partitioned plan carried out in one process (each trainer its own cache, rows summed among their users
+    only, hand-offs through the servers) ends bit for bit where --mode reference --slices T does."""
+    from bagpipe.cached import train_partitioned_batches
+
+    split = open_dataset(small_binary).train
+    config = TrainConfig(data="-", run_dir="-", optimizer=optimizer, lr=0.05, seed=7,
+                         model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"))
+    row_optimizer = make_row_optimizer(optimizer, lr=config.lr)
+    batches = list(iterate_batches(split, batch_size=96, iterations=40))
+    ref_model = build_model(config, split.schema)
+    tables = build_tables(config, split.schema)
+    ref_optimizer = tables.optimizer.dense_optimizer(ref_model.parameters())
+    for i, batch in enumerate(batches):
+        train_step(ref_model, tables, ref_optimizer, batch, slices=trainers, seed=config.seed, iteration=i)
+    model = build_model(config, split.schema)
+    stores = train_partitioned_batches(model, row_optimizer.dense_optimizer(model.parameters()), batches,
+                                       layout=tables.layout, row_optimizer=row_optimizer, seed=config.seed,
+                                       cache_rows=cache_rows, lookahead=6, trainers=trainers, num_shards=shards)
+    # (each trainer's small cache forces evictions, re-fetches and hand-offs between trainers)
+    assert (np.concatenate([s.rows.read_range(0, s.num_rows)[2] for s in stores[0]]) > 0).any()
+    for got, want in zip(gather_tables(stores, tables.layout), [tables.table(t) for t in range(split.num_tables)],
+                         strict=True):
+        assert torch.equal(got, want)
+    for name, value in ref_model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

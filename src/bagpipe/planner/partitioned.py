@@ -260,3 +260,23 @@ def _owners(shared: np.ndarray, slices: list[np.ndarray]) -> np.ndarray:
     turn = shared % uses.sum(axis=0)
     seen = np.cumsum(uses, axis=0) - uses  # users before each trainer
     return np.argmax(uses & (seen == turn), axis=0).astype(np.int64)
+
+
+def plan_partitioned_spaces(slices: Iterable[list[list[np.ndarray]]],
+                            configs: list[PlannerConfig]) -> Iterator[tuple[PartitionedStep, ...]]:
+    """``plan_partitioned`` for several embedding spaces: each iteration gives, per space, each trainer's keys, and
+    each step is one PartitionedStep per space."""
+    source = iter(slices)
+    waiting: list[list] = [[] for _ in configs]
+
+    def stream(space: int) -> Iterator[list[np.ndarray]]:
+        while True:
+            if not waiting[space]:
+                parts = next(source, None)
+                if parts is None:
+                    return
+                for queue, space_parts in zip(waiting, parts, strict=True):
+                    queue.append(space_parts)
+            yield waiting[space].pop(0)
+
+    yield from zip(*(plan_partitioned(stream(space), config) for space, config in enumerate(configs)))
