@@ -165,7 +165,7 @@ def _write_back_and_drop(part, cache: RowCache, stores: list[RowStore]) -> None:
 
 def _fetch(part, cache: RowCache, stores: list[RowStore], *, dim: int, row_optimizer: RowOptimizer,
            timeout: float) -> None:
-    """One trainer's fetches of a partitioned plan step, installed in their slots."""
+    """A plan step's fetches (a trainer's part of one, partitioned), installed in their slots."""
     if len(part.fetch_keys):
         rows = torch.empty(len(part.fetch_keys), dim)
         state = torch.empty(len(part.fetch_keys), row_optimizer.state_width(dim))
@@ -196,12 +196,7 @@ def carry_out(step, cache: RowCache, stores: list[RowStore], *, dim: int, row_op
         rows, state = cache.evict(step.evict_slots, step.evict_keys)
         for store, mine, index in _by_shard(stores, step.evict_keys):
             store.write_back(step.evict_keys[mine], rows[index], state[index], version=step.iteration - 1)
-    if len(step.fetch_keys):
-        rows = torch.empty(len(step.fetch_keys), dim)
-        state = torch.empty(len(step.fetch_keys), row_optimizer.state_width(dim))
-        for store, mine, index in _by_shard(stores, step.fetch_keys):
-            rows[index], state[index] = store.fetch(step.fetch_keys[mine], step.fetch_versions[mine], timeout=timeout)
-        cache.install(step.fetch_slots, step.fetch_keys, rows, state)
+    _fetch(step, cache, stores, dim=dim, row_optimizer=row_optimizer, timeout=timeout)
 
 
 def _by_shard(stores: list[RowStore], keys: np.ndarray):

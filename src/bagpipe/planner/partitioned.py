@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from bagpipe.planner.plan import _NEXT_USE_BLOCK, _NOT_IN_WINDOW, NEVER, PlannerConfig, _Stream
+from bagpipe.planner.plan import _NEXT_USE_BLOCK, _NOT_IN_WINDOW, NEVER, PlannerConfig, _Stream, per_space
 
 _GIVEN_UP = _NOT_IN_WINDOW * 2  # a row another trainer uses first: its copy here would be let go anyway
 
@@ -266,17 +266,5 @@ def plan_partitioned_spaces(slices: Iterable[list[list[np.ndarray]]],
                             configs: list[PlannerConfig]) -> Iterator[tuple[PartitionedStep, ...]]:
     """``plan_partitioned`` for several embedding spaces: each iteration gives, per space, each trainer's keys, and
     each step is one PartitionedStep per space."""
-    source = iter(slices)
-    waiting: list[list] = [[] for _ in configs]
-
-    def stream(space: int) -> Iterator[list[np.ndarray]]:
-        while True:
-            if not waiting[space]:
-                parts = next(source, None)
-                if parts is None:
-                    return
-                for queue, space_parts in zip(waiting, parts, strict=True):
-                    queue.append(space_parts)
-            yield waiting[space].pop(0)
-
-    yield from zip(*(plan_partitioned(stream(space), config) for space, config in enumerate(configs)))
+    yield from zip(*(plan_partitioned(stream, config)
+                     for stream, config in zip(per_space(slices, len(configs)), configs)))

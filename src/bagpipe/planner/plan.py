@@ -230,20 +230,26 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
 def plan_spaces(batches: Iterable[list[np.ndarray]], configs: list[PlannerConfig]) -> Iterator[tuple[PlanStep, ...]]:
     """``plan`` for several embedding spaces at once: each batch gives one key array per space, and
     each step is one PlanStep per space (every space's planner sees the same batches)."""
-    source = iter(batches)
-    waiting: list[deque] = [deque() for _ in configs]
+    yield from zip(*(plan(stream, config) for stream, config in zip(per_space(batches, len(configs)), configs)))
 
-    def stream(space: int) -> Iterator[np.ndarray]:
+
+def per_space(items: Iterable[list], count: int) -> list[Iterator]:
+    """``count`` iterators, the s-th yielding each item's s-th part (an item: one part per embedding space), each
+    reading ``items`` only as far as it needs."""
+    source = iter(items)
+    waiting: list[deque] = [deque() for _ in range(count)]
+
+    def stream(space: int) -> Iterator:
         while True:
             if not waiting[space]:
-                keys = next(source, None)
-                if keys is None:
+                parts = next(source, None)
+                if parts is None:
                     return
-                for queue, space_keys in zip(waiting, keys, strict=True):
-                    queue.append(space_keys)
+                for queue, part in zip(waiting, parts, strict=True):
+                    queue.append(part)
             yield waiting[space].popleft()
 
-    yield from zip(*(plan(stream(space), config) for space, config in enumerate(configs)))
+    return [stream(space) for space in range(count)]
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
