@@ -69,6 +69,8 @@ def replay(slices: list[list[np.ndarray]], config: PlannerConfig) -> dict:
             assert all(len(users[key]) > 1 for key in part.shared_keys.tolist())
             assert all(owner in users[key] for key, owner in zip(part.shared_keys.tolist(),
                                                                   part.shared_owners.tolist()))
+            assert [sum(1 << u for u in users[key]) for key in part.shared_keys.tolist()] == \
+                part.shared_users.tolist()
             for key in mine:
                 assert held[t].get(key) == latest.get(key, -1), (i, t, key)  # every user holds it, current
             totals["shared"] += len(part.shared_keys)

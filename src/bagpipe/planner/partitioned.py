@@ -51,6 +51,7 @@ class TrainerStep:
     own_keys: np.ndarray  # rows of its slice no other trainer uses now: updated here, no exchange
     shared_keys: np.ndarray  # rows of its slice other trainers use too: their contributions summed among the users
     shared_owners: np.ndarray  # each shared row's owner (one of its users)
+    shared_users: np.ndarray  # each shared row's users, a bit per trainer (bit t: trainer t uses it now)
     resident_rows: int  # rows held after this boundary
 
 
@@ -106,6 +107,8 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
     final step that writes back every dirty row and lets every row go. ``config.cache_rows`` is each trainer's
     capacity; ``config.num_trainers`` the trainers."""
     trainers, capacity = config.num_trainers, config.cache_rows
+    if trainers > 63:
+        raise ValueError(f"the partitioned plan names a row's users in 63 bits: {trainers} trainers are too many")
     if config.policy != "lookahead":
         raise ValueError(f"the partitioned plan evicts by lookahead only, not {config.policy!r}")
     source = iter(slices)
@@ -220,7 +223,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
             cache.slot_next[cache.slot_of[keys]] = own[t].next_uses[i]
             shared = count[users[t]] > 1 if trainers > 1 else np.zeros(len(keys), dtype=bool)
             shared_keys = keys[shared]
-            owners = _owners(shared_keys, mine)
+            owners, users_of = _owners(shared_keys, mine)
             write_keys = np.concatenate(writes[t]) if writes[t] else empty
             steps.append(TrainerStep(
                 write_keys=write_keys, write_versions=latest[write_keys],
@@ -230,7 +233,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 fetch_keys=missing, fetch_versions=latest[missing],
                 fetch_slots=cache.slot_of[missing].astype(np.int64),
                 batch_keys=keys, batch_slots=cache.slot_of[keys].astype(np.int64),
-                own_keys=keys[~shared], shared_keys=shared_keys, shared_owners=owners,
+                own_keys=keys[~shared], shared_keys=shared_keys, shared_owners=owners, shared_users=users_of,
                 resident_rows=capacity - cache.num_free))
         # 4. The iteration: every row of the batch is updated by its users.
         latest[batch] = i
@@ -248,18 +251,20 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         steps.append(TrainerStep(write_keys=keys[last], write_versions=latest[keys[last]], write_slots=slots[last],
                                  drop_keys=keys, drop_slots=slots, fetch_keys=empty, fetch_versions=empty,
                                  fetch_slots=empty, batch_keys=empty, batch_slots=empty, own_keys=empty,
-                                 shared_keys=empty, shared_owners=empty, resident_rows=0))
+                                 shared_keys=empty, shared_owners=empty, shared_users=empty, resident_rows=0))
     yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=0)
 
 
-def _owners(shared: np.ndarray, slices: list[np.ndarray]) -> np.ndarray:
-    """Each shared row's owner: one of its users, chosen by key so that ownership is balanced."""
+def _owners(shared: np.ndarray, slices: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Each shared row's owner (one of its users, chosen by key so that ownership is balanced) and its users as a
+    bitmask (bit t: trainer t)."""
     if not len(shared):
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     uses = np.stack([_in(shared, keys) for keys in slices])  # [trainers, rows]
     turn = shared % uses.sum(axis=0)
     seen = np.cumsum(uses, axis=0) - uses  # users before each trainer
-    return np.argmax(uses & (seen == turn), axis=0).astype(np.int64)
+    owners = np.argmax(uses & (seen == turn), axis=0).astype(np.int64)
+    return owners, (uses.astype(np.int64) << np.arange(len(slices), dtype=np.int64)[:, None]).sum(axis=0)
 
 
 def plan_partitioned_spaces(slices: Iterable[list[list[np.ndarray]]],

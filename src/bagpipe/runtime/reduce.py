@@ -18,6 +18,7 @@ import queue
 import threading
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -67,11 +68,70 @@ class Mean:
         return self.buffer
 
 
-class _Ordered:
-    """One sum in a group's sequence: the padded operand, then the sum in rank order (or the error)."""
+class SharedSum:
+    """Each of this trainer's shared rows' gradient summed among the row's users only, in trainer order, over
+    ``trainers`` (the partitioned cache's exchange, planner/partitioned.py): ``grads`` ``[rows, D]`` of the rows
+    this trainer shares (sorted by key), ``users`` each row's users as a bitmask (bit t: trainer t; this trainer's
+    bit is set in every one). Each trainer sends every other trainer its contributions to the rows the two share,
+    in key order (the same rows, in the same order, on both sides: no indices travel), and every user adds them in
+    trainer order, as the sliced reference adds every trainer's (a non-user's zero leaves a sum unchanged). One
+    all-to-all; over three or more trainers it takes its turn in the group's sequence of ordered sums, so the
+    group's collectives come in the same order on every trainer. ``wait`` gives the means."""
 
-    def __init__(self, padded: torch.Tensor) -> None:
-        self.padded = padded
+    def __init__(self, group: dist.ProcessGroup, grads: torch.Tensor, users: np.ndarray, *, trainers: int,
+                 timeout: float) -> None:
+        self.grads, self.trainers = grads, trainers
+        self.rank, self.size = group.rank(), group.size()
+        self.timeout = timedelta(seconds=timeout)
+        users = np.asarray(users, dtype=np.int64)
+        self.rows_of = [np.flatnonzero((users >> u) & 1) for u in range(self.size)]  # the rows shared with u
+        if len(self.rows_of[self.rank]) != len(users):
+            raise ValueError(f"trainer {self.rank} is not a user of every row it is given to share")
+        splits = [0 if u == self.rank else len(rows) for u, rows in enumerate(self.rows_of)]
+        send = torch.cat([grads[torch.from_numpy(rows)] if u != self.rank else grads[:0]
+                          for u, rows in enumerate(self.rows_of)]) if len(grads) else grads[:0]
+        self.received = torch.empty(sum(splits), grads.shape[1], dtype=grads.dtype)
+        self._work = self._ordered = None
+
+        def exchange() -> torch.Tensor:
+            group.alltoall_base(self.received, send.contiguous(), splits, splits,
+                                dist.AllToAllOptions()).wait(timeout=self.timeout)
+            return self.received
+
+        if self.size == 2:
+            self._work = group.alltoall_base(self.received, send.contiguous(), splits, splits, dist.AllToAllOptions())
+        elif self.size > 2:
+            self._ordered = _sequencer(group, self.timeout).submit_job(exchange)
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait(timeout=self.timeout)
+        elif self._ordered is not None:
+            self._ordered.result(self.timeout.total_seconds())
+        total = torch.empty_like(self.grads)
+        summed = np.zeros(len(self.grads), dtype=bool)
+        offset = 0
+        for u, rows in enumerate(self.rows_of):  # trainer order
+            if u == self.rank:
+                part = self.grads[torch.from_numpy(rows)]
+            else:
+                part = self.received[offset:offset + len(rows)]
+                offset += len(rows)
+            later = summed[rows]
+            first = torch.from_numpy(rows[~later])
+            total[first] = part[torch.from_numpy(~later)]
+            again = torch.from_numpy(rows[later])
+            total[again] += part[torch.from_numpy(later)]
+            summed[rows] = True
+        return total.div_(self.trainers)
+
+
+class _Ordered:
+    """One collective job in a group's sequence: an ordered sum's padded operand (or any job), then its result (or
+    the error)."""
+
+    def __init__(self, padded: torch.Tensor | None, job=None) -> None:
+        self.padded, self.job = padded, job
         self.total: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -101,13 +161,19 @@ class _Sequencer:
         self._queue.put(ordered)
         return ordered
 
+    def submit_job(self, job) -> _Ordered:
+        """Run ``job()`` (a collective of the group's) in its turn; its result is the _Ordered's."""
+        ordered = _Ordered(None, job)
+        self._queue.put(ordered)
+        return ordered
+
     def _run(self) -> None:
         while True:
             ordered = self._queue.get()
             try:
                 if self._broken is not None:  # a later sum on a group a trainer was lost from cannot complete
                     raise self._broken
-                ordered.total = self._sum(ordered.padded)
+                ordered.total = ordered.job() if ordered.job is not None else self._sum(ordered.padded)
             except BaseException as err:  # noqa: BLE001 - handed to the sum's waiter
                 self._broken = self._broken or err
                 ordered.error = err
