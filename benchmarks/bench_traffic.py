@@ -24,7 +24,8 @@ from bagpipe.synth import CRITEO_KAGGLE_TABLE_SIZES, generate
 BATCH, CACHE_ROWS, LOOKAHEAD = 16_384, 500_000, 50
 EXPONENTS = (1.05, 1.2)
 ROWS = {"rows_fetched_per_iteration": "rows fetched", "rows_written_back_per_iteration": "rows written back",
-        "rows_synchronised_per_iteration": "rows synchronised", "bytes_per_iteration": "bytes"}
+        "rows_exchanged_per_iteration": "distinct rows exchanged",
+        "rows_synchronised_per_iteration": "row gradients sent", "bytes_per_iteration": "bytes sent"}
 
 
 def main() -> None:

@@ -71,3 +71,5 @@ def test_a_trainer_given_a_row_it_does_not_use_is_refused():
 
     with pytest.raises(ValueError, match="not a user of every row"):
         SharedSum(One(), torch.zeros(2, 3), np.array([0b11, 0b10]), trainers=2, timeout=1.0)
+    with pytest.raises(ValueError, match="names a user outside the 2 trainers"):
+        SharedSum(One(), torch.zeros(1, 3), np.array([0b101]), trainers=2, timeout=1.0)

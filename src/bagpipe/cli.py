@@ -582,7 +582,10 @@ def run_plan_stats(args) -> None:
     stats = plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows, lookahead=args.lookahead,
                        policy=args.policy, iterations=args.iterations, num_trainers=args.trainers,
                        cleanup_fraction=args.cleanup_fraction)
-    if args.trainers > 1:
+    if args.trainers > 1 and args.batch_size % args.trainers:
+        log.warning("--batch-size %d is not a multiple of the %d trainers: no slices, so no traffic figures",
+                    args.batch_size, args.trainers)
+    elif args.trainers > 1:
         state_width = make_row_optimizer(args.optimizer, lr=0.01).state_width(args.emb_dim)
         stats["traffic"] = traffic(split, batch_size=args.batch_size, cache_rows=args.cache_rows,
                                    lookahead=args.lookahead, trainers=args.trainers, iterations=args.iterations,

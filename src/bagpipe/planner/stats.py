@@ -47,34 +47,44 @@ def traffic(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: 
     rows per trainer: *replicated* (every trainer holds the same rows, planned on the global batch: each fetches
     every row fetched, writes back its share of the evictions and all-reduces every row of the global batch) and
     *partitioned* (planner/partitioned.py: each holds the rows its slices use, and exchanges the rows it shares with
-    other users of them only). Rows fetched and written back carry the row and its optimizer state; rows
-    synchronised carry a gradient."""
+    other users of them only). Rows fetched and written back carry the row and its optimizer state. Rows
+    synchronised are the row gradients a trainer sends: replicated, 2(T-1)/T of the global batch's rows (an
+    all-reduce: the ordered sum's all-to-all and all-gather, or gloo's own at two trainers, send that much);
+    partitioned, each shared row once to each of its other users (runtime/reduce.SharedSum). Rows exchanged are the
+    distinct rows a trainer sums with others (the global batch's, or its shared ones). The dense gradients'
+    all-reduce, the same in both designs, is not counted."""
     row_bytes, grad_bytes = 4 * (dim + state_width), 4 * dim
     global_batches = key_batches(split, batch_size=batch_size, iterations=iterations)
     config = PlannerConfig(num_rows=int(sum(split.table_sizes)), cache_rows=cache_rows, lookahead=lookahead,
                            num_trainers=trainers, cleanup_fraction=cleanup_fraction)
-    fetched = written = synchronised = 0
+    fetched = written = batch_rows = 0
     for step in plan(global_batches, config):
         fetched += len(step.fetch_keys)
         written += len(step.evict_keys)
-        synchronised += len(step.batch_keys)
+        batch_rows += len(step.batch_keys)
     count = len(global_batches)
-    replicated = _per_iteration(fetched, written / trainers, synchronised, count, row_bytes, grad_bytes)
-    per_trainer = np.zeros((trainers, 4), dtype=np.int64)  # fetched, written back, shared, own
+    replicated = _per_iteration(fetched, written / trainers, batch_rows * 2 * (trainers - 1) / trainers, count,
+                                row_bytes, grad_bytes)
+    replicated["rows_exchanged_per_iteration"] = batch_rows / max(count, 1)  # distinct rows a trainer's sum covers
+    per_trainer = np.zeros((trainers, 5), dtype=np.int64)  # fetched, written back, gradients sent, own, shared
     for step in plan_partitioned(slice_key_batches(split, batch_size=batch_size, iterations=iterations,
                                                    trainers=trainers), config):
         for t, part in enumerate(step.trainers):
-            per_trainer[t] += (len(part.fetch_keys), len(part.write_keys), len(part.shared_keys), len(part.own_keys))
+            sent = int(sum(bin(users).count("1") - 1 for users in part.shared_users.tolist()))
+            per_trainer[t] += (len(part.fetch_keys), len(part.write_keys), sent, len(part.own_keys),
+                               len(part.shared_keys))
     mean = per_trainer.mean(axis=0)
     partitioned = _per_iteration(mean[0], mean[1], mean[2], count, row_bytes, grad_bytes)
     partitioned["rows_own_per_iteration"] = float(mean[3] / count)  # updated with no exchange
+    partitioned["rows_exchanged_per_iteration"] = float(mean[4] / count)  # distinct rows it sums with others
     partitioned["busiest_trainer_rows_fetched_per_iteration"] = float(per_trainer[:, 0].max() / count)
     return {"trainers": trainers, "cache_rows_per_trainer": cache_rows, "row_bytes": row_bytes,
             "replicated": replicated, "partitioned": partitioned,
             "partitioned_vs_replicated": {
                 name: (partitioned[name] / replicated[name] if replicated[name] else float("nan"))
                 for name in ("rows_fetched_per_iteration", "rows_written_back_per_iteration",
-                             "rows_synchronised_per_iteration", "bytes_per_iteration")}}
+                             "rows_exchanged_per_iteration", "rows_synchronised_per_iteration",
+                             "bytes_per_iteration")}}
 
 
 def _per_iteration(fetched: float, written: float, synchronised: float, iterations: int, row_bytes: int,

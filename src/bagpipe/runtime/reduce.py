@@ -76,7 +76,10 @@ class SharedSum:
     in key order (the same rows, in the same order, on both sides: no indices travel), and every user adds them in
     trainer order, as the sliced reference adds every trainer's (a non-user's zero leaves a sum unchanged). One
     all-to-all; over three or more trainers it takes its turn in the group's sequence of ordered sums, so the
-    group's collectives come in the same order on every trainer. ``wait`` gives the means."""
+    group's collectives come in the same order on every trainer. ``wait`` gives the means.
+
+    Every trainer of the group starts one for every iteration, even one with no shared rows (the all-to-all needs
+    every rank), from the thread that starts its ``Mean``s, in the same order relative to them on every trainer."""
 
     def __init__(self, group: dist.ProcessGroup, grads: torch.Tensor, users: np.ndarray, *, trainers: int,
                  timeout: float) -> None:
@@ -84,6 +87,8 @@ class SharedSum:
         self.rank, self.size = group.rank(), group.size()
         self.timeout = timedelta(seconds=timeout)
         users = np.asarray(users, dtype=np.int64)
+        if len(users) and int(users.max()) >> self.size:
+            raise ValueError(f"a shared row names a user outside the {self.size} trainers")
         self.rows_of = [np.flatnonzero((users >> u) & 1) for u in range(self.size)]  # the rows shared with u
         if len(self.rows_of[self.rank]) != len(users):
             raise ValueError(f"trainer {self.rank} is not a user of every row it is given to share")

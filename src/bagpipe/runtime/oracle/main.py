@@ -195,6 +195,7 @@ def run_job(oracle: Oracle) -> dict:
     final_dir = run.path / FINAL_ROWS
     try:
         oracle.state.wait_for_trainers()
+        producer.join(timeout=world.timeout)  # (it has sent every plan: the trainers pulled the final one)
         oracle.feed.figures.end()
         inject_fault("trainers reported")
         final_rows = oracle.checkpoints.write_final(oracle.iterations, final_dir)
