@@ -111,29 +111,15 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         raise ValueError(f"the partitioned plan names a row's users in 63 bits: {trainers} trainers are too many")
     if config.policy != "lookahead":
         raise ValueError(f"the partitioned plan evicts by lookahead only, not {config.policy!r}")
-    source = iter(slices)
-    waiting: list[list] = [[] for _ in range(trainers + 1)]  # per stream: the iterations read but not taken
-
-    def fill() -> bool:
-        parts = next(source, None)
-        if parts is None:
-            return False
+    def with_batch(parts: list) -> list[np.ndarray]:  # each trainer's keys, then the global batch's
         parts = [np.asarray(part, dtype=np.int64).ravel() for part in parts]
         if len(parts) != trainers:
             raise ValueError(f"an iteration has {len(parts)} slices for {trainers} trainers")
-        for stream, part in enumerate(parts):
-            waiting[stream].append(part)
-        waiting[trainers].append(np.concatenate(parts))
-        return True
+        return [*parts, np.concatenate(parts)]
 
-    def stream(index: int) -> Iterator[np.ndarray]:
-        while True:
-            if not waiting[index] and not fill():
-                return
-            yield waiting[index].pop(0)
-
-    own = [_Stream(stream(t), lookahead=config.lookahead, num_rows=config.num_rows) for t in range(trainers)]
-    everyone = _Stream(stream(trainers), lookahead=config.lookahead, num_rows=config.num_rows)
+    streams = per_space((with_batch(parts) for parts in slices), trainers + 1)
+    own = [_Stream(streams[t], lookahead=config.lookahead, num_rows=config.num_rows) for t in range(trainers)]
+    everyone = _Stream(streams[trainers], lookahead=config.lookahead, num_rows=config.num_rows)
     caches = [_Cache.empty(config.num_rows, capacity) for _ in range(trainers)]
     latest = np.full(config.num_rows, -1, dtype=np.int64)  # the iteration of each row's last update
     server = np.full(config.num_rows, -1, dtype=np.int64)  # the version the servers hold
@@ -155,8 +141,8 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 cache.slot_next[unknown] = own[t].first_uses(cache.slot_key[unknown])
             held = np.flatnonzero((holders > 0) & (next_any == NEVER))
             next_any[held] = everyone.first_uses(held)
-        users = [_in(batch, keys) for keys in mine]  # per trainer: which rows of the batch it uses now
-        count = np.sum(users, axis=0)
+        users = np.stack([_in(batch, keys) for keys in mine])  # [trainer, row of the batch]: it uses the row now
+        count = users.sum(axis=0)
         writes: list[list] = [[] for _ in range(trainers)]
         write_slots: list[list] = [[] for _ in range(trainers)]
         drops: list[list] = [[] for _ in range(trainers)]
@@ -221,9 +207,9 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
             holders[missing] += 1
             keys = mine[t]
             cache.slot_next[cache.slot_of[keys]] = own[t].next_uses[i]
-            shared = count[users[t]] > 1 if trainers > 1 else np.zeros(len(keys), dtype=bool)
+            shared = count[users[t]] > 1
             shared_keys = keys[shared]
-            owners, users_of = _owners(shared_keys, mine)
+            owners, users_of = _owners(shared_keys, users[:, users[t] & (count > 1)])
             write_keys = np.concatenate(writes[t]) if writes[t] else empty
             steps.append(TrainerStep(
                 write_keys=write_keys, write_versions=latest[write_keys],
@@ -255,16 +241,15 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
     yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=0)
 
 
-def _owners(shared: np.ndarray, slices: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def _owners(shared: np.ndarray, uses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each shared row's owner (one of its users, chosen by key so that ownership is balanced) and its users as a
-    bitmask (bit t: trainer t)."""
+    bitmask (bit t: trainer t); ``uses``: [trainer, row], whether the trainer uses the row now."""
     if not len(shared):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    uses = np.stack([_in(shared, keys) for keys in slices])  # [trainers, rows]
     turn = shared % uses.sum(axis=0)
     seen = np.cumsum(uses, axis=0) - uses  # users before each trainer
     owners = np.argmax(uses & (seen == turn), axis=0).astype(np.int64)
-    return owners, (uses.astype(np.int64) << np.arange(len(slices), dtype=np.int64)[:, None]).sum(axis=0)
+    return owners, (uses.astype(np.int64) << np.arange(len(uses), dtype=np.int64)[:, None]).sum(axis=0)
 
 
 def plan_partitioned_spaces(slices: Iterable[list[list[np.ndarray]]],
