@@ -18,18 +18,14 @@ STATS_POLICIES = ("lookahead", "lru", "lfu", "none", "belady")
 
 def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list[np.ndarray]:
     """Each global batch's rows as flat keys (one table per feature: its offset + id), in training order."""
-    layout = EmbeddingLayout(one_per_feature(split.schema, 1), split.schema)
-    assert len(layout.spaces) == 1  # one width: one key space
-    iterations = iterations or batches_per_epoch(split, batch_size)
-    return [valid_keys(layout.keys(np.asarray(split.ids[rows], dtype=np.int64))[0])
-            for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=False,
-                                   shuffle_seed=0)]
+    return [whole for whole, in slice_key_batches(split, batch_size=batch_size, iterations=iterations, trainers=1)]
 
 
 def slice_key_batches(split: BinarySplit, *, batch_size: int, iterations: int, trainers: int) -> list[list[np.ndarray]]:
     """Each global batch cut into ``trainers`` equal consecutive slices, as the trainers take it, each slice's rows
-    as flat keys (``key_batches``' keys, per slice)."""
+    as flat keys (one table per feature: its offset + id), in training order."""
     layout = EmbeddingLayout(one_per_feature(split.schema, 1), split.schema)
+    assert len(layout.spaces) == 1  # one width: one key space
     if batch_size % trainers:
         raise ValueError(f"--batch-size {batch_size} is not a multiple of the {trainers} trainers")
     size = batch_size // trainers
