@@ -190,3 +190,5 @@ def test_plan_stats_with_trainers_compares_a_replicated_and_a_partitioned_cache(
     assert main(["plan-stats", "--data", str(small_binary), "--batch-size", "64", "--cache-rows", "600",
                  "--iterations", "5", "--trainers", "3"]) == 0
     assert "traffic" not in json.loads(capsys.readouterr().out)
+    assert main(["plan-stats", "--data", str(small_binary), "--batch-size", "64", "--cache-rows", "600",
+                 "--trainers", "2", "--emb-dim", "0"]) == 2  # a width the bytes cannot be counted in

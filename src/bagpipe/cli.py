@@ -578,6 +578,8 @@ def run_plan_stats(args) -> None:
     from bagpipe.optim import make_row_optimizer
     from bagpipe.planner.stats import plan_stats, traffic
 
+    if args.emb_dim <= 0:
+        raise ValueError(f"--emb-dim must be positive, got {args.emb_dim}")
     split = open_dataset(args.data).train
     stats = plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows, lookahead=args.lookahead,
                        policy=args.policy, iterations=args.iterations, num_trainers=args.trainers,
