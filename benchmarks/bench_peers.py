@@ -1,17 +1,20 @@
 """bagpipe against TorchRec (and our reference trainer) on the same data, model and global batch.
 
     .venv/bin/python benchmarks/bench_peers.py [--repeats 3] [--iterations 200] [--quick]
-        [--torchrec-sharding table_wise] [--optimizer sgd] [--cache-fraction 0.05]
+        [--torchrec-sharding table_wise] [--optimizer sgd] [--cache-fraction 0.05] [--dim 16]
+        [--systems torchrec,bagpipe,bagpipe-partitioned,reference]
 
 Data: synthetic Criteo-shaped, 26 tables of 100,000 rows (2.6M rows), Zipf ids. Model: DLRM,
-dim 16, bottom MLP 13-512-256-16, top MLP 512-256-1, global batch 2048. Systems, interleaved
+dim 16 (--dim), bottom MLP 13-512-256-DIM, top MLP 512-256-1, global batch 2048. Systems, interleaved
 in every repeat so that machine noise hits all of them alike:
 
 - torchrec   TorchRec's DLRM in DistributedModelParallel over gloo on 2 processes, fused
              embedding optimizer (benchmarks/peer/torchrec_dlrm.py, in its own environment
              .venv-torchrec made by benchmarks/peer/setup_torchrec.sh)
 - bagpipe    `--mode bagpipe`: oracle, 1 server, 2 trainers, each trainer caching
-             --cache-fraction of all rows
+             --cache-fraction of all rows (the replicated cache: every trainer the same rows)
+- bagpipe-partitioned  the same with `--cache-mode partitioned`: each trainer caches the rows
+             its slices use, a row's gradient summed among its users only
 - reference  `--mode reference`: one process, every table in memory, torch's default threads
 
 Samples/s is steady state (the first --warmup iterations excluded), start-up is reported apart,
@@ -38,8 +41,12 @@ from bagpipe.synth import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHREC_PYTHON = ROOT / ".venv-torchrec" / "bin" / "python"
-TABLES, ROWS_PER_TABLE, DIM, BATCH = 26, 100_000, 16, 2048
-BOTTOM, TOP = f"13-512-256-{DIM}", "512-256-1"
+TABLES, ROWS_PER_TABLE, BATCH = 26, 100_000, 2048
+TOP = "512-256-1"
+
+
+def bottom(dim: int) -> str:
+    return f"13-512-256-{dim}"
 
 
 def main() -> None:
@@ -49,11 +56,13 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd")
+    parser.add_argument("--dim", type=int, default=16, help="embedding width (the bottom MLP ends in it)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--cache-fraction", type=float, default=0.05, help="rows each bagpipe trainer caches")
     parser.add_argument("--torchrec-sharding", default="table_wise")
     parser.add_argument("--systems", default="torchrec,bagpipe,reference",
-                        help="any of torchrec, bagpipe, reference, and bagpipe-before (needs --before-src)")
+                        help="any of torchrec, bagpipe, bagpipe-partitioned, reference, and bagpipe-before "
+                             "(needs --before-src)")
     parser.add_argument("--before-src", default=None,
                         help="the src/ dir of another bagpipe checkout (e.g. `git worktree add ../before REV`), "
                              "run as system bagpipe-before: before/after figures in one run")
@@ -96,18 +105,27 @@ def make_data(work: Path, *, iterations: int) -> Path:
 def config(args, data: Path, run_dir: Path, **values) -> TrainConfig:
     return TrainConfig(data=str(data), run_dir=str(run_dir), iterations=args.iterations, batch_size=BATCH,
                        optimizer=args.optimizer, lr=args.lr, seed=0, warmup_iterations=args.warmup, log_every=20,
-                       max_eval_rows=BATCH, model=ModelConfig(emb_dim=DIM, arch_mlp_bot=BOTTOM, arch_mlp_top=TOP),
+                       max_eval_rows=BATCH, model=ModelConfig(emb_dim=args.dim, arch_mlp_bot=bottom(args.dim),
+                                                              arch_mlp_top=TOP),
                        **values)
 
 
-def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int, *, cache_mode: str = "replicated") -> dict:
     summary = launch_local(config(args, data, run_dir, mode="bagpipe", trainers=2, servers=1, cache_rows=cache_rows,
-                                  lookahead=200, policy="lookahead", timeout=120.0), show_progress=False,
-                           overwrite=True)
+                                  lookahead=200, policy="lookahead", cache_mode=cache_mode, timeout=120.0),
+                           show_progress=False, overwrite=True)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
             "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],
             "embedding_stall_fraction": summary["embedding_stall_fraction"],
-            "time_breakdown_ms": summary["time_breakdown_ms"]}
+            "time_breakdown_ms": summary["time_breakdown_ms"], "cpu_s": summary["cpu_s"],
+            "rows_fetched": summary["rows_fetched"], "rows_written_back": summary["rows_written_back"],
+            "allreduce_bytes_per_iteration": summary["allreduce_bytes_per_iteration"],
+            "rows_exchanged_per_iteration": summary["rows_exchanged_per_iteration"],
+            "oracle_ms_per_iteration": summary["oracle_ms_per_iteration"]}
+
+
+def run_bagpipe_partitioned(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+    return run_bagpipe(args, data, run_dir, cache_rows, cache_mode="partitioned")
 
 
 def run_bagpipe_before(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
@@ -121,7 +139,7 @@ def run_bagpipe_before(args, data: Path, run_dir: Path, cache_rows: int) -> dict
                "--optimizer", args.optimizer, "--lr", str(args.lr), "--seed", "0",
                "--warmup-iterations", str(args.warmup), "--log-every", "20", "--max-eval-rows", str(BATCH),
                "--trainers", "2", "--servers", "1", "--cache-rows", str(cache_rows), "--lookahead", "200",
-               "--timeout", "120", "--emb-dim", str(DIM), "--arch-mlp-bot", BOTTOM, "--arch-mlp-top", TOP,
+               "--timeout", "120", "--emb-dim", str(args.dim), "--arch-mlp-bot", bottom(args.dim), "--arch-mlp-top", TOP,
                "--no-progress", "--overwrite"]  # a repeat replaces the last run
     env = dict(os.environ, PYTHONPATH=str(Path(args.before_src).resolve()))
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr, timeout=1800)
@@ -140,7 +158,7 @@ def run_reference(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
 def run_torchrec(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
     command = [str(TORCHREC_PYTHON), str(ROOT / "benchmarks" / "peer" / "torchrec_dlrm.py"), "--data", str(data),
                "--processes", "2", "--sharding", args.torchrec_sharding, "--optimizer", args.optimizer,
-               "--lr", str(args.lr), "--dim", str(DIM), "--batch-size", str(BATCH),
+               "--lr", str(args.lr), "--dim", str(args.dim), "--batch-size", str(BATCH),
                "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode:
@@ -152,13 +170,14 @@ def run_torchrec(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
             "sharding": result.get("sharding")}
 
 
-RUNNERS = {"bagpipe": run_bagpipe, "reference": run_reference, "torchrec": run_torchrec,
-           "bagpipe-before": run_bagpipe_before}
+RUNNERS = {"bagpipe": run_bagpipe, "bagpipe-partitioned": run_bagpipe_partitioned, "reference": run_reference,
+           "torchrec": run_torchrec, "bagpipe-before": run_bagpipe_before}
 
 
 def table(results: dict[str, list[dict]], *, args, cache_rows: int) -> str:
     med = {s: statistics.median(r["samples_per_s"] for r in runs) for s, runs in results.items() if runs}
-    lines = [f"\n{TABLES} tables x {ROWS_PER_TABLE:,} rows, dim {DIM}, DLRM {BOTTOM} / {TOP}, global batch {BATCH}, "
+    lines = [f"\n{TABLES} tables x {ROWS_PER_TABLE:,} rows, dim {args.dim}, DLRM {bottom(args.dim)} / {TOP}, "
+             f"global batch {BATCH}, "
              f"{args.optimizer} lr {args.lr}, {args.iterations} iterations ({args.warmup} warm-up), medians of "
              f"{args.repeats}; bagpipe caches {cache_rows:,} rows per trainer "
              f"({100 * cache_rows / (TABLES * ROWS_PER_TABLE):.0f}%)\n",
@@ -177,6 +196,27 @@ def table(results: dict[str, list[dict]], *, args, cache_rows: int) -> str:
                      f"{ratio} | {startup:.1f} | "
                      + (", ".join(f"{k} {v / 2**20:,.0f}" for k, v in peak.items()) or "not recorded")
                      + f" | {statistics.median(r['final_loss'] for r in runs):.4f} |")
+    roles = {system: runs for system, runs in results.items() if runs and "cpu_s" in runs[0]}
+    if roles:  # where each bagpipe job's time and CPU went (medians)
+        lines += ["", "| system | embedding stall | CPU ms per iteration (oracle / server / each trainer) | "
+                  "rows fetched / written back per iteration | rows exchanged per trainer per iteration | "
+                  "all-reduce KB per trainer per iteration |", "| --- | ---: | --- | --- | ---: | ---: |"]
+        for system, runs in roles.items():
+            def median(get):
+                return statistics.median(get(r) for r in runs)
+            per = 1e3 / args.iterations
+            cpu = runs[0]["cpu_s"]
+            trainers = [k for k in cpu if k.startswith("trainer")]
+            servers = [k for k in cpu if k.startswith("server")]
+            lines.append(
+                f"| {system} | {median(lambda r: r['embedding_stall_fraction']):.1%} | "
+                f"{median(lambda r: r['cpu_s']['oracle']) * per:.1f} / "
+                f"{median(lambda r: sum(r['cpu_s'][k] for k in servers)) * per:.1f} / "
+                f"{median(lambda r: sum(r['cpu_s'][k] for k in trainers) / len(trainers)) * per:.1f} | "
+                f"{median(lambda r: r['rows_fetched']) / args.iterations:,.0f} / "
+                f"{median(lambda r: r['rows_written_back']) / args.iterations:,.0f} | "
+                f"{median(lambda r: r['rows_exchanged_per_iteration']):,.0f} | "
+                f"{median(lambda r: r['allreduce_bytes_per_iteration']) / 1e3:,.0f} |")
     return "\n".join(lines)
 
 

@@ -31,6 +31,11 @@ def test_toml_then_flags(tmp_path):
     ({"arch_mlp_bot": "13-x-16"}, "arch_mlp_bot"),
     ({"arch_mlp_top": "64-2"}, "must end in 1"),
     ({"mode": "magic"}, "mode must be one of"),
+    ({"cache_mode": "sharded"}, "cache_mode must be one of replicated, partitioned, got 'sharded'"),
+    ({"mode": "bagpipe", "cache_mode": "partitioned", "policy": "lru"},
+     "--cache-mode partitioned plans each trainer's cache by lookahead only, not --policy lru"),
+    ({"mode": "bagpipe", "cache_mode": "partitioned", "checkpoint_every": 10},
+     "--cache-mode partitioned takes no checkpoints yet"),
     ({"data": ""}, "data"),
 ])
 def test_impossible_values_are_refused(overrides, message):

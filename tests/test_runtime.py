@@ -37,7 +37,7 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
 _NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "liveness_s",
                          "rpc_transports", "rpc_channels",
                          "master_port", "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
-                         "policy", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
+                         "policy", "cache_mode", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
                          "keep_checkpoints")
 _REFERENCES: dict[str, tuple[Path, dict]] = {}  # a configuration's reference, trained once per test session
 
@@ -238,6 +238,23 @@ def test_a_job_that_cannot_run_is_refused_before_any_role_starts(small_binary, t
     assert not (tmp_path / "run").exists()
 
 
+def test_a_partitioned_cache_smaller_than_a_slice_is_refused_naming_the_trainer(small_binary, tmp_path):
+    """With the partitioned cache a trainer's cache holds its slice's rows only: a slice that does not fit is
+    refused before any role starts, and one that fits is not, though the whole batch would not."""
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.preflight import check_cache
+
+    config = job_config(small_binary, tmp_path / "run", cache_mode="partitioned", cache_rows=350)
+    with pytest.raises(ValueError, match="trainer 0's slice of batch 0 touches 486 distinct rows, more than the "
+                                         "cache's 350"):
+        launch_local(config, show_progress=False)
+    assert not (tmp_path / "run").exists()
+    fits = dataclasses.replace(config, cache_rows=560)
+    check_cache(fits, open_dataset(small_binary))  # a slice's rows fit
+    with pytest.raises(ValueError, match=r"^batch 0 touches \d+ distinct rows"):  # a whole batch's do not
+        check_cache(dataclasses.replace(fits, cache_mode="replicated"), open_dataset(small_binary))
+
+
 def test_a_cache_that_holds_every_row_gets_a_warning(small_binary):
     from bagpipe.data.binary import open_dataset
     from bagpipe.preflight import cache_warnings
@@ -364,3 +381,20 @@ def test_a_torch_outside_the_supported_range_is_refused_naming_it():
         with pytest.raises(RuntimeError, match=rf"supports torch {low_major}.{low_minor} to {high_major}.{high_minor}, "
                                                rf"this is torch {outside}: install torch>="):
             check_torch(outside)
+
+
+# The partitioned cache (planner/partitioned.py): each trainer holds only its slices' rows, shared rows' gradients
+# summed among their users; the same sliced reference, bit for bit, through hand-offs, drops and re-fetches.
+@pytest.mark.parametrize("optimizer, trainers, servers", [("sgd", 2, 1), ("adagrad", 3, 2), ("adam", 4, 2)])
+def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, trainers, servers):
+    batch = BATCH - BATCH % trainers
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, servers=servers,
+                        batch_size=batch, cache_mode="partitioned", cache_rows=560)
+    summary = launch_local(config, show_progress=False)
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
+    assert summary["cache_mode"] == "partitioned" and summary["iterations"] == ITERATIONS
+    # each trainer's cache was too small for its rows: they were let go, written back and fetched again
+    assert summary["rows_written_back"] > 10 * CACHE and summary["rows_fetched"] > 10 * CACHE
+    assert 0.0 < summary["cache_hit_rate"] < 1.0
+    assert summary["rows_exchanged_per_iteration"] > 0

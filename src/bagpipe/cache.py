@@ -50,11 +50,16 @@ class RowCache:
                            f"{int(keys[first])} ({int(wrong.sum())} such); the plan and the cache disagree")
         return slots
 
+    def read(self, slots: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the rows and state of ``keys``, held in ``slots`` (a write-back that keeps them)."""
+        slots = self._check(slots, np.asarray(keys, dtype=np.int64), what="read")
+        index = torch.from_numpy(slots).to(self.weights.device)
+        return self.weights.index_select(0, index), self.state.index_select(0, index)
+
     def evict(self, slots: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Free the slots of ``keys``; return their rows and state for the write-back."""
-        slots = self._check(slots, np.asarray(keys, dtype=np.int64), what="evict")
-        index = torch.from_numpy(slots).to(self.weights.device)
-        rows, state = self.weights.index_select(0, index), self.state.index_select(0, index)
+        rows, state = self.read(slots, keys)
+        slots = np.asarray(slots, dtype=np.int64)
         self.slot_key[slots] = -1
         self.resident_rows -= len(slots)
         return rows, state

@@ -153,8 +153,7 @@ def train_partitioned_batches(model: nn.Module, dense_optimizer: torch.optim.Opt
 def _write_back_and_drop(part, cache: RowCache, stores: list[RowStore]) -> None:
     """One trainer's write-backs of a partitioned plan step (read from their slots), then its drops."""
     if len(part.write_keys):
-        index = torch.from_numpy(part.write_slots)
-        rows, state = cache.weights.index_select(0, index), cache.state.index_select(0, index)
+        rows, state = cache.read(part.write_slots, part.write_keys)
         for store, mine, at in _by_shard(stores, part.write_keys):
             for version in np.unique(part.write_versions[mine]):  # a write-back carries one version
                 same = np.flatnonzero(mine)[part.write_versions[mine] == version]

@@ -251,6 +251,10 @@ def _add_job_flags(p) -> None:
                    help="batches the oracle plans ahead" + _default("lookahead"))
     g.add_argument("--policy", default=None, help="lookahead, lru, lfu or none (no cache; not in --mode single)"
                    + _default("policy"))
+    g.add_argument("--cache-mode", default=None, choices=("replicated", "partitioned"), help="replicated: every "
+                   "trainer caches every row the plan keeps, gradients summed over all trainers; partitioned: each "
+                   "trainer caches only the rows its slices use, a row's gradient summed among its users only "
+                   "(lookahead policy; no checkpoints yet)" + _default("cache_mode"))
     g.add_argument("--cleanup-fraction", "--cleanup-batch-proportion", dest="cleanup_fraction", type=float,
                    default=None, help="when evicting, also free this share of the cache, in [0, 1)"
                    + _default("cleanup_fraction") + "; --mode single frees 0.05 at least")

@@ -21,6 +21,7 @@ STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the s
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 MODES = ("reference", "bagpipe", "single")  # single: one process, tables in host memory behind a cache
+CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
 SINGLE_POLICIES = ("lookahead", "lru", "lfu")  # --mode single: the planner, or an online policy
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
@@ -219,6 +220,10 @@ class TrainConfig:
     cache_rows: int = 0  # rows each trainer caches; 0: 5% of all rows
     lookahead: int = 200  # batches the oracle plans ahead
     policy: str = "lookahead"
+    # replicated: every trainer holds every row the plan caches, and every row of the global batch is summed over
+    # all trainers; partitioned: each trainer holds only the rows its slices use, and a row's gradient is summed
+    # among the trainers that use it (planner/partitioned.py)
+    cache_mode: str = "replicated"
     cleanup_fraction: float = 0.0  # evict this share of the cache at once when evicting
     prefetch_depth: int = 8  # iterations whose fetches a trainer has in flight
     timeout: float = 60.0  # seconds any remote wait may take before the job fails
@@ -281,6 +286,10 @@ class TrainConfig:
                              f"parity server, so --servers must be a multiple of {self.parity + 1}, got {self.servers}")
         if not 0 <= self.master_port < 65535:
             raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
+        if self.mode == "bagpipe" and self.cache_mode == "partitioned":
+            self._check_partitioned()
         if self.mode == "single" and self.policy not in SINGLE_POLICIES:
             raise ValueError(f"--mode single: policy must be one of {', '.join(SINGLE_POLICIES)}, got {self.policy!r}")
         if self.mode in ("reference", "single") and self.batch_size % self.slices:
@@ -289,6 +298,15 @@ class TrainConfig:
         if self.mode == "bagpipe" and self.batch_size % self.trainers:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of trainers ({self.trainers}): "
                              "each trainer takes an equal slice of the global batch")
+
+    def _check_partitioned(self) -> None:
+        """What the partitioned cache does not do (yet): said before any role starts."""
+        if self.policy != "lookahead":
+            raise ValueError(f"--cache-mode partitioned plans each trainer's cache by lookahead only, not "
+                             f"--policy {self.policy}")
+        if self.checkpoints:
+            raise ValueError("--cache-mode partitioned takes no checkpoints yet (each trainer holds its own dirty "
+                             "rows); use --cache-mode replicated with --checkpoint-every / --checkpoint-every-s")
 
     @property
     def checkpoints(self) -> bool:

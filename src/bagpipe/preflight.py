@@ -26,9 +26,9 @@ from bagpipe.storage.disk import record_bytes, storage_path
 log = logging.getLogger(__name__)
 
 # Settings that only the distributed job reads, and the one only the reference reads.
-JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cleanup_fraction", "prefetch_depth",
-                "timeout", "master_port", "parity", "check_parity", "max_restarts", "storage", "storage_dir",
-                "storage_budget_mb")
+JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cache_mode", "cleanup_fraction",
+                "prefetch_depth", "timeout", "master_port", "parity", "check_parity", "max_restarts", "storage",
+                "storage_dir", "storage_budget_mb")
 REFERENCE_SETTINGS = ("slices",)
 # --mode single reads these of the job's settings
 SINGLE_SETTINGS = ("cache_rows", "lookahead", "policy", "cleanup_fraction", "storage", "storage_dir", "storage_budget_mb")
@@ -148,18 +148,27 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
 
 def cache_rows_of(config: TrainConfig, layout: EmbeddingLayout) -> list[int]:
     """Each space's share of the cache (``cache_rows`` of all rows, default 5%)."""
-    return layout.split_cache(config.cache_rows or default_cache_rows([layout.num_rows]), batch_size=config.batch_size)
+    return layout.split_cache(config.cache_rows or default_cache_rows([layout.num_rows]),
+                              batch_size=cached_batch(config))
+
+
+def cached_batch(config: TrainConfig) -> int:
+    """The samples whose rows a cache must hold at once: the global batch, or with the partitioned cache a
+    trainer's slice of it."""
+    partitioned = config.mode == "bagpipe" and config.cache_mode == "partitioned"
+    return config.batch_size // config.trainers if partitioned else config.batch_size
 
 
 def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: bool = False) -> None:
-    """Refuse a cache smaller than some batch's distinct rows (before the oracle's planner meets it).
+    """Refuse a cache smaller than some batch's distinct rows (with the partitioned cache: some trainer's slice's),
+    before the oracle's planner meets it.
 
     A batch touches at most its columns x batch_size rows of a space, so only a share smaller than
     that needs the batches scanned; the scan stops at the first batch that does not fit.
     """
     split, layout = dataset.train, job_layout(config, dataset)
-    shares = cache_rows_of(config, layout)
-    tight = [s for s, space in enumerate(layout.spaces) if shares[s] < config.batch_size * len(space.data_columns)]
+    shares, cached = cache_rows_of(config, layout), cached_batch(config)
+    tight = [s for s, space in enumerate(layout.spaces) if shares[s] < cached * len(space.data_columns)]
     if not tight:
         return
     iterations = config.iterations or batches_per_epoch(split, config.batch_size)
@@ -172,18 +181,21 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
         ids = np.asarray(split.ids[selector], dtype=np.int64)
         if ((ids < lowest) | (ids >= cardinalities)).any():
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table
-        keys = layout.keys(ids)
-        for s in tight:
-            flat = valid_keys(keys[s])
-            positions = np.arange(len(flat), dtype=np.int64)
-            # Each distinct key keeps exactly one of its positions in the stamps: count those.
-            stamps[s][flat] = positions
-            distinct = int(np.count_nonzero(stamps[s][flat] == positions))
-            if distinct > shares[s]:
-                bar.close()
-                where = "" if len(layout.spaces) == 1 else f" of the {layout.spaces[s].dim}-wide tables"
-                raise ValueError(f"batch {iteration} touches {distinct} distinct rows{where}, more than the cache's "
-                                 f"{shares[s]} for them (--cache-rows): raise cache_rows or lower the batch size")
+        for part in range(len(ids) // cached):
+            keys = layout.keys(ids[part * cached:(part + 1) * cached])
+            for s in tight:
+                flat = valid_keys(keys[s])
+                positions = np.arange(len(flat), dtype=np.int64)
+                # Each distinct key keeps exactly one of its positions in the stamps: count those.
+                stamps[s][flat] = positions
+                distinct = int(np.count_nonzero(stamps[s][flat] == positions))
+                if distinct > shares[s]:
+                    bar.close()
+                    where = "" if len(layout.spaces) == 1 else f" of the {layout.spaces[s].dim}-wide tables"
+                    what = f"trainer {part}'s slice of batch" if cached < len(ids) else "batch"
+                    raise ValueError(f"{what} {iteration} touches {distinct} distinct rows{where}, more than the "
+                                     f"cache's {shares[s]} for them (--cache-rows): raise cache_rows or lower the "
+                                     f"batch size")
         bar.update(1)
     bar.close()
 

@@ -1,7 +1,8 @@
 """What the oracle tells the trainers: the job, then one message per iteration.
 
-Every trainer holds the same caches, one per embedding space (the plan is global), so every trainer
-gets the same plan part; only the batch slice and which evicted rows it writes back differ.
+With the replicated cache every trainer holds the same caches, one per embedding space (the plan is global), so
+every trainer gets the same plan part (``SpaceStep``); only the batch slice and which evicted rows it writes back
+differ. With the partitioned cache each trainer gets its own part (``PartSpaceStep``, planner/partitioned.py).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from bagpipe.cache import BatchView
 from bagpipe.config import TrainConfig, config_from_dict
 from bagpipe.data.schema import Feature, Schema
-from bagpipe.embeddings import EmbeddingLayout, TableConfig
+from bagpipe.embeddings import EmbeddingLayout, TableConfig, positions_in
 
 PULL_MAX_STEPS = 8  # plan messages a trainer's pull asks the oracle for at most
 DAMAGED_RESENDS = 5  # a fetch whose answer arrived damaged is sent again at most this many times in a row
@@ -83,9 +85,41 @@ class SpaceStep:
     num_now: int  # batch rows used again next iteration, so synced right away (the first ones)
     positions: torch.Tensor | None  # per place of this trainer's slice's key matrix: its index in batch_keys
 
+    def view(self) -> BatchView:
+        """The slice's rows as the cache serves them."""
+        return BatchView(self.batch_keys.numpy(), self.batch_slots.numpy(), self.num_now, self.positions)
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.fetch_keys, self.fetch_versions, self.fetch_slots, self.evict_keys,
                             self.evict_slots, self.write_mask, self.batch_keys, self.batch_slots,
+                            self.positions) if t is not None]
+
+
+@dataclass
+class PartSpaceStep:
+    """One embedding space's part of a partitioned plan step for one trainer (planner/partitioned.TrainerStep):
+    write-backs first (read from their slots; every one at the boundary's version, ``iteration - 1``), then the
+    rows let go, then the fetches; the trainer's slice's distinct rows (sorted) and, per row, its users."""
+
+    write_keys: torch.Tensor
+    write_slots: torch.Tensor
+    drop_keys: torch.Tensor
+    drop_slots: torch.Tensor
+    fetch_keys: torch.Tensor
+    fetch_versions: torch.Tensor
+    fetch_slots: torch.Tensor
+    batch_keys: torch.Tensor  # the slice's distinct rows, sorted
+    batch_slots: torch.Tensor
+    users: torch.Tensor  # per batch row, its users at this iteration as a bitmask (bit t: trainer t)
+    positions: torch.Tensor | None  # per place of the slice's key matrix: its index in batch_keys
+
+    def view(self) -> BatchView:
+        """The slice's rows as the cache serves them (no row is synced apart: ``num_now`` 0)."""
+        return BatchView(self.batch_keys.numpy(), self.batch_slots.numpy(), 0, self.positions)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.write_keys, self.write_slots, self.drop_keys, self.drop_slots, self.fetch_keys,
+                            self.fetch_versions, self.fetch_slots, self.batch_keys, self.batch_slots, self.users,
                             self.positions) if t is not None]
 
 
@@ -96,7 +130,7 @@ class StepMessage:
     dense_x: torch.Tensor | None  # this trainer's slice of the global batch
     ids: torch.Tensor | None  # [slice, columns], each sparse feature's ids (PAD where empty)
     target: torch.Tensor | None
-    spaces: list[SpaceStep]
+    spaces: list  # SpaceStep per space (replicated cache), or PartSpaceStep (partitioned)
     lookups: int = 0  # ids in the global batch, repeats included
     checkpoint: bool = False  # a checkpoint is taken at this boundary: trainer 0 sends its part
 
@@ -129,6 +163,7 @@ class TrainerStats:
     lazy_sync_wait_s: float = 0.0  # for a background gradient sync due before a row's use or eviction
     sync_s: float = 0.0  # waiting on the blocking gradient all-reduce
     loop_s: float = 0.0  # wall time from the first iteration to the end of the flush
+    rows_exchanged: int = 0  # partitioned cache: shared rows' gradients sent to their other users
     bytes_sent: int = 0  # payload this trainer sent: write-backs and gradient all-reduces
     allreduce_bytes: int = 0  # of which gradient all-reduce buffers (blocking and background)
     samples_per_s: float = float("nan")  # steady state, as the reference counts it
@@ -162,3 +197,36 @@ def slice_messages(iteration: int, steps, views, rows, batch, layout: EmbeddingL
                                     target=None if part is None else part.target, spaces=spaces,
                                     lookups=sum(step.lookups for step in steps), checkpoint=checkpoint))
     return messages
+
+
+def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, checkpoint: bool = False
+                  ) -> list[StepMessage]:
+    """Each trainer's message of one partitioned plan step (each space's ``PartitionedStep``): its part of the step
+    and its slice of the global ``batch`` (None: the final flush), with each of the slice's ids' place among its
+    distinct rows."""
+    num_trainers = len(steps[0].trainers)
+    parts = [None] * num_trainers if batch is None else batch.slices(num_trainers)
+    messages = []
+    for trainer, part in enumerate(parts):
+        slice_keys = None if part is None else layout.keys(part.ids.numpy())
+        spaces = []
+        for s, step in enumerate(steps):
+            mine = step.trainers[trainer]
+            users = np.full(len(mine.batch_keys), 1 << trainer, dtype=np.int64)
+            if len(mine.shared_keys):
+                users[np.searchsorted(mine.batch_keys, mine.shared_keys)] = mine.shared_users
+            spaces.append(PartSpaceStep(
+                write_keys=torch.from_numpy(mine.write_keys), write_slots=torch.from_numpy(mine.write_slots),
+                drop_keys=torch.from_numpy(mine.drop_keys), drop_slots=torch.from_numpy(mine.drop_slots),
+                fetch_keys=torch.from_numpy(mine.fetch_keys), fetch_versions=torch.from_numpy(mine.fetch_versions),
+                fetch_slots=torch.from_numpy(mine.fetch_slots), batch_keys=torch.from_numpy(mine.batch_keys),
+                batch_slots=torch.from_numpy(mine.batch_slots), users=torch.from_numpy(users),
+                positions=None if part is None else positions_in(
+                    torch.from_numpy(slice_keys[s]), torch.from_numpy(mine.batch_keys)).to(torch.int32)))
+        messages.append(StepMessage(iteration=iteration, final=batch is None,
+                                    dense_x=None if part is None else part.dense_x,
+                                    ids=None if part is None else part.ids,
+                                    target=None if part is None else part.target, spaces=spaces,
+                                    lookups=sum(step.lookups for step in steps), checkpoint=checkpoint))
+    return messages
+

@@ -25,10 +25,11 @@ from bagpipe.data.binary import BinaryDataset
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
 from bagpipe.planner import PlannerConfig, plan_spaces
+from bagpipe.planner.partitioned import plan_partitioned_spaces
 from bagpipe.planner.plan import PlanStep
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.oracle.state import JobState
-from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, slice_messages
+from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, part_messages, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
 from bagpipe.timing import cpu_seconds
 
@@ -60,6 +61,7 @@ class Feed:
         self.config, self.dataset, self.checkpoints, self.state = config, dataset, checkpoints, state
         self.layout, self.iterations, self.start = job.layout, job.iterations, job.start
         num_trainers = state.world.num_trainers
+        self.partitioned = config.cache_mode == "partitioned"
         self.planned = self.start  # the last iteration planned
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=num_trainers, policy=config.policy,
@@ -91,36 +93,32 @@ class Feed:
     def _produce(self) -> None:
         config, split, layout, stop = self.config, self.dataset.train, self.layout, self.state.stop
         pending: deque = deque()
-
         figures = self.figures
+        trainers = len(self.queues)
 
-        def key_stream():
+        def key_stream():  # per iteration, each space's keys (replicated), or each space's keys per trainer
             for rows in batch_rows(split, batch_size=config.batch_size, iterations=self.iterations,
                                    shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
                 reading = time.thread_time()
                 batch = read_batch(split, rows)
                 pending.append(batch)
-                keys = [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
+                if self.partitioned:
+                    parts = [layout.keys(part.ids.numpy()) for part in batch.slices(trainers)]
+                    keys = [[valid_keys(part[s]) for part in parts] for s in range(len(layout.spaces))]
+                else:
+                    keys = [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
                 figures.read_cpu_s += time.thread_time() - reading
                 yield keys
 
-        rows = [BatchRows(space.num_rows) for space in layout.spaces]
         started = time.perf_counter()
-        resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         figures.begin()
-        for steps in figures.timed(plan_spaces(key_stream(), self.planner_configs)):
-            iteration = self.planned = steps[0].iteration
+        plans = self._partitioned(key_stream()) if self.partitioned else self._replicated(key_stream())
+        for iteration, messages_of in plans:
+            self.planned = iteration
             batch = pending.popleft() if iteration < self.iterations else None
-            if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
-                for slot_key, step in zip(resident, steps):
-                    slot_key[step.evict_slots] = -1
-                    slot_key[step.fetch_slots] = step.fetch_keys
-                if iteration < self.start:
-                    continue
-                steps = tuple(_refill(step, slot_key) for step, slot_key in zip(steps, resident))
+            if messages_of is None:  # replayed up to the checkpoint resumed from
+                continue
             checkpoint = False
-            for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
-                self.checkpoints.count_evictions(space, step.evict_keys)
             sent = iteration <= max(self.sent_before)  # by a lost oracle this one replaces: planned again
             if sent and iteration < self.first_message:
                 continue
@@ -131,13 +129,8 @@ class Feed:
             elif self.checkpoints.periodic and self.start < iteration < self.iterations:
                 self.state.await_servers()  # a checkpoint asks every server for its part
                 checkpoint = self.checkpoints.maybe_begin(iteration)
-            views = [batch_view(step) for step in steps]
-            for space_rows, view in zip(rows, views):
-                space_rows.load(view)
             inject_fault(f"planned {iteration}")
-            messages = slice_messages(iteration, steps, views, rows, batch, layout, len(self.queues),
-                                      checkpoint=checkpoint)
-            for out, message in zip(self.queues, messages):
+            for out, message in zip(self.queues, messages_of(batch, checkpoint)):
                 self.bytes_sent += message.nbytes()
                 while not stop.is_set():
                     try:
@@ -148,6 +141,41 @@ class Feed:
                 if stop.is_set():
                     return
         self._resumed(started)  # (the lost oracle had sent every plan: none is new)
+
+    def _replicated(self, keys):
+        """The replicated plan over ``keys`` (each iteration's keys per space): per iteration, its number and how to
+        make the trainers' messages (of its batch, with or without a checkpoint; None before the start)."""
+        layout, trainers = self.layout, len(self.queues)
+        rows = [BatchRows(space.num_rows) for space in layout.spaces]
+        resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
+        for steps in self.figures.timed(plan_spaces(keys, self.planner_configs)):
+            iteration = steps[0].iteration
+            if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
+                for slot_key, step in zip(resident, steps):
+                    slot_key[step.evict_slots] = -1
+                    slot_key[step.fetch_slots] = step.fetch_keys
+                if iteration < self.start:
+                    yield iteration, None
+                    continue
+                steps = tuple(_refill(step, slot_key) for step, slot_key in zip(steps, resident))
+            for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
+                self.checkpoints.count_evictions(space, step.evict_keys)
+
+            def messages_of(batch, checkpoint: bool, steps=steps, iteration=iteration):
+                views = [batch_view(step) for step in steps]
+                for space_rows, view in zip(rows, views):
+                    space_rows.load(view)
+                return slice_messages(iteration, steps, views, rows, batch, layout, trainers, checkpoint=checkpoint)
+            yield iteration, messages_of
+
+    def _partitioned(self, keys):
+        """``_replicated`` for the partitioned plan (``keys``: each iteration's keys per space per trainer)."""
+        if self.start:
+            raise ValueError("--cache-mode partitioned does not resume from a checkpoint yet")
+        for steps in self.figures.timed(plan_partitioned_spaces(keys, self.planner_configs)):
+            iteration = steps[0].iteration
+            yield iteration, (lambda batch, checkpoint, steps=steps, iteration=iteration:
+                              part_messages(iteration, steps, batch, self.layout, checkpoint=checkpoint))
 
     def _resumed(self, started: float) -> None:
         if self.on_resumed is not None:

@@ -85,11 +85,20 @@ def job_info(config: TrainConfig, world: World, dataset: BinaryDataset, *, resum
     if config.batch_size % world.num_trainers:
         raise ValueError(f"batch_size {config.batch_size} is not a multiple of the {world.num_trainers} trainers")
     layout = job_layout(config, dataset)
+    if config.trainers != world.num_trainers:  # (a hand-started job's: its trainers are the world's)
+        config = dataclasses.replace(config, trainers=world.num_trainers)
+    partitioned = config.cache_mode == "partitioned"
+    if partitioned and resume:
+        raise ValueError("--cache-mode partitioned does not resume from a checkpoint yet")
+    if partitioned and config.replace_trainers and world.num_trainers >= 2:
+        log.info("--cache-mode partitioned: a lost trainer is not replaced yet (the job restarts instead, from a "
+                 "checkpoint if it has one)")
     return JobInfo(config=config, schema=schema_dict(dataset.schema), tables=[t.to_dict() for t in layout.tables],
                    iterations=iterations, cache_rows=cache_rows_of(config, layout),
                    slice_size=config.batch_size // world.num_trainers, resume=resume[0] if resume else None,
                    start=resume[1] if resume else 0,
-                   replace_trainers=config.replace_trainers and world.num_trainers >= 2 and not scripts,
+                   replace_trainers=(config.replace_trainers and world.num_trainers >= 2 and not scripts
+                                     and not partitioned),
                    replace_oracle=store_served_apart() and config.replace_oracle)
 
 

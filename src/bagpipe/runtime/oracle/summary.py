@@ -87,6 +87,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "total_rows": layout.num_rows,
         "lookahead": config.lookahead,
         "policy": config.policy,
+        "cache_mode": config.cache_mode,
         "rows_fetched": sum(s.rows_fetched for s in all_stats),
         "rows_written_back": sum(s.rows_written_back for s in all_stats),
         "rows_moved_per_iteration": sum(s.rows_fetched + s.rows_written_back for s in all_stats)
@@ -103,6 +104,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         + sum(s["bytes_sent"] for s in shards),
         # what one trainer puts through gradient all-reduces per iteration (dense + rows)
         "allreduce_bytes_per_iteration": float(np.mean([s.allreduce_bytes for s in all_stats]))
+        / max(oracle.iterations, 1),
+        # partitioned cache: shared rows' gradients a trainer sends to their other users per iteration (mean)
+        "rows_exchanged_per_iteration": float(np.mean([s.rows_exchanged for s in all_stats]))
         / max(oracle.iterations, 1),
         "server_fetches": sum(s["fetches"] for s in shards),
         "server_fetches_waited": sum(s["fetches_waited"] for s in shards),

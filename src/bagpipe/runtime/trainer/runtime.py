@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bagpipe.cache import BatchView, RowCache, StepTables
+from bagpipe.cache import RowCache, StepTables
 from bagpipe.checkpoint import RowPart
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
@@ -35,6 +35,7 @@ from bagpipe.runtime.protocol import (DAMAGED_RESENDS, PULL_MAX_STEPS, JobInfo, 
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import REDO_DEPTH
 from bagpipe.runtime.trainer.grad_sync import GradientSync, stalled
+from bagpipe.runtime.trainer.partitioned import SharedRows, write_and_drop
 from bagpipe.runtime.trainer.recovery import HandedOver, LostTrainers, ModelHooks
 from bagpipe.runtime.transport import Endpoint, unwrap
 from bagpipe.runtime.world import Epochs, Routes, ShardMoved, World, trainer_group
@@ -71,6 +72,10 @@ class TrainerRuntime:
         # forms the group of its epoch once it has what to add to the sums that failed (replace_lost)
         self.grads = GradientSync(None if replacing else trainer_group(world, store, self.index), caches=self.caches,
                                   stats=self.stats, timeout=world.timeout, recover=self.lost.recover)
+        # the partitioned cache (planner/partitioned.py): this trainer's own rows, shared ones summed among users
+        self.shared = SharedRows(self.grads, caches=self.caches, stats=self.stats, index=self.index,
+                                 trainers=world.num_trainers, timeout=world.timeout
+                                 ) if config.cache_mode == "partitioned" else None
         self.epochs = Epochs(world, store)  # requests that fail to a re-formation of the RPC world are sent again
         if job.replace_oracle:  # requests to a lost oracle wait for its replacement
             self.epochs.await_peer("oracle")
@@ -248,9 +253,13 @@ class TrainerRuntime:
             self.finished = self.step.iteration
         while self.others_evicted and self.others_evicted[0][0] <= self.written_by_all:
             self.others_evicted.popleft()
-        for space, (step, requests) in enumerate(zip(message.spaces, fetches)):
-            self._boundary(space, message.iteration, step, requests)
-            if not message.final:
+        if self.shared is not None:
+            self._part_boundary(message, fetches)
+        else:
+            for space, (step, requests) in enumerate(zip(message.spaces, fetches)):
+                self._boundary(space, message.iteration, step, requests)
+        if not message.final:
+            for step in message.spaces:
                 self.stats.batch_rows += len(step.batch_keys)
                 self.stats.batch_hits += len(step.batch_keys) - len(step.fetch_keys)
         self.written.boundary(message.iteration - 1)  # every write-back of this boundary is counted by now
@@ -267,7 +276,7 @@ class TrainerRuntime:
 
     def _boundary(self, space: int, iteration: int, step: SpaceStep, requests: list) -> None:
         """One space's part of the boundary before ``iteration``: due updates, evictions, fetched rows."""
-        cache, dim = self.caches[space], self.layout.spaces[space].dim
+        cache = self.caches[space]
         evict_slots = step.evict_slots.numpy()
         self.grads.apply_pending(space, upto=iteration - 2, evicting=evict_slots)
         if len(evict_slots):
@@ -278,8 +287,24 @@ class TrainerRuntime:
             others = ~mine
             if self.grads.group is not None and others.any():
                 self.others_evicted.append((iteration - 1, space, step.evict_keys[others], rows[others], state[others]))
+        self._install_fetched(space, iteration, step, requests)
+
+    def _part_boundary(self, message: StepMessage, fetches: list) -> None:
+        """This trainer's part of a partitioned plan's boundary (trainer/partitioned.py): the last iteration's
+        shared rows' updates, then every space's write-backs and rows let go, then every space's fetches."""
+        self.shared.apply()
+        for space, step in enumerate(message.spaces):
+            rows, state = write_and_drop(step, self.caches[space])
+            if len(rows):
+                self._send_write_backs(space, step.write_keys, rows, state, version=message.iteration - 1)
+        for space, (step, requests) in enumerate(zip(message.spaces, fetches)):
+            self._install_fetched(space, message.iteration, step, requests)
+
+    def _install_fetched(self, space: int, iteration: int, step, requests: list) -> None:
+        """A space's fetches of the boundary before ``iteration``, waited for and installed in their slots."""
         fetch_keys = step.fetch_keys.numpy()
         if len(fetch_keys):
+            dim = self.layout.spaces[space].dim
             rows = torch.empty(len(fetch_keys), dim)
             state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(dim))
             waited = time.perf_counter()
@@ -287,7 +312,7 @@ class TrainerRuntime:
                 rows[index], state[index], have, tag = self._answer(request, what="fetch")
                 check_fetched(*request.args, have, tag, server=request.sent_to, iteration=iteration)
             stalled(self.stats, "fetch_wait_s", waited)
-            cache.install(step.fetch_slots.numpy(), fetch_keys, rows, state)
+            self.caches[space].install(step.fetch_slots.numpy(), fetch_keys, rows, state)
             self.stats.rows_fetched += len(fetch_keys)
 
     def _send_write_backs(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *,
@@ -339,7 +364,9 @@ class TrainerRuntime:
         self.resend_others_evicted()
 
     def sync(self, lookups: list[Lookup], extra: torch.Tensor | None = None) -> torch.Tensor | None:
-        """This iteration's gradient sync (``GradientSync.sync``)."""
+        """This iteration's gradient sync (``GradientSync.sync``; with the partitioned cache ``SharedRows.sync``)."""
+        if self.shared is not None:
+            return self.shared.sync(self.step, lookups, extra)
         return self.grads.sync(self.step, lookups, extra)
 
     def lookup(self) -> tuple[Embeddings, list[Lookup]]:
@@ -348,9 +375,7 @@ class TrainerRuntime:
         The oracle sent each id's row (``positions``) and each row's slot: no search here.
         """
         message = self.step
-        views = [BatchView(step.batch_keys.numpy(), step.batch_slots.numpy(), step.num_now, step.positions)
-                 for step in message.spaces]
-        return StepTables(self.caches, views, self.layout).lookup(message.ids)
+        return StepTables(self.caches, [step.view() for step in message.spaces], self.layout).lookup(message.ids)
 
     def _flush(self) -> None:
         self._writes.put(_END)
