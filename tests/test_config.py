@@ -34,8 +34,6 @@ def test_toml_then_flags(tmp_path):
     ({"cache_mode": "sharded"}, "cache_mode must be one of replicated, partitioned, got 'sharded'"),
     ({"mode": "bagpipe", "cache_mode": "partitioned", "policy": "lru"},
      "--cache-mode partitioned plans each trainer's cache by lookahead only, not --policy lru"),
-    ({"mode": "bagpipe", "cache_mode": "partitioned", "checkpoint_every": 10},
-     "--cache-mode partitioned takes no checkpoints yet"),
     ({"data": ""}, "data"),
 ])
 def test_impossible_values_are_refused(overrides, message):

@@ -18,20 +18,24 @@ from bagpipe.runtime.launch import JobFailed, launch_local
 from test_runtime import alive, assert_same_parameters, job_config, reference_of
 
 
-@pytest.mark.parametrize("optimizer, parity, fault", [
-    ("sgd", 3, "trainer1@iteration 33:kill"),  # a trainer: parity does not cover it
-    ("adam", 3, "oracle@planned 45:kill"),  # the oracle, with its replacement off (replace_oracle)
-    ("adagrad", 0, "server1@write-back 40:kill"),  # a server, with no parity
+@pytest.mark.parametrize("optimizer, parity, fault, cache_mode", [
+    ("sgd", 3, "trainer1@iteration 33:kill", "replicated"),  # a trainer: parity does not cover it
+    ("adam", 3, "oracle@planned 45:kill", "replicated"),  # the oracle, with its replacement off (replace_oracle)
+    ("adagrad", 0, "server1@write-back 40:kill", "replicated"),  # a server, with no parity
     # the parity server, standing in for a lost data server: the group has lost two, and the RPC world cannot be
     # re-formed around a replacement while server 1's rank is gone for good
-    ("adagrad", 3, "server1@write-back 20:kill,server3@delta 40:kill"),
+    ("adagrad", 3, "server1@write-back 20:kill,server3@delta 40:kill", "replicated"),
+    # the partitioned cache: every trainer's part of each checkpoint (its own rows), and the plan replayed to it
+    ("adam", 0, "trainer1@iteration 33:kill", "partitioned"),
+    ("adagrad", 3, "server1@write-back 20:kill,server3@delta 40:kill", "partitioned"),
 ])
 def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_export(small_binary, tmp_path,
-                                                                                   optimizer, parity, fault):
+                                                                                   optimizer, parity, fault,
+                                                                                   cache_mode):
     # (a data server's replacement that took its shard back before the second loss would cover that loss too)
     config = job_config(small_binary, tmp_path / "run", optimizer=optimizer, servers=4, parity=parity,
                         iterations=50, timeout=10.0, checkpoint_every=10, replace_data_servers=False,
-                        replace_oracle=False, replace_trainers=False)
+                        replace_oracle=False, replace_trainers=False, cache_mode=cache_mode)
     summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": fault})
     [restart] = summary["restarts"]
     assert restart["attempt"] == 1 and fault.split("@")[0].rstrip("0123456789") in restart["failed"]

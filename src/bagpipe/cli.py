@@ -254,7 +254,7 @@ def _add_job_flags(p) -> None:
     g.add_argument("--cache-mode", default=None, choices=("replicated", "partitioned"), help="replicated: every "
                    "trainer caches every row the plan keeps, gradients summed over all trainers; partitioned: each "
                    "trainer caches only the rows its slices use, a row's gradient summed among its users only "
-                   "(lookahead policy; no checkpoints yet)" + _default("cache_mode"))
+                   "(lookahead policy; a lost trainer restarts the job from its newest checkpoint)" + _default("cache_mode"))
     g.add_argument("--cleanup-fraction", "--cleanup-batch-proportion", dest="cleanup_fraction", type=float,
                    default=None, help="when evicting, also free this share of the cache, in [0, 1)"
                    + _default("cleanup_fraction") + "; --mode single frees 0.05 at least")

@@ -304,9 +304,6 @@ class TrainConfig:
         if self.policy != "lookahead":
             raise ValueError(f"--cache-mode partitioned plans each trainer's cache by lookahead only, not "
                              f"--policy {self.policy}")
-        if self.checkpoints:
-            raise ValueError("--cache-mode partitioned takes no checkpoints yet (each trainer holds its own dirty "
-                             "rows); use --cache-mode replicated with --checkpoint-every / --checkpoint-every-s")
 
     @property
     def checkpoints(self) -> bool:

@@ -4,7 +4,8 @@ A checkpoint at boundary b holds every row as it stood after iteration b - 1: on
 rows written back before b (each server keeps them copy-on-write while later write-backs arrive,
 ``RowStore.begin_snapshot``), overridden by the rows trainer 0 holds in its cache at b (all
 trainers hold the same), with every update of the iterations before b applied; and trainer 0's
-dense weights and optimizer state. The oracle starts the servers' snapshots while planning b,
+dense weights and optimizer state. With the partitioned cache every trainer holds rows of its own, and
+every trainer sends its cached rows (a row several trainers hold is current, so equal, in each). The oracle starts the servers' snapshots while planning b,
 before it hands any trainer the plan of b, so no write-back of b or later can reach a server
 first; it tells each server how many rows the plan writes back before b, which that server waits
 for. Training goes on while the parts are written; the oracle commits them (``CheckpointWriter``).
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 class JobCheckpoints:
-    """Decide the boundaries, start the servers' snapshots, gather trainer 0's part, commit."""
+    """Decide the boundaries, start the servers' snapshots, gather trainer 0's part (partitioned: every
+    trainer's), commit."""
 
     def __init__(self, config: TrainConfig, world: World, *, num_spaces: int, resumed_at: int | None,
                  routes: Routes, on_evaluable: Callable[[int, dict, ChainRows], None] | None = None,
@@ -59,7 +61,10 @@ class JobCheckpoints:
         self._abandoned: set[int] = set()  # checkpoints given up (a server lost while writing its part)
         self._begun: set[int] = set()  # checkpoints this oracle began (trainer 0's parts of others are not kept)
         self._again: set[int] = set()  # a lost oracle's, staged, whose plan no trainer had: begun again
-        self._cache_parts: dict[int, tuple] = {}
+        # per boundary, each trainer's part as it arrives: trainer -> (dense, dense_optimizer, parts, extra)
+        self._cache_parts: dict[int, dict[int, tuple]] = {}
+        # the trainers that send a part: trainer 0 (its cache is every trainer's), or all (partitioned)
+        self.senders = set(range(world.num_trainers)) if config.cache_mode == "partitioned" else {0}
         self._cache_lost_before = -1  # trainer 0's parts of the boundaries before this that have not come are lost
         self._arrived = threading.Condition()
         self._job: Background | None = None  # the checkpoint being committed
@@ -153,11 +158,13 @@ class JobCheckpoints:
                        for entry in self._wait_written(shard, boundary, sent)]
         return ChainRows([(directory, entries)])
 
-    def receive_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
-        """Trainer 0's part (an RPC handler): its cached rows, dense weights and optimizer state at ``boundary``."""
+    def receive_cache(self, boundary: int, trainer: int, dense: dict | None, dense_optimizer: dict | None,
+                      parts: list, extra: dict) -> None:
+        """A trainer's part (an RPC handler): its cached rows at ``boundary``, and trainer 0's dense weights and
+        optimizer state."""
         with self._arrived:
-            if boundary in self._begun and boundary not in self._abandoned:
-                self._cache_parts[boundary] = (dense, dense_optimizer, parts, extra)
+            if boundary in self._begun and boundary not in self._abandoned and trainer in self.senders:
+                self._cache_parts.setdefault(boundary, {})[trainer] = (dense, dense_optimizer, parts, extra)
             self._arrived.notify_all()
 
     def take_over(self, *, sent_through: int) -> set[int]:
@@ -230,17 +237,24 @@ class JobCheckpoints:
                 # checkpoint, taken from its stand-in, will do.
                 self._abandon(boundary, f"server {shard} was lost while writing its part ({str(err).splitlines()[0]})")
                 return
+        def arrived() -> bool:
+            return self.senders <= self._cache_parts.get(boundary, {}).keys()
+
         with self._arrived:
-            if not self._arrived.wait_for(lambda: boundary in self._cache_parts or boundary < self._cache_lost_before,
+            if not self._arrived.wait_for(lambda: arrived() or boundary < self._cache_lost_before,
                                           timeout=4 * self.world.timeout):
-                raise TimeoutError(f"trainer 0 sent no part of the checkpoint at iteration {boundary}")
-            if boundary not in self._cache_parts:
+                missing = sorted(self.senders - self._cache_parts.get(boundary, {}).keys())
+                raise TimeoutError(f"trainer {', '.join(map(str, missing))} sent no part of the checkpoint at "
+                                   f"iteration {boundary}")
+            if not arrived():
                 self._abandoned.add(boundary)
         if boundary in self._abandoned:  # a later checkpoint will do
             self._abandon(boundary, "trainer 0 was lost before its part arrived")
             return
         with self._arrived:
-            dense, dense_optimizer, parts, extra = self._cache_parts.pop(boundary)
+            received = self._cache_parts.pop(boundary)
+        dense, dense_optimizer, _, extra = received[0]
+        parts = [part for trainer in sorted(received) for part in received[trainer][2]]
         directory = self.writer.root / f"{step_name(boundary)}.tmp"
         save_dense(directory, dense, dense_optimizer)
         entries += write_parts(directory, parts, prefix="cache")  # last: the cached rows override the servers'

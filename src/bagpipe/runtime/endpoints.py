@@ -19,7 +19,8 @@ class OracleEndpoints:
     replaced = Endpoint("oracle", "replaced")  # (rank, info): a lost process's replacement has joined
     ready_to_take_over = Endpoint("oracle", "ready_to_take_over")  # (rank): a data server has copied its shard
     trainer_done = Endpoint("oracle", "trainer_done")  # (trainer, stats, dense_state)
-    checkpoint_cache = Endpoint("oracle", "checkpoint_cache")  # (boundary, dense, dense_optimizer, parts, extra)
+    # (boundary, trainer, dense, dense_optimizer, parts, extra): a trainer's part of a checkpoint
+    checkpoint_cache = Endpoint("oracle", "checkpoint_cache")
 
 
 class ServerEndpoints:

@@ -25,7 +25,7 @@ from bagpipe.data.binary import BinaryDataset
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
 from bagpipe.planner import PlannerConfig, plan_spaces
-from bagpipe.planner.partitioned import plan_partitioned_spaces
+from bagpipe.planner.partitioned import TrainerStep, plan_partitioned_spaces
 from bagpipe.planner.plan import PlanStep
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.oracle.state import JobState
@@ -170,10 +170,24 @@ class Feed:
 
     def _partitioned(self, keys):
         """``_replicated`` for the partitioned plan (``keys``: each iteration's keys per space per trainer)."""
-        if self.start:
-            raise ValueError("--cache-mode partitioned does not resume from a checkpoint yet")
+        # per space and trainer, the row in each slot, while the plan is replayed up to the checkpoint resumed from
+        resident = [[np.full(c.cache_rows, -1, dtype=np.int64) for _ in self.queues]
+                    for c in self.planner_configs] if self.start else None
         for steps in self.figures.timed(plan_partitioned_spaces(keys, self.planner_configs)):
             iteration = steps[0].iteration
+            if iteration <= self.start and resident is not None:
+                for slot_keys, step in zip(resident, steps):
+                    for slot_key, part in zip(slot_keys, step.trainers):
+                        slot_key[part.drop_slots] = -1
+                        slot_key[part.fetch_slots] = part.fetch_keys
+                if iteration < self.start:
+                    yield iteration, None
+                    continue
+                steps = tuple(dataclasses.replace(step, trainers=tuple(_refill_part(part, slot_key) for part, slot_key
+                                                                      in zip(step.trainers, slot_keys)))
+                              for step, slot_keys in zip(steps, resident))
+            for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
+                self.checkpoints.count_evictions(space, np.concatenate([part.write_keys for part in step.trainers]))
             yield iteration, (lambda batch, checkpoint, steps=steps, iteration=iteration:
                               part_messages(iteration, steps, batch, self.layout, checkpoint=checkpoint))
 
@@ -302,3 +316,13 @@ def _refill(step: PlanStep, slot_key: np.ndarray) -> PlanStep:
     return dataclasses.replace(step, fetch_keys=slot_key[slots], fetch_slots=slots,
                                fetch_versions=np.full(len(slots), -1, dtype=np.int64), evict_keys=empty,
                                evict_writers=empty, evict_slots=empty)
+
+
+def _refill_part(part: TrainerStep, slot_key: np.ndarray) -> TrainerStep:
+    """``_refill`` for one trainer's part of a partitioned plan step: every row it holds after the step is fetched
+    into its slot (the servers hold the checkpoint's rows), nothing is written back or let go."""
+    slots = np.flatnonzero(slot_key >= 0)
+    empty = np.zeros(0, dtype=np.int64)
+    return dataclasses.replace(part, write_keys=empty, write_versions=empty, write_slots=empty, drop_keys=empty,
+                               drop_slots=empty, fetch_keys=slot_key[slots], fetch_slots=slots,
+                               fetch_versions=np.full(len(slots), -1, dtype=np.int64))

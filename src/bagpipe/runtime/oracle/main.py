@@ -88,11 +88,9 @@ def job_info(config: TrainConfig, world: World, dataset: BinaryDataset, *, resum
     if config.trainers != world.num_trainers:  # (a hand-started job's: its trainers are the world's)
         config = dataclasses.replace(config, trainers=world.num_trainers)
     partitioned = config.cache_mode == "partitioned"
-    if partitioned and resume:
-        raise ValueError("--cache-mode partitioned does not resume from a checkpoint yet")
     if partitioned and config.replace_trainers and world.num_trainers >= 2:
-        log.info("--cache-mode partitioned: a lost trainer is not replaced yet (the job restarts instead, from a "
-                 "checkpoint if it has one)")
+        log.info("--cache-mode partitioned: a lost trainer is not replaced while training goes on (the rows only it "
+                 "held are lost with it): the job restarts from its newest checkpoint instead (--max-restarts)")
     return JobInfo(config=config, schema=schema_dict(dataset.schema), tables=[t.to_dict() for t in layout.tables],
                    iterations=iterations, cache_rows=cache_rows_of(config, layout),
                    slice_size=config.batch_size // world.num_trainers, resume=resume[0] if resume else None,

@@ -110,8 +110,9 @@ class Oracle:
         """``Feed.pull``."""
         return self.feed.pull(trainer, after, max_steps, finished, written)
 
-    def checkpoint_cache(self, boundary: int, dense: dict, dense_optimizer: dict, parts: list, extra: dict) -> None:
-        self.checkpoints.receive_cache(boundary, dense, dense_optimizer, parts, extra)
+    def checkpoint_cache(self, boundary: int, trainer: int, dense: dict | None, dense_optimizer: dict | None,
+                         parts: list, extra: dict) -> None:
+        self.checkpoints.receive_cache(boundary, trainer, dense, dense_optimizer, parts, extra)
 
     def ready_to_take_over(self, rank: int) -> None:
         """``Replacements.ready_to_take_over``."""

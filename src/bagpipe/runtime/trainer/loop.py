@@ -104,6 +104,8 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
                                     dense_optimizer=cloned_state(dense_optimizer.state_dict()),
                                     extra={"recent_losses": list(losses)})
             inject_fault(f"checkpoint sent {message.iteration}")
+        elif message.checkpoint and runtime.shared is not None:  # partitioned: every trainer's rows are its own
+            runtime.send_checkpoint(message.iteration, dense=None, dense_optimizer=None, extra={})
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
         early.reset()

@@ -383,10 +383,12 @@ class TrainerRuntime:
         self._raise_if_failed()
         self.stats.loop_s = time.perf_counter() - self.started
 
-    def send_checkpoint(self, iteration: int, *, dense: dict, dense_optimizer: dict, extra: dict) -> None:
-        """Trainer 0's part of the checkpoint at boundary ``iteration`` (runtime.checkpointing): every cached
-        row, with every update of the iterations before applied (their background syncs are waited for),
-        and the dense state given, sent to the oracle in the background."""
+    def send_checkpoint(self, iteration: int, *, dense: dict | None, dense_optimizer: dict | None,
+                        extra: dict) -> None:
+        """This trainer's part of the checkpoint at boundary ``iteration`` (runtime.checkpointing; trainer 0's,
+        and with the partitioned cache every trainer's): every cached row, with every update of the iterations
+        before applied (their background syncs are waited for), and the dense state given (trainer 0), sent to the
+        oracle in the background."""
         no_evictions = np.zeros(0, dtype=np.int64)
         parts = []
         for space, cache in enumerate(self.caches):
@@ -396,7 +398,7 @@ class TrainerRuntime:
             parts.append(RowPart(space=space, keys=cache.slot_key[slots].copy(),
                                  rows=cache.weights.index_select(0, index).cpu().numpy(),
                                  state=cache.state.index_select(0, index).cpu().numpy()))
-        args = (iteration, dense, dense_optimizer, parts, extra)
+        args = (iteration, self.index, dense, dense_optimizer, parts, extra)
         self._checkpoint_sends = [sending for sending in self._checkpoint_sends if sending.is_alive()]
         def send() -> None:
             inject_fault(f"sending checkpoint {iteration}")
