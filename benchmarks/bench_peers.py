@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd")
     parser.add_argument("--dim", type=int, default=16, help="embedding width (the bottom MLP ends in it)")
+    parser.add_argument("--keep-within", type=int, default=4, help="bagpipe-partitioned's --keep-within")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--cache-fraction", type=float, default=0.05, help="rows each bagpipe trainer caches")
     parser.add_argument("--torchrec-sharding", default="table_wise")
@@ -112,7 +113,8 @@ def config(args, data: Path, run_dir: Path, **values) -> TrainConfig:
 
 def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int, *, cache_mode: str = "replicated") -> dict:
     summary = launch_local(config(args, data, run_dir, mode="bagpipe", trainers=2, servers=1, cache_rows=cache_rows,
-                                  lookahead=200, policy="lookahead", cache_mode=cache_mode, timeout=120.0),
+                                  lookahead=200, policy="lookahead", cache_mode=cache_mode, timeout=120.0,
+                                  keep_within=args.keep_within if cache_mode == "partitioned" else 0),
                            show_progress=False, overwrite=True)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
             "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],

@@ -107,9 +107,11 @@ def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
     assert rows.at(np.array([9, 9, 3])).positions.tolist() == [0, 0, 1]
 
 
-@pytest.mark.parametrize("optimizer, trainers, shards, cache_rows", [("sgd", 2, 1, 520), ("adagrad", 3, 2, 420),
-                                                                     ("adam", 4, 1, 360)])
-def test_partitioned_training_equals_the_sliced_reference(small_binary, optimizer, trainers, shards, cache_rows):
+@pytest.mark.parametrize("optimizer, trainers, shards, cache_rows, keep_within", [
+    ("sgd", 2, 1, 520, 0), ("adagrad", 3, 2, 420, 0), ("adam", 4, 1, 360, 0), ("adagrad", 2, 2, 520, 3),
+    ("adam", 3, 1, 420, 6)])
+def test_partitioned_training_equals_the_sliced_reference(small_binary, optimizer, trainers, shards, cache_rows,
+                                                          keep_within):
     """The partitioned plan carried out in one process (each trainer its own cache, rows summed among their users
     only, hand-offs through the servers) ends bit for bit where --mode reference --slices T does."""
     from bagpipe.cached import train_partitioned_batches
@@ -127,7 +129,8 @@ def test_partitioned_training_equals_the_sliced_reference(small_binary, optimize
     model = build_model(config, split.schema)
     stores = train_partitioned_batches(model, row_optimizer.dense_optimizer(model.parameters()), batches,
                                        layout=tables.layout, row_optimizer=row_optimizer, seed=config.seed,
-                                       cache_rows=cache_rows, lookahead=6, trainers=trainers, num_shards=shards)
+                                       cache_rows=cache_rows, lookahead=6, trainers=trainers, num_shards=shards,
+                                       keep_within=keep_within)
     # (each trainer's small cache forces evictions, re-fetches and hand-offs between trainers)
     assert (np.concatenate([s.rows.read_range(0, s.num_rows)[2] for s in stores[0]]) > 0).any()
     for got, want in zip(gather_tables(stores, tables.layout), [tables.table(t) for t in range(split.num_tables)],

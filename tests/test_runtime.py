@@ -37,7 +37,7 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
 _NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "liveness_s",
                          "rpc_transports", "rpc_channels",
                          "master_port", "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
-                         "policy", "cache_mode", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
+                         "policy", "cache_mode", "keep_within", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
                          "keep_checkpoints")
 _REFERENCES: dict[str, tuple[Path, dict]] = {}  # a configuration's reference, trained once per test session
 
@@ -385,11 +385,12 @@ def test_a_torch_outside_the_supported_range_is_refused_naming_it():
 
 # The partitioned cache (planner/partitioned.py): each trainer holds only its slices' rows, shared rows' gradients
 # summed among their users; the same sliced reference, bit for bit, through hand-offs, drops and re-fetches.
-@pytest.mark.parametrize("optimizer, trainers, servers", [("sgd", 2, 1), ("adagrad", 3, 2), ("adam", 4, 2)])
-def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, trainers, servers):
+@pytest.mark.parametrize("optimizer, trainers, servers, keep_within", [
+    ("sgd", 2, 1, 0), ("adagrad", 3, 2, 4), ("adam", 4, 2, 0), ("adagrad", 2, 2, 8)])
+def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, trainers, servers, keep_within):
     batch = BATCH - BATCH % trainers
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, servers=servers,
-                        batch_size=batch, cache_mode="partitioned", cache_rows=560)
+                        batch_size=batch, cache_mode="partitioned", cache_rows=560, keep_within=keep_within)
     summary = launch_local(config, show_progress=False)
     ours = export(config.run_dir, tmp_path / "ours.pt")
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))

@@ -1,6 +1,6 @@
 """The partitioned cache's exchange (runtime/reduce.SharedSum), on real gloo groups of threads in one process: each
 shared row's gradient summed among its users only, in trainer order, over T, equals the sum the sliced reference
-makes, bit for bit, on every user."""
+makes, bit for bit, on every holder (its users, and the trainers that keep it without using it)."""
 
 from __future__ import annotations
 
@@ -23,23 +23,28 @@ def in_trainer_order(contributions: dict[int, torch.Tensor], trainers: int, *, r
     return total / trainers
 
 
-@pytest.mark.parametrize("trainers", [2, 3, 4])
-def test_each_shared_row_is_summed_among_its_users_in_trainer_order_on_every_user(trainers):
+@pytest.mark.parametrize("trainers, keepers", [(2, False), (3, False), (4, False), (2, True), (3, True), (4, True)])
+def test_each_shared_row_is_summed_among_its_users_in_trainer_order_on_every_holder(trainers, keepers):
     rng = np.random.default_rng(trainers)
     rows, dim = 60, 5
-    users = [sorted(rng.choice(trainers, size=rng.integers(2, trainers + 1), replace=False).tolist())
-             for _ in range(rows)]
+    users = [sorted(rng.choice(trainers, size=rng.integers(1 if keepers else 2, trainers + 1),
+                               replace=False).tolist()) for _ in range(rows)]
+    holders = [sorted(set(who) | ({int(rng.integers(trainers))} if keepers else set())) for who in users]
+    users = [who if len(held) > 1 else [0, 1] for who, held in zip(users, holders)]  # (a row of one holder: own)
+    holders = [sorted(set(held) | set(who)) for who, held in zip(users, holders)]
+    # a keeper's operand is noise: only the users' contributions may reach the sum
     grads = {(t, r): torch.from_numpy((rng.standard_normal(dim) * 10.0 ** rng.integers(-3, 4)).astype(np.float32))
-             for r in range(rows) for t in users[r]}
+             for r in range(rows) for t in holders[r]}
     store, results, errors = dist.HashStore(), {}, []
 
     def trainer(rank: int) -> None:
         try:
             group = gloo_group(store, "shared", rank, trainers, timeout=20.0, loopback=True)
-            mine = [r for r in range(rows) if rank in users[r]]  # (row numbers stand for sorted keys)
+            mine = [r for r in range(rows) if rank in holders[r]]  # (row numbers stand for sorted keys)
             mask = np.array([sum(1 << u for u in users[r]) for r in mine], dtype=np.int64)
+            held = np.array([sum(1 << u for u in holders[r]) for r in mine], dtype=np.int64)
             operand = torch.stack([grads[(rank, r)] for r in mine])
-            total = SharedSum(group, operand, mask, trainers=trainers, timeout=20.0).wait()
+            total = SharedSum(group, operand, mask, held if keepers else None, trainers=trainers, timeout=20.0).wait()
             results[rank] = dict(zip(mine, total))
         except BaseException as err:  # noqa: BLE001 - the test's thread: reported below
             errors.append(err)
@@ -53,7 +58,7 @@ def test_each_shared_row_is_summed_among_its_users_in_trainer_order_on_every_use
     differs = 0
     for r in range(rows):
         want = in_trainer_order({t: grads[(t, r)] for t in users[r]}, trainers)
-        for t in users[r]:
+        for t in holders[r]:
             assert torch.equal(results[t][r], want), (r, t)
         differs += not torch.equal(want, in_trainer_order({t: grads[(t, r)] for t in users[r]}, trainers,
                                                           reverse=True))
@@ -69,7 +74,9 @@ def test_a_trainer_given_a_row_it_does_not_use_is_refused():
         def size(self):
             return 2
 
-    with pytest.raises(ValueError, match="not a user of every row"):
+    with pytest.raises(ValueError, match="does not hold every row"):
         SharedSum(One(), torch.zeros(2, 3), np.array([0b11, 0b10]), trainers=2, timeout=1.0)
-    with pytest.raises(ValueError, match="names a user outside the 2 trainers"):
+    with pytest.raises(ValueError, match="names a holder outside the 2 trainers"):
         SharedSum(One(), torch.zeros(1, 3), np.array([0b101]), trainers=2, timeout=1.0)
+    with pytest.raises(ValueError, match="has a user that does not hold it"):
+        SharedSum(One(), torch.zeros(1, 3), np.array([0b11]), np.array([0b01]), trainers=2, timeout=1.0)

@@ -90,13 +90,14 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
 
 def train_partitioned_batches(model: nn.Module, dense_optimizer: torch.optim.Optimizer, batches: list[Batch], *,
                               layout: EmbeddingLayout, row_optimizer: RowOptimizer, seed: int, cache_rows: int,
-                              lookahead: int, trainers: int, num_shards: int = 1,
+                              lookahead: int, trainers: int, num_shards: int = 1, keep_within: int = 0,
                               timeout: float = 30.0) -> list[list[RowStore]]:
     """Train on ``batches`` as ``trainers`` trainers with a partitioned cache of ``cache_rows`` rows each (shared
     among the spaces): each trainer carries out its part of every plan step on its own caches (write-backs, drops,
     fetches), trains its slice of the batch from them, and each row's gradient is the sum of its users'
     contributions in trainer order over ``trainers`` (the dense gradients' sum over all of them, likewise), applied
-    by every user to its copy. Returns each space's row stores, every row written back."""
+    by every user to its copy (and by a trainer that keeps the row without using it: ``keep_within``). Returns each
+    space's row stores, every row written back."""
     spaces = range(len(layout.spaces))
     stores = [[RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=seed, shard=shard,
                         num_shards=num_shards) for shard in range(num_shards)] for s in spaces]
@@ -108,7 +109,7 @@ def train_partitioned_batches(model: nn.Module, dense_optimizer: torch.optim.Opt
     parts = [batch.slices(trainers) for batch in batches]
     keys = [[layout.keys(part.ids.numpy()) for part in batch_parts] for batch_parts in parts]
     configs = [PlannerConfig(num_rows=layout.spaces[s].num_rows, cache_rows=shares[s], lookahead=lookahead,
-                             num_trainers=trainers) for s in spaces]
+                             num_trainers=trainers, keep_within=keep_within) for s in spaces]
     params = list(model.parameters())
     slices = ([[valid_keys(keys[i][t][s]) for t in range(trainers)] for s in spaces] for i in range(len(batches)))
     for steps in plan_partitioned_spaces(slices, configs):
@@ -175,17 +176,16 @@ def _fetch(part, cache: RowCache, stores: list[RowStore], *, dim: int, row_optim
 
 def _apply_shared(step, caches: list[RowCache], grads: list[torch.Tensor], *, trainers: int) -> None:
     """Each row's update of one space: its users' gradients summed in trainer order, over ``trainers``, applied by
-    every user to its copy (a row of one user: its own gradient over ``trainers``)."""
+    every holder to its copy, users and keepers (a row of one user: its own gradient over ``trainers``)."""
     total: dict[int, torch.Tensor] = {}
     for t, part in enumerate(step.trainers):  # in trainer order, users only
         for row, key in enumerate(part.batch_keys.tolist()):
             grad = grads[t][row]
             total[key] = grad.clone() if key not in total else total[key].add_(grad)
     for t, part in enumerate(step.trainers):
-        if not len(part.batch_keys):
-            continue
-        summed = torch.stack([total[key] for key in part.batch_keys.tolist()]).div_(trainers)
-        caches[t].apply(part.batch_slots, summed)
+        for keys, slots in ((part.batch_keys, part.batch_slots), (part.kept_keys, part.kept_slots)):
+            if len(keys):
+                caches[t].apply(slots, torch.stack([total[key] for key in keys.tolist()]).div_(trainers))
 
 
 def carry_out(step, cache: RowCache, stores: list[RowStore], *, dim: int, row_optimizer: RowOptimizer,

@@ -255,6 +255,9 @@ def _add_job_flags(p) -> None:
                    "trainer caches every row the plan keeps, gradients summed over all trainers; partitioned: each "
                    "trainer caches only the rows its slices use, a row's gradient summed among its users only "
                    "(lookahead policy; a lost trainer restarts the job from its newest checkpoint)" + _default("cache_mode"))
+    g.add_argument("--keep-within", type=int, default=None, help="--cache-mode partitioned: a trainer keeps a row "
+                   "another trainer updates, receiving the update, when its own next use is at most N iterations "
+                   "away (0: it lets the row go and fetches it again)" + _default("keep_within"))
     g.add_argument("--cleanup-fraction", "--cleanup-batch-proportion", dest="cleanup_fraction", type=float,
                    default=None, help="when evicting, also free this share of the cache, in [0, 1)"
                    + _default("cleanup_fraction") + "; --mode single frees 0.05 at least")
@@ -442,6 +445,8 @@ def _add_plan_stats(sub) -> None:
                    "row carries, for the traffic's bytes (default sgd)")
     p.add_argument("--cleanup-fraction", type=float, default=0.0,
                    help="when evicting, also free this share of the cache (fewer, larger eviction rounds; default 0)")
+    p.add_argument("--keep-within", type=int, default=0, help="the partitioned cache's traffic: a trainer keeps a row "
+                   "another trainer updates when its own next use is at most N iterations away (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -595,7 +600,8 @@ def run_plan_stats(args) -> None:
         state_width = make_row_optimizer(args.optimizer, lr=0.01).state_width(args.emb_dim)
         stats["traffic"] = traffic(split, batch_size=args.batch_size, cache_rows=args.cache_rows,
                                    lookahead=args.lookahead, trainers=args.trainers, iterations=args.iterations,
-                                   cleanup_fraction=args.cleanup_fraction, dim=args.emb_dim, state_width=state_width)
+                                   cleanup_fraction=args.cleanup_fraction, dim=args.emb_dim, state_width=state_width,
+                                   keep_within=args.keep_within)
     print(json.dumps(stats))
 
 

@@ -224,6 +224,10 @@ class TrainConfig:
     # all trainers; partitioned: each trainer holds only the rows its slices use, and a row's gradient is summed
     # among the trainers that use it (planner/partitioned.py)
     cache_mode: str = "replicated"
+    # partitioned: a trainer keeps a row another trainer updates (receiving the update instead of letting it go and
+    # fetching it again) when its own next use is at most this many iterations away, and joins the trainers using a
+    # row it uses next; 0: it always lets such a row go
+    keep_within: int = 4
     cleanup_fraction: float = 0.0  # evict this share of the cache at once when evicting
     prefetch_depth: int = 8  # iterations whose fetches a trainer has in flight
     timeout: float = 60.0  # seconds any remote wait may take before the job fails
@@ -251,7 +255,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every",
-                     "eval_every", "max_restarts"):
+                     "eval_every", "max_restarts", "keep_within"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout"):

@@ -6,19 +6,26 @@ global batch as flat keys. A row used at iteration ``i`` has its *users* there (
 before ``i`` every user holds it, and no other trainer does. The rules that keep every copy exact:
 
 - A trainer keeps a row after using it, in a slot of its own cache, until its capacity needs the slot or another
-  trainer uses the row without it: a holder that is not a user at ``i`` lets the row go before ``i`` (its copy
-  would miss that update). So at every iteration the holders of a row are among its users, and every holder's copy
-  is current: all of them applied every update since they fetched it.
+  trainer uses the row without it. A holder that is not a user at ``i`` either lets the row go before ``i`` or,
+  when its own next use of the row is at most ``keep_within`` iterations away, *keeps* it: it receives the update
+  of ``i`` as the users apply it (the users' contributions summed, its own none). So at every iteration the holders
+  of a row are its users and keepers (its *holders* mask), and every holder's copy is current: all of them applied
+  every update since they fetched it. (With ``keep_within`` > 0 a trainer that uses at ``i + 1`` a row others use
+  at ``i`` *joins* them at ``i``: it fetches the row before ``i``'s update and keeps it through ``i``; its fetch is
+  *late*, needed only at the next boundary, when it applies ``i``'s update.)
 - A row is *dirty* when it was updated since the servers last got it. Before a trainer fetches a dirty row, a
   holder writes it back (a *hand-off*), so the fetch reads the current version; the servers already park a fetch
-  until the version it asks for arrives. The last holder of a dirty row to let it go writes it back.
-- At ``i`` a row's users sum their contributions and each applies the same update (rows of one user need no
-  exchange: ``own``; the others are ``shared``, each with an *owner* among its users, balanced by key); every
-  holder's copy stays equal to the others'.
+  until the version it asks for arrives. The last holder of a dirty row to let it go writes it back. Hand-offs go
+  as early as the plan can tell: at the boundary after the row's last update when a non-holder uses it before any
+  holder does again, else at the boundary before the fetch's; so a fetch that waits for a hand-off finds it on its
+  server an iteration before it is due, instead of waiting at its own boundary for another trainer's.
+- At ``i`` a row's users sum their contributions and every holder applies the same update (a row of one user that
+  no other trainer keeps needs no exchange: ``own``; the others are ``shared``, each with an *owner* among its
+  users, balanced by key); every holder's copy stays equal to the others'.
 
-Eviction for capacity (per trainer, never a row of its current slice): rows another trainer will use before this
-one first (their copies would be let go anyway), then rows not used within the lookahead, then the row whose next
-use by this trainer is furthest away. Versions are iterations, as in plan.py: a write-back before ``i`` carries
+Eviction for capacity (per trainer, never a row of its current slice, and a row it keeps now only when nothing else
+will do): rows another trainer will use before this one first, then rows not used within the lookahead, then the
+rows whose next use by this trainer is furthest away (``_evicted``). Versions are iterations, as in plan.py: a write-back before ``i`` carries
 the iteration of the row's last update, and a fetch asks for the version of the row's last update (-1: never).
 """
 
@@ -29,9 +36,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from bagpipe.planner.plan import _NEXT_USE_BLOCK, _NOT_IN_WINDOW, NEVER, PlannerConfig, _Stream, per_space
-
-_GIVEN_UP = _NOT_IN_WINDOW * 2  # a row another trainer uses first: its copy here would be let go anyway
+from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, PlannerConfig, _Stream, per_space
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,19 @@ class TrainerStep:
     fetch_keys: np.ndarray  # rows it fetches
     fetch_versions: np.ndarray  # the version each fetch must observe (-1: the initial row)
     fetch_slots: np.ndarray  # the slot each goes to
+    fetch_late: np.ndarray  # bool per fetch: a row it joins as a keeper now and uses next, needed only at the next
+    # boundary (its update of this iteration is received there): the fetch can wait an iteration longer
     batch_keys: np.ndarray  # its slice's distinct rows, sorted
     batch_slots: np.ndarray  # and their slots
-    own_keys: np.ndarray  # rows of its slice no other trainer uses now: updated here, no exchange
-    shared_keys: np.ndarray  # rows of its slice other trainers use too: their contributions summed among the users
+    own_keys: np.ndarray  # rows of its slice no other trainer uses or keeps now: updated here, no exchange
+    shared_keys: np.ndarray  # rows of its slice other trainers use or keep too: contributions summed among users
     shared_owners: np.ndarray  # each shared row's owner (one of its users)
     shared_users: np.ndarray  # each shared row's users, a bit per trainer (bit t: trainer t uses it now)
+    shared_holders: np.ndarray  # and its holders (its users and keepers), who all apply the update
+    kept_keys: np.ndarray  # rows it keeps though its slice does not use them now: it receives their update
+    kept_slots: np.ndarray
+    kept_users: np.ndarray  # each kept row's users (bit t: trainer t), whose contributions it receives
+    kept_holders: np.ndarray  # and its holders
     resident_rows: int  # rows held after this boundary
 
 
@@ -127,6 +139,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
     holders = np.zeros(config.num_rows, dtype=np.int16)  # how many trainers hold each row
     empty = np.zeros(0, dtype=np.int64)
 
+    ahead: list = [[] for _ in range(trainers)]  # per trainer, rows it hands off ahead at the next boundary
     i = 0
     while (global_batch := everyone.batch(i)) is not None:
         batch, lookups = global_batch
@@ -142,16 +155,29 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
             held = np.flatnonzero((holders > 0) & (next_any == NEVER))
             next_any[held] = everyone.first_uses(held)
         users = np.stack([_in(batch, keys) for keys in mine])  # [trainer, row of the batch]: it uses the row now
-        count = users.sum(axis=0)
-        writes: list[list] = [[] for _ in range(trainers)]
-        write_slots: list[list] = [[] for _ in range(trainers)]
+        writes, write_slots = _ahead(ahead, caches)
         drops: list[list] = [[] for _ in range(trainers)]
         drop_slots: list[list] = [[] for _ in range(trainers)]
-        # 1. Holders that do not use a row now let it go; a dirty row some user lacks is handed off first.
+        # 1. Holders that do not use a row now keep it (its next use by them is near) or let it go; a dirty row
+        # some user lacks is handed off first.
         held_by = [caches[t].slot_of[batch] >= 0 for t in range(trainers)]
+        keeping = [np.zeros(len(batch), dtype=bool) for _ in range(trainers)]
+        joining = [np.zeros(len(batch), dtype=bool) for _ in range(trainers)]
+        if config.keep_within:
+            for t, cache in enumerate(caches):
+                stale = np.flatnonzero(held_by[t] & ~users[t])
+                if len(stale):
+                    keeping[t][stale] = cache.slot_next[cache.slot_of[batch[stale]]] - i <= config.keep_within
+                # A row others use now and this trainer next: it joins them as a keeper now, so that the fetch
+                # (of the version before this iteration's update) has an iteration to arrive.
+                following = own[t].peek(i + 1)
+                if following is not None:
+                    joining[t] = ~users[t] & ~held_by[t] & _in(batch, following)
+                    keeping[t] |= joining[t]
+        _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, holders, writes, write_slots)
         fetching = np.zeros(len(batch), dtype=bool)
         for t in range(trainers):
-            fetching |= users[t] & ~held_by[t]
+            fetching |= (users[t] | joining[t]) & ~held_by[t]
         handoff = fetching & (latest[batch] > server[batch])
         if handoff.any():
             rows = batch[handoff]
@@ -166,7 +192,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 seen += here
             server[rows] = latest[rows]
         for t in range(trainers):
-            stale = held_by[t] & ~users[t]
+            stale = held_by[t] & ~users[t] & ~keeping[t]
             if stale.any():
                 keys = batch[stale]
                 drop_slots[t].append(caches[t].let_go(keys))
@@ -177,18 +203,20 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         for t, cache in enumerate(caches):
             keys = mine[t]
             missing = keys[cache.slot_of[keys] < 0]
-            overflow = len(missing) - cache.num_free
+            overflow = len(missing) + int(joining[t].sum()) - cache.num_free
             if overflow > 0:
                 resident = cache.slot_of[keys]
                 in_slice = np.zeros(capacity, dtype=bool)
                 in_slice[resident[resident >= 0]] = True
-                candidates = np.flatnonzero((cache.slot_key >= 0) & ~in_slice)
-                overflow = min(len(candidates), overflow + int(config.cleanup_fraction * capacity))
-                rows = cache.slot_key[candidates]
-                nxt = cache.slot_next[candidates]
-                score = np.where(next_any[rows] < nxt, _GIVEN_UP,
-                                 np.where(nxt - i >= config.lookahead, _NOT_IN_WINDOW, nxt))
-                chosen = np.sort(rows[np.argpartition(-score, overflow - 1)[:overflow]])
+                overflow += int(config.cleanup_fraction * capacity)
+                kept = np.zeros(capacity, dtype=bool)  # rows it keeps now: let go only if nothing else will do
+                kept[cache.slot_of[batch[keeping[t] & held_by[t]]]] = True
+                candidates = np.flatnonzero((cache.slot_key >= 0) & ~in_slice & ~kept)
+                if len(candidates) < overflow:
+                    candidates = np.flatnonzero((cache.slot_key >= 0) & ~in_slice)
+                overflow = min(len(candidates), overflow)
+                chosen = np.sort(_evicted(cache.slot_key[candidates], cache.slot_next[candidates], next_any,
+                                          overflow, beyond=i + config.lookahead))
                 slots = cache.let_go(chosen)
                 holders[chosen] -= 1
                 drops[t].append(chosen)
@@ -199,17 +227,25 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                     write_slots[t].append(slots[last])
                     server[chosen[last]] = latest[chosen[last]]
             fetches.append(missing)
+        for t, cache in enumerate(caches):  # (a kept row its capacity needed is let go after all)
+            keeping[t] &= (cache.slot_of[batch] >= 0) | joining[t]
+        bits = (np.int64(1) << np.arange(trainers, dtype=np.int64))[:, None]
+        users_of, holders_of = (users * bits).sum(axis=0), ((users | np.stack(keeping)) * bits).sum(axis=0)
         # 3. The fetches, at the version of each row's last update (the servers have it now).
         steps = []
         for t, cache in enumerate(caches):
-            missing = fetches[t]
+            joined = batch[joining[t]]
+            missing = np.concatenate([fetches[t], joined])
+            late = np.arange(len(missing)) >= len(fetches[t])
             cache.take(missing)
             holders[missing] += 1
+            cache.slot_next[cache.slot_of[joined]] = i + 1
             keys = mine[t]
             cache.slot_next[cache.slot_of[keys]] = own[t].next_uses[i]
-            shared = count[users[t]] > 1
+            shared = holders_of[users[t]] != bits[t, 0]
             shared_keys = keys[shared]
-            owners, users_of = _owners(shared_keys, users[:, users[t] & (count > 1)])
+            owners = _owners(shared_keys, users[:, users[t]][:, shared])
+            kept = batch[keeping[t]]
             write_keys = np.concatenate(writes[t]) if writes[t] else empty
             steps.append(TrainerStep(
                 write_keys=write_keys, write_versions=latest[write_keys],
@@ -217,39 +253,131 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 drop_keys=np.concatenate(drops[t]) if drops[t] else empty,
                 drop_slots=np.concatenate(drop_slots[t]) if drop_slots[t] else empty,
                 fetch_keys=missing, fetch_versions=latest[missing],
-                fetch_slots=cache.slot_of[missing].astype(np.int64),
+                fetch_slots=cache.slot_of[missing].astype(np.int64), fetch_late=late,
                 batch_keys=keys, batch_slots=cache.slot_of[keys].astype(np.int64),
-                own_keys=keys[~shared], shared_keys=shared_keys, shared_owners=owners, shared_users=users_of,
-                resident_rows=capacity - cache.num_free))
-        # 4. The iteration: every row of the batch is updated by its users.
+                own_keys=keys[~shared], shared_keys=shared_keys, shared_owners=owners,
+                shared_users=users_of[users[t]][shared], shared_holders=holders_of[users[t]][shared],
+                kept_keys=kept, kept_slots=cache.slot_of[kept].astype(np.int64), kept_users=users_of[keeping[t]],
+                kept_holders=holders_of[keeping[t]], resident_rows=capacity - cache.num_free))
+        # 4. The iteration: every row of the batch is updated by its holders.
         latest[batch] = i
-        next_any[batch] = everyone.next_uses[i]
+        next_any[batch] = coming = everyone.next_uses[i]
+        # 5. Hand-offs ahead: a row that a trainer not holding it uses before any holder does again is written back
+        # at the next boundary (by a holder, balanced by key), so the fetch that needs it can be issued ahead.
+        first_again = np.full(len(batch), NEVER, dtype=np.int64)
+        for t, cache in enumerate(caches):
+            here = np.flatnonzero((holders_of >> t) & 1)
+            first_again[here] = np.minimum(first_again[here], cache.slot_next[cache.slot_of[batch[here]]])
+        soon = np.flatnonzero((coming != NEVER) & (coming < first_again))
+        ahead = [[] for _ in range(trainers)]
+        if len(soon):
+            rows, who = batch[soon], holders_of[soon]
+            turn = rows % _bit_counts(who)
+            seen = np.zeros(len(rows), dtype=np.int64)
+            for t in range(trainers):
+                here = ((who >> t) & 1).astype(bool)
+                ahead[t] = rows[here & (seen == turn)]
+                seen += here
+            server[rows] = i
         yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=lookups)
         i += 1
-    # The final flush: every dirty row written back by one of its holders, every row let go.
+    # The final flush: every dirty row written back by one of its holders (or ahead), every row let go.
     steps = []
+    writes, write_slots = _ahead(ahead, caches)
     for t, cache in enumerate(caches):
         keys = np.sort(cache.slot_key[cache.slot_key >= 0])
+        early = np.concatenate(writes[t]) if writes[t] else empty
+        early_slots = np.concatenate(write_slots[t]) if write_slots[t] else empty
         slots = cache.let_go(keys)
         holders[keys] -= 1
         last = (holders[keys] == 0) & (latest[keys] > server[keys])
         server[keys[last]] = latest[keys[last]]
-        steps.append(TrainerStep(write_keys=keys[last], write_versions=latest[keys[last]], write_slots=slots[last],
+        write_keys = np.concatenate([early, keys[last]])
+        steps.append(TrainerStep(write_keys=write_keys, write_versions=latest[write_keys],
+                                 write_slots=np.concatenate([early_slots, slots[last]]),
                                  drop_keys=keys, drop_slots=slots, fetch_keys=empty, fetch_versions=empty,
-                                 fetch_slots=empty, batch_keys=empty, batch_slots=empty, own_keys=empty,
-                                 shared_keys=empty, shared_owners=empty, shared_users=empty, resident_rows=0))
+                                 fetch_slots=empty, fetch_late=np.zeros(0, dtype=bool), batch_keys=empty, batch_slots=empty, own_keys=empty,
+                                 shared_keys=empty, shared_owners=empty, shared_users=empty, shared_holders=empty,
+                                 kept_keys=empty, kept_slots=empty, kept_users=empty, kept_holders=empty,
+                                 resident_rows=0))
     yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=0)
 
 
-def _owners(shared: np.ndarray, uses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each shared row's owner (one of its users, chosen by key so that ownership is balanced) and its users as a
-    bitmask (bit t: trainer t); ``uses``: [trainer, row], whether the trainer uses the row now."""
+def _evicted(rows: np.ndarray, nxt: np.ndarray, next_any: np.ndarray, count: int, *, beyond: int) -> np.ndarray:
+    """``count`` of ``rows`` (a trainer's, each with its next use by the trainer, ``nxt``) to let go: rows another
+    trainer uses first, then rows not used within the window (next use at ``beyond`` or later), then the furthest
+    next uses. Each class is taken whole before the next (in slot order within the first two), so the costly
+    partial sort runs only over the rows in the window, and only when the first two classes do not suffice."""
+    given_up = next_any[rows] < nxt
+    first = np.flatnonzero(given_up)
+    if len(first) >= count:
+        return rows[first[:count]]
+    far = np.flatnonzero(~given_up & (nxt >= beyond))
+    if len(first) + len(far) >= count:
+        return rows[np.concatenate([first, far[:count - len(first)]])]
+    near = np.flatnonzero(~given_up & (nxt < beyond))
+    need = count - len(first) - len(far)
+    furthest = near[np.argpartition(-nxt[near], need - 1)[:need]]
+    return rows[np.concatenate([first, far, furthest])]
+
+
+def _hand_off_before(n: int, everyone: _Stream, own: list[_Stream], batch: np.ndarray, caches: list[_Cache],
+                     latest: np.ndarray, server: np.ndarray, holders: np.ndarray, writes: list[list],
+                     write_slots: list[list]) -> None:
+    """Hand-offs an iteration early: a dirty row that a trainer not holding it uses at ``n`` and that nobody
+    updates before (it is not in the current ``batch``) is written back now, by one of its holders (balanced by
+    key), so that the fetch at ``n`` finds it on its server (rather than wait for a hand-off at ``n``'s boundary)."""
+    coming = everyone.peek(n)
+    if coming is None:
+        return
+    rows = coming[~_in(coming, batch)]
+    rows = rows[latest[rows] > server[rows]]
+    if not len(rows):
+        return
+    lacking = np.zeros(len(rows), dtype=bool)
+    for t, cache in enumerate(caches):
+        lacking |= _in(rows, own[t].peek(n)) & (cache.slot_of[rows] < 0)
+    rows = rows[lacking]
+    if not len(rows):
+        return
+    turn = rows % holders[rows]  # (a dirty row is held)
+    seen = np.zeros(len(rows), dtype=np.int64)
+    for t, cache in enumerate(caches):
+        here = cache.slot_of[rows] >= 0
+        write = here & (seen == turn)
+        if write.any():
+            writes[t].append(rows[write])
+            write_slots[t].append(cache.slot_of[rows[write]].astype(np.int64))
+        seen += here
+    server[rows] = latest[rows]
+
+
+def _ahead(ahead: list, caches: list[_Cache]) -> tuple[list[list], list[list]]:
+    """Each trainer's write-backs and their slots, begun with the rows it hands off ahead at this boundary."""
+    writes = [[keys] if len(keys) else [] for keys in ahead]
+    slots = [[cache.slot_of[keys].astype(np.int64)] if len(keys) else [] for keys, cache in zip(ahead, caches)]
+    return writes, slots
+
+
+def _bit_counts(masks: np.ndarray) -> np.ndarray:
+    """The bits set in each of ``masks`` (non-negative int64)."""
+    if hasattr(np, "bitwise_count"):  # numpy 2
+        return np.bitwise_count(masks).astype(np.int64)
+    count, masks = np.zeros(len(masks), dtype=np.int64), masks.copy()
+    while masks.any():
+        count += masks & 1
+        masks >>= 1
+    return count
+
+
+def _owners(shared: np.ndarray, uses: np.ndarray) -> np.ndarray:
+    """Each shared row's owner (one of its users, chosen by key so that ownership is balanced); ``uses``: [trainer,
+    row], whether the trainer uses the row now."""
     if not len(shared):
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64)
     turn = shared % uses.sum(axis=0)
     seen = np.cumsum(uses, axis=0) - uses  # users before each trainer
-    owners = np.argmax(uses & (seen == turn), axis=0).astype(np.int64)
-    return owners, (uses.astype(np.int64) << np.arange(len(uses), dtype=np.int64)[:, None]).sum(axis=0)
+    return np.argmax(uses & (seen == turn), axis=0).astype(np.int64)
 
 
 def plan_partitioned_spaces(slices: Iterable[list[list[np.ndarray]]],

@@ -35,6 +35,9 @@ class PlannerConfig:
     num_trainers: int = 1
     policy: str = "lookahead"
     cleanup_fraction: float = 0.0  # when evicting, also free this share of the cache (fewer, larger rounds)
+    # the partitioned plan: a trainer holding a row another trainer updates keeps it, receiving the update, if its
+    # own next use of the row is at most this many iterations away (0: it lets the row go)
+    keep_within: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cleanup_fraction < 1.0:
@@ -44,6 +47,8 @@ class PlannerConfig:
         for name in ("num_rows", "cache_rows", "lookahead", "num_trainers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.keep_within < 0:
+            raise ValueError(f"keep_within must not be negative, got {self.keep_within}")
 
 
 def _no_keys() -> np.ndarray:
@@ -115,6 +120,12 @@ class _Stream:
         if i not in self.next_uses:
             self._compute_block(i)
         return self.window[0]
+
+    def peek(self, j: int) -> np.ndarray | None:
+        """Unique keys of batch ``j`` (at or after the current one) without moving on; None past the end."""
+        self._fill(j + 1)
+        at = j - self.first
+        return self.window[at][0] if 0 <= at < len(self.window) else None
 
     def _compute_block(self, start: int) -> None:
         stop = start + _NEXT_USE_BLOCK

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import numpy as np
@@ -38,7 +40,8 @@ def slice_key_batches(split: BinarySplit, *, batch_size: int, iterations: int, t
 
 
 def traffic(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: int, trainers: int,
-            iterations: int = 0, cleanup_fraction: float = 0.0, dim: int = 16, state_width: int = 0) -> dict:
+            iterations: int = 0, cleanup_fraction: float = 0.0, dim: int = 16, state_width: int = 0,
+            keep_within: int = 0) -> dict:
     """What each trainer moves per iteration, on average over the trainers, in the two designs with ``cache_rows``
     rows per trainer: *replicated* (every trainer holds the same rows, planned on the global batch: each fetches
     every row fetched, writes back its share of the evictions and all-reduces every row of the global batch) and
@@ -46,9 +49,10 @@ def traffic(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: 
     other users of them only). Rows fetched and written back carry the row and its optimizer state. Rows
     synchronised are the row gradients a trainer sends: replicated, 2(T-1)/T of the global batch's rows (an
     all-reduce: the ordered sum's all-to-all and all-gather, or gloo's own at two trainers, send that much);
-    partitioned, each shared row once to each of its other users (runtime/reduce.SharedSum). Rows exchanged are the
-    distinct rows a trainer sums with others (the global batch's, or its shared ones). The dense gradients'
-    all-reduce, the same in both designs, is not counted."""
+    partitioned, each shared row once to each of its other holders (runtime/reduce.SharedSum; ``keep_within``: a
+    trainer keeping a row it does not use receives its update). Rows exchanged are the distinct rows a trainer sums
+    with others (the global batch's, or its shared and kept ones). The dense gradients' all-reduce, the same in
+    both designs, is not counted."""
     row_bytes, grad_bytes = 4 * (dim + state_width), 4 * dim
     global_batches = key_batches(split, batch_size=batch_size, iterations=iterations)
     config = PlannerConfig(num_rows=int(sum(split.table_sizes)), cache_rows=cache_rows, lookahead=lookahead,
@@ -62,13 +66,14 @@ def traffic(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: 
     replicated = _per_iteration(fetched, written / trainers, batch_rows * 2 * (trainers - 1) / trainers, count,
                                 row_bytes, grad_bytes)
     replicated["rows_exchanged_per_iteration"] = batch_rows / max(count, 1)  # distinct rows a trainer's sum covers
-    per_trainer = np.zeros((trainers, 5), dtype=np.int64)  # fetched, written back, gradients sent, own, shared
+    per_trainer = np.zeros((trainers, 5), dtype=np.int64)  # fetched, written back, gradients sent, own, exchanged
     for step in plan_partitioned(slice_key_batches(split, batch_size=batch_size, iterations=iterations,
-                                                   trainers=trainers), config):
+                                                   trainers=trainers),
+                                 dataclasses.replace(config, keep_within=keep_within)):
         for t, part in enumerate(step.trainers):
-            sent = int(sum(bin(users).count("1") - 1 for users in part.shared_users.tolist()))
+            sent = int(sum(bin(holders).count("1") - 1 for holders in part.shared_holders.tolist()))
             per_trainer[t] += (len(part.fetch_keys), len(part.write_keys), sent, len(part.own_keys),
-                               len(part.shared_keys))
+                               len(part.shared_keys) + len(part.kept_keys))
     mean = per_trainer.mean(axis=0)
     partitioned = _per_iteration(mean[0], mean[1], mean[2], count, row_bytes, grad_bytes)
     partitioned["rows_own_per_iteration"] = float(mean[3] / count)  # updated with no exchange

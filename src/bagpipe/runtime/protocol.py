@@ -108,9 +108,15 @@ class PartSpaceStep:
     fetch_keys: torch.Tensor
     fetch_versions: torch.Tensor
     fetch_slots: torch.Tensor
+    fetch_late: torch.Tensor  # bool per fetch: due at the next boundary (a row joined as a keeper, used next)
     batch_keys: torch.Tensor  # the slice's distinct rows, sorted
     batch_slots: torch.Tensor
     users: torch.Tensor  # per batch row, its users at this iteration as a bitmask (bit t: trainer t)
+    holders: torch.Tensor  # per batch row, the trainers that apply its update (its users and keepers)
+    kept_keys: torch.Tensor  # rows this trainer keeps without using them now: it receives their update
+    kept_slots: torch.Tensor
+    kept_users: torch.Tensor
+    kept_holders: torch.Tensor
     positions: torch.Tensor | None  # per place of the slice's key matrix: its index in batch_keys
 
     def view(self) -> BatchView:
@@ -119,7 +125,9 @@ class PartSpaceStep:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.write_keys, self.write_slots, self.drop_keys, self.drop_slots, self.fetch_keys,
-                            self.fetch_versions, self.fetch_slots, self.batch_keys, self.batch_slots, self.users,
+                            self.fetch_versions, self.fetch_slots, self.fetch_late, self.batch_keys,
+                            self.batch_slots, self.users,
+                            self.holders, self.kept_keys, self.kept_slots, self.kept_users, self.kept_holders,
                             self.positions) if t is not None]
 
 
@@ -213,14 +221,20 @@ def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, chec
         for s, step in enumerate(steps):
             mine = step.trainers[trainer]
             users = np.full(len(mine.batch_keys), 1 << trainer, dtype=np.int64)
+            holders = users.copy()
             if len(mine.shared_keys):
-                users[np.searchsorted(mine.batch_keys, mine.shared_keys)] = mine.shared_users
+                shared = np.searchsorted(mine.batch_keys, mine.shared_keys)
+                users[shared], holders[shared] = mine.shared_users, mine.shared_holders
             spaces.append(PartSpaceStep(
                 write_keys=torch.from_numpy(mine.write_keys), write_slots=torch.from_numpy(mine.write_slots),
                 drop_keys=torch.from_numpy(mine.drop_keys), drop_slots=torch.from_numpy(mine.drop_slots),
                 fetch_keys=torch.from_numpy(mine.fetch_keys), fetch_versions=torch.from_numpy(mine.fetch_versions),
-                fetch_slots=torch.from_numpy(mine.fetch_slots), batch_keys=torch.from_numpy(mine.batch_keys),
+                fetch_slots=torch.from_numpy(mine.fetch_slots), fetch_late=torch.from_numpy(mine.fetch_late),
+                batch_keys=torch.from_numpy(mine.batch_keys),
                 batch_slots=torch.from_numpy(mine.batch_slots), users=torch.from_numpy(users),
+                holders=torch.from_numpy(holders), kept_keys=torch.from_numpy(mine.kept_keys),
+                kept_slots=torch.from_numpy(mine.kept_slots), kept_users=torch.from_numpy(mine.kept_users),
+                kept_holders=torch.from_numpy(mine.kept_holders),
                 positions=None if part is None else positions_in(
                     torch.from_numpy(slice_keys[s]), torch.from_numpy(mine.batch_keys)).to(torch.int32)))
         messages.append(StepMessage(iteration=iteration, final=batch is None,

@@ -70,41 +70,51 @@ class Mean:
 
 class SharedSum:
     """Each of this trainer's shared rows' gradient summed among the row's users only, in trainer order, over
-    ``trainers`` (the partitioned cache's exchange, planner/partitioned.py): ``grads`` ``[rows, D]`` of the rows
-    this trainer shares (sorted by key), ``users`` each row's users as a bitmask (bit t: trainer t; this trainer's
-    bit is set in every one). Each trainer sends every other trainer its contributions to the rows the two share,
-    in key order (the same rows, in the same order, on both sides: no indices travel), and every user adds them in
-    trainer order, as the sliced reference adds every trainer's (a non-user's zero leaves a sum unchanged). One
-    all-to-all; over three or more trainers it takes its turn in the group's sequence of ordered sums, so the
-    group's collectives come in the same order on every trainer. ``wait`` gives the means.
+    ``trainers`` (the partitioned cache's exchange, planner/partitioned.py): ``grads`` ``[rows, D]``, this trainer's
+    contributions to the rows it shares (sorted by key; where it is not a user, ignored), ``users`` each row's users
+    as a bitmask (bit t: trainer t), ``holders`` the trainers that apply its update (its users and the trainers
+    that keep it without using it; default: its users; this trainer's bit is set in every one). Each trainer sends
+    every other trainer its contributions to the rows it uses and the other holds, in key order (the same rows, in
+    the same order, on both sides: no indices travel), and every holder adds the users' contributions in trainer
+    order, as the sliced reference adds every trainer's (a non-user's zero leaves a sum unchanged). One all-to-all;
+    over three or more trainers it takes its turn in the group's sequence of ordered sums, so the group's
+    collectives come in the same order on every trainer. ``wait`` gives the means.
 
     Every trainer of the group starts one for every iteration, even one with no shared rows (the all-to-all needs
     every rank), from the thread that starts its ``Mean``s, in the same order relative to them on every trainer."""
 
-    def __init__(self, group: dist.ProcessGroup, grads: torch.Tensor, users: np.ndarray, *, trainers: int,
-                 timeout: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, grads: torch.Tensor, users: np.ndarray,
+                 holders: np.ndarray | None = None, *, trainers: int, timeout: float) -> None:
         self.grads, self.trainers = grads, trainers
         self.rank, self.size = group.rank(), group.size()
         self.timeout = timedelta(seconds=timeout)
         users = np.asarray(users, dtype=np.int64)
-        if len(users) and int(users.max()) >> self.size:
-            raise ValueError(f"a shared row names a user outside the {self.size} trainers")
-        self.rows_of = [np.flatnonzero((users >> u) & 1) for u in range(self.size)]  # the rows shared with u
-        if len(self.rows_of[self.rank]) != len(users):
-            raise ValueError(f"trainer {self.rank} is not a user of every row it is given to share")
-        splits = [0 if u == self.rank else len(rows) for u, rows in enumerate(self.rows_of)]
-        send = torch.cat([grads[torch.from_numpy(rows)] if u != self.rank else grads[:0]
-                          for u, rows in enumerate(self.rows_of)]) if len(grads) else grads[:0]
-        self.received = torch.empty(sum(splits), grads.shape[1], dtype=grads.dtype)
+        holders = users if holders is None else np.asarray(holders, dtype=np.int64)
+        if len(holders) and int(holders.max()) >> self.size:
+            raise ValueError(f"a shared row names a holder outside the {self.size} trainers")
+        if ((users & ~holders) != 0).any():
+            raise ValueError("a shared row has a user that does not hold it")
+        if not ((holders >> self.rank) & 1).all():
+            raise ValueError(f"trainer {self.rank} does not hold every row it is given to share")
+        mine = ((users >> self.rank) & 1).astype(bool)
+        self.rows_of = [np.flatnonzero((users >> u) & 1) for u in range(self.size)]  # the rows u contributes to
+        sent_to = [np.flatnonzero(mine & ((holders >> u) & 1).astype(bool)) if u != self.rank else np.zeros(0, int)
+                   for u in range(self.size)]
+        splits_in = [0 if u == self.rank else len(rows) for u, rows in enumerate(self.rows_of)]
+        splits_out = [len(rows) for rows in sent_to]
+        self.sent_rows = sum(splits_out)
+        send = torch.cat([grads[torch.from_numpy(rows)] for rows in sent_to]) if len(grads) else grads[:0]
+        self.received = torch.empty(sum(splits_in), grads.shape[1], dtype=grads.dtype)
         self._work = self._ordered = None
 
         def exchange() -> torch.Tensor:
-            group.alltoall_base(self.received, send.contiguous(), splits, splits,
+            group.alltoall_base(self.received, send.contiguous(), splits_in, splits_out,
                                 dist.AllToAllOptions()).wait(timeout=self.timeout)
             return self.received
 
         if self.size == 2:
-            self._work = group.alltoall_base(self.received, send.contiguous(), splits, splits, dist.AllToAllOptions())
+            self._work = group.alltoall_base(self.received, send.contiguous(), splits_in, splits_out,
+                                             dist.AllToAllOptions())
         elif self.size > 2:
             self._ordered = _sequencer(group, self.timeout).submit_job(exchange)
 
@@ -128,6 +138,8 @@ class SharedSum:
             again = torch.from_numpy(rows[later])
             total[again] += part[torch.from_numpy(later)]
             summed[rows] = True
+        if not summed.all():
+            raise ValueError("a shared row has no user")
         return total.div_(self.trainers)
 
 

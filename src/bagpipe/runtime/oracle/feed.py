@@ -65,7 +65,8 @@ class Feed:
         self.planned = self.start  # the last iteration planned
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=num_trainers, policy=config.policy,
-                                              cleanup_fraction=config.cleanup_fraction)
+                                              cleanup_fraction=config.cleanup_fraction,
+                                              keep_within=config.keep_within)
                                 for space, share in zip(self.layout.spaces, job.cache_rows)]
         depth = max(2 * config.prefetch_depth, 2 * PULL_MAX_STEPS)
         self.queues = [queue.Queue(maxsize=depth) for _ in range(num_trainers)]
@@ -325,4 +326,5 @@ def _refill_part(part: TrainerStep, slot_key: np.ndarray) -> TrainerStep:
     empty = np.zeros(0, dtype=np.int64)
     return dataclasses.replace(part, write_keys=empty, write_versions=empty, write_slots=empty, drop_keys=empty,
                                drop_slots=empty, fetch_keys=slot_key[slots], fetch_slots=slots,
-                               fetch_versions=np.full(len(slots), -1, dtype=np.int64))
+                               fetch_versions=np.full(len(slots), -1, dtype=np.int64),
+                               fetch_late=np.zeros(len(slots), dtype=bool))

@@ -8,12 +8,13 @@ for another trainer's write-back of this boundary, and every trainer sends its w
 waits for one that is not sent. Every write-back carries the boundary's version (``iteration - 1``): the row's last
 update was at an iteration before it, and any later one at this boundary or after.
 
-After the backward, a row used by this trainer alone (``users`` is this trainer's bit only) is updated at once with
+After the backward, a row this trainer alone holds (``holders`` is this trainer's bit only) is updated at once with
 its gradient over the trainers (the sliced reference adds the other trainers' zeros, which leave it unchanged); the
-shared rows' gradients go to their other users in one all-to-all per space (``SharedSum``: every user adds them in
-trainer order), and the dense gradients are averaged over all trainers as with the replicated cache. Every user of a
-row applies the same sum with the same row optimizer to an equal copy, so the copies stay equal to one another and
-to the sliced reference's row.
+shared rows' gradients go to their other holders in one all-to-all per space (``SharedSum``: every holder adds the
+users' contributions in trainer order; a trainer keeping a row it does not use now only receives), and the dense
+gradients are averaged over all trainers as with the replicated cache. Every holder of a row applies the same sum
+with the same row optimizer to an equal copy, so the copies stay equal to one another and to the sliced reference's
+row.
 """
 
 from __future__ import annotations
@@ -51,17 +52,25 @@ class SharedRows:
         alone = 1 << self.index
         for space, (lookup, step) in enumerate(zip(lookups, message.spaces)):
             grads = lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)
-            users = step.users.numpy()
-            shared = np.flatnonzero(users != alone)
+            holders = step.holders.numpy()
+            shared = np.flatnonzero(holders != alone)
             if self.grads.group is not None:  # every trainer starts one every iteration, in space order
-                part = grads.index_select(0, torch.from_numpy(shared))
-                summed = SharedSum(self.grads.group, part, users[shared], trainers=self.trainers,
-                                   timeout=self.timeout)
-                sent = sum(len(rows) for u, rows in enumerate(summed.rows_of) if u != self.index)
-                self.stats.rows_exchanged += sent
-                self.stats.bytes_sent += sent * part.shape[1] * 4
-                self.pending.append((space, step.batch_slots.numpy()[shared], summed))
-            own = np.flatnonzero(users == alone)
+                # the rows it shares and those it keeps, in key order (its contributions to the kept ones: none)
+                keys = np.concatenate([step.batch_keys.numpy()[shared], step.kept_keys.numpy()])
+                order = torch.from_numpy(np.argsort(keys, kind="stable"))
+                kept = len(step.kept_keys)
+                part = torch.cat([grads.index_select(0, torch.from_numpy(shared)),
+                                  grads.new_zeros(kept, grads.shape[1])]).index_select(0, order)
+                at = order.numpy()
+                summed = SharedSum(self.grads.group, part,
+                                   np.concatenate([step.users.numpy()[shared], step.kept_users.numpy()])[at],
+                                   np.concatenate([holders[shared], step.kept_holders.numpy()])[at],
+                                   trainers=self.trainers, timeout=self.timeout)
+                self.stats.rows_exchanged += summed.sent_rows
+                self.stats.bytes_sent += summed.sent_rows * part.shape[1] * 4
+                slots = np.concatenate([step.batch_slots.numpy()[shared], step.kept_slots.numpy()])
+                self.pending.append((space, slots[at], summed))
+            own = np.flatnonzero(holders == alone)
             if len(own):
                 index = torch.from_numpy(own)
                 self.caches[space].apply(step.batch_slots.numpy()[own], grads.index_select(0, index).div_(self.trainers))

@@ -85,6 +85,7 @@ class TrainerRuntime:
         self._ready: queue.Queue = queue.Queue(maxsize=prefetch_depth or config.prefetch_depth)
         self._writes: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
+        self._late: list[tuple] = []  # partitioned: the last boundary's fetches due at the next one
         self._checkpoint_sends: list[threading.Thread] = []  # trainer 0's parts of checkpoints, on their way
         self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
         self.recent: deque = deque(maxlen=REDO_DEPTH + 1)  # this trainer's last plan messages, by the compute thread
@@ -133,21 +134,31 @@ class TrainerRuntime:
                 if message.final:
                     return
 
-    def _issue_fetches(self, message: StepMessage) -> list[list]:
-        """Each space's fetches, sent to the shards that hold them: (shard, index, future) per request."""
+    def _issue_fetches(self, message: StepMessage) -> list:
+        """Each space's fetches, sent to the shards that hold them: (shard, index, future) per request; with the
+        partitioned cache, two such lists per space: the fetches due at this boundary, and those due at the next
+        one (``fetch_late``), asked for apart so that the first answers do not wait for the second."""
         fetches = []
         for space, step in enumerate(message.spaces):
-            keys, versions = step.fetch_keys, step.fetch_versions
-            shards = keys % self.world.num_shards
-            requests = []
-            for shard in range(self.world.num_shards):
-                index = torch.nonzero(shards == shard).flatten()
-                if len(index):
-                    self._tags += 1
-                    requests.append((shard, index, self._send(SERVER.fetch, shard,
-                                                              (space, keys[index], versions[index], self._tags))))
-            fetches.append(requests)
+            if self.shared is None:
+                fetches.append(self._fetch_requests(space, step, torch.ones(len(step.fetch_keys), dtype=torch.bool)))
+            else:
+                fetches.append(tuple(self._fetch_requests(space, step, due)
+                                     for due in (~step.fetch_late, step.fetch_late)))
         return fetches
+
+    def _fetch_requests(self, space: int, step, chosen: torch.Tensor) -> list:
+        """Requests for the ``chosen`` (a mask) of a step's fetches, one per shard: (shard, index, future)."""
+        keys, versions = step.fetch_keys, step.fetch_versions
+        shards = keys % self.world.num_shards
+        requests = []
+        for shard in range(self.world.num_shards):
+            index = torch.nonzero((shards == shard) & chosen).flatten()
+            if len(index):
+                self._tags += 1
+                requests.append((shard, index, self._send(SERVER.fetch, shard,
+                                                          (space, keys[index], versions[index], self._tags))))
+        return requests
 
     def _send(self, endpoint: Endpoint, shard: int, args: tuple) -> "_Request":
         sent_to, epoch = self.routes.server(shard), self.epochs.epoch
@@ -292,28 +303,36 @@ class TrainerRuntime:
     def _part_boundary(self, message: StepMessage, fetches: list) -> None:
         """This trainer's part of a partitioned plan's boundary (trainer/partitioned.py): the last iteration's
         shared rows' updates, then every space's write-backs and rows let go, then every space's fetches."""
+        for space, iteration, step, requests in self._late:  # the last boundary's fetches due now
+            self._install_fetched(space, iteration, step, requests)
+        self._late = []
         self.shared.apply()
         for space, step in enumerate(message.spaces):
             rows, state = write_and_drop(step, self.caches[space])
             if len(rows):
                 self._send_write_backs(space, step.write_keys, rows, state, version=message.iteration - 1)
-        for space, (step, requests) in enumerate(zip(message.spaces, fetches)):
-            self._install_fetched(space, message.iteration, step, requests)
+        for space, (step, (due, late)) in enumerate(zip(message.spaces, fetches)):
+            self._install_fetched(space, message.iteration, step, due)
+            if late:
+                self._late.append((space, message.iteration, step, late))
 
     def _install_fetched(self, space: int, iteration: int, step, requests: list) -> None:
-        """A space's fetches of the boundary before ``iteration``, waited for and installed in their slots."""
-        fetch_keys = step.fetch_keys.numpy()
-        if len(fetch_keys):
-            dim = self.layout.spaces[space].dim
-            rows = torch.empty(len(fetch_keys), dim)
-            state = torch.empty(len(fetch_keys), self.row_optimizer.state_width(dim))
-            waited = time.perf_counter()
-            for _, index, request in requests:
-                rows[index], state[index], have, tag = self._answer(request, what="fetch")
-                check_fetched(*request.args, have, tag, server=request.sent_to, iteration=iteration)
-            stalled(self.stats, "fetch_wait_s", waited)
-            self.caches[space].install(step.fetch_slots.numpy(), fetch_keys, rows, state)
-            self.stats.rows_fetched += len(fetch_keys)
+        """A space's fetches of the boundary before ``iteration`` that ``requests`` ask for, waited for and
+        installed in their slots."""
+        if not requests:
+            return
+        dim = self.layout.spaces[space].dim
+        index = torch.cat([index for _, index, _ in requests])
+        rows = torch.empty(len(step.fetch_keys), dim)
+        state = torch.empty(len(step.fetch_keys), self.row_optimizer.state_width(dim))
+        waited = time.perf_counter()
+        for _, part, request in requests:
+            rows[part], state[part], have, tag = self._answer(request, what="fetch")
+            check_fetched(*request.args, have, tag, server=request.sent_to, iteration=iteration)
+        stalled(self.stats, "fetch_wait_s", waited)
+        self.caches[space].install(step.fetch_slots[index].numpy(), step.fetch_keys[index].numpy(), rows[index],
+                                   state[index])
+        self.stats.rows_fetched += len(index)
 
     def _send_write_backs(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *,
                           version: int) -> None:
