@@ -1,10 +1,11 @@
 """What one trainer moves per iteration with a replicated and with a partitioned cache (issue 26).
 
-    .venv/bin/python benchmarks/bench_traffic.py [--work-dir DIR] [--trainers 8] [--quick]
+    .venv/bin/python benchmarks/bench_traffic.py [--work-dir DIR] [--trainers 8] [--keep-within 0] [--quick]
 
 Synthetic data over the Criteo Kaggle cardinalities (26 tables, 33.8M rows), Zipf ids (exponents 1.05 and 1.2),
 50 global batches of 16,384 (``--quick``: 8 batches); caches of 500,000 rows per trainer, lookahead 50, width 16,
-SGD. For each exponent, ``plan-stats``' traffic (planner/stats.traffic): rows fetched, written back and
+SGD; ``--keep-within N``: the partitioned plan's keepers and joins (``bagpipe train --keep-within``, default 4 there;
+0 here, the first published table). For each exponent, ``plan-stats``' traffic (planner/stats.traffic): rows fetched, written back and
 synchronised and bytes per trainer per iteration in both designs, and their ratios, printed as the markdown table
 of docs/benchmarks.md; the raw figures go to WORK_DIR/traffic.json.
 """
@@ -32,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--trainers", type=int, default=8)
+    parser.add_argument("--keep-within", type=int, default=0, help="the partitioned plan's --keep-within (default 0)")
     parser.add_argument("--quick", action="store_true", help="8 global batches instead of 50")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_traffic_"))
@@ -44,7 +46,8 @@ def main() -> None:
                      table_sizes=list(CRITEO_KAGGLE_TABLE_SIZES), zipf=exponent)
             preprocess(work / f"tsv{exponent}", data)
         results[exponent] = traffic(open_dataset(data).train, batch_size=BATCH, cache_rows=CACHE_ROWS,
-                                    lookahead=LOOKAHEAD, trainers=args.trainers, iterations=batches)
+                                    lookahead=LOOKAHEAD, trainers=args.trainers, iterations=batches,
+                                    keep_within=args.keep_within)
         print(json.dumps({"zipf": exponent, **results[exponent]}), flush=True)
     (work / "traffic.json").write_text(json.dumps({str(z): r for z, r in results.items()}, indent=1))
     header = " | ".join(f"Zipf {z} replicated | partitioned | ratio" for z in EXPONENTS)

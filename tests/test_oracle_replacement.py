@@ -42,7 +42,9 @@ def _no_process_left(run):
     ("adam", "oracle@planned 40:kill,oracle/1@planned 120:kill", PARITY),
     # stopped, not killed: the launcher sees its heartbeat stop (for 3 s: --liveness-s), kills it and starts its
     # replacement
-    ("adagrad", "oracle@planned 60:stop", {"servers": 2, "liveness_s": 3.0})])
+    ("adagrad", "oracle@planned 60:stop", {"servers": 2, "liveness_s": 3.0}),
+    # the partitioned cache: each trainer's own plan messages made again, each sent only what it lacks
+    ("adam", "oracle@planned 40:kill", {**PARITY, "cache_mode": "partitioned"})])
 def test_a_lost_oracle_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
                                                                                       optimizer, fault, servers):
     from bagpipe.runtime.launch import launch_local

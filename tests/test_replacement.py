@@ -147,7 +147,8 @@ def test_a_shard_copied_while_it_is_written_back_to_is_taken_over_bit_for_bit(se
     assert mine.received == source.store.received
 
 
-def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iterations: int) -> dict:
+def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iterations: int,
+                        cache_mode: str = "replicated") -> dict:
     """A 2-trainer, 3+1-server job (--check-parity) with ``fault``: its summary, once its export is found equal to
     the sliced reference's bit for bit with no restart. The lost server's first replacement pauses 3 s before it
     joins (a replacement forked by the launcher joins in a fraction of a second): training must go on meanwhile."""
@@ -157,7 +158,7 @@ def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iteration
     from bagpipe.runtime.launch import launch_local
 
     config = job_config(data, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3, check_parity=True,
-                        iterations=iterations, timeout=20.0)
+                        iterations=iterations, timeout=20.0, cache_mode=cache_mode)
     summary = launch_local(config, show_progress=False,
                            env={"BAGPIPE_FAULTS": f"{fault},{fault.split('@')[0]}/1@joining:pause=3"},
                            extra_trainer_args=WRITEBACK_DELAY)
@@ -228,22 +229,25 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     assert parity["check"]["mismatched_rows"] == [0] and parity["check"]["rows"][0] > 0
 
 
-@pytest.mark.parametrize("optimizer, fault, iterations", [
-    ("adagrad", "server1@write-back 20:kill", ITERATIONS),
-    ("adam", "server0@delta sent 33:kill", ITERATIONS),
+@pytest.mark.parametrize("optimizer, fault, iterations, cache_mode", [
+    ("adagrad", "server1@write-back 20:kill", ITERATIONS, "replicated"),
+    ("adam", "server0@delta sent 33:kill", ITERATIONS, "replicated"),
     # the replacement killed too, once it has copied the shard (faults name it server1/EPOCH), and one killed
     # taking the shard over: two replacements start one after the other, so the job trains longer
-    ("sgd", "server1@write-back 20:kill,server1/1@shard copied:kill", TWO_LOSSES),
-    ("adagrad", "server2@write-back 20:kill,server2/1@take over:kill", TWO_LOSSES)])
+    ("sgd", "server1@write-back 20:kill,server1/1@shard copied:kill", TWO_LOSSES, "replicated"),
+    ("adagrad", "server2@write-back 20:kill,server2/1@take over:kill", TWO_LOSSES, "replicated"),
+    # the partitioned cache: hand-offs and fetches parked at the lost server go to its stand-in, then back
+    ("adagrad", "server1@write-back 20:kill", ITERATIONS, "partitioned")])
 def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_training_goes_on(
-        small_binary, tmp_path, optimizer, fault, iterations):
+        small_binary, tmp_path, optimizer, fault, iterations, cache_mode):
     """2 trainers, 3 data servers and 1 parity server; a data server SIGKILLed mid-write-back: its parity server
     stands in for it, the launcher starts a replacement, the RPC world is re-formed around it, it copies the shard
     from the stand-in while training goes on, and takes it back (the stand-in frozen, the rows written meanwhile
     read again, the route moved back). The job ends with the sliced reference's export bit for bit, the parity
     equal to its group with the replacement in it, and no process left behind."""
     lost = int(fault[len("server")])
-    summary = _job_through_losses(small_binary, tmp_path, optimizer=optimizer, fault=fault, iterations=iterations)
+    summary = _job_through_losses(small_binary, tmp_path, optimizer=optimizer, fault=fault, iterations=iterations,
+                                  cache_mode=cache_mode)
     losses = fault.count("kill")
     assert [f["role"] for f in summary["failures"]] == [f"server {lost}"] * losses
     assert all(f["parity_server"] == 3 and f["epoch"] == epoch + 1 for epoch, f in enumerate(summary["failures"]))

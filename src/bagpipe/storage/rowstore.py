@@ -128,8 +128,8 @@ class RowStore:
         wanted = np.array(versions, dtype=np.int64)  # a copy: ``versions`` may be a view of an RPC's buffer
         future: torch.futures.Future = torch.futures.Future()
         with self._changed:
-            rows, state, have = self.rows.read(local)
-            if (have >= wanted).all():
+            if (self.rows.versions(local) >= wanted).all():  # (a parked fetch reads its rows once, when ready)
+                rows, state, have = self.rows.read(local)
                 future.set_result((rows, state, torch.from_numpy(have)))
             else:
                 self.fetches_waited += 1
