@@ -184,27 +184,19 @@ def slice_messages(iteration: int, steps, views, rows, batch, layout: EmbeddingL
     every trainer but for which evicted rows it writes back, and its slice of the global ``batch`` (None: the final
     flush), with each of the slice's ids' place among the batch's rows (``rows``: each space's ``BatchRows``, loaded
     with this step's view)."""
-    parts = [None] * num_trainers if batch is None else batch.slices(num_trainers)
-    messages = []
-    for trainer, part in enumerate(parts):
-        slice_keys = None if part is None else layout.keys(part.ids.numpy())
-        spaces = [SpaceStep(fetch_keys=torch.from_numpy(step.fetch_keys),
-                            fetch_versions=torch.from_numpy(step.fetch_versions),
-                            fetch_slots=torch.from_numpy(step.fetch_slots),
-                            evict_keys=torch.from_numpy(step.evict_keys),
-                            evict_slots=torch.from_numpy(step.evict_slots),
-                            write_mask=torch.from_numpy(step.evict_writers == trainer),
-                            batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
-                            num_now=view.num_now,
-                            positions=None if part is None else torch.from_numpy(
-                                rows[s].at(slice_keys[s]).positions))  # each place's row in batch_keys
-                  for s, (step, view) in enumerate(zip(steps, views))]
-        messages.append(StepMessage(iteration=iteration, final=batch is None,
-                                    dense_x=None if part is None else part.dense_x,
-                                    ids=None if part is None else part.ids,
-                                    target=None if part is None else part.target, spaces=spaces,
-                                    lookups=sum(step.lookups for step in steps), checkpoint=checkpoint))
-    return messages
+    def spaces_of(trainer: int, slice_keys: list | None) -> list[SpaceStep]:
+        return [SpaceStep(fetch_keys=torch.from_numpy(step.fetch_keys),
+                          fetch_versions=torch.from_numpy(step.fetch_versions),
+                          fetch_slots=torch.from_numpy(step.fetch_slots),
+                          evict_keys=torch.from_numpy(step.evict_keys),
+                          evict_slots=torch.from_numpy(step.evict_slots),
+                          write_mask=torch.from_numpy(step.evict_writers == trainer),
+                          batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
+                          num_now=view.num_now,
+                          positions=None if slice_keys is None else torch.from_numpy(
+                              rows[s].at(slice_keys[s]).positions))  # each place's row in batch_keys
+                for s, (step, view) in enumerate(zip(steps, views))]
+    return _messages(iteration, steps, batch, layout, num_trainers, spaces_of, checkpoint=checkpoint)
 
 
 def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, checkpoint: bool = False
@@ -212,11 +204,7 @@ def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, chec
     """Each trainer's message of one partitioned plan step (each space's ``PartitionedStep``): its part of the step
     and its slice of the global ``batch`` (None: the final flush), with each of the slice's ids' place among its
     distinct rows."""
-    num_trainers = len(steps[0].trainers)
-    parts = [None] * num_trainers if batch is None else batch.slices(num_trainers)
-    messages = []
-    for trainer, part in enumerate(parts):
-        slice_keys = None if part is None else layout.keys(part.ids.numpy())
+    def spaces_of(trainer: int, slice_keys: list | None) -> list[PartSpaceStep]:
         spaces = []
         for s, step in enumerate(steps):
             mine = step.trainers[trainer]
@@ -235,12 +223,24 @@ def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, chec
                 holders=torch.from_numpy(holders), kept_keys=torch.from_numpy(mine.kept_keys),
                 kept_slots=torch.from_numpy(mine.kept_slots), kept_users=torch.from_numpy(mine.kept_users),
                 kept_holders=torch.from_numpy(mine.kept_holders),
-                positions=None if part is None else positions_in(
+                positions=None if slice_keys is None else positions_in(
                     torch.from_numpy(slice_keys[s]), torch.from_numpy(mine.batch_keys)).to(torch.int32)))
+        return spaces
+    return _messages(iteration, steps, batch, layout, len(steps[0].trainers), spaces_of, checkpoint=checkpoint)
+
+
+def _messages(iteration: int, steps, batch, layout: EmbeddingLayout, num_trainers: int, spaces_of, *,
+              checkpoint: bool) -> list[StepMessage]:
+    """Each trainer's message: its slice of ``batch`` (None: the final flush) and ``spaces_of(trainer, its slice's
+    keys per space)``."""
+    parts = [None] * num_trainers if batch is None else batch.slices(num_trainers)
+    messages = []
+    for trainer, part in enumerate(parts):
+        slice_keys = None if part is None else layout.keys(part.ids.numpy())
         messages.append(StepMessage(iteration=iteration, final=batch is None,
                                     dense_x=None if part is None else part.dense_x,
                                     ids=None if part is None else part.ids,
-                                    target=None if part is None else part.target, spaces=spaces,
+                                    target=None if part is None else part.target,
+                                    spaces=spaces_of(trainer, slice_keys),
                                     lookups=sum(step.lookups for step in steps), checkpoint=checkpoint))
     return messages
-
