@@ -119,6 +119,18 @@ def test_the_partitioned_plan_keeps_every_copy_exact(trainers, capacity, lookahe
         assert totals["fetched"] < without["fetched"] and totals["written"] < without["written"]
 
 
+@pytest.mark.parametrize("trainers, keep, cleanup", [(4, 4, 0.0), (2, 8, 0.0), (3, 4, 0.2)])
+def test_a_cache_just_large_enough_for_a_slice_plans_with_keepers_and_joins(trainers, keep, cleanup):
+    """Joins are optional: where a trainer's cache has room for its slice only, it joins no more rows than fit
+    (rather than ask for slots it cannot have), and the plan still keeps every copy exact."""
+    slices = zipf_slices(1, iterations=60, trainers=trainers, per_trainer=30, num_rows=400)
+    tight = max(len(np.unique(keys)) for parts in slices for keys in parts)
+    config = PlannerConfig(num_rows=400, cache_rows=tight, lookahead=20, num_trainers=trainers, keep_within=keep,
+                           cleanup_fraction=cleanup)
+    totals = replay(slices, config)
+    assert totals["kept"] > 0 and totals["fetched"] > 0
+
+
 def test_a_row_another_trainer_holds_dirty_is_handed_off_before_it_is_fetched():
     """Trainer 0 updates row 7 at iterations 0 and 1; trainer 1 uses it at 2: trainer 0 writes it back (version 1)
     before trainer 1 fetches that version, and lets it go, since it does not use it at 2."""

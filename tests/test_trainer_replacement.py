@@ -93,7 +93,7 @@ def test_a_checkpoint_part_lost_with_trainer_0_is_abandoned_and_later_checkpoint
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference)
     assert "restarts" not in summary and summary["failures"][0]["role"] == "trainer 0"
     oracle_log = (tmp_path / "bagpipe" / "logs" / "oracle0.log").read_text()
-    assert ("checkpoint at iteration 40 abandoned: trainer 0 was lost before its part arrived" in oracle_log
+    assert ("checkpoint at iteration 40 abandoned: a trainer was lost before its part arrived" in oracle_log
             or "checkpoint at iteration 40 committed" in oracle_log)
     newest = valid_checkpoints(tmp_path / "bagpipe", newest_only=True)[0][1][-1]["iteration"]
     assert newest > 40

@@ -254,7 +254,8 @@ def _add_job_flags(p) -> None:
     g.add_argument("--cache-mode", default=None, choices=("replicated", "partitioned"), help="replicated: every "
                    "trainer caches every row the plan keeps, gradients summed over all trainers; partitioned: each "
                    "trainer caches only the rows its slices use, a row's gradient summed among its users only "
-                   "(lookahead policy; a lost trainer restarts the job from its newest checkpoint)" + _default("cache_mode"))
+                   "(lookahead policy; a lost trainer restarts the job from its newest checkpoint)"
+                   + _default("cache_mode"))
     g.add_argument("--keep-within", type=int, default=None, help="--cache-mode partitioned: a trainer keeps a row "
                    "another trainer updates, receiving the update, when its own next use is at most N iterations "
                    "away (0: it lets the row go and fetches it again)" + _default("keep_within"))

@@ -26,8 +26,8 @@ from bagpipe.storage.disk import record_bytes, storage_path
 log = logging.getLogger(__name__)
 
 # Settings that only the distributed job reads, and the one only the reference reads.
-JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cache_mode", "keep_within", "cleanup_fraction",
-                "prefetch_depth", "timeout", "master_port", "parity", "check_parity", "max_restarts", "storage",
+JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cache_mode", "keep_within",
+                "cleanup_fraction", "prefetch_depth", "timeout", "master_port", "parity", "check_parity", "max_restarts", "storage",
                 "storage_dir", "storage_budget_mb")
 REFERENCE_SETTINGS = ("slices",)
 # --mode single reads these of the job's settings

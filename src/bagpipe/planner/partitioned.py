@@ -25,8 +25,13 @@ before ``i`` every user holds it, and no other trainer does. The rules that keep
 
 Eviction for capacity (per trainer, never a row of its current slice, and a row it keeps now only when nothing else
 will do): rows another trainer will use before this one first, then rows not used within the lookahead, then the
-rows whose next use by this trainer is furthest away (``_evicted``). Versions are iterations, as in plan.py: a write-back before ``i`` carries
-the iteration of the row's last update, and a fetch asks for the version of the row's last update (-1: never).
+rows whose next use by this trainer is furthest away (``_evicted``). Versions are iterations, as in plan.py: a
+write-back before ``i`` carries the iteration of the row's last update, and a fetch asks for the version of the
+row's last update (-1: never). (The runtime labels a write-back with its boundary, ``i - 1``, instead: every update
+it holds is from before ``i``, and no later one is.)
+
+Owners (``shared_owners``) are planned for the record and the tests: the runtime has every holder sum the users'
+contributions in trainer order itself, so it needs none.
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ class TrainerStep:
     fetch_versions: np.ndarray  # the version each fetch must observe (-1: the initial row)
     fetch_slots: np.ndarray  # the slot each goes to
     fetch_late: np.ndarray  # bool per fetch: a row it joins as a keeper now and uses next, needed only at the next
-    # boundary (its update of this iteration is received there): the fetch can wait an iteration longer
+    # boundary (its update of this iteration is received there): the fetch can wait an iteration longer. Nothing
+    # writes such a row back at that next boundary (every trainer using it then joins or holds it), so the version
+    # the fetch asks for is on its server by the boundary the fetch is made at.
     batch_keys: np.ndarray  # its slice's distinct rows, sorted
     batch_slots: np.ndarray  # and their slots
     own_keys: np.ndarray  # rows of its slice no other trainer uses or keeps now: updated here, no exchange
@@ -173,6 +180,8 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 following = own[t].peek(i + 1)
                 if following is not None:
                     joining[t] = ~users[t] & ~held_by[t] & _in(batch, following)
+                    room = capacity - len(mine[t])  # (a join is optional: without it the row is fetched at i + 1)
+                    joining[t][np.flatnonzero(joining[t])[room:]] = False
                     keeping[t] |= joining[t]
         _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, holders, writes, write_slots)
         fetching = np.zeros(len(batch), dtype=bool)
@@ -181,15 +190,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         handoff = fetching & (latest[batch] > server[batch])
         if handoff.any():
             rows = batch[handoff]
-            turn = rows % np.maximum(holders[rows], 1)  # the writer: a holder, balanced by key
-            seen = np.zeros(len(rows), dtype=np.int64)
-            for t in range(trainers):
-                here = held_by[t][handoff]
-                write = here & (seen == turn)
-                if write.any():
-                    writes[t].append(rows[write])
-                    write_slots[t].append(caches[t].slot_of[rows[write]].astype(np.int64))
-                seen += here
+            _write(rows, [held[handoff] for held in held_by], caches, writes, write_slots)
             server[rows] = latest[rows]
         for t in range(trainers):
             stale = held_by[t] & ~users[t] & ~keeping[t]
@@ -208,15 +209,18 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 resident = cache.slot_of[keys]
                 in_slice = np.zeros(capacity, dtype=bool)
                 in_slice[resident[resident >= 0]] = True
-                overflow += int(config.cleanup_fraction * capacity)
                 kept = np.zeros(capacity, dtype=bool)  # rows it keeps now: let go only if nothing else will do
                 kept[cache.slot_of[batch[keeping[t] & held_by[t]]]] = True
-                candidates = np.flatnonzero((cache.slot_key >= 0) & ~in_slice & ~kept)
-                if len(candidates) < overflow:
-                    candidates = np.flatnonzero((cache.slot_key >= 0) & ~in_slice)
-                overflow = min(len(candidates), overflow)
-                chosen = np.sort(_evicted(cache.slot_key[candidates], cache.slot_next[candidates], next_any,
-                                          overflow, beyond=i + config.lookahead))
+                others = np.flatnonzero((cache.slot_key >= 0) & ~in_slice & ~kept)
+                chosen = _evicted(cache.slot_key[others], cache.slot_next[others], next_any,
+                                  min(len(others), overflow + int(config.cleanup_fraction * capacity)),
+                                  beyond=i + config.lookahead)
+                if len(chosen) < overflow:  # (never for the cleanup's sake)
+                    kept_slots = np.flatnonzero(kept)
+                    chosen = np.concatenate([chosen, _evicted(cache.slot_key[kept_slots], cache.slot_next[kept_slots],
+                                                              next_any, overflow - len(chosen),
+                                                              beyond=i + config.lookahead, others_first=False)])
+                chosen = np.sort(chosen)
                 slots = cache.let_go(chosen)
                 holders[chosen] -= 1
                 drops[t].append(chosen)
@@ -272,12 +276,8 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         ahead = [[] for _ in range(trainers)]
         if len(soon):
             rows, who = batch[soon], holders_of[soon]
-            turn = rows % _bit_counts(who)
-            seen = np.zeros(len(rows), dtype=np.int64)
-            for t in range(trainers):
-                here = ((who >> t) & 1).astype(bool)
-                ahead[t] = rows[here & (seen == turn)]
-                seen += here
+            ahead = [rows[write] for write in _writers(rows, [((who >> t) & 1).astype(bool)
+                                                              for t in range(trainers)])]
             server[rows] = i
         yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=lookups)
         i += 1
@@ -296,19 +296,24 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         steps.append(TrainerStep(write_keys=write_keys, write_versions=latest[write_keys],
                                  write_slots=np.concatenate([early_slots, slots[last]]),
                                  drop_keys=keys, drop_slots=slots, fetch_keys=empty, fetch_versions=empty,
-                                 fetch_slots=empty, fetch_late=np.zeros(0, dtype=bool), batch_keys=empty, batch_slots=empty, own_keys=empty,
+                                 fetch_slots=empty, fetch_late=np.zeros(0, dtype=bool), batch_keys=empty,
+                                 batch_slots=empty, own_keys=empty,
                                  shared_keys=empty, shared_owners=empty, shared_users=empty, shared_holders=empty,
                                  kept_keys=empty, kept_slots=empty, kept_users=empty, kept_holders=empty,
                                  resident_rows=0))
     yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=0)
 
 
-def _evicted(rows: np.ndarray, nxt: np.ndarray, next_any: np.ndarray, count: int, *, beyond: int) -> np.ndarray:
+def _evicted(rows: np.ndarray, nxt: np.ndarray, next_any: np.ndarray, count: int, *, beyond: int,
+             others_first: bool = True) -> np.ndarray:
     """``count`` of ``rows`` (a trainer's, each with its next use by the trainer, ``nxt``) to let go: rows another
-    trainer uses first, then rows not used within the window (next use at ``beyond`` or later), then the furthest
-    next uses. Each class is taken whole before the next (in slot order within the first two), so the costly
-    partial sort runs only over the rows in the window, and only when the first two classes do not suffice."""
-    given_up = next_any[rows] < nxt
+    trainer uses first (unless not ``others_first``: kept rows, which others use now), then rows not used within
+    the window (next use at ``beyond`` or later), then the furthest next uses. Each class is taken whole before the
+    next (in slot order within the first two), so the costly partial sort runs only over the rows in the window,
+    and only when the first two classes do not suffice."""
+    if count <= 0:
+        return rows[:0]
+    given_up = next_any[rows] < nxt if others_first else np.zeros(len(rows), dtype=bool)
     first = np.flatnonzero(given_up)
     if len(first) >= count:
         return rows[first[:count]]
@@ -340,16 +345,30 @@ def _hand_off_before(n: int, everyone: _Stream, own: list[_Stream], batch: np.nd
     rows = rows[lacking]
     if not len(rows):
         return
-    turn = rows % holders[rows]  # (a dirty row is held)
+    _write(rows, [cache.slot_of[rows] >= 0 for cache in caches], caches, writes, write_slots)  # (a dirty row is held)
+    server[rows] = latest[rows]
+
+
+def _writers(rows: np.ndarray, holding: list[np.ndarray]) -> list[np.ndarray]:
+    """The one trainer that writes back each of ``rows`` (``holding[t]``: whether trainer t holds each): of its
+    holders in trainer order, the (key mod their number)-th, so that write-backs are balanced among the trainers.
+    Per trainer, which of the rows it writes."""
+    turn = rows % np.maximum(np.sum(holding, axis=0), 1)
     seen = np.zeros(len(rows), dtype=np.int64)
-    for t, cache in enumerate(caches):
-        here = cache.slot_of[rows] >= 0
-        write = here & (seen == turn)
+    chosen = []
+    for here in holding:
+        chosen.append(here & (seen == turn))
+        seen += here
+    return chosen
+
+
+def _write(rows: np.ndarray, holding: list[np.ndarray], caches: list[_Cache], writes: list[list],
+           write_slots: list[list]) -> None:
+    """``_writers``' write-backs of ``rows`` added to each trainer's, read from its slots."""
+    for t, write in enumerate(_writers(rows, holding)):
         if write.any():
             writes[t].append(rows[write])
-            write_slots[t].append(cache.slot_of[rows[write]].astype(np.int64))
-        seen += here
-    server[rows] = latest[rows]
+            write_slots[t].append(caches[t].slot_of[rows[write]].astype(np.int64))
 
 
 def _ahead(ahead: list, caches: list[_Cache]) -> tuple[list[list], list[list]]:
@@ -357,17 +376,6 @@ def _ahead(ahead: list, caches: list[_Cache]) -> tuple[list[list], list[list]]:
     writes = [[keys] if len(keys) else [] for keys in ahead]
     slots = [[cache.slot_of[keys].astype(np.int64)] if len(keys) else [] for keys, cache in zip(ahead, caches)]
     return writes, slots
-
-
-def _bit_counts(masks: np.ndarray) -> np.ndarray:
-    """The bits set in each of ``masks`` (non-negative int64)."""
-    if hasattr(np, "bitwise_count"):  # numpy 2
-        return np.bitwise_count(masks).astype(np.int64)
-    count, masks = np.zeros(len(masks), dtype=np.int64), masks.copy()
-    while masks.any():
-        count += masks & 1
-        masks >>= 1
-    return count
 
 
 def _owners(shared: np.ndarray, uses: np.ndarray) -> np.ndarray:

@@ -5,8 +5,8 @@ rows written back before b (each server keeps them copy-on-write while later wri
 ``RowStore.begin_snapshot``), overridden by the rows trainer 0 holds in its cache at b (all
 trainers hold the same), with every update of the iterations before b applied; and trainer 0's
 dense weights and optimizer state. With the partitioned cache every trainer holds rows of its own, and
-every trainer sends its cached rows (a row several trainers hold is current, so equal, in each). The oracle starts the servers' snapshots while planning b,
-before it hands any trainer the plan of b, so no write-back of b or later can reach a server
+every trainer sends its cached rows (a row several trainers hold is current, so equal, in each). The oracle
+starts the servers' snapshots while planning b, before it hands any trainer the plan of b, so no write-back of b or later can reach a server
 first; it tells each server how many rows the plan writes back before b, which that server waits
 for. Training goes on while the parts are written; the oracle commits them (``CheckpointWriter``).
 With ``--eval-every N`` a checkpoint is taken at every multiple of N as well, and handed, once committed,
@@ -65,7 +65,8 @@ class JobCheckpoints:
         self._cache_parts: dict[int, dict[int, tuple]] = {}
         # the trainers that send a part: trainer 0 (its cache is every trainer's), or all (partitioned)
         self.senders = set(range(world.num_trainers)) if config.cache_mode == "partitioned" else {0}
-        self._cache_lost_before = -1  # trainer 0's parts of the boundaries before this that have not come are lost
+        # (a replaced trainer 0) its parts of the boundaries before this that have not come are lost
+        self._cache_lost_before = -1
         self._arrived = threading.Condition()
         self._job: Background | None = None  # the checkpoint being committed
         self.written: list[int] = []
@@ -249,7 +250,7 @@ class JobCheckpoints:
             if not arrived():
                 self._abandoned.add(boundary)
         if boundary in self._abandoned:  # a later checkpoint will do
-            self._abandon(boundary, "trainer 0 was lost before its part arrived")
+            self._abandon(boundary, "a trainer was lost before its part arrived")
             return
         with self._arrived:
             received = self._cache_parts.pop(boundary)

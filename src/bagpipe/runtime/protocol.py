@@ -140,7 +140,7 @@ class StepMessage:
     target: torch.Tensor | None
     spaces: list  # SpaceStep per space (replicated cache), or PartSpaceStep (partitioned)
     lookups: int = 0  # ids in the global batch, repeats included
-    checkpoint: bool = False  # a checkpoint is taken at this boundary: trainer 0 sends its part
+    checkpoint: bool = False  # a checkpoint is taken at this boundary: trainer 0 (partitioned: each) sends its part
 
     def nbytes(self) -> int:
         tensors = [t for t in (self.dense_x, self.ids, self.target) if t is not None]

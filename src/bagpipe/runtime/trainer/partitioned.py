@@ -1,8 +1,9 @@
 """A trainer's side of the partitioned cache (planner/partitioned.py): its own part of every plan step carried out
-on its caches, and each iteration's row gradients summed among each row's users only.
+on its caches, and each iteration's row gradients summed among each row's users only, and applied by its holders.
 
-At a boundary the trainer first applies the previous iteration's shared rows' updates (their sums ran in the
-background meanwhile), then sends its write-backs (hand-offs to a trainer about to fetch the row, and dirty rows it
+At a boundary the trainer first installs the last boundary's late fetches (rows it joined as a keeper), applies the
+previous iteration's shared rows' updates (their exchange was started after the backward, just before the dense
+sum in the group's order of collectives, and is waited for only now), then sends its write-backs (hand-offs to a trainer about to fetch the row, and dirty rows it
 is the last to hold), lets its rows go, and only then waits for its own fetches: a fetch may wait, at its server,
 for another trainer's write-back of this boundary, and every trainer sends its write-backs before it waits, so none
 waits for one that is not sent. Every write-back carries the boundary's version (``iteration - 1``): the row's last
