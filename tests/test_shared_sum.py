@@ -80,3 +80,35 @@ def test_a_trainer_given_a_row_it_does_not_use_is_refused():
         SharedSum(One(), torch.zeros(1, 3), np.array([0b101]), trainers=2, timeout=1.0)
     with pytest.raises(ValueError, match="has a user that does not hold it"):
         SharedSum(One(), torch.zeros(1, 3), np.array([0b11]), np.array([0b01]), trainers=2, timeout=1.0)
+
+
+@pytest.mark.parametrize("trainers", [2, 3])
+def test_an_iteration_with_no_shared_rows_still_takes_its_turn_beside_the_dense_mean(trainers):
+    """Every trainer starts a SharedSum every iteration, some with no rows at all (the all-to-all needs every rank),
+    then the dense Mean: the group's collectives stay in step, and a later exchange with rows sums correctly."""
+    from bagpipe.runtime.reduce import Mean
+
+    store, results, errors = dist.HashStore(), {}, []
+
+    def trainer(rank: int) -> None:
+        try:
+            group = gloo_group(store, "empty", rank, trainers, timeout=20.0, loopback=True)
+            empty = SharedSum(group, torch.zeros(0, 4), np.zeros(0, dtype=np.int64), trainers=trainers, timeout=20.0)
+            dense = Mean(group, torch.full((3,), float(rank + 1)), timeout=20.0)
+            shared = np.array([(1 << trainers) - 1], dtype=np.int64)  # one row every trainer uses
+            row = SharedSum(group, torch.full((1, 4), float(rank)), shared, trainers=trainers, timeout=20.0)
+            results[rank] = (empty.wait(), dense.wait(), row.wait())
+        except BaseException as err:  # noqa: BLE001 - the test's thread: reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=trainer, args=(rank,)) for rank in range(trainers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    for rank in range(trainers):
+        empty, dense, row = results[rank]
+        assert empty.shape == (0, 4)
+        assert torch.equal(dense, torch.full((3,), sum(range(1, trainers + 1)) / trainers))
+        assert torch.equal(row, torch.full((1, 4), sum(range(trainers)) / trainers))
