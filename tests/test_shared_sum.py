@@ -15,6 +15,27 @@ from bagpipe.runtime.reduce import SharedSum
 from bagpipe.runtime.transport import gloo_group
 
 
+def on_trainers(trainers: int, body) -> dict:
+    """``body(rank, group)`` on a thread per trainer, in a gloo group of them all; each one's result by rank (any
+    thread's error raised)."""
+    store, results, errors = dist.HashStore(), {}, []
+
+    def trainer(rank: int) -> None:
+        try:
+            results[rank] = body(rank, gloo_group(store, "sums", rank, trainers, timeout=20.0, loopback=True))
+        except BaseException as err:  # noqa: BLE001 - the test's thread: reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=trainer, args=(rank,)) for rank in range(trainers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert len(results) == trainers, "a trainer's thread did not finish"
+    return results
+
+
 def in_trainer_order(contributions: dict[int, torch.Tensor], trainers: int, *, reverse: bool = False) -> torch.Tensor:
     order = sorted(contributions, reverse=reverse)
     total = contributions[order[0]].clone()
@@ -35,26 +56,15 @@ def test_each_shared_row_is_summed_among_its_users_in_trainer_order_on_every_hol
     # a keeper's operand is noise: only the users' contributions may reach the sum
     grads = {(t, r): torch.from_numpy((rng.standard_normal(dim) * 10.0 ** rng.integers(-3, 4)).astype(np.float32))
              for r in range(rows) for t in holders[r]}
-    store, results, errors = dist.HashStore(), {}, []
+    def trainer(rank: int, group) -> dict:
+        mine = [r for r in range(rows) if rank in holders[r]]  # (row numbers stand for sorted keys)
+        mask = np.array([sum(1 << u for u in users[r]) for r in mine], dtype=np.int64)
+        held = np.array([sum(1 << u for u in holders[r]) for r in mine], dtype=np.int64)
+        operand = torch.stack([grads[(rank, r)] for r in mine])
+        total = SharedSum(group, operand, mask, held if keepers else None, trainers=trainers, timeout=20.0).wait()
+        return dict(zip(mine, total))
 
-    def trainer(rank: int) -> None:
-        try:
-            group = gloo_group(store, "shared", rank, trainers, timeout=20.0, loopback=True)
-            mine = [r for r in range(rows) if rank in holders[r]]  # (row numbers stand for sorted keys)
-            mask = np.array([sum(1 << u for u in users[r]) for r in mine], dtype=np.int64)
-            held = np.array([sum(1 << u for u in holders[r]) for r in mine], dtype=np.int64)
-            operand = torch.stack([grads[(rank, r)] for r in mine])
-            total = SharedSum(group, operand, mask, held if keepers else None, trainers=trainers, timeout=20.0).wait()
-            results[rank] = dict(zip(mine, total))
-        except BaseException as err:  # noqa: BLE001 - the test's thread: reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=trainer, args=(rank,)) for rank in range(trainers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors, errors
+    results = on_trainers(trainers, trainer)
     differs = 0
     for r in range(rows):
         want = in_trainer_order({t: grads[(t, r)] for t in users[r]}, trainers)
@@ -88,25 +98,14 @@ def test_an_iteration_with_no_shared_rows_still_takes_its_turn_beside_the_dense_
     then the dense Mean: the group's collectives stay in step, and a later exchange with rows sums correctly."""
     from bagpipe.runtime.reduce import Mean
 
-    store, results, errors = dist.HashStore(), {}, []
+    def trainer(rank: int, group) -> tuple:
+        empty = SharedSum(group, torch.zeros(0, 4), np.zeros(0, dtype=np.int64), trainers=trainers, timeout=20.0)
+        dense = Mean(group, torch.full((3,), float(rank + 1)), timeout=20.0)
+        shared = np.array([(1 << trainers) - 1], dtype=np.int64)  # one row every trainer uses
+        row = SharedSum(group, torch.full((1, 4), float(rank)), shared, trainers=trainers, timeout=20.0)
+        return empty.wait(), dense.wait(), row.wait()
 
-    def trainer(rank: int) -> None:
-        try:
-            group = gloo_group(store, "empty", rank, trainers, timeout=20.0, loopback=True)
-            empty = SharedSum(group, torch.zeros(0, 4), np.zeros(0, dtype=np.int64), trainers=trainers, timeout=20.0)
-            dense = Mean(group, torch.full((3,), float(rank + 1)), timeout=20.0)
-            shared = np.array([(1 << trainers) - 1], dtype=np.int64)  # one row every trainer uses
-            row = SharedSum(group, torch.full((1, 4), float(rank)), shared, trainers=trainers, timeout=20.0)
-            results[rank] = (empty.wait(), dense.wait(), row.wait())
-        except BaseException as err:  # noqa: BLE001 - the test's thread: reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=trainer, args=(rank,)) for rank in range(trainers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors, errors
+    results = on_trainers(trainers, trainer)
     for rank in range(trainers):
         empty, dense, row = results[rank]
         assert empty.shape == (0, 4)
