@@ -85,6 +85,11 @@ class SpaceStep:
     num_now: int  # batch rows used again next iteration, so synced right away (the first ones)
     positions: torch.Tensor | None  # per place of this trainer's slice's key matrix: its index in batch_keys
 
+    @property
+    def due_fetches(self) -> int:
+        """Fetches of rows of this iteration's batch (every one)."""
+        return len(self.fetch_keys)
+
     def view(self) -> BatchView:
         """The slice's rows as the cache serves them."""
         return BatchView(self.batch_keys.numpy(), self.batch_slots.numpy(), self.num_now, self.positions)
@@ -118,6 +123,11 @@ class PartSpaceStep:
     kept_users: torch.Tensor
     kept_holders: torch.Tensor
     positions: torch.Tensor | None  # per place of the slice's key matrix: its index in batch_keys
+
+    @property
+    def due_fetches(self) -> int:
+        """Fetches of rows of this iteration's slice (the late ones are rows it uses next)."""
+        return len(self.fetch_keys) - int(self.fetch_late.sum())
 
     def view(self) -> BatchView:
         """The slice's rows as the cache serves them (no row is synced apart: ``num_now`` 0)."""

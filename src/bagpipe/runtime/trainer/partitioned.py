@@ -3,10 +3,10 @@ on its caches, and each iteration's row gradients summed among each row's users 
 
 At a boundary the trainer first installs the last boundary's late fetches (rows it joined as a keeper), applies the
 previous iteration's shared rows' updates (their exchange was started after the backward, just before the dense
-sum in the group's order of collectives, and is waited for only now), then sends its write-backs (hand-offs to a trainer about to fetch the row, and dirty rows it
-is the last to hold), lets its rows go, and only then waits for its own fetches: a fetch may wait, at its server,
-for another trainer's write-back of this boundary, and every trainer sends its write-backs before it waits, so none
-waits for one that is not sent. Every write-back carries the boundary's version (``iteration - 1``): the row's last
+sum in the group's order of collectives, and is waited for only now), then sends its write-backs (hand-offs to a
+trainer about to fetch the row, and dirty rows it is the last to hold), lets its rows go, and only then waits for
+its own fetches: a fetch may wait, at its server, for another trainer's write-back of this boundary, and every
+trainer sends its write-backs before it waits, so none waits for one that is not sent. Every write-back carries the boundary's version (``iteration - 1``): the row's last
 update was at an iteration before it, and any later one at this boundary or after.
 
 After the backward, a row this trainer alone holds (``holders`` is this trainer's bit only) is updated at once with
@@ -73,8 +73,8 @@ class SharedRows:
                 self.pending.append((space, slots[at], summed))
             own = np.flatnonzero(holders == alone)
             if len(own):
-                index = torch.from_numpy(own)
-                self.caches[space].apply(step.batch_slots.numpy()[own], grads.index_select(0, index).div_(self.trainers))
+                self.caches[space].apply(step.batch_slots.numpy()[own],
+                                         grads.index_select(0, torch.from_numpy(own)).div_(self.trainers))
         if extra is None:
             return None
         return self.grads.finish(self.grads.start(extra, what=("main", message.iteration, None)))

@@ -272,7 +272,7 @@ class TrainerRuntime:
         if not message.final:
             for step in message.spaces:
                 self.stats.batch_rows += len(step.batch_keys)
-                self.stats.batch_hits += len(step.batch_keys) - len(step.fetch_keys)
+                self.stats.batch_hits += len(step.batch_keys) - step.due_fetches
         self.written.boundary(message.iteration - 1)  # every write-back of this boundary is counted by now
         self.recent.append(message)
         self.step = message
@@ -301,8 +301,9 @@ class TrainerRuntime:
         self._install_fetched(space, iteration, step, requests)
 
     def _part_boundary(self, message: StepMessage, fetches: list) -> None:
-        """This trainer's part of a partitioned plan's boundary (trainer/partitioned.py): the last iteration's
-        shared rows' updates, then every space's write-backs and rows let go, then every space's fetches."""
+        """This trainer's part of a partitioned plan's boundary (trainer/partitioned.py): the last boundary's late
+        fetches, the last iteration's shared rows' updates, then every space's write-backs and rows let go, then
+        every space's fetches due now (the late ones are kept for the next boundary)."""
         for space, iteration, step, requests in self._late:  # the last boundary's fetches due now
             self._install_fetched(space, iteration, step, requests)
         self._late = []
