@@ -264,6 +264,13 @@ def test_a_cache_that_holds_every_row_gets_a_warning(small_binary):
     assert cache_warnings(job_config(small_binary, "r", cache_rows=total), dataset)[0].startswith(
         f"--cache-rows {total} holds all {total} rows")
     assert cache_warnings(job_config(small_binary, "r", cache_rows=total - 1), dataset) == []
+    # the partitioned cache without checkpoints: a lost trainer ends the job, and the user is told so at start
+    partitioned = job_config(small_binary, "r", cache_mode="partitioned")
+    assert cache_warnings(partitioned, dataset) == [
+        "--cache-mode partitioned does not replace a lost trainer (the rows only it held are lost with it): without "
+        "checkpoints and --max-restarts such a loss ends the job; --checkpoint-every N lets it restart from the "
+        "newest checkpoint"]
+    assert cache_warnings(dataclasses.replace(partitioned, checkpoint_every=10), dataset) == []
 
 
 def test_a_hand_started_oracle_refuses_a_cache_smaller_than_a_batch(small_binary, tmp_path):

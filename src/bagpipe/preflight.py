@@ -232,7 +232,13 @@ def _hint(name: str, mode: str) -> str:
 
 def cache_warnings(config: TrainConfig, dataset: BinaryDataset) -> list[str]:
     total = job_layout(config, dataset).num_rows
+    warnings = []
     if config.mode in ("bagpipe", "single") and config.cache_rows >= total:
-        return [f"--cache-rows {config.cache_rows} holds all {total} rows: every row stays cached after its "
-                f"first fetch, so the plan saves nothing over keeping the tables on the trainers"]
-    return []
+        warnings.append(f"--cache-rows {config.cache_rows} holds all {total} rows: every row stays cached after its "
+                        f"first fetch, so the plan saves nothing over keeping the tables on the trainers")
+    if config.mode == "bagpipe" and config.cache_mode == "partitioned" and config.trainers > 1 and (
+            not config.checkpoints or not config.max_restarts):
+        warnings.append("--cache-mode partitioned does not replace a lost trainer (the rows only it held are lost "
+                        "with it): without checkpoints and --max-restarts such a loss ends the job; "
+                        "--checkpoint-every N lets it restart from the newest checkpoint")
+    return warnings
