@@ -86,7 +86,7 @@ def test_a_collection_on_disk_equals_one_in_memory(tmp_path):
 
 
 def test_the_file_is_the_modules_and_goes_with_it(tmp_path):
-    cached = CachedEmbeddingBag(1000, 8, cache_rows=10, storage=StorageSpec("disk", tmp_path / "tables", 1 << 16))
+    cached = CachedEmbeddingBag(1000, 8, cache_rows=10, optimizer="sgd", storage=StorageSpec("disk", tmp_path / "tables", 1 << 16))
     path = cached.rows.host.path
     assert path.exists() and path.parent == tmp_path / "tables"
     assert cached.weight.shape == (1000, 8) and float(cached.weight.std()) == pytest.approx(1.0, abs=0.05)
@@ -94,7 +94,7 @@ def test_the_file_is_the_modules_and_goes_with_it(tmp_path):
     gc.collect()
     assert not path.exists()
     with pytest.raises(ValueError, match="storage must be one of memory, disk"):
-        CachedEmbeddingBag(10, 2, cache_rows=4, storage="ssd")
+        CachedEmbeddingBag(10, 2, cache_rows=4, optimizer="sgd", storage="ssd")
 
 
 def test_a_memory_table_and_a_disk_table_answer_alike(tmp_path):

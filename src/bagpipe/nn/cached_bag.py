@@ -13,7 +13,9 @@ TorchRec's fused optimizers work): the table takes no part in the caller's own o
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
+from typing import ContextManager
 
 import numpy as np
 import torch
@@ -21,38 +23,68 @@ import torch.nn.functional as F
 from torch import nn
 
 from bagpipe.nn.host import host_table, initial_blocks, storage_spec
-from bagpipe.nn.rows import CachedRows
+from bagpipe.nn.rows import CachedRows, accumulating
 from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.optim import RowOptimizer, make_row_optimizer
 from bagpipe.storage import StorageSpec
 
 MODES = ("sum", "mean")  # "max" has no sparse gradient, so no row-wise step to fuse
+STATE_KEY = "optimizer_state"  # the rows' optimizer state in state_dict(), beside "weight"
 
 
 class CachedEmbeddingBag(nn.Module):
-    """A drop-in ``nn.EmbeddingBag`` (``forward(input, offsets=None, per_sample_weights=None)``, the same
-    results) whose ``num_embeddings x embedding_dim`` table lives in host memory behind a cache of
-    ``cache_rows`` rows on the module's device.
+    """``nn.EmbeddingBag``'s interface (``forward(input, offsets=None, per_sample_weights=None)``, the same
+    results) over a ``num_embeddings x embedding_dim`` table in host memory behind a cache of ``cache_rows`` rows
+    on the module's device, whose rows are trained inside ``backward()``.
 
-    ``optimizer`` ("sgd", "adagrad", "adam") with ``lr``, ``eps`` and ``betas`` defaulted as ``torch.optim``
-    defaults them updates the rows of each lookup during its backward. ``policy`` ("lru" or "lfu") picks
-    the rows to evict when a batch's rows do not fit beside the resident ones, ``cleanup_fraction`` of the
-    cache at least (choosing them is a pass over the cache: paid once every many batches). A batch with more distinct
-    rows than the cache is refused with a ValueError naming both counts.
+    **The optimizer step happens in backward()**: each backward that reaches a lookup steps its rows, with
+    ``optimizer`` ("sgd", "adagrad", "adam"; ``lr``, ``eps`` and ``betas`` defaulted as ``torch.optim`` defaults
+    them). So gradient accumulation over micro-batches takes one step per backward unless it runs inside
+    ``with bag.accumulate():`` (one step on the summed gradient, at the block's end); ``eval()`` does not stop
+    the updates (a backward in eval mode steps the rows, as a plain loop's ``optimizer.step()`` would); lookups
+    under ``torch.no_grad()`` record nothing, so no backward steps them; ``bag.requires_grad_(False)`` freezes
+    the table (as ``weight.requires_grad_(False)`` freezes ``nn.EmbeddingBag``'s; a parent module's
+    ``requires_grad_`` does not reach it, for the table is no parameter). Without ``optimizer`` the rows train
+    with SGD at lr 1e-3 and a UserWarning says so.
+
+    ``policy`` ("lru" or "lfu") picks the rows to evict when a batch's rows do not fit beside the resident ones,
+    ``cleanup_fraction`` of the cache at least (choosing them is a pass over the cache: paid once every many
+    batches). A batch with more distinct rows than the cache is refused with a ValueError naming both counts.
 
     ``storage``: where the full table and its optimizer state live: "memory" (host tensors; ``_weight`` is
     shared, as ``nn.EmbeddingBag`` shares it), "disk" (a file in the system's temporary directory behind 64 MiB
     of DRAM) or a ``bagpipe.storage.StorageSpec("disk", directory, budget_bytes)``. On disk the initial rows
     are drawn block by block (N(0, 1) as in memory, not the same values in the last block), ``weight`` and
     ``state_dict()`` read the whole table into memory, and the file is deleted with the module.
+
+    What differs from ``nn.EmbeddingBag``, and why:
+
+    - the table is no parameter (``parameters()`` is empty): it never fits on the device, and the row
+      optimizer runs in backward (above). ``weight`` is a property: the full table, read-only in effect;
+    - ``state_dict()`` holds ``weight`` and, for Adagrad and Adam, ``optimizer_state`` (``[num_embeddings, S]``:
+      Adagrad's sums of squares; Adam's two moments and each row's step count), so that a reloaded module
+      trains on as the saved one would have, bit for bit. ``nn.EmbeddingBag`` loads it with ``strict=False``
+      (or from ``{"weight": ...}``). A state dict with ``weight`` alone (an ``nn.EmbeddingBag``'s) loads with
+      ``strict=True`` and resets the optimizer state to zeros: a fresh optimizer on those weights;
+    - float32 only (host tables, optimizer state and cache all are): ``dtype`` other than float32, ``.double()``,
+      ``.half()`` and ``.to(dtype)`` are a ValueError; cast the output instead;
+    - mode "max" (no sparse gradient to step rows by), ``sparse=False`` (no dense gradient: the rows step
+      from their sparse one, as ``nn.EmbeddingBag(sparse=True)`` + ``bagpipe.optim.RowWise``),
+      ``scale_grad_by_freq=True`` (PyTorch has no sparse gradient for it), ``padding_idx`` and ``max_norm``
+      (not implemented for cached rows) are refused with a ValueError; ``norm_type`` is accepted and, without
+      ``max_norm``, unused, as there.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, cache_rows: int, mode: str = "mean",
-                 include_last_offset: bool = False, optimizer: str = "sgd", lr: float | None = None,
+                 include_last_offset: bool = False, optimizer: str | None = None, lr: float | None = None,
                  eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999), policy: str = "lru",
                  cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
-                 storage: str | StorageSpec = "memory", device: torch.device | str | None = None) -> None:
+                 storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
+                 sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        refuse_unsupported(sparse=sparse, scale_grad_by_freq=scale_grad_by_freq, padding_idx=padding_idx,
+                           max_norm=max_norm, dtype=dtype)
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"num_embeddings and embedding_dim must be positive, got {num_embeddings} x "
                              f"{embedding_dim}")
@@ -60,6 +92,7 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.num_embeddings, self.embedding_dim, self.mode = num_embeddings, embedding_dim, mode
         self.include_last_offset = include_last_offset
+        self.requires_grad = True  # False: frozen (requires_grad_), lookups record no gradient
         optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
         storage = storage_spec(storage)
         if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
@@ -85,7 +118,7 @@ class CachedEmbeddingBag(nn.Module):
         slots = self.rows.make_resident(keys)
         device = self.rows.cache_weight.device
         rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.requires_grad:
             rows.requires_grad_(True)
             rows.register_hook(functools.partial(self.rows.fused_step, keys))
         positions = torch.from_numpy(positions.reshape(input.shape)).to(device)
@@ -101,22 +134,47 @@ class CachedEmbeddingBag(nn.Module):
         return self.rows.host.rows(0, self.num_embeddings)[0]
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        destination[prefix + "weight"] = self.weight
+        self.rows.flush()
+        weights, state = self.rows.host.rows(0, self.num_embeddings)
+        destination[prefix + "weight"] = weights
+        if state.shape[1]:  # SGD keeps none: the state dict is then nn.EmbeddingBag's
+            destination[prefix + STATE_KEY] = state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        key = prefix + "weight"
-        if key not in state_dict:
-            missing_keys.append(key)
-        elif tuple(state_dict[key].shape) != (self.num_embeddings, self.embedding_dim):
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(state_dict[key].shape)}, "
-                              f"the shape in current model is {(self.num_embeddings, self.embedding_dim)}")
-        else:  # the weights replaced, cached or not; the rows' optimizer state kept
-            self.rows.flush()
-            self.rows.host.set_rows(0, state_dict[key].detach())
-            self.rows.reload()
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key
+        weight_key, state_key = prefix + "weight", prefix + STATE_KEY
+        shapes = {weight_key: (self.num_embeddings, self.embedding_dim)}
+        if self.rows.host.state_width:
+            shapes[state_key] = (self.num_embeddings, self.rows.host.state_width)
+        if weight_key not in state_dict:
+            missing_keys.append(weight_key)  # the optimizer state may be missing: it then starts afresh
+        given = {key: state_dict[key] for key in shapes if key in state_dict}
+        mismatched = [key for key, value in given.items() if tuple(value.shape) != shapes[key]]
+        for key in mismatched:
+            why = f" (the {self.rows.optimizer.name} optimizer's state)" if key == state_key else ""
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(given[key].shape)}, the "
+                              f"shape in current model is {shapes[key]}{why}")
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in shapes
                                and k[len(prefix):].split(".")[0] not in self._modules)
+        if not given or mismatched:
+            return
+        weights = given[weight_key] if weight_key in given else self.weight.clone()
+        self.rows.flush()
+        self.rows.host.load(weights, given.get(state_key))  # no state given: zeros, a fresh optimizer's
+        self.rows.reload()
+
+    def requires_grad_(self, requires_grad: bool = True) -> "CachedEmbeddingBag":
+        """Freeze (False) or unfreeze the table, as ``weight.requires_grad_`` does ``nn.EmbeddingBag``'s: the
+        lookups of a frozen table record no gradient, so no backward steps its rows."""
+        self.requires_grad = requires_grad
+        return super().requires_grad_(requires_grad)
+
+    def accumulate(self) -> ContextManager[None]:
+        """``with bag.accumulate(): ...``: the backward passes inside hold their row gradients, and the rows take
+        one step on their sum when the block ends (what one ``optimizer.step()`` after accumulating
+        ``nn.EmbeddingBag(sparse=True)``'s gradients does); nothing is stepped if the block raises. Blocks do not
+        nest."""
+        return accumulating([self.rows])
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, cache_rows={self.rows.index.capacity}, "
@@ -137,11 +195,40 @@ class CachedEmbeddingBag(nn.Module):
         return [np.asarray(ids.detach().cpu().numpy(), dtype=np.int64).reshape(-1)]
 
 
-def row_optimizer(name: str, *, lr: float | None, eps: float | None, betas: tuple[float, float]) -> RowOptimizer:
-    """The fused optimizer, its hyper-parameters defaulted as torch.optim's SGD, Adagrad and Adam default them."""
+def row_optimizer(name: str | None, *, lr: float | None, eps: float | None,
+                  betas: tuple[float, float]) -> RowOptimizer:
+    """The fused optimizer, its hyper-parameters defaulted as torch.optim's SGD, Adagrad and Adam default them;
+    no ``name``: SGD, with a UserWarning naming it (pointing at the module's constructor call)."""
     defaults = {"sgd": 1e-3, "adagrad": 1e-2, "adam": 1e-3}
+    if name is None:
+        name = "sgd"
+        warnings.warn(f"no optimizer given: the table's rows are trained with optimizer='sgd', "
+                      f"lr={defaults['sgd'] if lr is None else lr} inside backward(); pass optimizer= "
+                      f"({', '.join(map(repr, defaults))}) and lr= to choose", UserWarning, stacklevel=3)
     if name not in defaults:
         raise ValueError(f"optimizer must be one of {', '.join(defaults)}, got {name!r}")
     optimizer = make_row_optimizer(name, lr=defaults[name] if lr is None else lr)
     return RowOptimizer(name=name, lr=optimizer.lr, eps=optimizer.eps if eps is None else eps,
                         beta1=betas[0], beta2=betas[1])
+
+
+def refuse_unsupported(*, sparse: bool, scale_grad_by_freq: bool, padding_idx: int | None, max_norm: float | None,
+                       dtype: torch.dtype | None) -> None:
+    """``nn.EmbeddingBag``'s arguments taken only at the values this module implements: a ValueError saying why
+    for the others."""
+    if not sparse:
+        raise ValueError("sparse=False is not supported: the table is no parameter and has no dense gradient; its "
+                         "looked-up rows are stepped in backward() from their sparse gradient, as "
+                         "nn.EmbeddingBag(sparse=True) + bagpipe.optim.RowWise would (pass sparse=True or leave it)")
+    if scale_grad_by_freq:
+        raise ValueError("scale_grad_by_freq=True is not supported: PyTorch has no sparse gradient for it, and the "
+                         "rows are stepped from their sparse gradient")
+    if padding_idx is not None:
+        raise ValueError("padding_idx is not supported: leave the padding ids out of input (and offsets), or give "
+                         "them per_sample_weights of 0 with mode='sum'")
+    if max_norm is not None:
+        raise ValueError("max_norm is not supported: renormalising the looked-up rows is not implemented for "
+                         "cached rows")
+    if dtype not in (None, torch.float32):
+        raise ValueError(f"dtype={dtype} is not supported: the table, its optimizer state and the cache are float32; "
+                         f"cast the output instead (e.g. bag(ids, offsets).to({dtype}))")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from bagpipe.nn.cached_bag import MODES, row_optimizer
 from bagpipe.nn.host import host_table, initial_blocks, storage_spec
-from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
+from bagpipe.nn.rows import CachedRows, accumulating, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.storage import StorageSpec
 
@@ -34,11 +34,13 @@ class CachedEmbeddingBagCollection(nn.Module):
     ``nn.EmbeddingBag``). ``state_dict()`` holds ``embedding_bags.{t}.weight``, the full tables, as an
     ``nn.ModuleList`` of ``nn.EmbeddingBag`` named ``embedding_bags`` holds them. ``storage``: where the full
     tables live, as for ``CachedEmbeddingBag`` (one file per width on disk, the DRAM budget split among the
-    widths in proportion to their rows).
+    widths in proportion to their rows). As there, the rows are stepped inside ``backward()`` (``accumulate()``
+    holds the steps for one on the summed gradient), and without ``optimizer`` with SGD at lr 1e-3 and a
+    UserWarning; the optimizer state is not in ``state_dict()``.
     """
 
     def __init__(self, tables: Sequence[tuple[int, int]], *, cache_rows: int | Sequence[int], mode: str = "sum",
-                 optimizer: str = "sgd", lr: float | None = None, eps: float | None = None,
+                 optimizer: str | None = None, lr: float | None = None, eps: float | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), policy: str = "lru",
                  cleanup_fraction: float = CLEANUP_FRACTION, weights: Sequence[torch.Tensor] | None = None,
                  storage: str | StorageSpec = "memory", device: torch.device | str | None = None) -> None:
@@ -97,7 +99,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                 leaf = rows.cache_weight.index_select(0, torch.from_numpy(table_slots).to(device))
                 if torch.is_grad_enabled():
                     leaf.requires_grad_(True)
-                    leaf.register_hook(functools.partial(rows.fused_step, table_keys))
+                    leaf.register_hook(functools.partial(rows.fused_step, table_keys,
+                                                         table=(self.offset_of[t], self.tables[t][0])))
                 outputs[t] = F.embedding_bag(torch.from_numpy(positions).to(device), leaf, bags[t][1].to(device),
                                              mode=self.mode, sparse=True, per_sample_weights=weights[t])
         return outputs
@@ -132,6 +135,10 @@ class CachedEmbeddingBagCollection(nn.Module):
             rows.reload()
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in names
                                and not k[len(prefix):].startswith("spaces."))
+
+    def accumulate(self) -> ContextManager[None]:
+        """As ``CachedEmbeddingBag.accumulate``: one step on the summed gradients of the backward passes inside."""
+        return accumulating(list(self.spaces))
 
     def warm_up(self, sample: Sequence[torch.Tensor], *, fraction: float = 0.7) -> int:
         """Preload the rows ``sample`` (one id tensor per table, from some of the data) names most often, up to

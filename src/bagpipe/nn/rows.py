@@ -7,6 +7,11 @@ The building block of bagpipe.nn's modules: they look rows up in the cache; this
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import operator
+from typing import Callable, Iterator
+
 import numpy as np
 import torch
 from torch import nn
@@ -23,7 +28,7 @@ class CachedRows(nn.Module):
     of its rows in buffers on the device.
 
     A submodule, so that ``.to(device)`` moves the cache (buffers, not saved in a state dict) and leaves
-    the host table where it is.
+    the host table where it is. The rows are float32 everywhere: a conversion to another dtype is refused.
     """
 
     def __init__(self, host: HostTable, *, cache_rows: int, optimizer: RowOptimizer,
@@ -40,6 +45,8 @@ class CachedRows(nn.Module):
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.dirty = False  # some cached row changed since the last flush
         self._planned: tuple[np.ndarray, np.ndarray] | None = None  # a plan step's batch: its keys and their slots
+        # inside ``accumulating``: per table (its first key, its rows), its lookups' sparse gradients, in order
+        self.pending: dict[tuple[int, int], list[torch.Tensor]] | None = None
 
     @property
     def planned(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -111,12 +118,12 @@ class CachedRows(nn.Module):
         self._planned = None
 
     def reload(self) -> None:
-        """Read the cached rows' weights again from the host table (after it was replaced from a state dict)."""
+        """Read the cached rows and their state again from the host table (after it was replaced from a state
+        dict)."""
         self.flush()
         keys, slots = self.index.resident()
         if len(keys):
-            index = torch.from_numpy(slots).to(self.cache_weight.device)
-            self.cache_weight.index_copy_(0, index, self.read_host(keys)[0].to(self.cache_weight.device))
+            self._install(keys, slots, count=False)
 
     def hit_rate(self) -> float:
         return hit_rate(self.stats)
@@ -140,9 +147,37 @@ class CachedRows(nn.Module):
         if evicted.any():
             self.host.step(self.optimizer, keys[evicted], grads[(~cached).to(grads.device)].cpu())
 
-    def fused_step(self, keys: np.ndarray, grad: torch.Tensor) -> None:
-        """The backward reached a lookup of ``keys`` (a hook on its leaf): step them with their gradient."""
+    def fused_step(self, keys: np.ndarray, grad: torch.Tensor, *, table: tuple[int, int] | None = None) -> None:
+        """The backward reached a lookup of ``keys`` (a hook on its leaf): step them with their gradient, or hold
+        it while accumulating. ``table``: the first key and the rows of the lookup's table (default: all)."""
+        if self.pending is not None:
+            offset, num_rows = table or (0, self.num_rows)
+            self.pending.setdefault((offset, num_rows), []).append(table_gradient(grad, keys - offset, num_rows))
+            return
         self.step(keys, dense_rows(grad, len(keys)))
+
+    def step_pending(self) -> None:
+        """One step on the sum of the gradients held since accumulating began: each table's added up as autograd
+        adds up the sparse gradients of its ``nn.EmbeddingBag(sparse=True)``'s weight over several backward
+        passes (the same additions, so the same rounding); the rows are stepped wherever they are now."""
+        pending, self.pending = self.pending, None
+        if not pending:
+            return
+        keys, values = [], []
+        for (offset, _), grads in sorted(pending.items()):
+            grad = functools.reduce(operator.add, grads).coalesce()
+            keys.append(grad.indices()[0] + offset)
+            values.append(grad.values())
+        self.step(torch.cat(keys).cpu().numpy(), torch.cat(values))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "CachedRows":
+        # .to(), .cuda(), .double(), .half() all come here: a dtype change is refused before any buffer changes
+        dtype = fn(torch.empty(0, device=self.cache_weight.device)).dtype
+        if dtype != torch.float32:
+            raise ValueError(f"bagpipe.nn's cached tables are float32 (the table, its optimizer state and the "
+                             f"cache), so this module cannot be converted to {dtype}: convert the other modules "
+                             f"alone, or cast this one's output (e.g. bag(ids, offsets).to({dtype}))")
+        return super()._apply(fn, recurse)
 
     def _step_rows(self, weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grads: torch.Tensor) -> None:
         if len(index):
@@ -190,6 +225,32 @@ def hit_rate(stats: dict) -> float:
     """The share of looked-up rows that were already resident (NaN before any lookup: there is no rate yet)."""
     looked_up = stats["rows_looked_up"]
     return 1.0 - stats["rows_fetched"] / looked_up if looked_up else float("nan")
+
+
+@contextlib.contextmanager
+def accumulating(spaces: list[CachedRows]) -> Iterator[None]:
+    """Hold the row gradients of the backward passes run inside, then take one step on their sum on leaving
+    (none if the block raised: the held gradients are dropped)."""
+    if any(rows.pending is not None for rows in spaces):
+        raise ValueError("already accumulating: accumulate() blocks do not nest")
+    for rows in spaces:
+        rows.pending = {}
+    try:
+        yield
+    except BaseException:
+        for rows in spaces:
+            rows.pending = None
+        raise
+    for rows in spaces:
+        rows.step_pending()
+
+
+def table_gradient(grad: torch.Tensor, keys: np.ndarray, num_rows: int) -> torch.Tensor:
+    """A lookup of ``keys`` (its table's ids)'s gradient as a sparse gradient over its table of ``num_rows``, its
+    entries in embedding_bag's order: what ``nn.EmbeddingBag(sparse=True)``'s weight gets from the same lookup."""
+    keys = torch.from_numpy(keys).to(grad.device)
+    index, values = (keys[grad._indices()[0]], grad._values()) if grad.is_sparse else (keys, grad)
+    return torch.sparse_coo_tensor(index.unsqueeze(0), values, (num_rows, values.shape[1]), check_invariants=False)
 
 
 def dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:
