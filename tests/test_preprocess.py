@@ -231,3 +231,30 @@ def test_a_lone_file_is_converted_beside_it_and_a_preprocessed_directory_is_used
     assert len(conversions) == 2
     with pytest.raises(ValueError, match="no such file or directory"):
         ensure_preprocessed(data / "nothing.tsv", show_progress=False)
+
+
+def test_a_failed_conversion_leaves_no_new_directory_and_an_earlier_one_as_it_was(tmp_path, monkeypatch):
+    data = make_data(tmp_path / "data", rows=400)
+    out = tmp_path / "out"
+    preprocess(data, out, show_progress=False)
+    (out / "notes.txt").write_text("not bagpipe's")
+    before = files_of(out)
+    lines = (data / "train.tsv").read_text().splitlines(keepends=True)
+    (data / "train.tsv").write_text("".join(lines[:300]) + "a malformed row\n" + "".join(lines[300:]))
+    monkeypatch.setattr(pre, "LINES_PER_CHUNK", 100)  # the chunks before the bad row are written
+    for target in (out, tmp_path / "new" / "out"):
+        with pytest.raises(ValueError, match=r"train.tsv:301: wrong column count"):
+            preprocess(data, target, show_progress=False)
+    assert files_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out"]  # no new directory, no partial one
+
+
+def test_converting_again_replaces_the_earlier_conversion_and_keeps_other_files(tmp_path):
+    data = make_data(tmp_path / "data")
+    out = tmp_path / "out"
+    preprocess(data / "train.tsv", out, show_progress=False)  # its end held out as the test split
+    (out / "notes.txt").write_text("not bagpipe's")
+    meta = preprocess(data / "train.tsv", out, show_progress=False, holdout=0)
+    assert meta["rows"] == {"train": 200} and open_dataset(out).test is None
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "notes.txt", "train"]  # no stale test split
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out"]

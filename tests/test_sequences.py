@@ -15,7 +15,7 @@ from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.batches import iterate_batches
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.formats import DataError
-from bagpipe.data.preprocess import ensure_preprocessed, preprocess
+from bagpipe.data.preprocess import ensure_preprocessed, guess_format, preprocess
 from bagpipe.data.schema import PAD
 from bagpipe.data.sequences import SequenceSettings, build_samples, dense_ids, read_interactions
 from bagpipe.embeddings import EmbeddingLayout
@@ -33,15 +33,58 @@ LOG = [(7, 30, 5, 100), (7, 10, 3, 101), (9, 30, 4, 50), (7, 20, 1, 102), (9, 10
        (7, 40, 4, 104), (9, 20, 3, 52)]  # user, item, rating, timestamp
 
 
-@pytest.mark.parametrize("name, line", [("u.data", "{}\t{}\t{}\t{}"), ("ratings.dat", "{}::{}::{}::{}"),
-                                        ("ratings.csv", "{},{},{}.0,{}")])
-def test_each_movielens_format_reads_the_same_interactions(tmp_path, name, line):
-    path = tmp_path / name
-    header = "userId,movieId,rating,timestamp\n" if name.endswith(".csv") else ""
-    path.write_text(header + "".join(line.format(*row) + "\n" for row in LOG))
+# LOG in each layout a log comes in: (its header, a row's format from user, item, rating, timestamp)
+LAYOUTS = {
+    "u.data": ("", "{0}\t{1}\t{2}\t{3}"),
+    "ratings.dat": ("", "{0}::{1}::{2}::{3}"),
+    "ratings.csv": ("userId,movieId,rating,timestamp\n", "{0},{1},{2}.0,{3}"),
+    "csv without a header": ("", "{0},{1},{2},{3}"),
+    "RecBole .inter": ("user_id:token\titem_id:token\trating:float\ttimestamp:float\n", "{0}\t{1}\t{2}\t{3}"),
+    "RecBole .inter, reordered, an extra column": (
+        "timestamp:float\tgenres:token_seq\titem_id:token\tuser_id:token\trating:float\n",
+        "{3}.0\tdrama comedy\t{1}\t{0}\t{2}"),
+}
+
+
+def write_log(path, layout, log=LOG):
+    header, row = LAYOUTS[layout]
+    path.write_text(header + "".join(row.format(*interaction) + "\n" for interaction in log))
+    return path
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_log_layout_is_told_by_its_content_and_reads_the_same_interactions(tmp_path, layout):
+    path = write_log(tmp_path / "log.txt", layout)  # a name that says nothing (its suffix: Criteo's)
+    assert guess_format(path) == "movielens"
     users, items, times = read_interactions(path)
     assert users.tolist() == [r[0] for r in LOG] and items.tolist() == [r[1] for r in LOG]
     assert times.tolist() == [r[3] for r in LOG]
+
+
+def test_an_inter_file_and_the_same_log_as_u_data_convert_to_the_same_arrays(tmp_path):
+    log = [(user, item, 3, 1000 + 7 * user + item) for user in range(1, 9) for item in range(user, user + 9)]
+    inter = write_log(tmp_path / "ml.inter", "RecBole .inter, reordered, an extra column", log)
+    u_data = write_log(tmp_path / "u.data", "u.data", log)
+    metas = [preprocess(path, tmp_path / path.name.replace(".", "_"), show_progress=False) for path in (inter, u_data)]
+    assert metas[0]["users"] == 8 and metas[0]["items"] == 16 and metas[0]["rows"] == metas[1]["rows"]
+    ours, theirs = open_dataset(tmp_path / "ml_inter"), open_dataset(tmp_path / "u_data")
+    for split in ("train", "test"):
+        np.testing.assert_array_equal(getattr(ours, split).ids, getattr(theirs, split).ids)
+    for vocab in ("user.npy", "item.npy"):
+        np.testing.assert_array_equal(np.load(tmp_path / "ml_inter" / "vocab" / vocab),
+                                      np.load(tmp_path / "u_data" / "vocab" / vocab))
+
+
+def test_a_file_that_is_no_log_is_named_and_leaves_no_output(tmp_path):
+    users = tmp_path / "ml.user"
+    users.write_text("user_id:token\tage:token\tzip_code:token\n1\t24\t85711\n")
+    with pytest.raises(DataError, match=r"ml.user:1: a RecBole atomic file without item_id or timestamp"):
+        preprocess(users, tmp_path / "out", show_progress=False)  # told as a log by its header
+    clicks = tmp_path / "train.tsv"
+    clicks.write_text("1\t" + "\t".join(["3"] * 13 + ["a1"] * 26) + "\n")
+    with pytest.raises(DataError, match=r"train.tsv:1: not an interaction log"):
+        preprocess(clicks, tmp_path / "new" / "out", fmt="movielens", show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ml.user", "train.tsv"]
 
 
 def test_a_malformed_log_line_is_named(tmp_path):

@@ -12,7 +12,7 @@ import secrets
 import shutil
 import zlib
 from collections.abc import Iterator
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +21,11 @@ import xxhash
 from bagpipe.data.avazu import AvazuParser, is_avazu_header
 from bagpipe.data.binary import (SPLITS, CorruptData, SplitWriter, id_dtype_for, is_preprocessed, open_dataset,
                                  read_json, read_record, write_record)
-from bagpipe.data.blocks import count_lines, first_line, next_block, open_decompressed, read_ahead
+from bagpipe.data.blocks import count_lines, next_block, open_decompressed, read_ahead
+from bagpipe.data.blocks import first_line as read_first_line  # first_line: a line number here
 from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, TextBlock
-from bagpipe.data.sequences import INTERACTION_FILES, SequenceSettings, convert_interactions, is_interaction_log
+from bagpipe.data.sequences import (INTERACTION_FILES, SNIFF_LINES, SequenceSettings, convert_interactions,
+                                    is_atomic_header, is_interaction_log)
 from bagpipe.data.vocab import (OOV_ID, VOCAB_DIR, EncodedParser, HashedColumn, Vocabulary, check_vocab_min_count,
                                 count_values, write_vocabularies)
 from bagpipe.heap import kept_heap
@@ -65,13 +67,13 @@ def find_splits(path: Path) -> dict[str, Path]:
             raise ValueError(f"{path}: several {split} files ({', '.join(m.name for m in matches)}); keep one")
         if matches:
             splits[split] = matches[0]
-    logs = [path / name for name in INTERACTION_FILES if (path / name).is_file()]
+    logs = [path / name for name in INTERACTION_FILES if (path / name).is_file()] + sorted(path.glob("*.inter"))
     if "train" not in splits and len(logs) == 1:
         return {"train": logs[0]}  # an interaction log: the test split is each user's last item
     if "train" not in splits:
         raise ValueError(f"{path}: no train split (expected a file such as train.tsv, train.csv, train.tsv.gz or "
                          f"train.jsonl, "
-                         f"or an interaction log: {', '.join(INTERACTION_FILES)})")
+                         f"or one interaction log: {', '.join(INTERACTION_FILES)} or RecBole's NAME.inter)")
     return splits
 
 
@@ -81,34 +83,42 @@ def _text_suffix(path: Path) -> str:
 
 
 def guess_format(path: Path) -> str:
-    """An interaction log by its name; else what its first non-empty line shows; else its suffix."""
-    if is_interaction_log(path):
-        return "movielens"
-    # Content first: the original system's JSON-lines files are named .txt.
+    """What the first non-empty lines show, whatever the file's name; else its suffix."""
+    # Content first: the original system's JSON-lines files are named .txt, RecBole's logs .inter.
     fmt = _sniff(path) or SUFFIX_FORMATS.get(_text_suffix(path))
     if fmt is None:
         raise ValueError(f"{path}: cannot tell the format: its first line is neither a JSON object, nor "
-                         f"tab-separated, nor a CSV header with a 'click' column, and its suffix names no format; "
-                         f"pass --format criteo|avazu|jsonl")
+                         f"tab-separated, nor a CSV header with a 'click' column, nor an interaction log's "
+                         f"(user, item, rating, timestamp), and its suffix names no format; "
+                         f"pass --format criteo|avazu|jsonl|movielens")
     return fmt
 
 
 def _sniff(path: Path) -> str | None:
-    """``jsonl`` if the first non-empty line starts with ``{``, ``criteo`` if it holds a tab, ``avazu`` if it
-    is a CSV header naming ``click``, else None."""
+    """``jsonl`` if the first non-empty line starts with ``{``, ``avazu`` if it is a CSV header naming ``click``,
+    ``movielens`` if it and the next are an interaction log's or it is a RecBole atomic header (data.sequences;
+    reading one of another RecBole file says what it lacks), ``criteo`` if it holds a tab, else None."""
+    lines: list[tuple[int, str]] = []
     try:
         with ExitStack() as stack:
             _, lines_in = open_decompressed(path, stack)
-            while line := lines_in.readline(SNIFF_LINE_BYTES):
+            for number, line in enumerate(iter(lambda: lines_in.readline(SNIFF_LINE_BYTES), b""), start=1):
                 if line.strip():
-                    if line.lstrip().startswith(b"{"):
-                        return "jsonl"
-                    if b"\t" in line:
-                        return "criteo"
-                    return "avazu" if is_avazu_header(line.decode("utf-8", "replace")) else None
+                    lines.append((number, line.decode("utf-8", "replace").rstrip("\r\n")))
+                if len(lines) == SNIFF_LINES:
+                    break
     except (OSError, EOFError, zlib.error):
-        pass  # unreadable here: the suffix decides, and reading the file names the trouble
-    return None
+        return None  # unreadable here: the suffix decides, and reading the file names the trouble
+    if not lines:
+        return None
+    first = lines[0][1]
+    if first.lstrip().startswith("{"):
+        return "jsonl"
+    if is_avazu_header(first):
+        return "avazu"
+    if is_interaction_log(lines) or is_atomic_header(first):
+        return "movielens"
+    return "criteo" if "\t" in first else None
 
 
 def check_format(fmt: str | None) -> None:
@@ -287,8 +297,55 @@ def preprocess(
     the train file are the test split; an interaction log holds out each user's last item instead.
     ``vocab_min_count`` > 0 numbers Criteo's or Avazu's raw values by a vocabulary of the train split
     (data.vocab), written to ``out_dir/vocab``; else their values are hashed modulo the table sizes.
+    A conversion that fails leaves ``out_dir`` as it was, or absent if it was (``_written_whole``).
     """
-    input_path, out = Path(input_path), Path(out_dir)
+    with _written_whole(Path(out_dir)) as partial:
+        return _preprocess_into(Path(input_path), partial, fmt=fmt, table_sizes=table_sizes, meta_file=meta_file,
+                                on_bad_row=on_bad_row, show_progress=show_progress, sequence=sequence,
+                                holdout=holdout, vocab_min_count=vocab_min_count)
+
+
+@contextmanager
+def _written_whole(out: Path) -> Iterator[Path]:
+    """A new sibling directory of ``out`` to write into, moved into ``out`` (``_move_into``) when the block ends
+    without an error; after one, removed, with the parent directories made for it."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    out = out.resolve()  # "." has no name to make a sibling of
+    made = [parent for parent in out.parents if not parent.exists()]  # deepest first
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
+    try:
+        yield partial
+        _move_into(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for parent in made:
+            with suppress(OSError):  # not empty: something else wrote there meanwhile
+                parent.rmdir()
+        raise
+
+
+def _move_into(partial: Path, out: Path) -> None:
+    """``partial``'s conversion in ``out``: ``partial`` renamed, if there is no ``out``; else in place of the
+    conversion there, its meta.json removed first (without one it is no data set) and added last."""
+    if not out.exists():
+        partial.rename(out)
+        return
+    (out / "meta.json").unlink(missing_ok=True)
+    for name in (*SPLITS, VOCAB_DIR):
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)  # a split the new conversion lacks must not stay behind
+        if (partial / name).exists():
+            (partial / name).rename(out / name)
+    (partial / "meta.json").rename(out / "meta.json")
+    partial.rmdir()
+
+
+def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_sizes: str | list[int] | None,
+                     meta_file: str | Path | None, on_bad_row: str, show_progress: bool,
+                     sequence: SequenceSettings | None, holdout: float, vocab_min_count: int) -> dict:
+    """``preprocess``, into ``out``, a directory not there yet."""
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"--on-bad-row must be one of {', '.join(BAD_ROW_POLICIES)}, got {on_bad_row!r}")
     check_format(fmt)
@@ -316,9 +373,7 @@ def preprocess(
     stats = {name: _stat_fields(path) for name, path in _sources(input_path, splits).items()}
     test_from = _held_out_lines(splits, fmt, holdout)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)
-    shutil.rmtree(out / VOCAB_DIR, ignore_errors=True)
+    out.mkdir()
     parser, vocabularies = _text_parser(fmt, splits, sizes=sizes, vocab_min_count=vocab_min_count,
                                         test_from=test_from, on_bad_row=on_bad_row, show_progress=show_progress)
     if isinstance(parser, EncodedParser):
@@ -379,7 +434,7 @@ def _text_parser(fmt: str, splits: dict[str, Path], *, sizes: list[int] | None, 
         return JsonlParser(sizes), None
     if fmt == "criteo" and not vocab_min_count:
         return CriteoParser(sizes), None
-    base = (AvazuParser({str(path): first_line(path) for path in splits.values()}) if fmt == "avazu"
+    base = (AvazuParser({str(path): read_first_line(path) for path in splits.values()}) if fmt == "avazu"
             else CriteoParser(num_tables=_criteo_tables(splits["train"])))
     if not vocab_min_count:
         if len(sizes) != base.num_tables:
@@ -403,7 +458,7 @@ def _text_parser(fmt: str, splits: dict[str, Path], *, sizes: list[int] | None, 
 
 def _criteo_tables(path: Path) -> int:
     """Criteo's categorical columns, counted on its first line (a vocabulary needs no table sizes)."""
-    tables = first_line(path).count("\t") - NUM_DENSE
+    tables = read_first_line(path).count("\t") - NUM_DENSE
     if tables < 1:
         raise DataError(str(path), 1, f"wrong column count: expected a label, {NUM_DENSE} dense columns and "
                                       f"categorical ones")
@@ -501,8 +556,7 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
     meta_path = Path(meta_file) if meta_file else _source_meta_path(input_path)
     settings = sequence or sequence_settings(meta_path)
     sources = {name: _fingerprint(path) for name, path in _sources(input_path, splits).items()}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)
+    out.mkdir()
     converted = convert_interactions(splits["train"], out, settings)
     source_meta = read_json(meta_path) if meta_path.is_file() else {}
     if source_meta.get("sequence", settings.to_dict()) != settings.to_dict():

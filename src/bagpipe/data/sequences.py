@@ -9,12 +9,18 @@ time; a training sample is ``history`` items (left-padded with PAD) and the ``ta
 after them, the test sample the last ``history`` items and the last one. Training samples are
 ordered by the time of their first target (the log's time order), each with ``negatives`` items
 drawn from those the user never touched.
+
+A RecBole atomic file (``ml-100k.inter``) is a log too: a typed header, ``user_id:token<TAB>
+item_id:token<TAB>...``, names its columns, in any order, among others. Which layout a file has,
+its first lines tell, whatever its name (``log_layout``).
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import logging
+import math
 import zlib
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
@@ -29,7 +35,11 @@ from bagpipe.data.schema import PAD, Feature, Schema
 
 log = logging.getLogger(__name__)
 
-INTERACTION_FILES = ("u.data", "ratings.dat", "ratings.csv")
+INTERACTION_FILES = ("u.data", "ratings.dat", "ratings.csv")  # a directory's log, by name (a file's: by content)
+SEPARATORS = ("::", "\t", ",")  # ratings.dat, u.data, ratings.csv
+ATOMIC_TYPES = ("token", "token_seq", "float", "float_seq")  # RecBole's field types, in ``name:type``
+ATOMIC_FIELDS = ("user_id", "item_id", "timestamp")  # the fields an interaction log reads, by name
+SNIFF_LINES = 2  # the non-empty lines that tell a log's layout: a header and a row
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,12 +58,81 @@ class SequenceSettings:
         return asdict(self)
 
 
-def is_interaction_log(path: Path) -> bool:
-    return path.name in INTERACTION_FILES
+@dataclass(frozen=True)
+class LogLayout:
+    """Where a log's interactions are: the separator, the header lines before the rows, and the columns."""
+
+    separator: str
+    header_lines: int  # 0 or 1
+    num_columns: int
+    user: int
+    item: int
+    time: int
+
+
+def log_layout(lines: list[tuple[int, str]], *, path: str) -> LogLayout:
+    """The layout of a log, from its first SNIFF_LINES non-empty lines (each with its line number); a DataError
+    saying why if they are not an interaction log's.
+
+    A RecBole atomic header (tab-separated ``name:type`` fields) names the columns: ``user_id``, ``item_id`` and
+    ``timestamp`` are read, in whatever order, among any others. Otherwise a row is 4 numbers, user item rating
+    timestamp, separated by ``::``, a tab or a comma, perhaps under a header line of 4 fields.
+    """
+    if not lines:
+        raise DataError(path, 1, "no interactions")
+    number, first = lines[0]
+    if is_atomic_header(first):
+        fields = first.split("\t")
+        names = [field.strip().rpartition(":")[0] for field in fields]
+        missing = [name for name in ATOMIC_FIELDS if name not in names]
+        if missing:
+            raise DataError(path, number, f"a RecBole atomic file without {' or '.join(missing)} (its fields: "
+                                          f"{', '.join(fields)}): not an interaction log")
+        return LogLayout(separator="\t", header_lines=1, num_columns=len(fields),
+                         **{key: names.index(name) for key, name in zip(("user", "item", "time"), ATOMIC_FIELDS)})
+    separator = next((s for s in SEPARATORS if s in first), None)
+    header_lines = 0 if _numbers(first, separator) else 1
+    if separator is not None and len(first.split(separator)) == 4 and header_lines < len(lines):
+        number, row = lines[header_lines]
+        if _numbers(row, separator):
+            return LogLayout(separator=separator, header_lines=header_lines, num_columns=4, user=0, item=1, time=3)
+    raise DataError(path, number, "not an interaction log: expected user, item, rating and timestamp, 4 numbers "
+                                  "separated by '::', a tab or a comma (under a header line, or none), or a "
+                                  "RecBole atomic header (user_id:token, item_id:token, timestamp:float, "
+                                  "tab-separated)")
+
+
+def is_atomic_header(line: str) -> bool:
+    """Whether ``line`` is a RecBole atomic file's header: tab-separated ``name:type`` fields."""
+    return all(_is_typed(field) for field in line.split("\t"))
+
+
+def _is_typed(field: str) -> bool:
+    name, _, kind = field.strip().rpartition(":")
+    return bool(name) and kind in ATOMIC_TYPES
+
+
+def _numbers(line: str, separator: str | None) -> bool:
+    """Whether ``line`` is 4 numbers separated by ``separator``."""
+    fields = line.split(separator) if separator else []
+    try:
+        return len(fields) == 4 and all(math.isfinite(float(field)) for field in fields)
+    except ValueError:
+        return False
+
+
+def is_interaction_log(lines: list[tuple[int, str]]) -> bool:
+    """Whether a file's first SNIFF_LINES non-empty lines (numbered) are an interaction log's."""
+    try:
+        log_layout(lines, path="")
+    except DataError:
+        return False
+    return True
 
 
 def read_interactions(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw user ids, item ids and timestamps of a log (plain or gzip), in file order."""
+    """Raw user ids, item ids and timestamps of a log (plain or gzip, any layout ``log_layout`` tells), in file
+    order."""
     with ExitStack() as stack:
         _, content = open_decompressed(path, stack)  # as the other formats: no byte order mark
         try:
@@ -65,22 +144,19 @@ def read_interactions(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     except UnicodeDecodeError as err:
         raise DataError(str(path), data.count(b"\n", 0, err.start) + 1,
                         "not UTF-8 text (is this a binary or compressed file?)") from None
-    first = 0
-    if path.name.endswith(".csv"):
-        first = 1  # the header: userId,movieId,rating,timestamp
-    separator = {"u.data": None, "ratings.dat": "::", "ratings.csv": ","}.get(path.name, None)
+    rows = ((number, line) for number, line in enumerate(lines, start=1) if line.strip())
+    head = list(itertools.islice(rows, SNIFF_LINES))
+    layout = log_layout(head, path=str(path))
     users, items, times = [], [], []
-    for number, line in enumerate(lines[first:], start=first + 1):
-        if not line.strip():
-            continue
-        fields = line.split(separator)
-        if len(fields) != 4:
-            raise DataError(str(path), number, f"wrong column count: expected user, item, rating and timestamp, "
-                                               f"got {len(fields)} fields")
+    for number, line in itertools.chain(head[layout.header_lines:], rows):
+        fields = line.split(layout.separator)
+        if len(fields) != layout.num_columns:
+            raise DataError(str(path), number, f"wrong column count: expected {layout.num_columns} fields (user, "
+                                               f"item, timestamp and others), got {len(fields)}")
         try:
-            users.append(int(fields[0]))
-            items.append(int(fields[1]))
-            times.append(int(float(fields[3])))
+            users.append(int(fields[layout.user]))
+            items.append(int(fields[layout.item]))
+            times.append(int(float(fields[layout.time])))
         except ValueError:
             raise DataError(str(path), number, f"non-integer user, item or timestamp in {line!r}") from None
     if not users:
