@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import shlex
 from pathlib import Path
 
 import pytest
 
 from bagpipe.api import _model_settings
+from bagpipe.cli import QUICK_START, build_parser
 from bagpipe.config import ModelConfig
 from bagpipe.rundir import export
 from bagpipe.runtime.world import free_port
@@ -96,3 +96,11 @@ def test_an_oracle_told_another_model_than_the_scripts_refuses_naming_both(small
     assert "'dcn'" in errors[0] and "'deepfm'" in errors[0]
     assert all(p.returncode != 0 for p in processes[1:])
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_the_readme_opens_with_the_help_quick_start_and_its_commands_parse():
+    first_block = (ROOT / "README.md").read_text().split("```\n", 2)[1]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert commands == [line.strip() for line in QUICK_START.splitlines()[1:]]
+    for command in commands:
+        build_parser().parse_args(shlex.split(command)[1:])

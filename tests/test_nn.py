@@ -12,7 +12,7 @@ from torch import nn
 
 from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead, SlotIndex
 from bagpipe.nn.slots import KeyTable
-from bagpipe.optim import RowOptimizer, RowWise, make_row_optimizer
+from bagpipe.optim import RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
 from bagpipe.synth import zipf_bags
 

@@ -12,9 +12,10 @@ import torch
 
 from bagpipe.cached import gather_tables, train_cached
 from bagpipe.config import ModelConfig, TrainConfig
-from bagpipe.data.batches import iterate_batches
+from bagpipe.data.batches import fresh_negatives, iterate_batches, read_batch
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.formats import DataError
+from bagpipe.data.negatives import FreshNegatives
 from bagpipe.data.preprocess import ensure_preprocessed, guess_format, preprocess
 from bagpipe.data.schema import PAD
 from bagpipe.data.sequences import SequenceSettings, build_samples, dense_ids, read_interactions
@@ -22,6 +23,7 @@ from bagpipe.embeddings import EmbeddingLayout
 from bagpipe.metrics import ranking_metrics
 from bagpipe.evaluation import evaluate
 from bagpipe.model_dir import TableRows
+from bagpipe.ranking import NextItemRanking
 from bagpipe.reference import build_model, build_tables, train_reference, train_step
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
@@ -128,7 +130,8 @@ def test_the_generator_is_deterministic_and_states_its_best(tmp_path):
     assert data.meta["best_hr10"] == metas[0]["best_hr10"] and data.schema.features[1].width == 5
 
 
-def test_next_item_metrics_rank_every_item_but_the_history(sequence_data):
+@pytest.mark.parametrize("protocol", ["unseen", "history"])
+def test_next_item_metrics_rank_the_protocols_candidates(sequence_data, protocol):
     class Fixed(torch.nn.Module):  # scores every item by its id: item 299 first
         task = "next-item"
 
@@ -138,12 +141,41 @@ def test_next_item_metrics_rank_every_item_but_the_history(sequence_data):
     config = TrainConfig(data="-", run_dir="-", model=CASER)
     dataset = open_dataset(sequence_data)
     tables = build_tables(config, dataset.schema)
-    got = evaluate(Fixed(), tables.layout, TableRows(tables), dataset.test, batch_size=500, max_rows=500)
-    ids = np.asarray(dataset.test.ids[:500])
-    history, target = ids[:, 1:6], ids[:, 6]
-    ranks = [int(np.sum((np.arange(300) > t) & ~np.isin(np.arange(300), h))) for h, t in zip(history, target)]
-    hr, ndcg = ranking_metrics(np.asarray(ranks), k=10)
-    assert got["eval_hr10"] == pytest.approx(hr) and got["eval_ndcg10"] == pytest.approx(ndcg)
+    ranking = NextItemRanking.of_dataset(dataset, protocol=protocol)
+    got = evaluate(Fixed(), tables.layout, TableRows(tables), dataset.test, batch_size=200, max_rows=500,
+                   ranking=ranking)
+    ids, train = np.asarray(dataset.test.ids[:500]), np.asarray(dataset.train.ids)
+    ranks = []
+    for user, history, target in zip(ids[:, 0], ids[:, 1:6], ids[:, 6]):
+        excluded = history
+        if protocol == "unseen":  # every item of the user's training samples, and of its test history
+            excluded = np.concatenate([train[train[:, 0] == user, 1:9].ravel(), history])
+        ranks.append(int(np.sum((np.arange(300) > target) & ~np.isin(np.arange(300), excluded))))
+    for k in (1, 5, 10, 20):
+        hr, ndcg = ranking_metrics(np.asarray(ranks), k=k)
+        assert got[f"eval_hr{k}"] == pytest.approx(hr) and got[f"eval_ndcg{k}"] == pytest.approx(ndcg)
+    assert got["eval_popular_hr10"] < got["eval_cooccurrence_hr10"]  # the planted data follows its last item
+
+
+def test_baselines_count_each_training_pair_once():
+    # two users: 0 has items 1 2 3 4 (4 held out), 1 has 2 3 1 (1 held out); L = 2, T = 1, N = 1
+    train = np.array([[0, -1, 1, 2, 0], [0, 1, 2, 3, 0],      # user 0: windows (-, 1) -> 2, (1, 2) -> 3
+                      [1, -1, 2, 3, 0]])                      # user 1: (-, 2) -> 3
+    test = np.array([[0, 2, 3, 4, 0], [1, 2, 3, 1, 0]])
+    ranking = NextItemRanking(train, test, num_users=2, num_items=5, history=2, targets=1)
+    assert ranking.popularity.tolist() == [0, 1, 2, 2, 0]  # users who had each item in training
+    follows = {(int(a), int(b)): v for a, starts in enumerate(zip(ranking.follows.starts[:-1],
+                                                                 ranking.follows.starts[1:]))
+               for b, v in zip(ranking.follows.columns[slice(*starts)], ranking.follows.values[slice(*starts)])}
+    assert follows == {(1, 2): 1.0, (2, 3): 2.0}
+    excluded = ranking.excluded(np.array([0, 1]), test[:, 1:3]).numpy()
+    assert excluded.tolist() == [[False, True, True, True, False], [False, False, True, True, False]]
+    figures = ranking.baselines(test)
+    # user 0 (history 2 3): item 3 (2 -> 3) scores highest but is excluded; candidates 0 and 4 tie (no count, no
+    # popularity), the smaller id first: target 4 at rank 1. user 1 (history 2 3): candidates 0, 1, 4 have no
+    # count; popularity breaks the tie: target 1 (had by one user) at rank 0
+    assert figures["eval_cooccurrence_hr1"] == 0.5 and figures["eval_cooccurrence_hr5"] == 1.0
+    assert figures["eval_popular_hr1"] == 0.5  # the same order here: popularity alone
 
 
 def test_caser_learns_the_planted_sequences(sequence_data, tmp_path):
@@ -175,9 +207,14 @@ def test_cached_caser_equals_the_reference(sequence_data, optimizer):
         assert torch.equal(got, want), key
 
 
-def test_bagpipe_caser_equals_the_sliced_reference(sequence_data, tmp_path):
-    config = job_config(sequence_data, tmp_path / "bagpipe", iterations=80, batch_size=256, optimizer="adam", lr=0.005,
-                        cache_rows=3000, model=replace(CASER, dropout=0.3))
+def test_bagpipe_caser_equals_the_sliced_reference(tmp_path):
+    # Small data, so that the run makes nearly three shuffled passes: the later ones with fresh negatives, drawn
+    # by the oracle for the trainers and by the reference for itself.
+    generate_sequences(tmp_path / "raw", users=300, items=60, interactions=12, seed=2, show_progress=False)
+    data = ensure_preprocessed(tmp_path / "raw", show_progress=False)  # 2,400 training samples: 9 batches a pass
+    config = job_config(data, tmp_path / "bagpipe", iterations=24, batch_size=256, optimizer="adam", lr=0.005,
+                        cache_rows=480, shuffle=True, model=replace(CASER, dropout=0.3))  # every row: a batch reads them
+    assert fresh_negatives(config, open_dataset(data).train) is not None
     summary = launch_local(config, show_progress=False)
     assert summary["model"] == "caser" and "eval_hr10" in summary and summary["rows_fetched"] > 0
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
@@ -199,3 +236,23 @@ def test_preprocess_takes_the_log_file_itself(tmp_path):
     assert meta["source_format"] == "movielens" and meta["sequence"]["history"] == 3
     assert "best_hr10" not in meta  # ranked over another history length: not this data's best
     assert open_dataset(tmp_path / "bin").schema.features[1].width == 3
+
+
+def test_fresh_negatives_are_drawn_per_pass_outside_the_users_items(sequence_data):
+    split = open_dataset(sequence_data).train
+    negatives = FreshNegatives(split.ids, split.schema, seed=4)
+    ids = np.asarray(split.ids, dtype=np.int64)
+    assert np.array_equal(negatives.for_epoch(0), ids[:, 9:12])  # the first pass keeps the split's own
+    first, second = negatives.for_epoch(1).copy(), negatives.for_epoch(2)
+    assert first.shape == (split.rows, 3) and (first != second).mean() > 0.9 and (first != ids[:, 9:12]).mean() > 0.9
+    assert np.array_equal(FreshNegatives(split.ids, split.schema, seed=4).for_epoch(1), first)  # (seed, pass) alone
+    assert not np.array_equal(FreshNegatives(split.ids, split.schema, seed=5).for_epoch(1), first)
+    had = {(u, i) for u, items in zip(ids[:, 0], ids[:, 1:9]) for i in items if i >= 0}
+    assert not any((u, i) in had for u, row in zip(ids[:, 0], first) for i in row)  # never an item the user had
+    assert np.bincount(first.ravel(), minlength=300).min() > 0  # uniform over the items, not only the popular
+    rows = np.array([3, 17, 4000])  # a batch reads its rows' draws, whichever rows it holds
+    batch = read_batch(split, rows, epoch=1, negatives=negatives)
+    assert np.array_equal(batch.ids[:, 9:12].numpy(), first[rows])
+    assert np.array_equal(batch.ids[:, :9].numpy(), ids[rows, :9])
+    assert np.array_equal(read_batch(split, slice(10, 20), epoch=1, negatives=negatives).ids[:, 9:12].numpy(),
+                          first[10:20])

@@ -140,9 +140,10 @@ EVERY = 50  # of test_runtime's 150 iterations
 
 @pytest.fixture(scope="module")
 def eval_runs(small_binary, tmp_path_factory):
-    """A bagpipe run with --eval-every and its reference (run as its trainers compute), same config."""
+    """A bagpipe run with --eval-every (and --keep-best) and its reference (run as its trainers compute), same
+    config."""
     root = tmp_path_factory.mktemp("eval_every")
-    config = job_config(small_binary, root / "bagpipe", eval_every=EVERY)
+    config = job_config(small_binary, root / "bagpipe", eval_every=EVERY, keep_best=True)
     bagpipe = launch_local(config, show_progress=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -171,6 +172,14 @@ def test_eval_every_logs_one_point_per_n_iterations_equal_in_both_modes(eval_run
     assert len({points["reference"][i]["eval_auc"] for i in (50, 100, 150)}) == 3  # the model changed
     for summary in summaries.values():
         assert summary["eval_auc"] == points["reference"][150]["eval_auc"]
+    # --keep-best: model/ holds the best point's model (written from its checkpoint, by the oracle), the reference's
+    best = max((50, 100, 150), key=lambda i: points["reference"][i]["eval_auc"])
+    kept = {mode: ModelDir.open(root / mode / MODEL_DIR) for mode in summaries}
+    assert [s["best_iteration"] for s in summaries.values()] == [best, best] and kept["bagpipe"].meta["iteration"] == best
+    assert all(s["warnings"] == [] for s in summaries.values())  # a healthy run
+    ours, want = kept["bagpipe"].load(), kept["reference"].load()
+    assert all(torch.equal(ours["dense"][k], want["dense"][k]) for k in want["dense"])
+    assert all(torch.equal(x, y) for x, y in zip(ours["embeddings"], want["embeddings"], strict=True))
     # the checkpoints taken to evaluate from are not kept: the run asked for none
     assert not (root / "bagpipe" / "checkpoints").exists() and not list((root / "bagpipe").glob("*.tmp"))
     # the report draws every point
@@ -183,7 +192,7 @@ def test_each_point_equals_evaluating_the_model_exported_at_that_iteration(eval_
     """Ground truth for the point at 50: a 50-iteration run's model/, evaluated lazily from its files."""
     config, _, root = eval_runs
     short = replace(config, mode="reference", run_dir=str(root / "short"), slices=config.trainers, iterations=EVERY,
-                    eval_every=0)
+                    eval_every=0, keep_best=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

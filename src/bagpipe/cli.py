@@ -20,12 +20,31 @@ from bagpipe.runtime.succession import NOT_REPLACEABLE_EXIT_CODE, NotReplaceable
 
 log = logging.getLogger("bagpipe")
 
+DESCRIPTION = """\
+Train recommendation models (DLRM, DCN, DeepFM, Wide & Deep, FGCNN, Caser) whose
+embedding tables are larger than a trainer's memory: in one process, or as the
+whole system (an oracle planning each trainer's cache, embedding servers,
+trainers)."""
+# README.md opens with the same lines (tests/test_examples.py)
+QUICK_START = """\
+quick start (about a minute on 2 cores; README.md says more):
+  bagpipe synth --out data --rows 50000 --max-rows-per-table 20000
+  bagpipe train --data data --run-dir runs/dlrm --mode bagpipe
+  bagpipe train --data data --run-dir runs/deepfm --mode bagpipe --model deepfm
+  bagpipe train --data data --run-dir runs/reference --slices 2
+  bagpipe report runs/dlrm runs/deepfm runs/reference
+"""
 
-def _default(name: str) -> str:
-    """" (default X)" for a train or model setting, from the config's own default."""
+
+def _default(name: str, *, models: bool = False) -> str:
+    """" (default X)" for a train or model setting, from the config's own default; with ``models``, and the
+    models whose own default differs (config.MODEL_DEFAULTS), "(default X; caser Y)"."""
+    from bagpipe.config import MODEL_DEFAULTS
+
     defaults = _defaults()
     value = getattr(defaults.model, name) if hasattr(defaults.model, name) else getattr(defaults, name)
-    return f" (default {value})"
+    own = [f"{model} {settings[name]}" for model, settings in MODEL_DEFAULTS.items() if models and name in settings]
+    return f" (default {'; '.join([str(value), *own])})"
 
 
 @functools.cache
@@ -69,15 +88,19 @@ def _add_sequence_flags(g) -> None:
 
 
 def _add_preprocess(sub) -> None:
-    p = sub.add_parser("preprocess", help="convert Criteo TSV, Avazu CSV or JSON lines (plain or gzip) to the "
-                                          "binary format")
+    p = sub.add_parser("preprocess", help="convert Criteo TSV, Avazu CSV, JSON lines or an interaction log "
+                                          "(MovieLens, RecBole .inter) (plain or gzip) to the binary format")
     p.add_argument("--input", required=True, help="a file, or a directory holding train.* and test.* "
-                   "(.tsv, .txt, .csv, .jsonl, .json, each optionally .gz)")
+                   "(.tsv, .txt, .csv, .jsonl, .json, each optionally .gz) or one interaction log (u.data, "
+                   "ratings.dat, ratings.csv or NAME.inter)")
     p.add_argument("--format", choices=("criteo", "avazu", "jsonl", "movielens"), default=None,
-                   help="the text format (default: from the name: an interaction log (u.data, ratings.dat, "
-                        "ratings.csv) is movielens; else the first line: a JSON object, tab-separated (criteo) "
-                        "or a CSV header with a click column (avazu); else the suffix)")
-    p.add_argument("--out", required=True, help="the directory to write")
+                   help="the text format (default: from the first lines, whatever the file's name: a JSON object "
+                        "(jsonl); a CSV header with a click column (avazu); user, item, rating and timestamp, "
+                        "separated by a tab, :: or a comma, under a header line or none, or a RecBole header "
+                        "such as user_id:token<TAB>item_id:token... (movielens); tab-separated (criteo); else "
+                        "the suffix)")
+    p.add_argument("--out", required=True, help="the directory to write (a conversion that fails leaves it as "
+                   "it was)")
     p.add_argument("--vocab-min-count", type=int, default=0, help="criteo, avazu: number each column's values by "
                    "descending count in the train split, those seen fewer than N times (and values it never "
                    "shows) sharing id 0; writes OUT/vocab (default 0: no vocabulary, values hashed modulo "
@@ -101,7 +124,8 @@ def _add_data_flags(p) -> None:
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a DLRM (in one process, or the whole system on this machine)")
+    p = sub.add_parser("train", help="train one of six models (--model: dlrm, wide-deep, deepfm, dcn, fgcnn, "
+                                     "caser) in one process, or with the whole system on this machine (--mode)")
     p.add_argument("--config", default=None, help="a TOML file of settings; flags override it (default: none)")
     p.add_argument("--data", default=None, help="a directory with train.* and test.* text splits (converted "
                    "once into DIR/preprocessed), a single data file (converted beside it), or a preprocessed "
@@ -114,17 +138,20 @@ def _add_train(sub) -> None:
     p.add_argument("--mode", default=None, help="reference (one process, all tables in memory), bagpipe "
                    "(oracle, servers and trainers started on this machine) or single (one process, the tables in "
                    "host memory behind a cache of --cache-rows rows, bagpipe.nn's)" + _default("mode"))
-    p.add_argument("--iterations", type=int, default=None, help="global batches to train; 0: one pass over "
-                   "the training split" + _default("iterations"))
-    p.add_argument("--batch-size", type=int, default=None, help="the global batch" + _default("batch_size"))
+    p.add_argument("--iterations", type=int, default=None, help="global batches to train; 0: --epochs passes "
+                   "over the training split" + _default("iterations"))
+    p.add_argument("--epochs", type=int, default=None, help="passes over the training split when --iterations "
+                   "is 0" + _default("epochs", models=True))
+    p.add_argument("--batch-size", type=int, default=None, help="the global batch"
+                   + _default("batch_size", models=True))
     p.add_argument("--eval-batch-size", type=int, default=None, help="samples per evaluation batch"
                    + _default("eval_batch_size"))
     p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, for embeddings and dense weights"
-                   + _default("optimizer"))
-    p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr"))
+                   + _default("optimizer", models=True))
+    p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr", models=True))
     p.add_argument("--seed", type=int, default=None, help="initialisation seed" + _default("seed"))
-    p.add_argument("--shuffle", action="store_true", default=None,
-                   help="shuffle the rows each epoch (default: consecutive rows in file order)")
+    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None,
+                   help="shuffle the rows each epoch (default: consecutive rows in file order; caser: shuffled)")
     p.add_argument("--shuffle-seed", type=int, default=None, help="seed of the shuffles" + _default("shuffle_seed"))
     p.add_argument("--warmup-iterations", type=int, default=None,
                    help="iterations left out of the steady-state samples/s" + _default("warmup_iterations"))
@@ -134,6 +161,14 @@ def _add_train(sub) -> None:
     p.add_argument("--eval-every", type=int, default=None, help="evaluate also every N iterations (as DLRM's "
                    "--test-freq; --mode bagpipe: from a checkpoint, in the background); 0: only at the end"
                    + _default("eval_every"))
+    p.add_argument("--eval-protocol", choices=("unseen", "history"), default=None,
+                   help="next-item models: rank each test target among every item the user did not interact with "
+                   "in training (unseen: the standard protocol) or among all items but the sample's history "
+                   "(history: this project's before 2026-11)" + _default("eval_protocol"))
+    p.add_argument("--keep-best", action="store_true", default=None, help="RUN_DIR/model holds the best evaluated "
+                   "model (by AUC, or HR@10 for next-item models; each written there when evaluated) instead of "
+                   "the last, and summary.json its best_iteration and best_metrics; needs --eval-every (default: "
+                   "the last)")
     p.add_argument("--slices", type=int, default=None,
                    help="--mode reference: compute each batch's gradient as this many trainers do, so that "
                         "--mode bagpipe with that many trainers gives the same result bit for bit"
@@ -199,7 +234,7 @@ def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:
 
     g = p.add_argument_group("the model (each reads its own settings)")
     g.add_argument("--model", dest="name", default=None, help=f"{', '.join(MODEL_NAMES)}" + _default("name"))
-    g.add_argument(*emb_flags, dest="emb_dim", type=int, default=None, help="embedding width" + _default("emb_dim"))
+    g.add_argument(*emb_flags, dest="emb_dim", type=int, default=None, help="embedding width" + _default("emb_dim", models=True))
     g.add_argument("--arch-mlp-bot", default=None, help="dlrm: bottom MLP sizes, from the dense features to the "
                    "embedding width" + _default("arch_mlp_bot"))
     g.add_argument("--arch-mlp-top", default=None, help="dlrm: top MLP sizes after the interaction, ending in 1"
@@ -225,7 +260,7 @@ def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:
     g.add_argument("--horizontal-filters", type=int, default=None, help="caser: horizontal filters per height (n_h)"
                    + _default("horizontal_filters"))
     g.add_argument("--dropout", type=float, default=None, help="dropout rate of the deep parts, and caser's"
-                   + _default("dropout"))
+                   + _default("dropout", models=True))
 
 
 ORIGINAL_CHANNELS = tuple(range(10, 28, 2))  # the original FGCNN trainer's channel list, indexed by --filter-range
@@ -397,6 +432,8 @@ def _add_oracle_flags(p) -> None:
                        ("max-eval-rows", "test rows evaluated; 0: all"), ("eval-batch-size", "samples per eval batch"),
                        ("eval-every", "evaluate also every N iterations (from a checkpoint); 0: only at the end")):
         p.add_argument(f"--{name}", type=int, default=None, help=text + _default(name.replace("-", "_")))
+    p.add_argument("--keep-best", action="store_true", default=None, help="RUN_DIR/model holds the best evaluated "
+                   "model instead of the last (needs --eval-every; default: the last)")
     p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, agreed with the trainers'"
                    + _default("optimizer"))
     p.add_argument("--lr", type=float, default=None, help="learning rate, agreed with the trainers'" + _default("lr"))
@@ -451,7 +488,8 @@ def _add_plan_stats(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bagpipe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="bagpipe", description=DESCRIPTION, epilog=QUICK_START,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_synth, _add_preprocess, _add_train, _add_export, _add_report, _add_plan_stats,
                 _add_roles):
@@ -539,7 +577,7 @@ def run_train(args) -> None:
 
 
 def human_summary(summary: dict) -> str:
-    from bagpipe.report import figure
+    from bagpipe.report import figure, health_lines
 
     lines = [
         f"mode {summary['mode']} ({summary.get('model', 'dlrm')}): {summary['iterations']} iterations, "
@@ -554,6 +592,9 @@ def human_summary(summary: dict) -> str:
     if "eval_hr10" in summary:
         lines.append(f"  eval HR@10  {figure(summary['eval_hr10'], '.4f')}   "
                      f"NDCG@10 {figure(summary['eval_ndcg10'], '.4f')}")
+        lines += [f"  {name:<11} {figure(summary[prefix + 'hr10'], '.4f')}   NDCG@10 "
+                  f"{figure(summary[prefix + 'ndcg10'], '.4f')}" for name, prefix in
+                  (("popular", "eval_popular_"), ("co-occur.", "eval_cooccurrence_")) if prefix + "hr10" in summary]
     if summary["mode"] in ("bagpipe", "single"):
         stall = (f", stall {100 * summary['embedding_stall_fraction']:.1f}% of trainer time"
                  if "embedding_stall_fraction" in summary else "")
@@ -564,7 +605,7 @@ def human_summary(summary: dict) -> str:
         if summary.get(f"best_{metric}") is not None and figure(summary.get(f"eval_{metric}"), "") != "n/a":
             gap = summary[f"best_{metric}"] - summary[f"eval_{metric}"]
             lines.append(f"  best {name:<7}{summary[f'best_{metric}']:.4f} (planted model; gap {gap:+.4f})")
-    return "\n".join(lines)
+    return "\n".join(lines + health_lines(summary))
 
 
 def run_export(args) -> None:

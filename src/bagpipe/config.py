@@ -27,6 +27,7 @@ MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the re
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
 CROSS_KINDS = ("vector", "matrix")
 DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpipe.data
+EVAL_PROTOCOLS = ("unseen", "history")  # next-item evaluation's candidates: bagpipe.ranking.PROTOCOLS
 MIN_LIVENESS_S = 1.0  # the shortest liveness window (judged on four heartbeats: World.beat_s)
 # TensorPipe's transports and channels, by the names TensorPipeRpcBackendOptions takes (whether one is usable
 # depends on the machine: ibv needs InfiniBand, the cuda_* channels GPUs)
@@ -171,7 +172,8 @@ class TrainConfig:
     data: str  # a directory holding train and test splits (TSV, JSON lines or preprocessed)
     run_dir: str
     mode: str = "reference"
-    iterations: int = 0  # 0: one pass over the training split
+    iterations: int = 0  # 0: `epochs` passes over the training split
+    epochs: int = 1  # passes over the training split, when iterations is 0
     batch_size: int = 2048
     eval_batch_size: int = 16384
     optimizer: str = "adagrad"
@@ -179,10 +181,15 @@ class TrainConfig:
     seed: int = 0
     shuffle: bool = False  # Criteo data is in time order; shuffling is an explicit choice
     shuffle_seed: int = 0
+    fresh_negatives: bool = True  # next-item data: each pass after the first draws new negatives (data.negatives)
     warmup_iterations: int = 5  # excluded from the steady-state samples/s
     log_every: int = 10
     max_eval_rows: int = 0  # 0: the whole test split
     eval_every: int = 0  # evaluate also every this many iterations (a metrics point each); 0: only at the end
+    # next-item models: the items a test target is ranked among (bagpipe.ranking): "unseen", every item the user
+    # did not interact with in training (the standard protocol), or "history", all but the sample's history
+    eval_protocol: str = "unseen"
+    keep_best: bool = False  # model/ holds the best evaluated state (by AUC or HR@10, every eval_every), not the last
     holdout: float = 1 / 7  # data with no test split: its last share is the test split (Criteo Kaggle's last day)
     data_format: str = ""  # criteo, avazu, jsonl or movielens; "": from the file's name or content
     # criteo, avazu text: ids by a vocabulary of the train split's values seen this often (the rest share
@@ -251,7 +258,7 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        for name in ("batch_size", "eval_batch_size", "log_every"):
+        for name in ("batch_size", "eval_batch_size", "log_every", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every",
@@ -261,11 +268,16 @@ class TrainConfig:
         for name in ("lr", "timeout"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
+        if self.keep_best and not self.eval_every:
+            raise ValueError("keep_best keeps the best of the evaluations during training: it needs eval_every "
+                             "(--eval-every N); without it the only evaluation is the last, whose model is kept anyway")
         check_liveness(self.liveness_s, self.timeout, name="liveness_s", timeout_name="timeout")
         rpc_lists(self.rpc_transports, self.rpc_channels)
         for name in ("cleanup_fraction", "holdout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.eval_protocol not in EVAL_PROTOCOLS:
+            raise ValueError(f"eval_protocol must be one of {', '.join(EVAL_PROTOCOLS)}, got {self.eval_protocol!r}")
         if self.data_format not in ("", *DATA_FORMATS):
             raise ValueError(f"data_format must be one of {', '.join(DATA_FORMATS)} (or empty: detected), "
                              f"got {self.data_format!r}")
@@ -323,7 +335,34 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
     values, model_values = given_settings(path, overrides)
     values.setdefault("data", "")
     values.setdefault("run_dir", "")
+    values, model_values = with_model_defaults(values, model_values)
     return TrainConfig(model=ModelConfig(**complete_model(model_values)), **values)
+
+
+# What `bagpipe train --model M` takes for the settings it is not given, where the dataclasses' defaults (chosen
+# for DLRM on Criteo) do not train M well: each model learns at its defaults with no flag (docs/benchmarks.md,
+# "Every model at its defaults"). Caser's are its paper's (Tang & Wang 2018: d 50, Adam at 1e-3, batch 512,
+# dropout 0.5) with the passes it needs; FGCNN's generated features multiply embeddings, and Adagrad at 0.01
+# diverges on some seeds.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "caser": {"emb_dim": 50, "dropout": 0.5, "optimizer": "adam", "lr": 1e-3, "batch_size": 512, "epochs": 20,
+              "shuffle": True},
+    "fgcnn": {"lr": 0.002},
+}
+
+
+def with_model_defaults(values: dict[str, Any], model_values: dict[str, Any]) -> tuple[dict, dict]:
+    """The settings given, completed by the chosen model's own defaults (MODEL_DEFAULTS) where not given."""
+    values, model_values = dict(values), dict(model_values)
+    model_names = {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, value in MODEL_DEFAULTS.get(model_values.get("name", ModelConfig.name), {}).items():
+        (model_values if name in model_names else values).setdefault(name, value)
+    return values, model_values
+
+
+def default_config(model: str = ModelConfig.name) -> TrainConfig:
+    """What `bagpipe train --model MODEL` runs with when given nothing else."""
+    return load_train_config(None, {"name": model, "data": "-", "run_dir": "-"})
 
 
 def given_settings(path: str | None, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -353,10 +392,11 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
-RESUMABLE_CHANGES = ("iterations", "log_every", "warmup_iterations", "timeout", "liveness_s", "rpc_transports",
-                     "rpc_channels", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints", "max_restarts",
-                     "max_eval_rows", "eval_batch_size", "eval_every", "master_port", "replace_trainers",
-                     "replace_oracle", "replace_data_servers", "storage", "storage_dir", "storage_budget_mb")
+RESUMABLE_CHANGES = ("iterations", "epochs", "log_every", "warmup_iterations", "timeout", "liveness_s",
+                     "rpc_transports", "rpc_channels", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
+                     "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every", "eval_protocol", "master_port",
+                     "replace_trainers", "replace_oracle", "replace_data_servers", "storage", "storage_dir",
+                     "storage_budget_mb")
 
 
 def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -386,6 +426,8 @@ def complete_model(values: dict[str, Any]) -> dict[str, Any]:
     (``--arch-mlp-bot 13-512-48`` means ``--emb-dim 48``; ``--emb-dim 48`` means a bottom MLP of
     13-512-256-48)."""
     values = dict(values)
+    if values.get("name", ModelConfig.name) != "dlrm":
+        return values
     if "arch_mlp_bot" in values and "emb_dim" not in values:
         values["emb_dim"] = parse_arch(values["arch_mlp_bot"], name="arch_mlp_bot")[-1]
     elif "emb_dim" in values and "arch_mlp_bot" not in values:

@@ -20,8 +20,9 @@ from bagpipe.checkpoint import background_priority
 from bagpipe.data.batches import read_batch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, gather, positions_in
-from bagpipe.metrics import log_loss, ranking_metrics, roc_auc
+from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.model_dir import RowSource
+from bagpipe.ranking import NextItemRanking, metrics_at
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,13 @@ def batch_embeddings(layout: EmbeddingLayout, source: RowSource, ids: torch.Tens
 
 @torch.no_grad()
 def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split: BinarySplit, *, batch_size: int,
-             max_rows: int = 0) -> dict:
-    """AUC and log-loss of a CTR model; HR@10 and NDCG@10 of a next-item model, every item ranked
-    (except the sample's own history, which it would not be recommended)."""
+             max_rows: int = 0, ranking: NextItemRanking | None = None) -> dict:
+    """AUC and log-loss of a CTR model; HR@K and NDCG@K (K in ranking.CUTOFFS) of a next-item model, its
+    target ranked among the candidates ``ranking``'s protocol names, beside the simple baselines ranked
+    the same way (bagpipe.ranking)."""
+    if model.task == "next-item" and ranking is None:
+        raise ValueError("a next-item evaluation needs its NextItemRanking (the users' training items and the "
+                         "baselines): see evaluation.ranking_for")
     model.eval()
     rows = min(split.rows, max_rows) if max_rows else split.rows
     outputs, ranks = [], []
@@ -58,16 +63,19 @@ def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split
         embeddings = batch_embeddings(layout, source, batch.ids)
         source.release()
         if items is not None:
-            ranks.append(_next_item_ranks(model, layout, items, embeddings, batch.ids))
+            ranks.append(_next_item_ranks(model, layout, items, embeddings, batch.ids, ranking))
         else:
             outputs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
     model.train()
     if model.task == "next-item":
-        hr, ndcg = ranking_metrics(np.concatenate(ranks) if ranks else np.zeros(0), k=10)
-        return {"eval_rows": rows, "eval_hr10": hr, "eval_ndcg10": ndcg}
+        return {"eval_rows": rows, **metrics_at(np.concatenate(ranks) if ranks else np.zeros(0)),
+                **ranking.baselines(split.ids[:rows])}
     labels = np.asarray(split.labels[:rows])
     scores = np.concatenate(outputs) if outputs else np.zeros(0)
-    return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores)}
+    # the predictions' spread: about 0 when the model predicts one value for every sample (health.COLLAPSE_STD)
+    spread = float(np.std(scores, dtype=np.float64)) if len(scores) else float("nan")
+    return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores),
+            "eval_pred_std": spread}
 
 
 def _item_tables(layout: EmbeddingLayout, source: RowSource) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,26 +92,29 @@ def _item_tables(layout: EmbeddingLayout, source: RowSource) -> tuple[torch.Tens
 
 
 def _next_item_ranks(model: nn.Module, layout: EmbeddingLayout, items: tuple[torch.Tensor, torch.Tensor],
-                     embeddings: Embeddings, ids: torch.Tensor) -> np.ndarray:
-    """The 0-based rank of each sample's first target among every item not in its history."""
-    scores = model.score_all(embeddings, *items)
+                     embeddings: Embeddings, ids: torch.Tensor, ranking: NextItemRanking) -> np.ndarray:
+    """The 0-based rank of each sample's first target among its candidates."""
+    ids = ids.numpy()
     history = ids[:, slice(*layout.schema.columns(1))]
-    target = ids[:, layout.schema.columns(2)[0]]
-    seen = torch.zeros_like(scores, dtype=torch.bool)
-    rows = torch.arange(len(ids)).unsqueeze(1).expand_as(history)
-    seen[rows[history >= 0], history[history >= 0]] = True
-    scores = scores.masked_fill(seen, float("-inf"))
-    target_scores = scores.gather(1, target.unsqueeze(1))
-    return (scores > target_scores).sum(dim=1).numpy()
+    return ranking.ranks(model.score_all(embeddings, *items), ids[:, 0], history, ids[:, layout.schema.columns(2)[0]])
+
+
+def ranking_for(model: nn.Module, dataset, *, protocol: str) -> NextItemRanking | None:
+    """What a next-item model's evaluations rank against (None for a CTR model or data with no test split)."""
+    if model.task != "next-item" or dataset.test is None or dataset.test.rows == 0:
+        return None
+    return NextItemRanking.of_dataset(dataset, protocol=protocol)
 
 
 class BackgroundEvaluations:
     """Evaluations of saved states, one at a time, in order, on a thread of lower priority, while training
-    goes on; each result is handed to ``on_result(iteration, metrics)`` (e.g. logged as a metrics point)."""
+    goes on; each result is handed to ``on_result(iteration, metrics, dense, source)`` with the state evaluated
+    (e.g. logged as a metrics point, and the state kept if it is the best so far)."""
 
     def __init__(self, model: nn.Module, layout: EmbeddingLayout, split: BinarySplit, *, batch_size: int,
-                 max_rows: int, on_result: Callable[[int, dict], None]) -> None:
-        self.model, self.layout, self.split = model, layout, split
+                 max_rows: int, on_result: Callable[[int, dict, dict, RowSource], None],
+                 ranking: NextItemRanking | None = None) -> None:
+        self.model, self.layout, self.split, self.ranking = model, layout, split, ranking
         self.batch_size, self.max_rows, self.on_result = batch_size, max_rows, on_result
         self.results: dict[int, dict] = {}
         self._jobs: queue.Queue = queue.Queue()
@@ -132,9 +143,9 @@ class BackgroundEvaluations:
             try:
                 self.model.load_state_dict(dense)
                 metrics = evaluate(self.model, self.layout, source, self.split, batch_size=self.batch_size,
-                                   max_rows=self.max_rows)
+                                   max_rows=self.max_rows, ranking=self.ranking)
                 self.results[iteration] = metrics
-                self.on_result(iteration, metrics)
+                self.on_result(iteration, metrics, dense, source)
             except BaseException as err:  # noqa: BLE001 - raised on the caller's thread by submit() / close()
                 self._failure = err
 

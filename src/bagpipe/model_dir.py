@@ -152,6 +152,16 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
     return path
 
 
+def evaluation_of(path: str | Path) -> tuple[int, dict] | None:
+    """The iteration and the evaluation that the model dir at ``path`` records (``info``'s ``iteration`` and
+    ``metrics``), if there is one there with an evaluation."""
+    meta_path = Path(path) / META
+    if not meta_path.is_file():
+        return None
+    meta = _read_meta(meta_path)
+    return (meta["iteration"], meta["metrics"]) if isinstance(meta.get("metrics"), dict) else None
+
+
 def _read_meta(path: Path) -> dict:
     """model.json at ``path``, checked for every field a reader uses; a ValueError naming it if one is wrong."""
     meta = read_json(path)

@@ -10,8 +10,8 @@ import shutil
 
 import numpy as np
 
-from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig
-from bagpipe.data.batches import batch_rows, batches_per_epoch, read_batch
+from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, default_config
+from bagpipe.data.batches import batch_rows, batches_per_epoch, fresh_negatives, planned_iterations, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
@@ -171,14 +171,17 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
     tight = [s for s, space in enumerate(layout.spaces) if shares[s] < cached * len(space.data_columns)]
     if not tight:
         return
-    iterations = config.iterations or batches_per_epoch(split, config.batch_size)
+    iterations = planned_iterations(config, split)
     stamps = {s: np.zeros(layout.spaces[s].num_rows, dtype=np.int64) for s in tight}
     bar = progress(total=iterations, desc="check cache", unit="batch", enabled=show_progress)
     rows = batch_rows(split, batch_size=config.batch_size, iterations=iterations, shuffle=config.shuffle,
                       shuffle_seed=config.shuffle_seed)
     cardinalities, lowest = split.column_bounds()
+    negatives, per_epoch = fresh_negatives(config, split), batches_per_epoch(split, config.batch_size)
     for iteration, selector in enumerate(rows):
-        ids = np.asarray(split.ids[selector], dtype=np.int64)
+        ids = np.array(split.ids[selector], dtype=np.int64)
+        if negatives is not None:
+            negatives.apply(ids, selector, iteration // per_epoch)
         if ((ids < lowest) | (ids >= cardinalities)).any():
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table
         for part in range(len(ids) // cached):
@@ -201,8 +204,9 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
 
 
 def ignored_settings(config: TrainConfig) -> list[str]:
-    """Warnings for settings changed from their defaults that the chosen mode does not read."""
-    defaults = TrainConfig(data="-", run_dir="-")
+    """Warnings for settings changed from their defaults (the model's own: config.MODEL_DEFAULTS) that the
+    chosen mode or model does not read."""
+    defaults = default_config(config.model.name)
     changed = [f.name for f in dataclasses.fields(TrainConfig)
                if f.name != "model" and getattr(config, f.name) != getattr(defaults, f.name)]
     unread = {"bagpipe": REFERENCE_SETTINGS, "reference": JOB_SETTINGS,

@@ -22,12 +22,13 @@ from bagpipe import models
 from bagpipe.checkpoint import (CheckpointSchedule, CheckpointWriter, capture, discard_after, load_checkpoint,
                                 resumable_checkpoint, restore)
 from bagpipe.config import TrainConfig, config_to_dict
-from bagpipe.data.batches import Batch, batches_per_epoch, iterate_batches
+from bagpipe.data.batches import Batch, batches_per_epoch, fresh_negatives, iterate_batches, planned_iterations
 from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.evaluation import evaluate, no_evaluation
-from bagpipe.model_dir import MODEL_DIR, TableRows, write_model_dir
+from bagpipe.evaluation import METRICS, evaluate, no_evaluation, ranking_for
+from bagpipe.health import Best, EvaluationWatch, LossWatch
+from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.faults import inject_fault
 from bagpipe.metrics import CounterWindow, share
@@ -35,6 +36,7 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
+from bagpipe.ranking import NextItemRanking
 from bagpipe.rundir import RunDir, sweep_working_files
 from bagpipe.runlock import lock_run_dir
 from bagpipe.storage import StorageSpec
@@ -199,14 +201,14 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     checkpoint = None
     if resume:
         dataset = prepare_data(config, show_progress=show_progress)
-        iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+        iterations = planned_iterations(config, dataset.train)
         checkpoint = resumable_checkpoint(config.run_dir, iterations=iterations)
         for warning in check_job(config, dataset, show_progress=show_progress):
             log.warning("%s", warning)
         run = RunDir(config.run_dir, append=True)
     else:
         dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
-        iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+        iterations = planned_iterations(config, dataset.train)
         run = RunDir(config.run_dir)
     cleanup.callback(run.close)  # (a run that fails still lets its metrics log go)
     storage = storage_path(config.storage_dir, config.run_dir)
@@ -226,6 +228,10 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
     progress_state = _resume(config, run, model, dense_optimizer, tables, checkpoint) if resume else _Progress()
     start = progress_state.iteration
+    # Its health (health.py), as far as an interrupted run had judged it, and its best evaluation.
+    loss_watch = LossWatch(**progress_state.loss_watch)
+    watch = evaluation_watch(config, run, task=model.task, train=dataset.train)
+    ranking = ranking_for(model, dataset, protocol=config.eval_protocol)
     writer = None
     if config.checkpoints:
         tables.track_changes()
@@ -251,7 +257,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     testable = dataset.test is not None and dataset.test.rows > 0
     eval_s = 0.0
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
-                              shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start)
+                              shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start,
+                              negatives=fresh_negatives(config, dataset.train))
     if config.mode == "single" and config.policy == "lookahead":
         batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
                             cleanup_fraction=cleanup_fraction)
@@ -261,6 +268,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         loss = train_step(model, tables, dense_optimizer, batch, clock, slices=config.slices, seed=config.seed,
                           iteration=iteration)
         clock.end_iteration()
+        for warning in loss_watch.loss(iteration + 1, loss):
+            run.warn(warning)
         check_loss(loss, iteration, config)
         inject_fault(f"iteration {iteration}")
         now = time.perf_counter()
@@ -284,10 +293,11 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
             writer.wait()  # one write at a time; its outcome decides whether this one is a full base
             full = writer.wants_full()
             writer.save(capture(iteration + 1, model, dense_optimizer, tables, full=full,
-                                extra={"recent_losses": list(recent_losses),
+                                extra={"recent_losses": list(recent_losses), "loss_watch": loss_watch.state(),
                                        "torch_threads": torch.get_num_threads()}), full=full)
         if config.eval_every and testable and iteration + 1 < iterations and (iteration + 1) % config.eval_every == 0:
-            eval_s += _evaluate_at(iteration + 1, model, tables, dataset.test, run, config)[1]
+            eval_s += _evaluate_at(iteration + 1, model, tables, dataset.test, run, config, watch,
+                                   ranking=ranking)[1]
             tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
     bar.close()
@@ -297,13 +307,15 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
 
     metrics = no_evaluation(model)
     if testable:
-        metrics, seconds = _evaluate_at(iterations, model, tables, dataset.test, run, config)
+        metrics, seconds = _evaluate_at(iterations, model, tables, dataset.test, run, config, watch, final=True,
+                                        ranking=ranking)
         eval_s += seconds
     else:
         log.warning("%s has no test split: skipping evaluation", dataset.directory)
 
-    write_model_dir(run.path / MODEL_DIR, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables),
-                    info={"iteration": iterations, "mode": config.mode, "model": config.model.name})
+    if keeps_final(config, watch, iterations):
+        write_model(run, config, iterations, metrics, dense=model.state_dict(), layout=tables.layout,
+                    source=TableRows(tables))
     summary = {
         "mode": config.mode,
         "model": config.model.name,
@@ -313,6 +325,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         "final_train_loss": loss if iterations > start else run.last_train_loss(),
         **metrics,
         **best_metrics(dataset.meta),
+        **health_summary(config, run, watch),
         "setup_s": setup_s,
         "startup_s": first_iteration_s,
         "time_breakdown_ms": clock.steady_ms(),
@@ -352,13 +365,62 @@ def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dic
 
 
 def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, split: BinarySplit, run: RunDir,
-                 config: TrainConfig) -> tuple[dict, float]:
-    """Evaluate the state after ``iteration`` iterations, logged as a metrics point; its metrics and seconds."""
+                 config: TrainConfig, watch: EvaluationWatch, *, final: bool = False,
+                 ranking: NextItemRanking | None = None) -> tuple[dict, float]:
+    """Evaluate the state after ``iteration`` iterations, logged as a metrics point, judged by ``watch`` and, with
+    --keep-best, kept in model/ if it is the best so far (the ``final`` state: by the caller); its metrics and
+    seconds."""
     started = time.perf_counter()
     metrics = evaluate(model, tables.layout, TableRows(tables), split, batch_size=config.eval_batch_size,
-                       max_rows=config.max_eval_rows)
-    run.log_metrics(event="eval", iteration=iteration, samples=iteration * config.batch_size, **metrics)
+                       max_rows=config.max_eval_rows, ranking=ranking)
+    record_evaluation(config, run, watch, iteration, metrics, final=final, keep=lambda: write_model(
+        run, config, iteration, metrics, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables)))
     return metrics, time.perf_counter() - started
+
+
+def evaluation_watch(config: TrainConfig, run: RunDir, *, task: str, train: BinarySplit) -> EvaluationWatch:
+    """What judges a run's evaluations (health.py), with what the run logged so far (a resumed run, a lost oracle's
+    replacement) and, with --keep-best, the model it kept in model/."""
+    watch = EvaluationWatch(metric=METRICS[task][0], batches_per_epoch=batches_per_epoch(train, config.batch_size))
+    watch.replay(run.records())
+    if config.keep_best and (kept := evaluation_of(run.path / MODEL_DIR)) is not None:
+        watch.keep(Best(*kept))
+    return watch
+
+
+def record_evaluation(config: TrainConfig, run: RunDir, watch: EvaluationWatch, iteration: int, metrics: dict, *,
+                      final: bool, keep: Callable[[], None]) -> None:
+    """An evaluation after ``iteration`` iterations judged by ``watch`` (every mode's): with --keep-best, a new best
+    but the final state written to model/ (``keep``) first, then its warnings and its metrics point logged; an
+    interrupted run's model/ never holds a better model than the log says (a resumed run reads both)."""
+    warnings, best = watch.evaluation(iteration, metrics)
+    if best and config.keep_best and not final:
+        keep()
+    for warning in warnings:
+        run.warn(warning)
+    run.log_metrics(event="eval", iteration=iteration, samples=iteration * config.batch_size, **metrics)
+
+
+def keeps_final(config: TrainConfig, watch: EvaluationWatch, iterations: int) -> bool:
+    """Whether the final state goes to model/: unless --keep-best kept a better one evaluated before."""
+    if not config.keep_best or watch.best is None or watch.best.iteration == iterations:
+        return True
+    log.info("--keep-best: model/ holds the model of iteration %d, the best evaluated (%s %.4f), not the last",
+             watch.best.iteration, watch.metric, watch.best.metrics[watch.metric])
+    return False
+
+
+def write_model(run: RunDir, config: TrainConfig, iteration: int, metrics: dict, *, dense: dict, layout: EmbeddingLayout,
+                source: RowSource) -> None:
+    """The state after ``iteration`` iterations written to the run's model/, with its evaluation."""
+    write_model_dir(run.path / MODEL_DIR, dense=dense, layout=layout, source=source,
+                    info={"iteration": iteration, "mode": config.mode, "model": config.model.name, "metrics": metrics})
+
+
+def health_summary(config: TrainConfig, run: RunDir, watch: EvaluationWatch | None) -> dict:
+    """summary.json's warnings (every process's, as the run recorded them) and best evaluation (``watch``: None
+    for a run not evaluated)."""
+    return {"warnings": run.warnings(), "keep_best": config.keep_best, **(watch.summary() if watch else {})}
 
 
 @dataclass
@@ -367,6 +429,7 @@ class _Progress:
 
     iteration: int = 0
     recent_losses: list[float] = field(default_factory=list)
+    loss_watch: dict = field(default_factory=dict)  # health.LossWatch's state
 
 
 def _resume(config: TrainConfig, run: RunDir, model: nn.Module, dense_optimizer: torch.optim.Optimizer,
@@ -383,7 +446,8 @@ def _resume(config: TrainConfig, run: RunDir, model: nn.Module, dense_optimizer:
     discard_after(config.run_dir, state.iteration)
     run.forget_metrics_after(state.iteration)
     log.info("resuming %s from its checkpoint at iteration %d", config.run_dir, state.iteration)
-    return _Progress(iteration=state.iteration, recent_losses=list(state.extra.get("recent_losses", [])))
+    return _Progress(iteration=state.iteration, recent_losses=list(state.extra.get("recent_losses", [])),
+                     loss_watch=dict(state.extra.get("loss_watch", {})))
 
 
 def check_loss(loss: float, iteration: int, config: TrainConfig) -> None:

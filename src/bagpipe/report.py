@@ -110,7 +110,29 @@ def summarize(run: Run) -> str:
     cpu = s.get("cpu_s") or {}
     if cpu:
         lines.append("  CPU time     " + ", ".join(f"{role} {sec:,.1f} s" for role, sec in cpu.items()))
-    return "\n".join(lines)
+    return "\n".join(lines + baseline_lines(s) + health_lines(s))
+
+
+def baseline_lines(summary: dict) -> list[str]:
+    """A next-item run's baselines, ranked as its model was (bagpipe.ranking), beside its own figures."""
+    if "eval_popular_hr10" not in summary:
+        return []
+    rows = [("model", "eval_"), ("most popular", "eval_popular_"), ("co-occurrence", "eval_cooccurrence_")]
+    return [f"  {'vs baselines' if i == 0 else '':12} {name:14} HR@10 {figure(summary.get(prefix + 'hr10'), '.4f')}"
+            f"   NDCG@10 {figure(summary.get(prefix + 'ndcg10'), '.4f')}" for i, (name, prefix) in enumerate(rows)]
+
+
+def health_lines(summary: dict) -> list[str]:
+    """The best evaluation (which model/ holds, with --keep-best) and the warnings about the run's health."""
+    lines = []
+    best = summary.get("best_metrics")
+    if best and summary.get("best_iteration") != summary.get("iterations"):
+        metric, name = headline(best)
+        kept = "model/ holds it (--keep-best)" if summary.get("keep_best") else "model/ holds the last"
+        lines.append(f"  best eval    {name} {figure(best.get('eval_' + metric), '.4f')} at iteration "
+                     f"{summary['best_iteration']}: {kept}")
+    lines += [f"  WARNING      {warning['message']}" for warning in summary.get("warnings") or []]
+    return lines
 
 
 def _finite(value) -> bool:

@@ -9,6 +9,7 @@ one, an unfinished run whose other files are not to be presented as results.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -18,10 +19,14 @@ from pathlib import Path
 
 from bagpipe.checkpoint import checkpoints_dir
 from bagpipe.files import save_torch, writing
+from bagpipe.health import RunWarning
 from bagpipe.model_dir import MODEL_DIR, ModelDir
 from bagpipe.runlock import LOCK
 
+log = logging.getLogger(__name__)
+
 SUMMARY = "summary.json"
+WARNING = "warning"  # the metrics log's event of a warning about the run's health (RunDir.warn)
 MARKER = ".bagpipe-run"  # written first into every run dir: --overwrite deletes only directories holding it
 
 
@@ -100,17 +105,30 @@ class RunDir:
             self._metrics.write(line)
             self._metrics.flush()
 
-    def evaluated_iterations(self) -> set[int]:
-        """The iterations the metrics log has an evaluation (``eval`` record) of."""
-        found = set()
+    def warn(self, warning: RunWarning) -> None:
+        """Say ``warning`` (health.py's) in the log, and record it in the metrics log (summary.json lists them)."""
+        log.warning("%s", warning.message)
+        self.log_metrics(event=WARNING, **warning.to_dict())
+
+    def records(self) -> list[dict]:
+        """Every whole record of the metrics log, in the order logged."""
+        records = []
         for line in (self.path / "metrics.jsonl").read_text().splitlines():
             try:
-                record = json.loads(line)
+                records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-            if record.get("event") == "eval":
-                found.add(record["iteration"])
-        return found
+        return records
+
+    def warnings(self) -> list[dict]:
+        """The warnings the run has recorded (``warn``): kind, iteration and message each, by iteration."""
+        found = [{name: r[name] for name in ("kind", "iteration", "message")}
+                 for r in self.records() if r.get("event") == WARNING]
+        return sorted(found, key=lambda w: w["iteration"])
+
+    def evaluated_iterations(self) -> set[int]:
+        """The iterations the metrics log has an evaluation (``eval`` record) of."""
+        return {record["iteration"] for record in self.records() if record.get("event") == "eval"}
 
     def last_train_loss(self) -> float | None:
         """The last training loss the metrics log holds (a resumed run with nothing left to train reports it)."""

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from bagpipe.data.binary import BinarySplit
+from bagpipe.data.negatives import FreshNegatives
+from bagpipe.data.schema import is_next_item
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ def batches_per_epoch(split: BinarySplit, batch_size: int) -> int:
     return split.rows // batch_size
 
 
+def planned_iterations(config, split: BinarySplit) -> int:
+    """A run's iterations: ``config.iterations``, or ``config.epochs`` passes over ``split`` when that is 0."""
+    return config.iterations or config.epochs * batches_per_epoch(split, config.batch_size)
+
+
 def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool,
                shuffle_seed: int, start: int = 0) -> Iterator[slice | np.ndarray]:
     """Row selectors of each iteration's global batch from ``start`` on; an incomplete last batch is dropped.
@@ -56,9 +63,13 @@ def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle:
             yield slice(index * batch_size, (index + 1) * batch_size)
 
 
-def read_batch(split: BinarySplit, rows: slice | np.ndarray) -> Batch:
-    """The batch of ``rows``; an id outside its table is refused (it would read another table's row)."""
+def read_batch(split: BinarySplit, rows: slice | np.ndarray, *, epoch: int = 0,
+               negatives: FreshNegatives | None = None) -> Batch:
+    """The batch of ``rows``; an id outside its table is refused (it would read another table's row). With
+    ``negatives``, a next-item batch of pass ``epoch`` carries that pass's negatives (data.negatives)."""
     ids = np.array(split.ids[rows], dtype=np.int64)
+    if negatives is not None:
+        negatives.apply(ids, rows, epoch)
     cardinalities, lowest = split.column_bounds()
     bad = (ids < lowest) | (ids >= cardinalities)
     if bad.any():
@@ -75,7 +86,16 @@ def read_batch(split: BinarySplit, rows: slice | np.ndarray) -> Batch:
 
 
 def iterate_batches(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool = False,
-                    shuffle_seed: int = 0, start: int = 0) -> Iterator[Batch]:
-    for rows in batch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=shuffle,
-                           shuffle_seed=shuffle_seed, start=start):
-        yield read_batch(split, rows)
+                    shuffle_seed: int = 0, start: int = 0, negatives: FreshNegatives | None = None) -> Iterator[Batch]:
+    per_epoch = batches_per_epoch(split, batch_size)
+    for iteration, rows in enumerate(batch_rows(split, batch_size=batch_size, iterations=iterations,
+                                                shuffle=shuffle, shuffle_seed=shuffle_seed, start=start), start):
+        yield read_batch(split, rows, epoch=iteration // per_epoch, negatives=negatives)
+
+
+def fresh_negatives(config, split: BinarySplit) -> FreshNegatives | None:
+    """The negatives a run's passes after the first draw (``config.fresh_negatives`` on next-item data), or None."""
+    one_pass = planned_iterations(config, split) <= batches_per_epoch(split, config.batch_size)
+    if one_pass or not (config.fresh_negatives and is_next_item(split.schema)):
+        return None
+    return FreshNegatives(split.ids, split.schema, seed=config.seed)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from bagpipe.checkpoint import resumable_checkpoint, valid_checkpoints
 from bagpipe.config import TrainConfig, dump_toml
-from bagpipe.data.batches import batches_per_epoch
+from bagpipe.data.batches import planned_iterations
 from bagpipe.preflight import check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
-from bagpipe.rundir import SUMMARY, forget_metrics_after, sweep_working_files, write_json_atomic
+from bagpipe.rundir import SUMMARY, WARNING, forget_metrics_after, sweep_working_files, write_json_atomic
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
 from bagpipe.runtime.forkserver import ForkedProcess, ForkServer
@@ -139,9 +139,9 @@ def _prepare(config: TrainConfig, *, overwrite: bool, resume: bool, show_progres
     and a resumed run's checkpoint against its iterations. The iterations to train."""
     if not resume:
         dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
-        return config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+        return planned_iterations(config, dataset.train)
     dataset = prepare_data(config, show_progress=show_progress)
-    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+    iterations = planned_iterations(config, dataset.train)
     resumable_checkpoint(config.run_dir, iterations=iterations)
     for warning in check_job(config, dataset, show_progress=show_progress):
         log.warning("%s", warning)
@@ -257,7 +257,8 @@ def _newest_boundary(run_dir: Path) -> int | None:
 
 class _MetricsTail:
     """What trainer 0 has appended to metrics.jsonl so far, read incrementally: the iterations done and the loss
-    (the progress bar), when they were reached and when a resumed job trained again (a restart's timings)."""
+    (the progress bar), when they were reached and when a resumed job trained again (a restart's timings); the
+    warnings about the run's health that its roles recorded are said here as they come (their logs are files)."""
 
     def __init__(self, path: Path, *, offset: int = 0, iteration: int = 0) -> None:
         self.path, self.offset = path, offset
@@ -281,6 +282,8 @@ class _MetricsTail:
                 continue
             if record.get("event") == RESUMED:
                 self.resumed_at = record["time"]
+            elif record.get("event") == WARNING:
+                log.warning("%s", record["message"])
             elif "train_loss" in record and record["iteration"] > self.iteration:
                 self.iteration, self.loss = record["iteration"], record["train_loss"]
                 self.reached[self.iteration] = record["time"]

@@ -20,7 +20,7 @@ import time
 
 from bagpipe.checkpoint import discard_after, valid_checkpoints
 from bagpipe.config import ModelConfig, TrainConfig, complete_model, config_to_dict
-from bagpipe.data.batches import batches_per_epoch
+from bagpipe.data.batches import planned_iterations
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
 from bagpipe.faults import inject_fault
@@ -81,7 +81,7 @@ def job_info(config: TrainConfig, world: World, dataset: BinaryDataset, *, resum
     """The job every role runs: ``config`` over ``dataset`` with ``world``'s trainers, from checkpoint ``resume``
     (name, boundary) if given. ``scripts``: the trainers are scripts (``init_cache``), whose model is their own, so
     no share of it can be computed again (a lost trainer is not replaced)."""
-    iterations = config.iterations or batches_per_epoch(dataset.train, config.batch_size)
+    iterations = planned_iterations(config, dataset.train)
     if config.batch_size % world.num_trainers:
         raise ValueError(f"batch_size {config.batch_size} is not a multiple of the {world.num_trainers} trainers")
     layout = job_layout(config, dataset)

@@ -15,9 +15,10 @@ import time
 
 from bagpipe.config import EXTERNAL, TrainConfig
 from bagpipe.data.binary import BinaryDataset
-from bagpipe.evaluation import BackgroundEvaluations
+from bagpipe.evaluation import BackgroundEvaluations, ranking_for
 from bagpipe.checkpoint import ChainRows
-from bagpipe.reference import build_model
+from bagpipe.model_dir import RowSource
+from bagpipe.reference import build_model, evaluation_watch, record_evaluation, write_model
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.keys import ORACLE_REPLACED, TRAINER_DONE
@@ -51,14 +52,16 @@ class Oracle:
         self.routes = Routes(world)
         if takeover is not None:
             self.routes.load(store)
-        # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the background.
-        self.evaluations = None
+        # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the background,
+        # each judged (health.py: collapse, falls, the best kept with --keep-best) with what the run logged so far.
+        self.evaluations = self.watch = None
         if config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0:
-            self.evaluations = BackgroundEvaluations(
-                build_model(config, dataset.schema), self.layout, dataset.test, batch_size=config.eval_batch_size,
-                max_rows=config.max_eval_rows,
-                on_result=lambda iteration, metrics: run.log_metrics(event="eval", iteration=iteration,
-                                                                     samples=iteration * config.batch_size, **metrics))
+            model = build_model(config, dataset.schema)
+            self.watch = evaluation_watch(config, run, task=model.task, train=dataset.train)
+            self.evaluations = BackgroundEvaluations(model, self.layout, dataset.test,
+                                                     batch_size=config.eval_batch_size, max_rows=config.max_eval_rows,
+                                                     on_result=self._evaluated,
+                                                     ranking=ranking_for(model, dataset, protocol=config.eval_protocol))
         self.checkpoints = JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
                                           resumed_at=job.start if job.resume else None, routes=self.routes,
                                           on_evaluable=self._evaluable if self.evaluations is not None else None,
@@ -84,6 +87,13 @@ class Oracle:
 
     def _evaluable(self, boundary: int, dense: dict, rows: ChainRows) -> None:
         self.evaluations.submit(boundary, dense, rows)
+
+    def _evaluated(self, iteration: int, metrics: dict, dense: dict, source: RowSource) -> None:
+        """(The evaluations' thread) The state after ``iteration`` iterations evaluated: logged, judged, kept in
+        model/ if it is the best so far with --keep-best (the final state: by ``summary.finish``)."""
+        record_evaluation(self.config, self.run, self.watch, iteration, metrics, final=iteration == self.iterations,
+                          keep=lambda: write_model(self.run, self.config, iteration, metrics, dense=dense,
+                                                   layout=self.layout, source=source))
 
     def _resumed(self, replay_s: float) -> None:
         """This replacement has planned again what its trainers had (in ``replay_s``): its next plans are new."""

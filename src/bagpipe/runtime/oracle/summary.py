@@ -16,7 +16,7 @@ from bagpipe.checkpoint import ChainRows, checkpoints_dir
 from bagpipe.config import EXTERNAL
 from bagpipe.evaluation import no_evaluation
 from bagpipe.model_dir import MODEL_DIR, write_model_dir
-from bagpipe.reference import best_metrics, build_model
+from bagpipe.reference import best_metrics, build_model, health_summary, keeps_final, write_model
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.protocol import TrainerStats
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
@@ -57,8 +57,11 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
     if oracle.evaluations is not None:
         metrics.update(oracle.evaluations.close().get(oracle.iterations, {}))
     eval_s = time.perf_counter() - eval_started
-    write_model_dir(run.path / MODEL_DIR, dense=dense_state, layout=layout, source=final_rows,
-                    info={"iteration": oracle.iterations, "mode": "bagpipe", "model": config.model.name})
+    if oracle.watch is None:  # not evaluated
+        write_model_dir(run.path / MODEL_DIR, dense=dense_state, layout=layout, source=final_rows,
+                        info={"iteration": oracle.iterations, "mode": "bagpipe", "model": config.model.name})
+    elif keeps_final(config, oracle.watch, oracle.iterations):
+        write_model(run, config, oracle.iterations, metrics, dense=dense_state, layout=layout, source=final_rows)
     shutil.rmtree(final_dir)
     if not config.checkpoints:  # those taken to evaluate from (--eval-every) served their purpose
         shutil.rmtree(checkpoints_dir(config.run_dir), ignore_errors=True)
@@ -73,6 +76,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
                              else run.last_train_loss()),  # (a resumed run with nothing left to train)
         **metrics,
         **best_metrics(dataset.meta),
+        **health_summary(config, run, oracle.watch),
         **({"resumed_at": oracle.start} if oracle.start else {}),
         "trainers": oracle.world.num_trainers,
         "servers": oracle.world.num_servers,

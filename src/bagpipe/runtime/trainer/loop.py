@@ -12,6 +12,7 @@ import torch
 from bagpipe.checkpoint import cloned_state, load_dense, resume_chain
 from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
+from bagpipe.health import LossWatch
 from bagpipe.metrics import CounterWindow, share
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
@@ -29,7 +30,8 @@ class DenseModel:
     """The dense model a trainer trains (this trainer's ``part`` of the global batch) and its optimizer, with what
     a lost trainer's recovery needs of them (``hooks``): the last iterations' inputs, the shares computed again,
     and the state a replacement takes. ``losses``: those since the last log (a replacement for trainer 0 logs
-    with them)."""
+    with them). ``loss_watch``: the run's divergence, judged on every trainer (the loss is the global batch's), so
+    that a replacement for trainer 0, which says what it finds, goes on from a survivor's."""
 
     def __init__(self, config: TrainConfig, layout, *, part: int) -> None:
         deterministic()
@@ -38,6 +40,7 @@ class DenseModel:
         self.optimizer = make_row_optimizer(config.optimizer, lr=config.lr).dense_optimizer(self.model.parameters())
         self.redo = RedoLog(list(self.model.parameters()))
         self.losses: list[float] = []
+        self.loss_watch = LossWatch()
 
     def make(self) -> torch.nn.Module:
         """A fresh copy of the model, from the run's seed."""
@@ -53,7 +56,8 @@ class DenseModel:
         since_log = boundary % self.config.log_every
         return DenseState(model=cloned_state(self.model.state_dict()),
                           optimizer=cloned_state(self.optimizer.state_dict()),
-                          losses=self.losses[len(self.losses) - since_log:] if since_log else [])
+                          losses=self.losses[len(self.losses) - since_log:] if since_log else [],
+                          loss_watch=self.loss_watch.state())
 
     def load(self, model: dict, optimizer: dict) -> None:
         self.model.load_state_dict(model)
@@ -70,11 +74,13 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         handed = runtime.lost.replace_lost(dense.make, runtime.layout)
         dense.load(handed.dense.model, handed.dense.optimizer)
         start, dense.losses = handed.iteration, list(handed.dense.losses)
+        dense.loss_watch = LossWatch(**handed.dense.loss_watch)
     elif job.resume:  # the dense state of the checkpoint; the rows come from the servers through the plan
         directory, chain = resume_chain(config.run_dir, job.resume)
         saved = load_dense(directory, chain[-1])
         dense.load(saved["dense"], saved["dense_optimizer"])
         dense.losses = list(chain[-1]["extra"].get("recent_losses", []))
+        dense.loss_watch = LossWatch(**chain[-1]["extra"].get("loss_watch", {}))
     losses = dense.losses
     params = list(model.parameters())
     # The parameters the model names as complete first in the backward (DLRM: the top MLP): their
@@ -102,7 +108,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         if message.checkpoint and leader:
             runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
                                     dense_optimizer=cloned_state(dense_optimizer.state_dict()),
-                                    extra={"recent_losses": list(losses)})
+                                    extra={"recent_losses": list(losses), "loss_watch": dense.loss_watch.state()})
             inject_fault(f"checkpoint sent {message.iteration}")
         elif message.checkpoint and runtime.shared is not None:  # partitioned: every trainer's rows are its own
             runtime.send_checkpoint(message.iteration, dense=None, dense_optimizer=None, extra={})
@@ -127,6 +133,9 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         loss = float(flat[-1])
         clock.lap("optimizer")
         iteration = message.iteration
+        for warning in dense.loss_watch.loss(iteration + 1, loss):
+            if leader:
+                run.warn(warning)
         check_loss(loss, iteration, config)
         inject_fault(f"iteration {iteration}")
         now = time.perf_counter()

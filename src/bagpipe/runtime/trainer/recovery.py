@@ -38,11 +38,13 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class DenseState:
     """The dense part of a trainer's state at an iteration boundary: the model's and its optimizer's state dicts,
-    and the losses since the last log (a replacement for trainer 0 logs with them)."""
+    the losses since the last log (a replacement for trainer 0 logs with them) and the run's divergence watch
+    (``health.LossWatch.state()``)."""
 
     model: dict
     optimizer: dict
     losses: list[float]
+    loss_watch: dict
 
 
 @dataclasses.dataclass

@@ -1,0 +1,147 @@
+"""Whether a run is going well, judged from what it computes: a training loss far above its start, predictions
+collapsed to one value, an evaluation that falls once the data repeats; and the best evaluation (``--keep-best``).
+
+No I/O and no knowledge of processes: every mode's loop feeds a ``LossWatch`` its losses and an ``EvaluationWatch``
+its evaluations (``--mode bagpipe``: the trainers the first, the oracle the second), and reports the ``RunWarning``
+they return. Each kind of warning is said once per run, at the iteration it was first seen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+# Divergence: the loss smoothed over about the last 1 / LOSS_SMOOTHING iterations exceeds DIVERGENCE_FACTOR times
+# the first iteration's (the model as initialised, before any step: the one loss the learning rate has not touched
+# yet), or a loss is not finite. Measured on synthetic Criteo data: a healthy run's smoothed loss stays within 1.1
+# times it (the bumpiest, Adam at 0.1 on a small DLRM); DLRM with Adam at 0.1 (the default sizes) or 1.0 (a small
+# one) reaches 700 to 3,000 times it at iteration 2, and ends predicting one value (AUC 0.50).
+DIVERGENCE_FACTOR = 3.0
+LOSS_SMOOTHING = 0.1
+# Collapse: the predicted probabilities' standard deviation over an evaluation is below this (an untrained DLRM's
+# measured about 1e-2, a trained one's 0.2; one diverged to a constant, 1e-8).
+COLLAPSE_STD = 1e-4
+# A fall: once the data repeats (a pass over the training split after the first), the headline metric is more than
+# this below the best of the evaluations before it (AUC or HR@10; 0.001 of AUC counts as a real difference on
+# Criteo, so a drop twice that is more than rounding of the metric).
+FALL_TOLERANCE = 0.002
+
+DIVERGED, COLLAPSED, OVERFITTING = "diverged", "collapsed", "overfitting"  # the kinds of warning
+
+
+@dataclass(frozen=True)
+class RunWarning:
+    kind: str  # DIVERGED, COLLAPSED or OVERFITTING
+    iteration: int  # iterations done when it was seen
+    message: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Best:
+    """The best evaluation so far: after ``iteration`` iterations, its ``metrics``."""
+
+    iteration: int
+    metrics: dict
+
+
+@dataclass
+class LossWatch:
+    """Divergence, from each iteration's training loss. ``state()`` is what a checkpoint keeps of it."""
+
+    first_loss: float | None = None
+    smoothed_loss: float | None = None
+    warned: bool = False
+
+    def loss(self, iteration: int, loss: float) -> list[RunWarning]:
+        """Take the loss of the iteration ending at ``iteration`` iterations done; the warning it raises, if any."""
+        if not math.isfinite(loss):
+            return self._warn(iteration, f"the training loss of iteration {iteration} is {loss}: training diverged")
+        if self.first_loss is None:
+            self.first_loss = self.smoothed_loss = loss
+            return []
+        self.smoothed_loss += LOSS_SMOOTHING * (loss - self.smoothed_loss)
+        if self.smoothed_loss > DIVERGENCE_FACTOR * self.first_loss:
+            return self._warn(iteration, f"training is diverging at iteration {iteration}: the smoothed training loss "
+                                         f"{self.smoothed_loss:.4g} is over {DIVERGENCE_FACTOR:g} times the first "
+                                         f"iteration's ({self.first_loss:.4g}); the learning rate may be too high")
+        return []
+
+    def _warn(self, iteration: int, message: str) -> list[RunWarning]:
+        if self.warned:
+            return []
+        self.warned = True
+        return [RunWarning(DIVERGED, iteration, message)]
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: ``LossWatch(**state)`` goes on from there."""
+        return asdict(self)
+
+
+@dataclass
+class EvaluationWatch:
+    """Collapsed predictions and falls, from each evaluation, and the best one by ``metric`` (higher is better:
+    ``eval_auc``, ``eval_hr10``). ``batches_per_epoch``: iterations in a pass over the training split."""
+
+    metric: str
+    batches_per_epoch: int
+    best: Best | None = None
+    values: dict[int, float] = field(default_factory=dict)  # each evaluation's metric, by iteration
+    warned: set[str] = field(default_factory=set)
+
+    def evaluation(self, iteration: int, metrics: dict) -> tuple[list[RunWarning], bool]:
+        """Take the evaluation after ``iteration`` iterations; the warnings it raises, and whether it is the best so
+        far (strictly better than every one before, and than the model kept: ``keep``)."""
+        warnings = []
+        spread = metrics.get("eval_pred_std")
+        if spread is not None and math.isfinite(spread) and spread < COLLAPSE_STD:
+            warnings += self._warn(COLLAPSED, iteration, (
+                f"predictions collapsed at iteration {iteration}: their standard deviation over the evaluation is "
+                f"{spread:.2g}, below {COLLAPSE_STD:g}, so the model predicts about one value for every sample"))
+        value = metrics.get(self.metric, math.nan)
+        if not math.isfinite(value):
+            return warnings, False
+        before = [(v, i) for i, v in self.values.items() if i < iteration]
+        if before and iteration > self.batches_per_epoch:
+            best_value, best_at = max(before, key=lambda vi: (vi[0], -vi[1]))
+            if value < best_value - FALL_TOLERANCE:
+                passes = (iteration - 1) // self.batches_per_epoch + 1
+                warnings += self._warn(OVERFITTING, iteration, (
+                    f"{self.metric} fell at iteration {iteration}, in pass {passes} over the training data: "
+                    f"{value:.4f}, below its best so far ({best_value:.4f} at iteration {best_at}); the run may be "
+                    f"overfitting (--keep-best keeps the best evaluated model)"))
+        self.values[iteration] = value
+        improved = self.best is None or value > self.best.metrics[self.metric]
+        if improved:
+            self.best = Best(iteration, {name: v for name, v in metrics.items() if name.startswith("eval_")})
+        return warnings, improved
+
+    def keep(self, best: Best) -> None:
+        """The model kept so far (by an interrupted run, ``--keep-best``) was evaluated as ``best``."""
+        value = best.metrics.get(self.metric, math.nan)
+        if math.isfinite(value) and (self.best is None or value > self.best.metrics[self.metric]):
+            self.best = best
+
+    def replay(self, records: Iterable[dict]) -> None:
+        """Take what a run logged before it was resumed or its oracle replaced (metrics.jsonl's ``eval`` records
+        and warnings), saying nothing again."""
+        for record in records:
+            if record.get("event") == "eval":
+                self.evaluation(record["iteration"], record)
+            elif record.get("event") == "warning":
+                self.warned.add(record["kind"])
+
+    def summary(self) -> dict:
+        """The best evaluation, as summary.json gives it."""
+        if self.best is None:
+            return {}
+        return {"best_iteration": self.best.iteration, "best_metrics": self.best.metrics}
+
+    def _warn(self, kind: str, iteration: int, message: str) -> list[RunWarning]:
+        if kind in self.warned:
+            return []
+        self.warned.add(kind)
+        return [RunWarning(kind, iteration, message)]
