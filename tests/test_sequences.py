@@ -176,14 +176,20 @@ def test_baselines_count_each_training_pair_once():
     # count; popularity breaks the tie: target 1 (had by one user) at rank 0
     assert figures["eval_cooccurrence_hr1"] == 0.5 and figures["eval_cooccurrence_hr5"] == 1.0
     assert figures["eval_popular_hr1"] == 0.5  # the same order here: popularity alone
+    # a model whose scores collapsed to one value ranks each target behind every other candidate, not first
+    collapsed = ranking.ranks(torch.zeros(2, 5), np.array([0, 1]), test[:, 1:3], test[:, 3])
+    assert collapsed.tolist() == [1, 2]
 
 
 def test_caser_learns_the_planted_sequences(sequence_data, tmp_path):
     config = TrainConfig(data=str(sequence_data), run_dir=str(tmp_path / "run"), batch_size=256, iterations=0,
                          optimizer="adagrad", lr=0.05, log_every=100, model=CASER)
     summary = train_reference(config, show_progress=False)
-    assert summary["best_hr10"] - summary["eval_hr10"] < 0.07, summary  # measured: 0.036 (one pass)
+    assert summary["best_hr10"] - summary["eval_hr10"] < 0.08, summary  # measured: 0.063 (one pass)
     assert summary["eval_ndcg10"] > 0.25
+    for baseline in ("popular", "cooccurrence"):  # measured HR@10 0.454 against 0.236 and 0.411
+        for metric in ("hr10", "ndcg10"):
+            assert summary[f"eval_{metric}"] > summary[f"eval_{baseline}_{metric}"] + 0.02, (baseline, summary)
     layout = EmbeddingLayout(build_tables(config, open_dataset(sequence_data).schema).layout.tables,
                              open_dataset(sequence_data).schema)
     assert [s.dim for s in layout.spaces] == [16, 32, 1]  # users and input items; output items; item biases

@@ -153,6 +153,9 @@ def _add_train(sub) -> None:
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None,
                    help="shuffle the rows each epoch (default: consecutive rows in file order; caser: shuffled)")
     p.add_argument("--shuffle-seed", type=int, default=None, help="seed of the shuffles" + _default("shuffle_seed"))
+    p.add_argument("--fresh-negatives", action=argparse.BooleanOptionalAction, default=None,
+                   help="next-item data: draw new negative items for each pass after the first (never an item the "
+                   "user had in training), or keep the data's own (default: fresh)")
     p.add_argument("--warmup-iterations", type=int, default=None,
                    help="iterations left out of the steady-state samples/s" + _default("warmup_iterations"))
     p.add_argument("--log-every", type=int, default=None, help="iterations per metrics record" + _default("log_every"))

@@ -19,9 +19,11 @@ items, of how often each item directly followed that one in the training sequenc
 popularity). A sequential model that does not beat the second has learnt nothing a few lines of counting
 would not.
 
-Ranks are 0-based: the number of candidates scored above the target (for the baselines, whose integer
-counts tie often, also those scored equal with a smaller id, i.e. more popular: ids are numbered by
-descending popularity), so a tie never flatters a baseline.
+Ranks are 0-based: the number of candidates scored above the target, a candidate scored equal counting as
+above (a model whose scores collapsed to one value ranks every target last, where counting only those strictly
+above would rank it first: HR@10 1.0), except for the baselines, whose integer counts tie often: there a tie
+counts above if the candidate's id is smaller, i.e. it is more popular (ids are numbered by descending
+popularity).
 """
 
 from __future__ import annotations
@@ -114,16 +116,17 @@ class NextItemRanking:
         return mask
 
     def ranks(self, scores: torch.Tensor, users: np.ndarray, history: np.ndarray, target: np.ndarray, *,
-              ties_below: bool = False) -> np.ndarray:
-        """The 0-based rank of each target among its candidates by ``scores [B, items]``; with ``ties_below``
-        a candidate scored equal to the target with a smaller id counts above it."""
+              ties: str = "above") -> np.ndarray:
+        """The 0-based rank of each target among its candidates by ``scores [B, items]``. A candidate scored
+        equal to the target counts above it (``ties="above"``: a model whose scores collapsed to a constant
+        ranks every target last, not first) or, with ``ties="smaller-id"``, if its id is smaller (the baselines:
+        ids are numbered by descending popularity, so popularity breaks their ties)."""
         scores = scores.masked_fill(self.excluded(users, history), float("-inf"))
         target_t = torch.from_numpy(np.asarray(target)).unsqueeze(1)
         at_target = scores.gather(1, target_t)
-        above = scores > at_target
-        if ties_below:
-            above |= (scores == at_target) & (torch.arange(self.num_items).unsqueeze(0) < target_t)
-        return above.sum(dim=1).numpy()
+        items = torch.arange(self.num_items).unsqueeze(0)
+        tied = (scores == at_target) & (items < target_t if ties == "smaller-id" else items != target_t)
+        return ((scores > at_target) | tied).sum(dim=1).numpy()
 
     def baseline_scores(self, name: str, history: np.ndarray) -> torch.Tensor:
         """``[B, items]``: a baseline's score of every item for samples with these histories."""
@@ -149,7 +152,7 @@ class NextItemRanking:
                 users, history, target = ids[:, 0], ids[:, 1:1 + self.history], ids[:, 1 + self.history]
                 for name in BASELINES:
                     scores = self.baseline_scores(name, history)
-                    ranks[name].append(self.ranks(scores, users, history, target, ties_below=True))
+                    ranks[name].append(self.ranks(scores, users, history, target, ties="smaller-id"))
             figures = {}
             for name in BASELINES:
                 figures.update(metrics_at(np.concatenate(ranks[name]) if ranks[name] else np.zeros(0),
