@@ -22,6 +22,7 @@ from bagpipe.data.sequences import SequenceSettings, build_samples, dense_ids, r
 from bagpipe.embeddings import EmbeddingLayout
 from bagpipe.metrics import ranking_metrics
 from bagpipe.evaluation import evaluate
+from bagpipe.health import COLLAPSED, EvaluationWatch
 from bagpipe.model_dir import TableRows
 from bagpipe.ranking import NextItemRanking
 from bagpipe.reference import build_model, build_tables, train_reference, train_step
@@ -155,6 +156,22 @@ def test_next_item_metrics_rank_the_protocols_candidates(sequence_data, protocol
         hr, ndcg = ranking_metrics(np.asarray(ranks), k=k)
         assert got[f"eval_hr{k}"] == pytest.approx(hr) and got[f"eval_ndcg{k}"] == pytest.approx(ndcg)
     assert got["eval_popular_hr10"] < got["eval_cooccurrence_hr10"]  # the planted data follows its last item
+
+
+def test_a_collapsed_next_item_model_ranks_last_and_is_told(sequence_data):
+    class Constant(torch.nn.Module):  # the same score for every item: what a collapsed model gives
+        task = "next-item"
+
+        def score_all(self, embeddings, item_out, item_bias):
+            return torch.zeros(len(embeddings.ids), item_out.shape[0])
+
+    dataset = open_dataset(sequence_data)
+    tables = build_tables(TrainConfig(data="-", run_dir="-", model=CASER), dataset.schema)
+    got = evaluate(Constant(), tables.layout, TableRows(tables), dataset.test, batch_size=200, max_rows=400,
+                   ranking=NextItemRanking.of_dataset(dataset))
+    assert got["eval_pred_std"] == 0.0 and got["eval_hr20"] == 0.0  # every target behind ~280 candidates
+    warnings, _ = EvaluationWatch(metric="eval_hr10", batches_per_epoch=100).evaluation(50, got)
+    assert [w.kind for w in warnings] == [COLLAPSED]
 
 
 def test_baselines_count_each_training_pair_once():

@@ -63,13 +63,18 @@ def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split
         embeddings = batch_embeddings(layout, source, batch.ids)
         source.release()
         if items is not None:
-            ranks.append(_next_item_ranks(model, layout, items, embeddings, batch.ids, ranking))
+            batch_ranks, spread = _next_item_ranks(model, layout, items, embeddings, batch.ids, ranking)
+            ranks.append(batch_ranks)
+            outputs.append(spread)
         else:
             outputs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
     model.train()
     if model.task == "next-item":
+        # the spread of each sample's scores over the items, averaged: about 0 when the model scores every item
+        # alike (health.COLLAPSE_STD)
+        spread = float(np.concatenate(outputs).mean()) if outputs else float("nan")
         return {"eval_rows": rows, **metrics_at(np.concatenate(ranks) if ranks else np.zeros(0)),
-                **ranking.baselines(split.ids[:rows])}
+                **ranking.baselines(split.ids[:rows]), "eval_pred_std": spread}
     labels = np.asarray(split.labels[:rows])
     scores = np.concatenate(outputs) if outputs else np.zeros(0)
     # the predictions' spread: about 0 when the model predicts one value for every sample (health.COLLAPSE_STD)
@@ -92,11 +97,13 @@ def _item_tables(layout: EmbeddingLayout, source: RowSource) -> tuple[torch.Tens
 
 
 def _next_item_ranks(model: nn.Module, layout: EmbeddingLayout, items: tuple[torch.Tensor, torch.Tensor],
-                     embeddings: Embeddings, ids: torch.Tensor, ranking: NextItemRanking) -> np.ndarray:
-    """The 0-based rank of each sample's first target among its candidates."""
+                     embeddings: Embeddings, ids: torch.Tensor, ranking: NextItemRanking) -> tuple[np.ndarray, np.ndarray]:
+    """The 0-based rank of each sample's first target among its candidates; and the spread (standard deviation)
+    of each sample's scores over every item."""
     ids = ids.numpy()
-    history = ids[:, slice(*layout.schema.columns(1))]
-    return ranking.ranks(model.score_all(embeddings, *items), ids[:, 0], history, ids[:, layout.schema.columns(2)[0]])
+    history, target = ids[:, slice(*layout.schema.columns(1))], ids[:, layout.schema.columns(2)[0]]
+    scores = model.score_all(embeddings, *items)
+    return ranking.ranks(scores, ids[:, 0], history, target), scores.double().std(dim=1).numpy()
 
 
 def ranking_for(model: nn.Module, dataset, *, protocol: str) -> NextItemRanking | None:

@@ -20,7 +20,8 @@ from typing import Iterable
 DIVERGENCE_FACTOR = 3.0
 LOSS_SMOOTHING = 0.1
 # Collapse: the predicted probabilities' standard deviation over an evaluation is below this (an untrained DLRM's
-# measured about 1e-2, a trained one's 0.2; one diverged to a constant, 1e-8).
+# measured about 1e-2, a trained one's 0.2; one diverged to a constant, 1e-8). For a next-item model, the spread of
+# each sample's scores over the items, averaged (evaluation.evaluate): 0 when it scores every item alike.
 COLLAPSE_STD = 1e-4
 # A fall: once the data repeats (a pass over the training split after the first), the headline metric is more than
 # this below the best of the evaluations before it (AUC or HR@10; 0.001 of AUC counts as a real difference on
