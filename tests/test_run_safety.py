@@ -320,7 +320,9 @@ def test_a_moved_bagpipe_run_dir_resumes_where_it_is(small_binary, tmp_path):
     moved = tmp_path / "moved"
     (tmp_path / "run").rename(moved)
     summary = launch_local(resumed_config(str(moved), None, {}), show_progress=False, resume=True)
-    assert summary["resumed_at"] == 20 and not (tmp_path / "run").exists()
+    # The checkpoint at 20 commits in the background: on a loaded machine the fault at 25 can come before it does
+    # (seen once in a full suite beside other jobs), and the run then resumes from 10, as it should.
+    assert summary["resumed_at"] in (10, 20) and not (tmp_path / "run").exists()
     assert_same_parameters(export(moved, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
 
 
