@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 
 from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, default_config
-from bagpipe.data.batches import batch_rows, batches_per_epoch, fresh_negatives, planned_iterations, read_batch
+from bagpipe.data.batches import batches_per_epoch, epoch_rows, fresh_negatives, planned_iterations, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
@@ -174,14 +174,14 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
     iterations = planned_iterations(config, split)
     stamps = {s: np.zeros(layout.spaces[s].num_rows, dtype=np.int64) for s in tight}
     bar = progress(total=iterations, desc="check cache", unit="batch", enabled=show_progress)
-    rows = batch_rows(split, batch_size=config.batch_size, iterations=iterations, shuffle=config.shuffle,
+    rows = epoch_rows(split, batch_size=config.batch_size, iterations=iterations, shuffle=config.shuffle,
                       shuffle_seed=config.shuffle_seed)
     cardinalities, lowest = split.column_bounds()
-    negatives, per_epoch = fresh_negatives(config, split), batches_per_epoch(split, config.batch_size)
-    for iteration, selector in enumerate(rows):
+    negatives = fresh_negatives(config, split)
+    for iteration, (epoch, selector) in enumerate(rows):
         ids = np.array(split.ids[selector], dtype=np.int64)
         if negatives is not None:
-            negatives.apply(ids, selector, iteration // per_epoch)
+            negatives.apply(ids, selector, epoch)
         if ((ids < lowest) | (ids >= cardinalities)).any():
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table
         for part in range(len(ids) // cached):

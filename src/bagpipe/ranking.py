@@ -110,8 +110,7 @@ class NextItemRanking:
         if self.protocol == "unseen":
             owner, columns, _ = self.seen.gather(np.asarray(users))
         else:
-            owner = np.repeat(np.arange(len(users)), history.shape[1]).reshape(history.shape)[history >= 0]
-            columns = history[history >= 0]
+            owner, columns = _known(history)
         mask[torch.from_numpy(owner), torch.from_numpy(columns)] = True
         return mask
 
@@ -136,8 +135,8 @@ class NextItemRanking:
         if name != "cooccurrence":
             raise ValueError(f"no baseline {name!r}; the baselines are {', '.join(BASELINES)}")
         counts = np.zeros((len(history), self.num_items))
-        rows = np.repeat(np.arange(len(history)), history.shape[1]).reshape(history.shape)[history >= 0]
-        owner, columns, values = self.follows.gather(history[history >= 0])
+        rows, items = _known(history)
+        owner, columns, values = self.follows.gather(items)
         np.add.at(counts, (rows[owner], columns), values)
         # popularity only breaks ties between equal counts: it is below 1 after scaling
         return torch.from_numpy(counts) + popularity / (self.popularity.max() + 1.0)
@@ -159,6 +158,12 @@ class NextItemRanking:
                                           prefix=f"eval_{name}_"))
             self._baselines[len(test_ids)] = figures
         return self._baselines[len(test_ids)]
+
+
+def _known(history: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sample (row) and the item of every known entry of ``history [B, L]`` (-1: none)."""
+    rows, positions = np.nonzero(history >= 0)
+    return rows, history[rows, positions]
 
 
 def _consecutive_pairs(train_ids: np.ndarray, test_ids: np.ndarray, L: int, T: int) -> tuple[np.ndarray, np.ndarray]:

@@ -49,6 +49,15 @@ def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle:
     Without shuffling, batch i holds rows [i * B, (i + 1) * B) of the epoch, in file order.
     With shuffling, each epoch has its own permutation drawn from (shuffle_seed, epoch).
     """
+    for _, rows in epoch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=shuffle,
+                              shuffle_seed=shuffle_seed, start=start):
+        yield rows
+
+
+def epoch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool,
+               shuffle_seed: int, start: int = 0) -> Iterator[tuple[int, slice | np.ndarray]]:
+    """``batch_rows``'s selectors, each with the pass over the split it belongs to (what fresh negatives and
+    the shuffle are drawn by)."""
     per_epoch = batches_per_epoch(split, batch_size)
     if per_epoch == 0:
         raise ValueError(f"{split.directory}: {split.rows} rows is fewer than one batch of {batch_size}")
@@ -58,9 +67,9 @@ def batch_rows(split: BinarySplit, *, batch_size: int, iterations: int, shuffle:
         if shuffle:
             if index == 0 or order is None:
                 order = np.random.default_rng([shuffle_seed, epoch]).permutation(split.rows)
-            yield np.sort(order[index * batch_size:(index + 1) * batch_size])
+            yield epoch, np.sort(order[index * batch_size:(index + 1) * batch_size])
         else:
-            yield slice(index * batch_size, (index + 1) * batch_size)
+            yield epoch, slice(index * batch_size, (index + 1) * batch_size)
 
 
 def read_batch(split: BinarySplit, rows: slice | np.ndarray, *, epoch: int = 0,
@@ -87,10 +96,9 @@ def read_batch(split: BinarySplit, rows: slice | np.ndarray, *, epoch: int = 0,
 
 def iterate_batches(split: BinarySplit, *, batch_size: int, iterations: int, shuffle: bool = False,
                     shuffle_seed: int = 0, start: int = 0, negatives: FreshNegatives | None = None) -> Iterator[Batch]:
-    per_epoch = batches_per_epoch(split, batch_size)
-    for iteration, rows in enumerate(batch_rows(split, batch_size=batch_size, iterations=iterations,
-                                                shuffle=shuffle, shuffle_seed=shuffle_seed, start=start), start):
-        yield read_batch(split, rows, epoch=iteration // per_epoch, negatives=negatives)
+    for epoch, rows in epoch_rows(split, batch_size=batch_size, iterations=iterations, shuffle=shuffle,
+                                  shuffle_seed=shuffle_seed, start=start):
+        yield read_batch(split, rows, epoch=epoch, negatives=negatives)
 
 
 def fresh_negatives(config, split: BinarySplit) -> FreshNegatives | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from bagpipe.cache import BatchRows, batch_view
 from bagpipe.config import TrainConfig
-from bagpipe.data.batches import batch_rows, batches_per_epoch, fresh_negatives, read_batch
+from bagpipe.data.batches import epoch_rows, fresh_negatives, read_batch
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
@@ -97,13 +97,13 @@ class Feed:
         figures = self.figures
         trainers = len(self.queues)
 
-        negatives, per_epoch = fresh_negatives(config, split), batches_per_epoch(split, config.batch_size)
+        negatives = fresh_negatives(config, split)
 
         def key_stream():  # per iteration, each space's keys (replicated), or each space's keys per trainer
-            for iteration, rows in enumerate(batch_rows(split, batch_size=config.batch_size, iterations=self.iterations,
-                                                        shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)):
+            for epoch, rows in epoch_rows(split, batch_size=config.batch_size, iterations=self.iterations,
+                                          shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
                 reading = time.thread_time()
-                batch = read_batch(split, rows, epoch=iteration // per_epoch, negatives=negatives)
+                batch = read_batch(split, rows, epoch=epoch, negatives=negatives)
                 pending.append(batch)
                 if self.partitioned:
                     parts = [layout.keys(part.ids.numpy()) for part in batch.slices(trainers)]
