@@ -83,16 +83,19 @@ def outcome(run_dir: Path, best_auc: float) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     losses = [r["train_loss"] for r in records if "train_loss" in r]
+    config = json.loads((run_dir / "config.json").read_text())
     return {"eval_auc": summary["eval_auc"], "best_auc": best_auc, "gap": best_auc - summary["eval_auc"],
             "first_loss": losses[0], "max_loss": max(losses), "final_train_loss": summary["final_train_loss"],
-            "lr": json.loads((run_dir / "config.json").read_text())["lr"]}
+            "warnings": [w["kind"] for w in summary["warnings"]],
+            **{name: config[name] for name in ("optimizer", "lr", "batch_size")}}
 
 
 def table(runs: list[dict], *, gap: float) -> str:
-    lines = [f"| model | seed | lr | AUC | best | gap | within {gap} | first / max train loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: |"]
+    lines = [f"| model | seed | optimizer, lr, batch | AUC | best | gap | within {gap} | first / max train loss |",
+             "| --- | ---: | --- | ---: | ---: | ---: | :---: | ---: |"]
     for r in runs:
-        lines.append(f"| {r['model']} | {r['seed']} | {r['lr']:g} | {r['eval_auc']:.4f} | {r['best_auc']:.4f} | "
+        lines.append(f"| {r['model']} | {r['seed']} | {r['optimizer']} {r['lr']:g}, {r['batch_size']} | "
+                     f"{r['eval_auc']:.4f} | {r['best_auc']:.4f} | "
                      f"{r['gap']:+.4f} | {'yes' if r['gap'] <= gap else '**no**'} | "
                      f"{r['first_loss']:.3f} / {r['max_loss']:.3f} |")
     return "\n".join(lines)

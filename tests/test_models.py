@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from bagpipe import models
 from bagpipe.cached import gather_tables, train_cached
-from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.config import ModelConfig, TrainConfig, load_train_config
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import build_model, build_tables, train_reference, train_step
 from bagpipe.data.batches import iterate_batches
+from bagpipe.data.preprocess import preprocess
+from bagpipe.synth import generate
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
 from test_runtime import assert_same_parameters, job_config, reference_of
@@ -71,6 +75,45 @@ def test_each_model_learns_the_planted_data(small_binary, tmp_path, name, lr):
                          optimizer="adagrad", lr=lr, seed=0, log_every=100, model=SMALL[name])
     summary = train_reference(config, show_progress=False)
     assert summary["best_auc"] - summary["eval_auc"] < 0.03, summary
+
+
+@pytest.fixture(scope="module")
+def eight_tables(tmp_path_factory):
+    """8 tables of 100 rows, 16,384 training rows: one pass is 32 steps at the default batch."""
+    out = tmp_path_factory.mktemp("eight_tables")
+    generate(out / "tsv", rows=16_384, test_rows=4096, seed=0, table_sizes=[100] * 8, show_progress=False)
+    preprocess(out / "tsv", out / "bin", show_progress=False)
+    return out / "bin"
+
+
+def at_defaults(data, run_dir, name: str, **given) -> tuple[dict, float]:
+    """One pass of model ``name`` at its defaults (config.MODEL_DEFAULTS) with ``given`` instead: the summary and
+    the largest logged training loss (the mean of 10 iterations)."""
+    config = load_train_config(None, {"data": str(data), "run_dir": str(run_dir), "name": name, **given})
+    summary = train_reference(config, show_progress=False)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, max(r["train_loss"] for r in records if "train_loss" in r)
+
+
+def learned_stably(summary: dict, max_loss: float) -> bool:
+    # 32 steps reach 0.74-0.84 here (the planted best 0.876); benchmarks/bench_defaults.py checks the issue's
+    # 0.05 at full size. A diverging first step shows as a logged loss of 4.4 (FGCNN at Adagrad 0.01).
+    return summary["eval_auc"] > 0.7 and summary["best_auc"] - summary["eval_auc"] < 0.15 and max_loss < 2.0 \
+        and not summary["warnings"]
+
+
+@pytest.mark.parametrize("name", ["dlrm", "wide-deep", "deepfm", "dcn", "fgcnn"])
+def test_each_model_at_its_defaults_learns_in_one_pass_without_diverging(eight_tables, tmp_path, name):
+    summary, max_loss = at_defaults(eight_tables, tmp_path / "run", name)
+    assert learned_stably(summary, max_loss), (summary, max_loss)
+
+
+def test_fgcnn_at_the_global_optimizer_defaults_diverges(eight_tables, tmp_path):
+    """What its defaults keep it from: Adagrad at 0.01 (the dataclasses') moves every weight by 0.01 at once."""
+    summary, max_loss = at_defaults(eight_tables, tmp_path / "run", "fgcnn", optimizer="adagrad", lr=0.01,
+                                    iterations=10)
+    kinds = [w["kind"] for w in summary["warnings"]]
+    assert not learned_stably(summary, max_loss) and max_loss > 2.0 and "diverged" in kinds, (summary, max_loss)
 
 
 @pytest.mark.parametrize("name", SMALL)

@@ -129,9 +129,9 @@ def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy
 
 
 def test_default_settings_equal_the_sliced_reference_bit_for_bit(wide_tsv, tmp_path):
-    """The defaults (Adagrad at lr 0.01, the default model, 2 trainers, 1 server, a 5% cache), where a
-    one-pass reference drifts: a gradient whose terms cancel rounds to either sign, and Adagrad's first
-    step turns that sign into a full step of lr."""
+    """The defaults (the default model, DLRM, at its own: Adam at lr 1e-3; 2 trainers, 1 server, a 5% cache), where
+    a one-pass reference drifts: a gradient whose terms cancel rounds to either sign, and Adam's first step
+    turns that sign into a full step of lr."""
     runs = {}
     for mode, extra in (("bagpipe", []), ("reference", ["--slices", "2"])):
         run_dir = tmp_path / mode

@@ -43,7 +43,8 @@ def _default(name: str, *, models: bool = False) -> str:
 
     defaults = _defaults()
     value = getattr(defaults.model, name) if hasattr(defaults.model, name) else getattr(defaults, name)
-    own = [f"{model} {settings[name]}" for model, settings in MODEL_DEFAULTS.items() if models and name in settings]
+    own = [f"{model} {settings[name]}" for model, settings in MODEL_DEFAULTS.items()
+           if models and name in settings and settings[name] != value]
     return f" (default {'; '.join([str(value), *own])})"
 
 
