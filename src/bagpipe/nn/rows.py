@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bagpipe.device import HostStaging
 from bagpipe.embeddings import Lookup, update_rows
 from bagpipe.nn.host import HostTable
 from bagpipe.nn.slots import CLEANUP_FRACTION, SlotIndex
@@ -47,6 +48,7 @@ class CachedRows(nn.Module):
         self._planned: tuple[np.ndarray, np.ndarray] | None = None  # a plan step's batch: its keys and their slots
         # inside ``accumulating``: per table (its first key, its rows), its lookups' sparse gradients, in order
         self.pending: dict[tuple[int, int], list[torch.Tensor]] | None = None
+        self._staging: HostStaging | None = None  # for the cache's device, made on the first copy to it
 
     @property
     def planned(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -98,12 +100,9 @@ class CachedRows(nn.Module):
         return len(hottest)
 
     def read_host(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host rows of ``keys`` and their state, in pinned memory when the cache is on a GPU (so that the
-        copy to it is asynchronous). Safe on another thread while the cache trains, for rows not cached."""
-        weights, state = self.host.read(keys)
-        if self.cache_weight.device.type != "cpu":
-            weights, state = weights.pin_memory(), state.pin_memory()
-        return weights, state
+        """The host rows of ``keys`` and their state. Safe on another thread while the cache trains, for rows
+        not cached (they are staged for the device when installed, on the training thread)."""
+        return self.host.read(keys)
 
     def flush(self) -> None:
         """Write every cached row (and its state) into the host table; the rows stay cached."""
@@ -206,11 +205,24 @@ class CachedRows(nn.Module):
         weights, state = self.read_host(keys) if rows is None else rows
         device = self.cache_weight.device
         index = torch.from_numpy(slots).to(device)
-        self.cache_weight.index_copy_(0, index, weights.to(device, non_blocking=True))
+        if device.type != "cpu":
+            weights, state = self._copy_to(device, weights, state)
+        self.cache_weight.index_copy_(0, index, weights)
         if state.shape[1]:
-            self.cache_state.index_copy_(0, index, state.to(device, non_blocking=True))
+            self.cache_state.index_copy_(0, index, state)
         if count:
             self.stats["rows_fetched"] += len(keys)
+
+    def _copy_to(self, device: torch.device, weights: torch.Tensor, state: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host rows and their state on ``device``, copied asynchronously through reused (pinned) buffers, in
+        the stream order of the ``index_copy_`` that reads them."""
+        if self._staging is None or self._staging.device != device:  # first copy, or the cache was moved
+            self._staging = HostStaging(device)
+        weights, state = self._staging.to_device(weights, state)  # (a state of width 0 stages nothing)
+        self.stats["pinned_allocations"] = self._staging.allocations
+        self.stats["pinned_bytes"] = self._staging.bytes_allocated
+        return weights, state
 
 
 COUNTERS = ("batches", "rows_looked_up", "rows_fetched", "rows_written_back")
