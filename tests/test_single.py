@@ -20,14 +20,21 @@ def _same(a: dict, b: dict) -> bool:
 ON_DISK = {"storage": "disk", "storage_budget_mb": 1 / 64}
 
 
-@pytest.mark.parametrize("policy, optimizer, slices, storage", [
-    ("lookahead", "adagrad", 1, {}), ("lru", "adam", 1, {}), ("lfu", "sgd", 2, {}),
-    ("lookahead", "adam", 1, ON_DISK), ("lru", "adagrad", 2, ON_DISK)])
-def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, policy, optimizer, slices, storage):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
+
+
+@pytest.mark.parametrize("policy, optimizer, slices, storage, device", [
+    ("lookahead", "adagrad", 1, {}, "cpu"), ("lru", "adam", 1, {}, "cpu"), ("lfu", "sgd", 2, {}, "cpu"),
+    ("lookahead", "adam", 1, ON_DISK, "cpu"), ("lru", "adagrad", 2, ON_DISK, "cpu"),
+    # on a GPU (--device: the reference's tables there, single's cache there and its tables in host memory)
+    pytest.param("lookahead", "adagrad", 1, {}, "cuda", marks=CUDA),
+    pytest.param("lru", "adam", 2, ON_DISK, "cuda", marks=CUDA)])
+def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, policy, optimizer, slices, storage,
+                                                      device):
     runs = {}
     for mode in ("reference", "single"):
         # 600 cached rows of 861, batches of 64 x 26 lookups (~440 rows): evictions and re-fetches
-        config = small_config(small_binary, tmp_path / mode, mode=mode, iterations=60, batch_size=64,
+        config = small_config(small_binary, tmp_path / mode, mode=mode, device=device, iterations=60, batch_size=64,
                               optimizer=optimizer, policy=policy, cache_rows=600, lookahead=16, slices=slices,
                               eval_every=30, shuffle=True, shuffle_seed=3, **(storage if mode == "single" else {}))
         summary = train_reference(config, show_progress=False)
@@ -35,6 +42,7 @@ def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, po
     (reference, want), (single, got) = runs["reference"], runs["single"]
     assert _same(want, got)
     assert single["mode"] == "single" and single["eval_auc"] == reference["eval_auc"]
+    assert single["device"].startswith(device) and reference["device"].startswith(device)
     assert single["cache_rows"] == 600 and single["total_rows"] == 861 and single["policy"] == policy
     assert single["cache"]["rows_written_back"] > 600 and 0 < single["cache_hit_rate"] < 1
     if storage:  # the files were read and written past their DRAM cache, and are gone with the run

@@ -31,11 +31,12 @@ import torch
 from bagpipe import models
 from bagpipe.config import EXTERNAL, MODEL_NAMES, ModelConfig, complete_model
 from bagpipe.data.schema import Schema
+from bagpipe.device import resolve_device
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.reference import Timer
 from bagpipe.runtime import transport
 from bagpipe.runtime.trainer.handlers import TrainerHandlers
-from bagpipe.runtime.trainer.main import cache_device, join_as_trainer
+from bagpipe.runtime.trainer.main import join_as_trainer
 from bagpipe.runtime.trainer.runtime import TrainerRuntime
 from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
 
@@ -188,7 +189,7 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
     if role != "trainer" or index != training_worker_id:
         raise ValueError(f"worker_id {worker_id} is the {role} {index} of this world (0: oracle, 1..{world.num_trainers}"
                          f": trainers, then servers), but training_worker_id is {training_worker_id}")
-    device = cache_device(device)
+    device = resolve_device(device)
     given = {"kind": "script", "emb_dim": int(emb_size), "cache_rows": int(cache_size)}
     if len(ln_emb):
         given["table_sizes"] = [int(n) for n in ln_emb]

@@ -601,11 +601,11 @@ def capture(iteration: int, model: torch.nn.Module, dense_optimizer: torch.optim
             rows, state = tables.read_rows(space)
             parts.append(RowPart(space=space, rows=rows, state=state))
         else:
-            keys = torch.nonzero(changed).flatten().numpy()
+            keys = torch.nonzero(changed).flatten().cpu().numpy()
             rows, state = tables.read_rows(space, keys)
             parts.append(RowPart(space=space, keys=keys, rows=rows, state=state))
         changed.zero_()
-    return TrainState(iteration=iteration, dense={k: v.detach().clone() for k, v in model.state_dict().items()},
+    return TrainState(iteration=iteration, dense={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
                       dense_optimizer=cloned_state(dense_optimizer.state_dict()), parts=parts, extra=extra)
 
 
@@ -618,9 +618,10 @@ def restore(state: TrainState, model: torch.nn.Module, dense_optimizer: torch.op
 
 
 def cloned_state(value):
-    """A deep copy of a state dict's tensors (they change in place as training goes on)."""
+    """A deep copy of a state dict's tensors (they change in place as training goes on), in host memory (a
+    checkpoint written on a GPU machine loads anywhere; ``load_state_dict`` moves them back to the model's device)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {k: cloned_state(v) for k, v in value.items()}
     if isinstance(value, list):

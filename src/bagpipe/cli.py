@@ -139,6 +139,9 @@ def _add_train(sub) -> None:
     p.add_argument("--mode", default=None, help="reference (one process, all tables in memory), bagpipe "
                    "(oracle, servers and trainers started on this machine) or single (one process, the tables in "
                    "host memory behind a cache of --cache-rows rows, bagpipe.nn's)" + _default("mode"))
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where --mode reference keeps its model and "
+                   "tables, --mode single its model and cache (the full tables stay in host memory or on disk); "
+                   "without CUDA the CPU, with a warning" + _default("device"))
     p.add_argument("--iterations", type=int, default=None, help="global batches to train; 0: --epochs passes "
                    "over the training split" + _default("iterations"))
     p.add_argument("--epochs", type=int, default=None, help="passes over the training split when --iterations "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -172,6 +173,9 @@ class TrainConfig:
     data: str  # a directory holding train and test splits (TSV, JSON lines or preprocessed)
     run_dir: str
     mode: str = "reference"
+    # where --mode reference keeps its model and tables, --mode single its model and cache (the full tables in host
+    # memory or on disk): "cpu", "cuda" or "cuda:N"; without CUDA a GPU asked for falls back to the CPU, warned
+    device: str = "cpu"
     iterations: int = 0  # 0: `epochs` passes over the training split
     epochs: int = 1  # passes over the training split, when iterations is 0
     batch_size: int = 512  # 256 steps a pass over 131k rows; at 2,048 the CTR models end short of the data's best
@@ -268,6 +272,8 @@ class TrainConfig:
         for name in ("lr", "timeout"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.keep_best and not self.eval_every:
             raise ValueError("keep_best keeps the best of the evaluations during training: it needs eval_every "
                              "(--eval-every N); without it the only evaluation is the last, whose model is kept anyway")
@@ -394,7 +400,7 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
-RESUMABLE_CHANGES = ("iterations", "epochs", "log_every", "warmup_iterations", "timeout", "liveness_s",
+RESUMABLE_CHANGES = ("device", "iterations", "epochs", "log_every", "warmup_iterations", "timeout", "liveness_s",
                      "rpc_transports", "rpc_channels", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
                      "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every", "eval_protocol", "master_port",
                      "replace_trainers", "replace_oracle", "replace_data_servers", "storage", "storage_dir",

@@ -19,6 +19,7 @@ from torch import nn
 from bagpipe.checkpoint import background_priority
 from bagpipe.data.batches import read_batch
 from bagpipe.data.binary import BinarySplit
+from bagpipe.device import model_device
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, gather, positions_in
 from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.model_dir import RowSource
@@ -33,15 +34,16 @@ def no_evaluation(model: nn.Module) -> dict:
     return {"eval_rows": 0, **{name: float("nan") for name in METRICS[model.task]}}
 
 
-def batch_embeddings(layout: EmbeddingLayout, source: RowSource, ids: torch.Tensor) -> Embeddings:
-    """The embeddings of ids ``[B, K]`` from the rows of their distinct keys alone."""
+def batch_embeddings(layout: EmbeddingLayout, source: RowSource, ids: torch.Tensor, *,
+                     device: torch.device | str = "cpu") -> Embeddings:
+    """The embeddings of ids ``[B, K]`` from the rows of their distinct keys alone, on ``device``."""
     blocks = []
     for space, (info, flat) in enumerate(zip(layout.spaces, layout.keys(ids.numpy()))):
         flat = torch.from_numpy(flat)
         distinct = torch.unique(flat[flat >= 0])
         rows = torch.from_numpy(source.rows(space, distinct.numpy()))
         block, _ = gather(rows, torch.arange(len(distinct)), positions_in(flat, distinct), padded=info.padded)
-        blocks.append(block)
+        blocks.append(block.to(device))
     return Embeddings(blocks, layout, ids)
 
 
@@ -55,19 +57,20 @@ def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split
         raise ValueError("a next-item evaluation needs its NextItemRanking (the users' training items and the "
                          "baselines): see evaluation.ranking_for")
     model.eval()
+    device = model_device(model)
     rows = min(split.rows, max_rows) if max_rows else split.rows
     outputs, ranks = [], []
-    items = _item_tables(layout, source) if model.task == "next-item" else None
+    items = _item_tables(layout, source, device=device) if model.task == "next-item" else None
     for start in range(0, rows, batch_size):
-        batch = read_batch(split, slice(start, min(start + batch_size, rows)))
-        embeddings = batch_embeddings(layout, source, batch.ids)
+        batch = read_batch(split, slice(start, min(start + batch_size, rows))).to(device)
+        embeddings = batch_embeddings(layout, source, batch.ids, device=device)
         source.release()
         if items is not None:
             batch_ranks, spread = _next_item_ranks(model, layout, items, embeddings, batch.ids, ranking)
             ranks.append(batch_ranks)
             outputs.append(spread)
         else:
-            outputs.append(torch.sigmoid(model(batch.dense_x, embeddings)).numpy())
+            outputs.append(torch.sigmoid(model(batch.dense_x, embeddings)).cpu().numpy())
     model.train()
     if model.task == "next-item":
         # the spread of each sample's scores over the items, averaged: about 0 when the model scores every item
@@ -83,15 +86,17 @@ def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split
             "eval_pred_std": spread}
 
 
-def _item_tables(layout: EmbeddingLayout, source: RowSource) -> tuple[torch.Tensor, torch.Tensor]:
-    """A next-item model's output table and item biases, whole: every item is scored against every sample."""
+def _item_tables(layout: EmbeddingLayout, source: RowSource, *,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A next-item model's output table and item biases, whole, on ``device``: every item is scored against
+    every sample."""
     names = [t.name for t in layout.tables]
     tables = []
     for name in ("item.out", "item.bias"):
         index = names.index(name)
         space, offset = layout.place(index)
         keys = np.arange(offset, offset + layout.tables[index].num_rows, dtype=np.int64)
-        tables.append(torch.from_numpy(source.rows(space, keys)))
+        tables.append(torch.from_numpy(source.rows(space, keys)).to(device))
     source.release()
     return tables[0], tables[1]
 
@@ -102,7 +107,7 @@ def _next_item_ranks(model: nn.Module, layout: EmbeddingLayout, items: tuple[tor
     of each sample's scores over every item."""
     ids = ids.numpy()
     history, target = ids[:, slice(*layout.schema.columns(1))], ids[:, layout.schema.columns(2)[0]]
-    scores = model.score_all(embeddings, *items)
+    scores = model.score_all(embeddings, *items).cpu()  # ranked on the host, against the users' known items
     return ranking.ranks(scores, ids[:, 0], history, target), scores.double().std(dim=1).numpy()
 
 

@@ -123,7 +123,7 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dense_file = HashedFile(tmp / DENSE)
-    dense_file.write(save({name: value.detach().contiguous().clone() for name, value in dense.items()}))
+    dense_file.write(save({name: value.detach().contiguous().to("cpu", copy=True) for name, value in dense.items()}))
     files = {DENSE: dense_file.close()}
     tables = []
     for index, table in enumerate(layout.tables):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,6 +26,7 @@ from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import Batch, batches_per_epoch, fresh_negatives, iterate_batches, planned_iterations
 from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
+from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
 from bagpipe.evaluation import METRICS, evaluate, no_evaluation, ranking_for
 from bagpipe.health import Best, EvaluationWatch, LossWatch
@@ -66,7 +68,10 @@ class Timer:
 
 def deterministic() -> None:
     """Deterministic kernels, without filling every fresh allocation with NaN (deterministic
-    mode's default, about 1% of an iteration here): correct code never reads uninitialised memory."""
+    mode's default, about 1% of an iteration here): correct code never reads uninitialised memory.
+    On a GPU, cuBLAS is deterministic only with a fixed workspace, set before its first use (a value
+    given in the environment is kept)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
 
@@ -76,14 +81,16 @@ def build_model(config: TrainConfig, schema: Schema) -> nn.Module:
     return models.build_model(config.model, schema, seed=config.seed)
 
 
-def build_run_tables(config: TrainConfig, schema: Schema) -> EmbeddingTables | CachedTables:
-    """The tables a run trains: in memory (--mode reference), or behind a cache (--mode single), the host
-    tables in memory or, with --storage disk, in files in --storage-dir (default RUN_DIR/storage)."""
+def build_run_tables(config: TrainConfig, schema: Schema, *,
+                     device: torch.device | str = "cpu") -> EmbeddingTables | CachedTables:
+    """The tables a run trains: in memory on ``device`` (--mode reference), or behind a cache on ``device``
+    (--mode single), the host tables in memory or, with --storage disk, in files in --storage-dir (default
+    RUN_DIR/storage)."""
     if config.mode != "single":
-        return build_tables(config, schema)
+        return build_tables(config, schema, device=device)
     layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
     options = {"cache_rows": cache_rows_of(config, layout), "cleanup_fraction": single_cleanup_fraction(config),
-               "policy": "lru" if config.policy == "lookahead" else config.policy}
+               "policy": "lru" if config.policy == "lookahead" else config.policy, "device": device}
     if config.storage == "disk":
         storage = StorageSpec("disk", storage_path(config.storage_dir, config.run_dir),
                               int(config.storage_budget_mb * 2**20))
@@ -96,11 +103,13 @@ def single_cleanup_fraction(config: TrainConfig) -> float:
     return max(config.cleanup_fraction, CLEANUP_FRACTION)  # --mode single frees 5% at least
 
 
-def build_tables(config: TrainConfig, schema: Schema, *, weights: list[torch.Tensor] | None = None) -> EmbeddingTables:
-    """The configured model's tables in memory: initial rows from the run's seed, or ``weights`` per space."""
+def build_tables(config: TrainConfig, schema: Schema, *, weights: list[torch.Tensor] | None = None,
+                 device: torch.device | str = "cpu") -> EmbeddingTables:
+    """The configured model's tables in memory on ``device``: initial rows from the run's seed, or ``weights``
+    per space."""
     layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
     return EmbeddingTables(layout=layout, optimizer=make_row_optimizer(config.optimizer, lr=config.lr),
-                           seed=config.seed, weights=weights)
+                           seed=config.seed, weights=weights, device=device)
 
 
 BEST = ("best_auc", "best_logloss", "best_hr10", "best_ndcg10")  # the planted model's, from synthetic data
@@ -220,8 +229,9 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
 
     # The model, its tables and optimizers: initialised from the seed, or restored from a checkpoint.
     # --mode single keeps the same tables in host memory or on disk behind a cache (bagpipe.nn).
-    model = build_model(config, dataset.schema)
-    tables = build_run_tables(config, dataset.schema)
+    device = resolve_device(config.device)
+    model = build_model(config, dataset.schema).to(device)
+    tables = build_run_tables(config, dataset.schema, device=device)
     if isinstance(tables, CachedTables):
         cleanup.callback(tables.close)  # (tables on disk: their files are this run's working copies)
     cleanup_fraction = single_cleanup_fraction(config)
@@ -238,8 +248,9 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         writer = CheckpointWriter(config.run_dir, keep=config.keep_checkpoints)
         cleanup.callback(writer.close)
     schedule = CheckpointSchedule(every=config.checkpoint_every, every_s=config.checkpoint_every_s)
-    log.info("%s training: %s, %d iterations of %d samples, %d tables (%d rows)%s%s", config.mode, config.model.name,
-             iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows,
+    log.info("%s training: %s, %d iterations of %d samples, %d tables (%d rows)%s%s%s", config.mode,
+             config.model.name, iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows,
+             f", on {device}" if device.type != "cpu" else "",
              f", a cache of {sum(cache_rows_of(config, tables.layout))} rows ({config.policy})"
              if config.mode == "single" else "", f", resumed at iteration {start}" if start else "")
 
@@ -265,8 +276,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     clock.restart()
     for iteration, batch in enumerate(batches, start=start):
         clock.lap("data")
-        loss = train_step(model, tables, dense_optimizer, batch, clock, slices=config.slices, seed=config.seed,
-                          iteration=iteration)
+        loss = train_step(model, tables, dense_optimizer, batch.to(device), clock, slices=config.slices,
+                          seed=config.seed, iteration=iteration)
         clock.end_iteration()
         for warning in loss_watch.loss(iteration + 1, loss):
             run.warn(warning)
@@ -335,6 +346,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         "wall_s": time.perf_counter() - started,
         "warmup_iterations": timer.warmup,
         "torch_threads": torch.get_num_threads(),
+        "device": str(device),
         **({"resumed_at": start} if resume else {}),
         **(_cache_summary(tables, iterations - start, policy=config.policy) if config.mode == "single" else {}),
     }

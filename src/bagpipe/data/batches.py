@@ -26,6 +26,14 @@ class Batch:
         """Samples ``samples`` of this batch (a trainer's part of a global batch)."""
         return Batch(dense_x=self.dense_x[samples], ids=self.ids[samples], target=self.target[samples])
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The batch for a model on ``device``: its dense features and targets moved there, its ids left in host
+        memory (the tables compute their keys there, and send the device only the keys)."""
+        if torch.device(device).type == "cpu":
+            return self
+        return Batch(dense_x=self.dense_x.to(device, non_blocking=True), ids=self.ids,
+                     target=self.target.to(device, non_blocking=True))
+
     def slices(self, count: int) -> list["Batch"]:
         """The batch cut into ``count`` equal consecutive parts, as the trainers take it."""
         size = len(self) // count

@@ -149,30 +149,34 @@ class Embeddings(list):
             return total
         start, stop = self.layout.schema.columns(self.layout.lookups[index].feature)
         counts = (self.ids[:, start:stop] >= 0).sum(dim=1, keepdim=True).clamp(min=1)
-        return total / counts.to(total.dtype)
+        return total / counts.to(total)  # (the ids stay on the host: counted there, moved to the block's device)
 
 
 class EmbeddingTables:
-    """Every table's rows and optimizer state, space by space; lookups autograd flows through."""
+    """Every table's rows and optimizer state, space by space, on one device; lookups autograd flows through.
+
+    The ids a batch looks up stay in host memory (keys are computed there, by the layout); their keys go to
+    the device, where the rows are gathered, trained and updated. Whatever the device, the initial rows are
+    drawn on the CPU (``init_rows``), so every device starts from the same bits."""
 
     def __init__(self, *, layout: EmbeddingLayout, optimizer: RowOptimizer, seed: int,
-                 weights: list[torch.Tensor] | None = None) -> None:
+                 weights: list[torch.Tensor] | None = None, device: torch.device | str = "cpu") -> None:
         """Initial rows from ``seed``, or the given weights of each space (e.g. gathered from servers)."""
-        self.layout, self.optimizer = layout, optimizer
+        self.layout, self.optimizer, self.device = layout, optimizer, torch.device(device)
         if weights is None:
             weights = [torch.cat([init_rows(t, layout.tables[t], seed=seed) for t in space.tables])
                        for space in layout.spaces]
-        self.weights = weights
-        self.state = [torch.zeros(w.shape[0], optimizer.state_width(space.dim))
+        self.weights = [w.to(self.device) for w in weights]
+        self.state = [torch.zeros(w.shape[0], optimizer.state_width(space.dim), device=self.device)
                       for w, space in zip(weights, layout.spaces)]
         self.changed: list[torch.Tensor] = []  # per space, rows updated since the last checkpoint (if tracked)
 
     def track_changes(self) -> None:
         """Mark every row an update touches from now on (what an incremental checkpoint writes)."""
-        self.changed = [torch.zeros(w.shape[0], dtype=torch.bool) for w in self.weights]
+        self.changed = [torch.zeros(w.shape[0], dtype=torch.bool, device=self.device) for w in self.weights]
 
     def space_keys(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.from_numpy(keys) for keys in self.layout.keys(ids.numpy())]
+        return [torch.from_numpy(keys).to(self.device) for keys in self.layout.keys(ids.cpu().numpy())]
 
     def distinct_keys(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """Per space, the sorted keys of the rows ``ids`` touch."""
@@ -204,10 +208,11 @@ class EmbeddingTables:
         """Copies of a space's rows ``keys`` (default: every row) and, ``with_state``, their optimizer state:
         what a checkpoint and an export read, whichever tables hold the rows (nn.CachedTables too)."""
         if keys is None:
-            return self.weights[space].numpy().copy(), self.state[space].numpy().copy() if with_state else None
-        index = torch.from_numpy(keys)
-        return (self.weights[space].index_select(0, index).numpy(),
-                self.state[space].index_select(0, index).numpy() if with_state else None)
+            return (self.weights[space].cpu().numpy().copy(),
+                    self.state[space].cpu().numpy().copy() if with_state else None)
+        index = torch.from_numpy(keys).to(self.device)
+        return (self.weights[space].index_select(0, index).cpu().numpy(),
+                self.state[space].index_select(0, index).cpu().numpy() if with_state else None)
 
     def load_rows(self, space: int, rows: np.ndarray, state: np.ndarray) -> None:
         """Every row of a space and its optimizer state replaced (a checkpoint restored)."""

@@ -25,8 +25,9 @@ class StepDropout(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         generator = torch.Generator().manual_seed(hash(self.key) & (2**63 - 1))
+        # drawn on the CPU whatever x's device: the same units dropped on a GPU as on the CPU
         keep = torch.rand(x.shape, generator=generator) >= self.p
-        return x * keep.to(x.dtype) / (1.0 - self.p)
+        return x * keep.to(x) / (1.0 - self.p)
 
 
 def set_dropout_step(model: nn.Module, *, seed: int, iteration: int, part: int) -> None:

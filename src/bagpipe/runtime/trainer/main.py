@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import torch
 
 from bagpipe.runtime import transport
 from bagpipe.runtime.liveness import Liveness, exit_on_lost
@@ -57,10 +56,3 @@ def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu",
             liveness.await_verdict(err)
         raise
 
-
-def cache_device(device: str) -> str:
-    """The device asked for, or the CPU (with a warning) when it is a GPU this machine lacks."""
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        log.warning("device %s requested but CUDA is not available: caching on the CPU", device)
-        return "cpu"
-    return device
