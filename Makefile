@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ bench-single: $(BIN)/bagpipe
 
 adversarial: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/adversarial_runs.py --work-dir runs/adversarial --out runs/adversarial/result.json
+
+# On a machine with a GPU and its own torch (no network, no venv): the project from its source, a report in $(OUT).
+GPU_PYTHON ?= python3
+OUT ?= runs/gpu_check
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT)
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs
