@@ -32,6 +32,8 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
+
 # What the reference run does not depend on: where and how a bagpipe job runs (the reference trains the full tables in
 # one process). Two configurations that differ only in these have one reference.
 _NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "liveness_s",
@@ -99,16 +101,18 @@ def assert_same_parameters(ours: dict, reference: dict, *, rel: float = 0.0) -> 
 # The reference computes each batch's gradient as the trainers do (--slices T: per-slice backward,
 # slice sums added in trainer order), so every optimizer must match bit for bit, across evictions
 # and re-fetches, with two trainers (gloo's all-reduce: one sum of two operands) and with three
-# (the ordered all-to-all reduction).
-@pytest.mark.parametrize("optimizer, policy, trainers", [
-    ("adagrad", "lookahead", 2), ("sgd", "lookahead", 2), ("adagrad", "lru", 2), ("adam", "lookahead", 2),
-    ("adam", "lookahead", 1), ("adagrad", "lookahead", 3)])
-def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy, trainers):
+# (the ordered all-to-all reduction). On a GPU (where there is one: --device, the trainers' models and caches there,
+# every trainer on the same GPU) against the reference on it.
+@pytest.mark.parametrize("optimizer, policy, trainers, device", [
+    ("adagrad", "lookahead", 2, "cpu"), ("sgd", "lookahead", 2, "cpu"), ("adagrad", "lru", 2, "cpu"),
+    ("adam", "lookahead", 2, "cpu"), ("adam", "lookahead", 1, "cpu"), ("adagrad", "lookahead", 3, "cpu"),
+    pytest.param("adam", "lookahead", 2, "cuda", marks=CUDA), pytest.param("adagrad", "lru", 1, "cuda", marks=CUDA)])
+def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy, trainers, device):
     batch = BATCH - BATCH % trainers
     # (the 3-trainer job names TensorPipe's channel too: the setting reaches every role's RPC agent)
     rpc = {"rpc_channels": "basic"} if trainers == 3 else {}
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, policy=policy, trainers=trainers,
-                        batch_size=batch, **rpc)
+                        batch_size=batch, device=device, **rpc)
     summary = launch_local(config, show_progress=False)
     if rpc:
         for log_file in (tmp_path / "bagpipe" / "logs").glob("*.log"):
@@ -392,12 +396,15 @@ def test_a_torch_outside_the_supported_range_is_refused_naming_it():
 
 # The partitioned cache (planner/partitioned.py): each trainer holds only its slices' rows, shared rows' gradients
 # summed among their users; the same sliced reference, bit for bit, through hand-offs, drops and re-fetches.
-@pytest.mark.parametrize("optimizer, trainers, servers, keep_within", [
-    ("sgd", 2, 1, 0), ("adagrad", 3, 2, 4), ("adam", 4, 2, 0)])
-def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, trainers, servers, keep_within):
+@pytest.mark.parametrize("optimizer, trainers, servers, keep_within, device", [
+    ("sgd", 2, 1, 0, "cpu"), ("adagrad", 3, 2, 4, "cpu"), ("adam", 4, 2, 0, "cpu"),
+    pytest.param("adam", 2, 1, 0, "cuda", marks=CUDA)])
+def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, trainers, servers, keep_within,
+                                            device):
     batch = BATCH - BATCH % trainers
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, servers=servers,
-                        batch_size=batch, cache_mode="partitioned", cache_rows=560, keep_within=keep_within)
+                        batch_size=batch, cache_mode="partitioned", cache_rows=560, keep_within=keep_within,
+                        device=device)
     summary = launch_local(config, show_progress=False)
     ours = export(config.run_dir, tmp_path / "ours.pt")
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bagpipe.device import HostStaging
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather, update_rows
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner.plan import PlanStep
@@ -26,12 +27,14 @@ class RowCache:
     (O(capacity)) records which row each slot holds, to refuse a step that disagrees with it.
     """
 
-    def __init__(self, *, capacity: int, dim: int, optimizer: RowOptimizer, device: str = "cpu") -> None:
+    def __init__(self, *, capacity: int, dim: int, optimizer: RowOptimizer, device: torch.device | str = "cpu") -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be positive, got {capacity}")
         self.capacity, self.dim, self.optimizer = capacity, dim, optimizer
         self.weights = torch.zeros(capacity, dim, device=device)
         self.state = torch.zeros(capacity, optimizer.state_width(dim), device=device)
+        # on a GPU, fetched rows go in through reused pinned buffers, copied asynchronously in stream order
+        self.staging = HostStaging(self.weights.device) if self.weights.device.type != "cpu" else None
         self.slot_key = np.full(capacity, -1, dtype=np.int64)
         self.resident_rows = 0
 
@@ -51,10 +54,11 @@ class RowCache:
         return slots
 
     def read(self, slots: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the rows and state of ``keys``, held in ``slots`` (a write-back that keeps them)."""
+        """Copies of the rows and state of ``keys``, held in ``slots`` (a write-back that keeps them), in host
+        memory whatever the cache's device: they go to the servers."""
         slots = self._check(slots, np.asarray(keys, dtype=np.int64), what="read")
         index = torch.from_numpy(slots).to(self.weights.device)
-        return self.weights.index_select(0, index), self.state.index_select(0, index)
+        return self.weights.index_select(0, index).cpu(), self.state.index_select(0, index).cpu()
 
     def evict(self, slots: np.ndarray, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Free the slots of ``keys``; return their rows and state for the write-back."""
@@ -73,6 +77,8 @@ class RowCache:
         self.slot_key[slots] = keys
         self.resident_rows += len(slots)
         index = torch.from_numpy(slots).to(self.weights.device)
+        if self.staging is not None and rows.device.type == "cpu":
+            rows, state = self.staging.to_device(rows, state)
         self.weights.index_copy_(0, index, rows.to(self.weights.device))
         if state.shape[1]:
             self.state.index_copy_(0, index, state.to(self.state.device))

@@ -384,8 +384,9 @@ def _add_roles(sub) -> None:
                    help="this trainer's index among the trainers; must be --worker-id - 1 (default: that)")
     p.add_argument("--dist-backend", choices=("gloo", "nccl"), default="gloo",
                    help="the trainers' gradient-sync backend (default gloo; nccl is not available yet)")
-    p.add_argument("--device", default="cpu", help="where the trainer's cache and model live; cuda:N falls back "
-                   "to the CPU, with a warning, when there is no GPU (default cpu)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where the trainer's cache and model live; "
+                   "a GPU falls back to the CPU, with a warning, when there is none (default: the job's --device, "
+                   "cpu unless the oracle's --config says otherwise)")
     _add_ignored_flags(p, "--dist-master-ip", "--master-port-ccom", "--logging-prefix", "--cleanup-batch-proportion")
     p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
 
@@ -737,9 +738,10 @@ def run_trainer(args) -> None:
     if getattr(args, "dist_backend", "gloo") != "gloo":
         raise ValueError("--dist-backend nccl: the trainers' gradient sync runs on gloo only so far")
     train, model = _given(args)
+    device = train.pop("device", None)  # this process's, not the job's: trainers may differ (cuda:0, cuda:1)
     sizes = read_emb_info(args.emb_info_file) if getattr(args, "emb_info_file", None) else None
     given = stated(train, complete_model(model), table_sizes=sizes, kind="model")
-    trainer_main(world, given=given, device=getattr(args, "device", "cpu"), writeback_delay=args.writeback_delay)
+    trainer_main(world, given=given, device=device, writeback_delay=args.writeback_delay)
 
 
 def run_store(args) -> None:

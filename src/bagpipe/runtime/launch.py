@@ -95,9 +95,6 @@ def launch_local(config: TrainConfig, *, show_progress: bool = True, threads: in
     ``config.max_restarts`` times; summary.json's "restarts" says what failed, when, and how long the job
     took to train again and to get back to where it was.
     """
-    if config.device != "cpu":
-        log.warning("--device %s: this job's trainers run on the CPU (the bagpipe trainer's GPU path is not built "
-                    "yet); --mode reference and --mode single run on the device", config.device)
     # The run dir is the job's from here until its last process has ended (the roles inherit the lock).
     with lock_run_dir(config.run_dir) as lock:
         child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather
+from bagpipe.device import model_device
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.runtime.protocol import StepMessage
 
@@ -63,7 +64,8 @@ def backward_slice(model: nn.Module, message: StepMessage, embeddings: Embedding
     """Trainer ``part``'s forward and backward of its slice: every gradient in place (the model's ``.grad``, each
     lookup's leaf); returns the slice's loss (detached). ``lap(phase)`` is called after each (the loop's clock)."""
     set_dropout_step(model, seed=seed, iteration=message.iteration, part=part)
-    loss = model.loss(model(message.dense_x, embeddings), message.target)
+    device = model_device(model)  # (the plan message arrives in host memory)
+    loss = model.loss(model(message.dense_x.to(device), embeddings), message.target.to(device))
     if lap is not None:
         lap("forward")
     for p in model.parameters():
@@ -75,8 +77,9 @@ def backward_slice(model: nn.Module, message: StepMessage, embeddings: Embedding
 
 
 def dense_share(params: list[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
-    """``params``' gradients and the loss, flat: the dense part of a trainer's blocking sum."""
-    return torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)])
+    """``params``' gradients and the loss, flat, in host memory: the dense part of a trainer's blocking sum (the
+    trainers sum on the host, over gloo, whatever their device)."""
+    return torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)]).cpu()
 
 
 def row_shares(lookups: list[Lookup], message: StepMessage) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -99,7 +102,7 @@ def slice_shares(model: nn.Module, message: StepMessage, embeddings: Embeddings,
     parameters summed first and the rest, as the training loop splits them)."""
     loss = backward_slice(model, message, embeddings, seed=seed, part=part)
     now, later = row_shares(lookups, message)
-    early_share = torch.cat([p.grad.reshape(-1) for p in early]) if early else torch.zeros(0)
+    early_share = torch.cat([p.grad.reshape(-1) for p in early]).cpu() if early else torch.zeros(0)
     return Shares(early=early_share, main=main_share(dense_share(late, loss), now), later=later)
 
 
@@ -110,6 +113,11 @@ class Kept:
     iteration: int
     params: list[torch.Tensor]  # the model's parameters before the iteration's step (copies)
     rows: list[torch.Tensor]  # per space, the batch's distinct rows as gathered for it (before its updates)
+
+    def to(self, device: torch.device | str) -> "Kept":
+        """A copy on ``device`` (host memory, to go to another trainer: RPC carries host tensors)."""
+        return Kept(self.iteration, [p.to(device, copy=True) for p in self.params],
+                    [rows.to(device, copy=True) for rows in self.rows])
 
 
 class RedoLog:
@@ -158,6 +166,7 @@ def recompute(model: nn.Module, kept: Kept, message: StepMessage, layout: Embedd
             p.copy_(value)
     blocks, lookups = [], []
     for space, rows, step in zip(layout.spaces, kept.rows, message.spaces):
+        rows = rows.to(model_device(model))  # (kept by another trainer: in host memory)
         everything = torch.arange(len(rows), device=rows.device)
         block, lookup = gather(rows, everything, torch.as_tensor(step.positions, dtype=torch.int64).to(rows.device),
                                padded=space.padded)

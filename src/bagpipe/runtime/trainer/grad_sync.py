@@ -149,7 +149,7 @@ class EarlyBucket:
     def _on_ready(self, _param) -> None:
         self.ready += 1
         if self.ready == len(self.params):
-            self.buffer = torch.cat([p.grad.reshape(-1) for p in self.params])
+            self.buffer = torch.cat([p.grad.reshape(-1) for p in self.params]).cpu()  # (summed on the host)
             self.work = self.grads.start(self.buffer, what=("early", self.iteration(), None))
 
     def finish(self) -> torch.Tensor:

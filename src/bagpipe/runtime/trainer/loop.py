@@ -33,9 +33,9 @@ class DenseModel:
     with them). ``loss_watch``: the run's divergence, judged on every trainer (the loss is the global batch's), so
     that a replacement for trainer 0, which says what it finds, goes on from a survivor's."""
 
-    def __init__(self, config: TrainConfig, layout, *, part: int) -> None:
+    def __init__(self, config: TrainConfig, layout, *, part: int, device: torch.device | str = "cpu") -> None:
         deterministic()
-        self.config, self.layout, self.part = config, layout, part
+        self.config, self.layout, self.part, self.device = config, layout, part, torch.device(device)
         self.model = self.make()
         self.optimizer = make_row_optimizer(config.optimizer, lr=config.lr).dense_optimizer(self.model.parameters())
         self.redo = RedoLog(list(self.model.parameters()))
@@ -43,8 +43,8 @@ class DenseModel:
         self.loss_watch = LossWatch()
 
     def make(self) -> torch.nn.Module:
-        """A fresh copy of the model, from the run's seed."""
-        return build_model(self.config, self.layout.schema)
+        """A fresh copy of the model, from the run's seed, on the trainer's device."""
+        return build_model(self.config, self.layout.schema).to(self.device)
 
     def hooks(self) -> ModelHooks:
         return ModelHooks(redo=self.redo, recompute=Recomputer(self.make, self.layout, seed=self.config.seed,
@@ -164,7 +164,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     runtime.stats.extra["final_train_loss"] = loss
     if run is not None:
         run.close()
-    runtime.close(dense_state=model.state_dict() if leader else None)
+    runtime.close(dense_state=cloned_state(model.state_dict()) if leader else None)  # (host copies: sent by RPC)
 
 
 def cache_window(stats: TrainerStats) -> Callable[[], dict]:

@@ -7,6 +7,7 @@ import functools
 import logging
 
 
+from bagpipe.device import resolve_device
 from bagpipe.runtime import transport
 from bagpipe.runtime.liveness import Liveness, exit_on_lost
 from bagpipe.runtime.protocol import JobInfo
@@ -33,15 +34,16 @@ def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple
     return world, store, liveness, job
 
 
-def run_trainer(world: World, *, given: dict | None = None, device: str = "cpu", writeback_delay: float = 0.0) -> None:
-    if device != "cpu":
-        log.warning("--device %s: this trainer's model and cache run on the CPU (the GPU path of the bagpipe "
-                    "trainer is not built yet)", device)
+def run_trainer(world: World, *, given: dict | None = None, device: str | None = None,
+                writeback_delay: float = 0.0) -> None:
+    """``device``: this trainer's (cpu, cuda, cuda:N); None: the job's ``--device``."""
     # 1. the job, as every role agreed on it, in the RPC world (a replacement's: re-formed around it)
     world, store, liveness, job = join_as_trainer(world, given={"kind": "model", **(given or {})})
-    # 2. the model, then the runtime around it (caches, prefetch and write-back, gradient sync, recovery)
-    dense = DenseModel(job.config, job.layout, part=world.role[1])
-    runtime = TrainerRuntime(world, store, job=job, liveness=liveness, model=dense.hooks(),
+    # 2. the model, then the runtime around it (caches, prefetch and write-back, gradient sync, recovery), on the
+    # device: the dense model and the row caches there; plans, fetched rows, write-backs and sums in host memory
+    device = resolve_device(device or job.config.device)
+    dense = DenseModel(job.config, job.layout, part=world.role[1], device=device)
+    runtime = TrainerRuntime(world, store, job=job, liveness=liveness, model=dense.hooks(), device=device,
                              writeback_delay=writeback_delay, replacing=bool(world.epoch))
     # 3. answer the other roles; a lost peer this job goes on without is the heartbeats' to judge
     transport.serve("trainer", TrainerHandlers(runtime))

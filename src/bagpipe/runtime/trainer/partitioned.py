@@ -52,7 +52,7 @@ class SharedRows:
             raise RuntimeError("the last iteration's shared rows were not applied before this one's sync")
         alone = 1 << self.index
         for space, (lookup, step) in enumerate(zip(lookups, message.spaces)):
-            grads = lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)
+            grads = (lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)).cpu()
             holders = step.holders.numpy()
             shared = np.flatnonzero(holders != alone)
             if self.grads.group is not None:  # every trainer starts one every iteration, in space order

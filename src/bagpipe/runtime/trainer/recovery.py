@@ -174,7 +174,7 @@ class LostTrainers:
         iterations = sorted({what[1] for what in here})
         if donor == runtime.index:
             self.recovery = Recovery(trainer=lost[0], epoch=epoch, sums=todo,
-                                     kept={iteration: redo.kept(iteration)
+                                     kept={iteration: redo.kept(iteration).to("cpu")
                                            for iteration in sorted({what[1] for what in todo})})
         grads.regroup(trainer_group(world, store, runtime.index, epoch=epoch))
         shares = {iteration: self.model.recompute(redo.kept(iteration), self.message(iteration))
@@ -216,8 +216,8 @@ class LostTrainers:
         boundary = runtime.step.iteration
         runtime.await_written(boundary - 1)
         redo = self.model.redo
-        kept = [dataclasses.replace(redo.kept(i), params=[p.clone() for p in redo.kept(i).params])
-                for i in redo.iterations() if i >= boundary - REDO_DEPTH + 1]  # (the log reuses its copies)
+        kept = [redo.kept(i).to("cpu")  # copies (the log reuses its own), in host memory (they go by RPC)
+                for i in redo.iterations() if i >= boundary - REDO_DEPTH + 1]
         recovery.state = HandedOver(
             iteration=boundary, kept=kept,
             caches=[CacheState(slot_key=cache.slot_key.copy(), weights=cache.weights.cpu().clone(),
