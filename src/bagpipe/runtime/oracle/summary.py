@@ -92,6 +92,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "lookahead": config.lookahead,
         "policy": config.policy,
         "cache_mode": config.cache_mode,
+        "device": stats[0].extra.get("device", "cpu"),  # where trainer 0 trained (a trainer's own --device may differ)
         "rows_fetched": sum(s.rows_fetched for s in all_stats),
         "rows_written_back": sum(s.rows_written_back for s in all_stats),
         "rows_moved_per_iteration": sum(s.rows_fetched + s.rows_written_back for s in all_stats)

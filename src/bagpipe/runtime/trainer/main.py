@@ -45,6 +45,7 @@ def run_trainer(world: World, *, given: dict | None = None, device: str | None =
     dense = DenseModel(job.config, job.layout, part=world.role[1], device=device)
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, model=dense.hooks(), device=device,
                              writeback_delay=writeback_delay, replacing=bool(world.epoch))
+    runtime.stats.extra["device"] = str(device)
     # 3. answer the other roles; a lost peer this job goes on without is the heartbeats' to judge
     transport.serve("trainer", TrainerHandlers(runtime))
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle,
