@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check gpu-wheels clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,10 +58,21 @@ adversarial: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/adversarial_runs.py --work-dir runs/adversarial --out runs/adversarial/result.json
 
 # On a machine with a GPU and its own torch (no network, no venv): the project from its source, a report in $(OUT).
+# Dependencies it lacks are installed from $(GPU_WHEELS) if there (made here by `make gpu-wheels`, carried over).
 GPU_PYTHON ?= python3
+GPU_WHEELS ?= .gpu-wheels
+GPU_DEPS := tqdm xxhash orjson pyarrow pytest pytest-xdist
 OUT ?= runs/gpu_check
 gpu-check:
-	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT)
+	@$(GPU_PYTHON) -c "import tqdm, xxhash, orjson, pyarrow, pytest, xdist" 2>/dev/null || \
+	  $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS) || \
+	  echo "gpu-check: could not install $(GPU_DEPS) from $(GPU_WHEELS) (make gpu-wheels); the report says what is missing"
+	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check needs besides torch, for the GPU machine's Python (3.12, x86-64 Linux): about 56 MB.
+gpu-wheels: $(BIN)/bagpipe
+	$(BIN)/python -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS)
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs

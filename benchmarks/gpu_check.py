@@ -39,8 +39,10 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_device.py", "tests/test_device_modes.py", "tests/test_single.py", "tests/test_nn.py",
-         "tests/test_nn_pytorch.py"]
+# (files, -k expression): whole files that take a device, and the CUDA cases of the bagpipe jobs' equality tests
+TESTS = [(["tests/test_device.py", "tests/test_device_modes.py", "tests/test_single.py", "tests/test_nn.py",
+           "tests/test_nn_pytorch.py"], ""),
+         (["tests/test_runtime.py"], "cuda")]
 DEPENDENCIES = ["numpy", "tqdm", "matplotlib", "pyarrow", "orjson", "xxhash", "pytest", "xdist"]
 
 
@@ -103,14 +105,18 @@ def run(command: list[str], *, timeout: float, env: dict | None = None) -> subpr
 
 def tests(timeout: float) -> dict:
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
-    done = run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *workers, *TESTS],
-               timeout=timeout)
-    tail = done.stdout[-6000:]
-    summary = next((line for line in reversed(done.stdout.splitlines()) if " in " in line and "=" in line), "")
-    if done.returncode not in (0, 1):
-        raise RuntimeError(f"pytest exited {done.returncode}: {summary or done.stderr[-2000:]}")
-    return {"summary": summary.strip("= "), "all_passed": done.returncode == 0,
-            "table": f"```\n{tail}\n```"}
+    summaries, tails, passed = [], [], True
+    for files, select in TESTS:
+        done = run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *workers, *files,
+                    *(["-k", select] if select else [])], timeout=timeout)
+        summary = next((line for line in reversed(done.stdout.splitlines()) if " in " in line
+                        and any(word in line for word in ("passed", "failed", "skipped", "error"))), "")
+        if done.returncode not in (0, 1):
+            raise RuntimeError(f"pytest exited {done.returncode}: {summary or done.stderr[-2000:]}")
+        summaries.append(f"{' '.join(files)}{f' -k {select}' if select else ''}: {summary.strip('= ')}")
+        tails.append(done.stdout[-4000:])
+        passed = passed and done.returncode == 0
+    return {"summary": summaries, "all_passed": passed, "table": "\n".join(f"```\n{t}\n```" for t in tails)}
 
 
 def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cache_rows: int, args,
