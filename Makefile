@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check gpu-wheels clean
+.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check gpu-wheels bench-network clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,12 @@ bench: $(BIN)/bagpipe
 bench-runtime: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_runtime.py
 
+# LINK=RATE (e.g. 1gbit): over a loopback shaped to that rate, in a network namespace of its own (root)
 bench-peers: $(BIN)/bagpipe
-	$(BIN)/python benchmarks/bench_peers.py --repeats 5
+	$(BIN)/python benchmarks/bench_peers.py --repeats 5 $(if $(LINK),--link $(LINK))
+
+bench-network: $(BIN)/bagpipe
+	$(BIN)/python benchmarks/bench_network.py --out runs/bench_network/runs.jsonl
 
 bench-scaling: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_scaling.py

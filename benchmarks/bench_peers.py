@@ -2,7 +2,11 @@
 
     .venv/bin/python benchmarks/bench_peers.py [--repeats 3] [--iterations 200] [--quick]
         [--torchrec-sharding table_wise] [--optimizer sgd] [--cache-fraction 0.05] [--dim 16]
-        [--systems torchrec,bagpipe,bagpipe-partitioned,reference]
+        [--systems torchrec,bagpipe,bagpipe-partitioned,reference] [--link 1gbit]
+
+With --link RATE (or BAGPIPE_LINK=RATE; `make bench-peers LINK=1gbit`) the whole benchmark runs in a network
+namespace of its own whose loopback is shaped to RATE (benchmarks/bench_network.py: root, unshare and tc needed),
+so every byte between a job's processes crosses a link of that rate.
 
 Data: synthetic Criteo-shaped, 26 tables of 100,000 rows (2.6M rows), Zipf ids. Model: DLRM,
 dim 16 (--dim), bottom MLP 13-512-256-DIM, top MLP 512-256-1, global batch 2048. Systems, interleaved
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -68,7 +73,11 @@ def main() -> None:
                         help="the src/ dir of another bagpipe checkout (e.g. `git worktree add ../before REV`), "
                              "run as system bagpipe-before: before/after figures in one run")
     parser.add_argument("--quick", action="store_true", help="60 iterations, one repeat")
+    parser.add_argument("--link", default=os.environ.get("BAGPIPE_LINK", ""),
+                        help="run over a loopback shaped to this rate (e.g. 1gbit; none: a namespace unshaped)")
     args = parser.parse_args()
+    if args.link:
+        shape(args.link)
     if args.quick:
         args.iterations, args.repeats, args.warmup = 60, 1, 10
     if not 0 < args.cache_fraction <= 0.10:
@@ -94,6 +103,26 @@ def main() -> None:
     print(table(results, args=args, cache_rows=cache_rows))
 
 
+def shape(rate: str) -> None:
+    """Run this benchmark again, as given but for --link, in a namespace whose loopback is shaped to ``rate``."""
+    import bench_network
+
+    bench_network.rate_bits(rate)
+    why = bench_network.cannot_shape()
+    if why:
+        raise SystemExit(f"--link {rate}: {why}")
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg == "--link" or arg.startswith("--link="):
+            skip = arg == "--link"
+            continue
+        argv.append(arg)
+    os.environ["BAGPIPE_LINK"] = ""  # (inside, run as given)
+    print(f"bench_peers: over a loopback shaped to {rate}", file=sys.stderr)
+    command = bench_network.shaped([sys.executable, str(Path(__file__).resolve()), *argv], rate)
+    os.execvp(command[0], command)
+
+
 def make_data(work: Path, *, iterations: int) -> Path:
     data = work / "bin"
     if not (data / "train" / "header.json").is_file():
@@ -111,9 +140,14 @@ def config(args, data: Path, run_dir: Path, **values) -> TrainConfig:
                        **values)
 
 
-def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int, *, cache_mode: str = "replicated") -> dict:
+def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int, *, cache_mode: str = "replicated",
+                policy: str = "lookahead") -> dict:
+    # over a shaped link (--link, bench_network.py) tensors go by TCP, as between machines: TensorPipe would move them
+    # between processes of one machine by cross-memory attach, past the link
+    channels = "basic" if os.environ.get("BAGPIPE_SHAPED_LINK") else ""
     summary = launch_local(config(args, data, run_dir, mode="bagpipe", trainers=2, servers=1, cache_rows=cache_rows,
-                                  lookahead=200, policy="lookahead", cache_mode=cache_mode, timeout=120.0,
+                                  lookahead=200, policy=policy, cache_mode=cache_mode, timeout=120.0,
+                                  rpc_channels=channels,
                                   keep_within=args.keep_within if cache_mode == "partitioned" else 0),
                            show_progress=False, overwrite=True)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
@@ -136,8 +170,6 @@ def run_bagpipe_partitioned(args, data: Path, run_dir: Path, cache_rows: int) ->
 
 def run_bagpipe_before(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
     """The same job with another checkout's code (PYTHONPATH first), through its command line."""
-    import os
-
     if not args.before_src:
         raise SystemExit("system bagpipe-before needs --before-src")
     command = [sys.executable, "-m", "bagpipe.cli", "train", "--mode", "bagpipe", "--data", str(data),

@@ -1,0 +1,243 @@
+"""Whole jobs over a bandwidth-limited link, on one machine: bagpipe (partitioned, replicated, no cache), TorchRec
+and the one-process reference, each job in a network namespace of its own whose loopback is shaped (issue 29).
+
+    sudo .venv/bin/python benchmarks/bench_network.py [--rates 100mbit,1gbit,10gbit,none] [--dims 16,128]
+        [--systems bagpipe-partitioned,bagpipe,bagpipe-none,torchrec-tw,torchrec-rw,reference]
+        [--repeats 3] [--iterations 60] [--warmup 10] [--cache-fraction 0.1] [--work-dir DIR] [--out FILE.json]
+
+Every process of a job talks over 127.0.0.1, so a job started inside `unshare --net` with
+`tc qdisc add dev lo root tbf rate R burst B latency 100ms` sends every byte between its processes (RPC,
+gloo, TorchRec's all-to-alls) across a link of rate R; nothing outside the namespace is affected. `none` is
+an unshaped namespace (loopback at its own speed: about 8 Gbit/s on this machine). The netem delay qdisc is
+not available in this kernel: the shaping is bandwidth only.
+
+Data and model are bench_peers.py's (26 Criteo-shaped tables of 100,000 rows, DLRM, global batch 2048, 2 trainers
+or processes, SGD). Systems, alternated within each repeat so that machine noise falls on all alike:
+
+- bagpipe-partitioned  `--mode bagpipe --cache-mode partitioned` (each trainer caches its slices' rows)
+- bagpipe              the replicated cache (every trainer the planned rows)
+- bagpipe-none         `--policy none`: each batch's rows prefetched, nothing kept (no cache)
+- torchrec-tw, -rw     TorchRec DMP on 2 processes over gloo, table-wise / row-wise sharding (its own venv)
+- reference            one process, every table in memory: no network (the ceiling)
+
+Inside a namespace a bagpipe job's RPC (plans, fetches, write-backs) carries its tensors over TCP (TensorPipe's
+`basic` channel, `--rpc-channels basic`), as it must between machines: left to choose, TensorPipe moves tensors
+between two processes of one machine by cross-memory attach, which no link shapes (measured: a job's fetches then
+add nothing to the link's bytes).
+
+Each run records samples/s (steady state), the bytes that crossed the link (the loopback's transmit counter
+inside the namespace, from the job's start to its end, start-up and evaluation included) per iteration, and for
+bagpipe each role's stall and time breakdown. Prints a Markdown table per (rate, dim): medians of the repeats.
+Needs root, `unshare` and `tc`; says so and exits 0 where it cannot make a namespace (no test depends on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_peers  # noqa: E402  (the data, model and each system's runner)
+
+SYSTEMS = ("bagpipe-partitioned", "bagpipe", "bagpipe-none", "torchrec-tw", "torchrec-rw", "reference")
+NO_NETWORK = ("reference",)
+LATENCY = "100ms"
+# Set inside a shaped namespace: there a bagpipe job's RPC must carry tensors over TCP (TensorPipe's "basic" channel),
+# as between machines; left to choose, TensorPipe moves them between processes of one machine by cross-memory attach
+# (the "cma" channel), past the link (bench_peers.run_bagpipe reads it).
+SHAPED_ENV = "BAGPIPE_SHAPED_LINK"
+
+
+def rate_bits(rate: str) -> float | None:
+    """tc's rate ("100mbit", "1gbit", "500kbit") in bits/s; None for "none" (unshaped)."""
+    if rate == "none":
+        return None
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"a rate is a number of kbit, mbit or gbit (e.g. 1gbit), or none; got {rate!r}")
+
+
+def burst_bytes(rate: str) -> int:
+    """tbf's bucket: 512 KiB (as measured on this machine at 200 Mbit/s and 1 Gbit/s), or 4 ms at the rate where
+    that is more (a bucket smaller than the rate over a timer tick caps the rate below the one asked for)."""
+    return max(512 * 1024, int(rate_bits(rate) / 8 / 250))
+
+
+def shaped(command: list[str], rate: str) -> list[str]:
+    """``command`` run in a network namespace of its own, its loopback up and, unless ``rate`` is "none", shaped
+    to ``rate`` (every byte between the command's processes crosses it)."""
+    setup = f"ip link set lo up && export {SHAPED_ENV}={rate}"
+    if rate != "none":
+        setup += f" && tc qdisc add dev lo root tbf rate {rate} burst {burst_bytes(rate)} latency {LATENCY}"
+    return ["unshare", "--net", "--", "sh", "-c", f'{setup} && exec "$@"', "sh", *command]
+
+
+def cannot_shape() -> str | None:
+    """Why no shaped namespace can be made here, or None."""
+    if os.geteuid() != 0:
+        return "not root (unshare --net and tc need it)"
+    for tool in ("unshare", "tc", "ip"):
+        if shutil.which(tool) is None:
+            return f"no {tool} on PATH"
+    done = subprocess.run(["unshare", "--net", "sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf "
+                           "rate 1gbit burst 512kb latency 100ms && tc qdisc show dev lo"],
+                          capture_output=True, text=True)
+    if done.returncode or "tbf" not in done.stdout:
+        return f"could not shape a namespace's loopback: {done.stderr.strip() or done.stdout.strip()}"
+    return None
+
+
+def lo_tx_bytes() -> int:
+    """The loopback's bytes sent, in this process's network namespace (/proc/net/dev is per namespace; /sys shows
+    the namespace that mounted it)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
+    raise RuntimeError("no loopback in /proc/net/dev")
+
+
+def inside(args) -> None:
+    """In a shaped namespace (``shaped``): one system's run, its row as JSON on stdout."""
+    work = Path(args.work_dir)
+    data = bench_peers.make_data(work, iterations=args.iterations)
+    cache_rows = int(args.cache_fraction * bench_peers.TABLES * bench_peers.ROWS_PER_TABLE)
+    run_dir = work / f"run_{args.system}"
+    before = lo_tx_bytes()
+    row = run_one(args, data, run_dir, cache_rows)
+    row["link_bytes"] = lo_tx_bytes() - before
+    if args.rate != "none":
+        shown = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+        row["tc"] = " ".join(shown.split())
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def run_one(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+    peers = argparse.Namespace(iterations=args.iterations, warmup=args.warmup, optimizer=args.optimizer, lr=args.lr,
+                               dim=args.dim, keep_within=args.keep_within, torchrec_sharding="table_wise")
+    system = args.system
+    if system == "bagpipe-partitioned":
+        return bench_peers.run_bagpipe(peers, data, run_dir, cache_rows, cache_mode="partitioned")
+    if system == "bagpipe":
+        return bench_peers.run_bagpipe(peers, data, run_dir, cache_rows)
+    if system == "bagpipe-none":
+        return bench_peers.run_bagpipe(peers, data, run_dir, cache_rows, policy="none")
+    if system in ("torchrec-tw", "torchrec-rw"):
+        peers.torchrec_sharding = "table_wise" if system == "torchrec-tw" else "row_wise"
+        return bench_peers.run_torchrec(peers, data, run_dir, cache_rows)
+    if system == "reference":
+        return bench_peers.run_reference(peers, data, run_dir, cache_rows)
+    raise ValueError(f"unknown system {system!r}: one of {', '.join(SYSTEMS)}")
+
+
+def run_in_namespace(args, *, system: str, rate: str, dim: int) -> dict:
+    command = [sys.executable, str(Path(__file__).resolve()), "--inside", "--system", system, "--rate", rate,
+               "--dim", str(dim), "--iterations", str(args.iterations), "--warmup", str(args.warmup),
+               "--optimizer", args.optimizer, "--lr", str(args.lr), "--cache-fraction", str(args.cache_fraction),
+               "--keep-within", str(args.keep_within), "--work-dir", str(args.work_dir)]
+    done = subprocess.run(shaped(command, rate), capture_output=True, text=True, timeout=args.run_timeout)
+    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode or not rows:
+        raise RuntimeError(f"{system} at {rate}, dim {dim}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(rows[-1])
+
+
+def table(rows: list[dict], *, rate: str, dim: int, args) -> str:
+    by_system: dict[str, list[dict]] = {}
+    for row in rows:
+        by_system.setdefault(row["system"], []).append(row)
+    medians = {s: statistics.median(r["samples_per_s"] for r in runs) for s, runs in by_system.items()}
+    base = next((s for s in ("torchrec-tw", "torchrec-rw") if s in medians), None)
+    lines = [f"\n**{'unshaped' if rate == 'none' else rate}, dim {dim}** ({args.iterations} iterations, "
+             f"{args.warmup} warm-up, medians of {args.repeats}; the link bytes include start-up and evaluation)\n",
+             f"| system | samples/s | runs | vs {base or '-'} | link MB / iteration | embedding stall | "
+             f"trainer ms / iteration: cache / lookup / forward / backward / sync / optimizer |",
+             "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    for system, runs in by_system.items():
+        each = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs)
+        ratio = f"{medians[system] / medians[base]:.2f}x" if base else "-"
+        link = statistics.median(r["link_bytes"] for r in runs) / args.iterations / 1e6 \
+            if system not in NO_NETWORK else 0.0
+        stall = (f"{statistics.median(r['embedding_stall_fraction'] for r in runs):.1%}"
+                 if "embedding_stall_fraction" in runs[0] else "")
+        phases = ""
+        if "time_breakdown_ms" in runs[0] and runs[0]["time_breakdown_ms"]:
+            names = ("cache", "lookup", "forward", "backward", "sync", "optimizer")
+            phases = " / ".join(f"{statistics.median(r['time_breakdown_ms'].get(n, 0.0) for r in runs):.1f}"
+                                for n in names)
+        lines.append(f"| {system} | {medians[system]:,.0f} | {each} | {ratio} | {link:.2f} | {stall} | {phases} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="100mbit,1gbit,10gbit,none")
+    p.add_argument("--dims", default="16,128")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--cache-fraction", type=float, default=0.10, help="rows each bagpipe trainer caches")
+    p.add_argument("--keep-within", type=int, default=4, help="bagpipe-partitioned's --keep-within")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one job may take")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--out", default=None, help="every run as JSON lines (appended)")
+    # one run inside a namespace (the outer process starts these)
+    p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--rate", help=argparse.SUPPRESS)
+    p.add_argument("--dim", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.inside:
+        inside(args)
+        return 0
+    rates, dims, systems = args.rates.split(","), [int(d) for d in args.dims.split(",")], args.systems.split(",")
+    for rate in rates:
+        rate_bits(rate)  # a bad rate fails now, not after an hour
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown systems {unknown}: any of {', '.join(SYSTEMS)}")
+    why = cannot_shape()
+    if why:
+        print(f"bench_network: skipped: {why}", file=sys.stderr)
+        return 0
+    args.work_dir = args.work_dir or tempfile.mkdtemp(prefix="bench_network_")
+    bench_peers.make_data(Path(args.work_dir), iterations=args.iterations)  # once, before any namespace
+    if any(s.startswith("torchrec") for s in systems):
+        subprocess.run(["bash", str(HERE / "peer" / "setup_torchrec.sh")], check=True, stdout=sys.stderr)
+    out = open(args.out, "a") if args.out else None
+    tables = []
+    for rate in rates:
+        for dim in dims:
+            rows = []
+            for repeat in range(args.repeats):
+                for system in systems:
+                    row = run_in_namespace(args, system=system, rate=rate, dim=dim)
+                    row.update(system=system, rate=rate, dim=dim, repeat=repeat)
+                    rows.append(row)
+                    print(f"{rate} dim {dim} repeat {repeat} {system}: {row['samples_per_s']:,.0f} samples/s, "
+                          f"{row['link_bytes'] / args.iterations / 1e6:.2f} MB/iteration on the link", flush=True)
+                    if out:
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+            tables.append(table(rows, rate=rate, dim=dim, args=args))
+            print(tables[-1], flush=True)
+    print("\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
