@@ -180,6 +180,20 @@ def table(rows: list[dict], *, rate: str, dim: int, args) -> str:
     return "\n".join(lines)
 
 
+def report(paths: list[str]) -> None:
+    """The tables of recorded runs, one per (rate, dim) in the order first recorded."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                groups.setdefault((row["rate"], row["dim"]), []).append(row)
+    for (rate, dim), rows in groups.items():
+        shown = argparse.Namespace(iterations=rows[0]["iterations"], warmup=rows[0]["warmup"],
+                                   repeats=1 + max(r["repeat"] for r in rows))
+        print(table(rows, rate=rate, dim=dim, args=shown))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100mbit,1gbit,10gbit,none")
@@ -195,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one job may take")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default=None, help="every run as JSON lines (appended)")
+    p.add_argument("--report", nargs="+", default=None, metavar="FILE.jsonl",
+                   help="print the tables of runs recorded with --out (their own iterations and repeats), run nothing")
     # one run inside a namespace (the outer process starts these)
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
@@ -203,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.inside:
         inside(args)
+        return 0
+    if args.report:
+        report(args.report)
         return 0
     rates, dims, systems = args.rates.split(","), [int(d) for d in args.dims.split(",")], args.systems.split(",")
     for rate in rates:
@@ -226,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 for system in systems:
                     row = run_in_namespace(args, system=system, rate=rate, dim=dim)
-                    row.update(system=system, rate=rate, dim=dim, repeat=repeat)
+                    row.update(system=system, rate=rate, dim=dim, repeat=repeat, iterations=args.iterations,
+                               warmup=args.warmup)
                     rows.append(row)
                     print(f"{rate} dim {dim} repeat {repeat} {system}: {row['samples_per_s']:,.0f} samples/s, "
                           f"{row['link_bytes'] / args.iterations / 1e6:.2f} MB/iteration on the link", flush=True)
