@@ -20,8 +20,9 @@ demo: $(BIN)/bagpipe
 
 # Two workers (pytest-xdist), each with its own fork server: jobs wait on each other's processes far more than they
 # compute, so two at once keep both cores busy (docs/benchmarks.md, "The test suite").
+# OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep rather than spin while others need the cores (tests/conftest.py)
 test: $(BIN)/bagpipe
-	$(BIN)/python -m pytest -n 2 --durations=15
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --durations=15
 
 bench: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_reference.py

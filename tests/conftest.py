@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# Before torch loads libgomp: its idle OpenMP threads sleep instead of spinning. Two pytest workers and the jobs'
+# processes share the cores, and spinning threads took them from each other (test_sequences + test_models, -n 2:
+# 92 s by default, 48 s passive). `make test` sets it for every process; this covers a plain `pytest`.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import cli_processes
+import pytest  # noqa: E402
+
+import cli_processes  # noqa: E402
 from bagpipe.runtime import launch
 from bagpipe.runtime.forkserver import ForkServer
 
