@@ -605,7 +605,7 @@ def capture(iteration: int, model: torch.nn.Module, dense_optimizer: torch.optim
             rows, state = tables.read_rows(space, keys)
             parts.append(RowPart(space=space, keys=keys, rows=rows, state=state))
         changed.zero_()
-    return TrainState(iteration=iteration, dense={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+    return TrainState(iteration=iteration, dense=cloned_state(model.state_dict()),
                       dense_optimizer=cloned_state(dense_optimizer.state_dict()), parts=parts, extra=extra)
 
 

@@ -21,7 +21,8 @@ from bagpipe.planner.plan import POLICIES
 STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the servers', --mode single's
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
-MODES = ("reference", "bagpipe", "single")  # single: one process, tables in host memory behind a cache
+MODES = ("reference", "bagpipe", "single")
+DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device  # single: one process, tables in host memory behind a cache
 CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
 SINGLE_POLICIES = ("lookahead", "lru", "lfu")  # --mode single: the planner, or an online policy
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
@@ -272,7 +273,7 @@ class TrainConfig:
         for name in ("lr", "timeout"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+        if not DEVICE_SPEC.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.keep_best and not self.eval_every:
             raise ValueError("keep_best keeps the best of the evaluations during training: it needs eval_every "

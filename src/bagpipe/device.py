@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 
 import torch
 
-log = logging.getLogger(__name__)
+from bagpipe.config import DEVICE_SPEC
 
-_CUDA_SPEC = re.compile(r"cuda(?::(\d+))?")
+log = logging.getLogger(__name__)
 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:
@@ -20,7 +19,7 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     A GPU index this machine lacks, or any other spec, is a ValueError."""
     if spec is None or str(spec) == "cpu":
         return torch.device("cpu")
-    match = _CUDA_SPEC.fullmatch(str(spec))
+    match = DEVICE_SPEC.fullmatch(str(spec))
     if match is None:
         raise ValueError(f"unknown device {str(spec)!r}: expected 'cpu', 'cuda' or 'cuda:N' (N a GPU index)")
     if not torch.cuda.is_available():
