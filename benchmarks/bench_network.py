@@ -37,11 +37,16 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -108,15 +113,77 @@ def lo_tx_bytes() -> int:
     raise RuntimeError("no loopback in /proc/net/dev")
 
 
+class LinkSampler:
+    """The loopback's transmit counter read every few milliseconds on a thread, with the wall-clock time of each
+    reading: the bytes that crossed the link over any span of the run (its steady state) by interpolation."""
+
+    def __init__(self, every_s: float = 0.005):
+        self.readings: list[tuple[float, int]] = [(time.time(), lo_tx_bytes())]
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="link-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.readings.append((time.time(), lo_tx_bytes()))
+
+    def stop(self) -> int:
+        """Stops sampling; the bytes sent since the sampler started."""
+        self._stop.set()
+        self._thread.join()
+        self.readings.append((time.time(), lo_tx_bytes()))
+        return self.readings[-1][1] - self.readings[0][1]
+
+    def bytes_between(self, start: float, end: float) -> float:
+        """The bytes sent between two wall-clock times (linear between readings)."""
+        times, counts = zip(*self.readings)
+        if not times[0] <= start <= end <= times[-1]:
+            raise ValueError(f"span {start:.3f}-{end:.3f} outside the readings {times[0]:.3f}-{times[-1]:.3f}")
+        return float(np.interp(end, times, counts) - np.interp(start, times, counts))
+
+
+def loopback_gbit(megabytes: int = 512) -> float:
+    """A TCP stream's rate over this namespace's loopback, one process to another (the unshaped link)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        chunk = b"\0" * (1 << 20)
+
+        def send() -> None:
+            with socket.create_connection(("127.0.0.1", port)) as out:
+                for _ in range(megabytes):
+                    out.sendall(chunk)
+
+        sender = threading.Thread(target=send)
+        started = time.perf_counter()
+        sender.start()
+        conn, _ = server.accept()
+        received, buffer = 0, bytearray(1 << 20)
+        with conn:
+            while received < megabytes << 20:
+                got = conn.recv_into(buffer)
+                if not got:
+                    break
+                received += got
+        sender.join()
+        return received * 8 / (time.perf_counter() - started) / 1e9
+
+
 def inside(args) -> None:
     """In a shaped namespace (``shaped``): one system's run, its row as JSON on stdout."""
     work = Path(args.work_dir)
     data = bench_peers.make_data(work, iterations=args.iterations)
     cache_rows = int(args.cache_fraction * bench_peers.TABLES * bench_peers.ROWS_PER_TABLE)
     run_dir = work / f"run_{args.system}"
-    before = lo_tx_bytes()
+    loopback = loopback_gbit() if args.rate == "none" else None  # before the job: its bytes are not counted
+    sampler = LinkSampler()
     row = run_one(args, data, run_dir, cache_rows)
-    row["link_bytes"] = lo_tx_bytes() - before
+    row["link_bytes"] = sampler.stop()
+    if loopback is not None:
+        row["loopback_gbit"] = loopback
+    if row.get("timed_window"):  # the steady state's bytes, per timed iteration
+        start, end = row["timed_window"]
+        row["steady_link_bytes_per_iteration"] = sampler.bytes_between(start, end) / (args.iterations - args.warmup)
     if args.rate != "none":
         shown = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
         row["tc"] = " ".join(shown.split())
@@ -160,8 +227,9 @@ def table(rows: list[dict], *, rate: str, dim: int, args) -> str:
     medians = {s: statistics.median(r["samples_per_s"] for r in runs) for s, runs in by_system.items()}
     base = next((s for s in ("torchrec-tw", "torchrec-rw") if s in medians), None)
     lines = [f"\n**{'unshaped' if rate == 'none' else rate}, dim {dim}** ({args.iterations} iterations, "
-             f"{args.warmup} warm-up, medians of {args.repeats}; the link bytes include start-up and evaluation)\n",
-             f"| system | samples/s | runs | vs {base or '-'} | link MB / iteration | embedding stall | "
+             f"{args.warmup} warm-up, medians of {args.repeats}; link MB: the whole job's, start-up and evaluation "
+             f"included, over its iterations, and the steady state's per timed iteration)\n",
+             f"| system | samples/s | runs | vs {base or '-'} | link MB / iteration: job / steady | embedding stall | "
              f"trainer ms / iteration: cache / lookup / forward / backward / sync / optimizer |",
              "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
     for system, runs in by_system.items():
@@ -169,6 +237,8 @@ def table(rows: list[dict], *, rate: str, dim: int, args) -> str:
         ratio = f"{medians[system] / medians[base]:.2f}x" if base else "-"
         link = statistics.median(r["link_bytes"] for r in runs) / args.iterations / 1e6 \
             if system not in NO_NETWORK else 0.0
+        steady = [r["steady_link_bytes_per_iteration"] for r in runs if "steady_link_bytes_per_iteration" in r]
+        link = f"{link:.2f} / " + (f"{statistics.median(steady) / 1e6:.2f}" if steady else "-")
         stall = (f"{statistics.median(r['embedding_stall_fraction'] for r in runs):.1%}"
                  if "embedding_stall_fraction" in runs[0] else "")
         phases = ""
@@ -176,22 +246,87 @@ def table(rows: list[dict], *, rate: str, dim: int, args) -> str:
             names = ("cache", "lookup", "forward", "backward", "sync", "optimizer")
             phases = " / ".join(f"{statistics.median(r['time_breakdown_ms'].get(n, 0.0) for r in runs):.1f}"
                                 for n in names)
-        lines.append(f"| {system} | {medians[system]:,.0f} | {each} | {ratio} | {link:.2f} | {stall} | {phases} |")
+        lines.append(f"| {system} | {medians[system]:,.0f} | {each} | {ratio} | {link} | {stall} | {phases} |")
     return "\n".join(lines)
 
 
 def report(paths: list[str]) -> None:
     """The tables of recorded runs, one per (rate, dim) in the order first recorded."""
     groups: dict[tuple[str, int], list[dict]] = {}
-    for path in paths:
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                groups.setdefault((row["rate"], row["dim"]), []).append(row)
+    for row in read_rows(paths):
+        groups.setdefault((row["rate"], row["dim"]), []).append(row)
     for (rate, dim), rows in groups.items():
         shown = argparse.Namespace(iterations=rows[0]["iterations"], warmup=rows[0]["warmup"],
                                    repeats=1 + max(r["repeat"] for r in rows))
         print(table(rows, rate=rate, dim=dim, args=shown))
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    return [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def blocking_bytes(row: dict, trainers: int = 2) -> float | None:
+    """Of a run's bytes on the link per iteration, those its iteration waits for (None: not recorded).
+
+    TorchRec: all of them (its all-to-alls and the dense all-reduce run inside the iteration, one after another).
+    Bagpipe: the main gradient sum's (the dense gradients and, replicated, the rows used again next iteration; each
+    trainer sends 2 (T - 1) / T of the buffer in a ring), and with the partitioned cache the shared rows' exchange,
+    which goes out just before the dense sum and so delays it on a shared link. Fetches, write-backs, plans, the
+    early bucket and the background sums go out while the trainers compute."""
+    if row["system"].startswith("torchrec"):
+        return row.get("steady_link_bytes_per_iteration")
+    if "allreduce_main_bytes_per_iteration" not in row:
+        return None
+    ring = 2 * (trainers - 1) / trainers
+    blocking = trainers * ring * row["allreduce_main_bytes_per_iteration"]
+    return blocking + trainers * row.get("rows_exchanged_per_iteration", 0.0) * row["dim"] * 4
+
+
+def project(paths: list[str], *, trainers: int = 2) -> list[str]:
+    """The projection's model held against the runs of ``paths``: each system's iteration at each rate R predicted
+    from its unshaped runs and the bytes it moves, against the measured one.
+
+    Model (one link that every byte of the job crosses, as in a shaped namespace): an iteration takes
+    max(C + K / R, B / R), where B is the job's bytes on the link per iteration in the steady state, K those of them
+    the iteration waits for (``blocking_bytes``), and C the iteration without the link: the unshaped runs' time less
+    K at the loopback's measured rate. The rest (B - K) hides behind the compute until the link is busy all the time.
+    The projection as first written (bench_scaling.py) gave each trainer a link of its own and counted only its
+    bytes: max(C + K / T / R, B / T / R) here; shown beside it."""
+    rows = [r for r in read_rows(paths) if r["system"] not in NO_NETWORK]
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["dim"]), []).append(row)
+
+    def median(values) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    lines = ["| system | dim | rate | measured ms / iteration | C ms | B MB | K MB | projected: one shared link | "
+             "error | as first written: a link per trainer | error |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    worst = 0.0
+    for (system, dim), runs in groups.items():
+        steady = median(r.get("steady_link_bytes_per_iteration") for r in runs)
+        blocking = median(blocking_bytes(r, trainers) for r in runs)
+        unshaped = [r for r in runs if r["rate"] == "none"]
+        loopback = median(r.get("loopback_gbit") for r in unshaped)
+        if steady is None or blocking is None or not unshaped or loopback is None:
+            continue
+        ms = {rate: 1e3 * bench_peers.BATCH / median(r["samples_per_s"] for r in runs if r["rate"] == rate)
+              for rate in dict.fromkeys(r["rate"] for r in runs)}
+        compute = ms["none"] - 1e3 * blocking * 8 / (loopback * 1e9)
+        for rate, measured in ms.items():
+            if rate == "none":
+                continue
+            per_ms = rate_bits(rate) / 8 / 1e3  # bytes the link carries in a millisecond
+            shared = max(compute + blocking / per_ms, steady / per_ms)
+            own = max(compute + blocking / trainers / per_ms, steady / trainers / per_ms)
+            worst = max(worst, abs(shared / measured - 1))
+            lines.append(f"| {system} | {dim} | {rate} | {measured:,.1f} | {compute:.1f} | {steady / 1e6:.2f} | "
+                         f"{blocking / 1e6:.2f} | {shared:,.1f} | {shared / measured - 1:+.0%} | {own:,.1f} | "
+                         f"{own / measured - 1:+.0%} |")
+    lines.append(f"\nlargest error of the shared-link model: {worst:.0%}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="every run as JSON lines (appended)")
     p.add_argument("--report", nargs="+", default=None, metavar="FILE.jsonl",
                    help="print the tables of runs recorded with --out (their own iterations and repeats), run nothing")
+    p.add_argument("--project", nargs="+", default=None, metavar="FILE.jsonl",
+                   help="hold the projection's model against runs recorded with --out (see project()), run nothing")
     # one run inside a namespace (the outer process starts these)
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
@@ -222,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report:
         report(args.report)
+        return 0
+    if args.project:
+        print("\n".join(project(args.project)))
         return 0
     rates, dims, systems = args.rates.split(","), [int(d) for d in args.dims.split(",")], args.systems.split(",")
     for rate in rates:
@@ -249,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                                warmup=args.warmup)
                     rows.append(row)
                     print(f"{rate} dim {dim} repeat {repeat} {system}: {row['samples_per_s']:,.0f} samples/s, "
-                          f"{row['link_bytes'] / args.iterations / 1e6:.2f} MB/iteration on the link", flush=True)
+                          f"{row['link_bytes'] / args.iterations / 1e6:.2f} MB/iteration on the link "
+                          f"({row.get('steady_link_bytes_per_iteration', 0) / 1e6:.2f} in the steady state)",
+                          flush=True)
                     if out:
                         out.write(json.dumps(row) + "\n")
                         out.flush()

@@ -151,11 +151,13 @@ def run_bagpipe(args, data: Path, run_dir: Path, cache_rows: int, *, cache_mode:
                                   keep_within=args.keep_within if cache_mode == "partitioned" else 0),
                            show_progress=False, overwrite=True)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
+            "timed_window": summary["timed_window"],
             "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],
             "embedding_stall_fraction": summary["embedding_stall_fraction"],
             "time_breakdown_ms": summary["time_breakdown_ms"], "cpu_s": summary["cpu_s"],
             "rows_fetched": summary["rows_fetched"], "rows_written_back": summary["rows_written_back"],
             "allreduce_bytes_per_iteration": summary["allreduce_bytes_per_iteration"],
+            "allreduce_main_bytes_per_iteration": summary["allreduce_main_bytes_per_iteration"],
             "rows_exchanged_per_iteration": summary["rows_exchanged_per_iteration"],
             "oracle_ms_per_iteration": summary["oracle_ms_per_iteration"],
             # each server's CPU while serving (from ready: its tables' initialisation left out) per iteration
@@ -189,6 +191,7 @@ def run_bagpipe_before(args, data: Path, run_dir: Path, cache_rows: int) -> dict
 def run_reference(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
     summary = train_reference(config(args, data, run_dir, mode="reference"), show_progress=False, overwrite=True)
     return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
+            "timed_window": summary["timed_window"],
             "peak_rss_bytes": summary["peak_rss_bytes"], "final_loss": summary["final_train_loss"],
             "time_breakdown_ms": summary["time_breakdown_ms"]}
 
@@ -204,6 +207,7 @@ def run_torchrec(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     peaks = result["peak_rss_bytes"]
     return {"samples_per_s": result["samples_per_s"], "startup_s": result["startup_s"],
+            "timed_window": result.get("timed_window"),
             "peak_rss_bytes": {f"rank{i}": b for i, b in enumerate(peaks)}, "final_loss": result["final_loss"],
             "sharding": result.get("sharding")}
 

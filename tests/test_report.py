@@ -65,6 +65,17 @@ def test_metrics_carry_the_breakdown_and_cache_counters(demo_runs):
     assert set(summary["peak_rss_bytes"]) == {"oracle", "server0", "trainer0", "trainer1"}
     assert all(b > 10 * 2**20 for b in summary["peak_rss_bytes"].values())
     assert summary["startup_s"] > 0
+    # the blocking main sum is part of what a trainer all-reduces: the early bucket (DLRM's top MLP) and the rows not
+    # used next iteration go in sums of their own
+    assert 0 < summary["allreduce_main_bytes_per_iteration"] < summary["allreduce_bytes_per_iteration"]
+    # the steady state's span in wall-clock time: the timed iterations back to back (what a benchmark reads a link's
+    # bytes over), within the run's own life
+    for mode in ("bagpipe", "reference"):
+        run = load_run(demo_runs[mode]).summary
+        start, end = run["timed_window"]
+        timed = (40 - run["warmup_iterations"]) * 128 / run["samples_per_s"]
+        assert end - start == pytest.approx(timed, rel=0.02, abs=0.02)
+        assert end <= (demo_runs[mode] / "summary.json").stat().st_mtime + 1
     # the oracle while feeding: its CPU per iteration holds its producer's, which holds the planner's and reading's
     oracle = summary["oracle_ms_per_iteration"]
     assert oracle["cpu"] >= oracle["producer"] * 0.9 and oracle["planner"] > 0 and oracle["reading"] > 0

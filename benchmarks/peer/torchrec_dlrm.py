@@ -344,8 +344,10 @@ def worker(args: argparse.Namespace) -> None:
         if i + 1 == args.warmup:
             dist.barrier()
             timed_from = time.perf_counter()
+            timed_window = [time.time(), None]  # the steady state in wall-clock time (a link's bytes are read over it)
     dist.barrier()
     wall = time.perf_counter() - timed_from
+    timed_window[1] = time.time()
     if profiler is not None:
         profiler.__exit__(None, None, None)
         log(rank, "profile of the measured iterations (wall time inflated by the profiler):\n"
@@ -364,7 +366,7 @@ def worker(args: argparse.Namespace) -> None:
             "final_loss": round(final_loss.item() / world, 6),
             "iterations": args.iterations, "warmup": args.warmup, "optimizer": args.optimizer,
             "lr": args.lr, "dim": args.dim, "batch_size": args.batch_size, "threads": args.threads,
-            "measured_wall_s": round(wall, 3), "torch": torch.__version__,
+            "measured_wall_s": round(wall, 3), "timed_window": timed_window, "torch": torch.__version__,
         }
         Path(os.environ["TORCHREC_DLRM_RESULT"]).write_text(json.dumps(result) + "\n")
     dist.barrier()

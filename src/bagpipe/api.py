@@ -159,6 +159,7 @@ class TrainerCache:
         module = getattr(model, "module", model)
         state = module.state_dict() if module is not None and self.runtime.index == 0 else None
         self.runtime.stats.samples_per_s = self._timer.samples_per_s
+        self.runtime.stats.extra["timed_window"] = self._timer.window
         self.runtime.close(dense_state=state)
         self._closed = True
 

@@ -55,11 +55,16 @@ class Timer:
     warmup: int
     samples: int = 0
     seconds: float = 0.0
+    # the steady state's span in wall-clock time (time.time()): the first timed iteration's start and the last's
+    # end, so that what a job did meanwhile (e.g. the bytes on its link) can be read over the same span
+    window: tuple[float, float] | None = None
 
     def record(self, iteration: int, samples: int, seconds: float) -> None:
         if iteration >= self.warmup:
             self.samples += samples
             self.seconds += seconds
+            now = time.time()
+            self.window = (now - seconds if self.window is None else self.window[0], now)
 
     @property
     def samples_per_s(self) -> float:
@@ -345,6 +350,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         "eval_s": eval_s,
         "wall_s": time.perf_counter() - started,
         "warmup_iterations": timer.warmup,
+        "timed_window": timer.window,
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
         **({"resumed_at": start} if resume else {}),

@@ -184,6 +184,7 @@ class TrainerStats:
     rows_exchanged: int = 0  # partitioned cache: shared rows' gradients sent to their other users
     bytes_sent: int = 0  # payload this trainer sent: write-backs and gradient all-reduces
     allreduce_bytes: int = 0  # of which gradient all-reduce buffers (blocking and background)
+    allreduce_main_bytes: int = 0  # of which the blocking main sums (dense gradients, rows used next iteration)
     samples_per_s: float = float("nan")  # steady state, as the reference counts it
     extra: dict = field(default_factory=dict)
 

@@ -72,6 +72,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "iterations": oracle.iterations,
         "samples": oracle.iterations * config.batch_size,
         "samples_per_s": stats[0].samples_per_s,
+        "timed_window": stats[0].extra.get("timed_window"),  # trainer 0's steady state in wall-clock time
         "final_train_loss": (stats[0].extra.get("final_train_loss") if oracle.iterations > oracle.start
                              else run.last_train_loss()),  # (a resumed run with nothing left to train)
         **metrics,
@@ -109,6 +110,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         + sum(s["bytes_sent"] for s in shards),
         # what one trainer puts through gradient all-reduces per iteration (dense + rows)
         "allreduce_bytes_per_iteration": float(np.mean([s.allreduce_bytes for s in all_stats]))
+        / max(oracle.iterations, 1),
+        # of which the blocking main sum's (dense gradients and, replicated, the rows used again next iteration)
+        "allreduce_main_bytes_per_iteration": float(np.mean([s.allreduce_main_bytes for s in all_stats]))
         / max(oracle.iterations, 1),
         # partitioned cache: shared rows' gradients a trainer sends to their other users per iteration (mean)
         "rows_exchanged_per_iteration": float(np.mean([s.rows_exchanged for s in all_stats]))

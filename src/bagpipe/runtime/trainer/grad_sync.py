@@ -58,6 +58,8 @@ class GradientSync:
         if self.group is not None:
             self.stats.bytes_sent += buffer.numel() * 4
             self.stats.allreduce_bytes += buffer.numel() * 4
+            if what is not None and what[0] == "main":  # the one the iteration waits for
+                self.stats.allreduce_main_bytes += buffer.numel() * 4
         mean = Mean(self.group, buffer, timeout=self.timeout, what=what)
         if self.group is not None:
             self.sums.append(mean)

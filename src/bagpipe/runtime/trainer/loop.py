@@ -161,6 +161,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     stats.extra["peak_rss_bytes"] = peak_rss_bytes()
     stats.extra["cpu_s"] = cpu_seconds()
     runtime.stats.samples_per_s = timer.samples_per_s
+    stats.extra["timed_window"] = timer.window
     runtime.stats.extra["final_train_loss"] = loss
     if run is not None:
         run.close()
