@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead, SlotIndex
-from bagpipe.nn.slots import KeyTable
+from bagpipe.planner.keys import KeyTable
 from bagpipe.optim import RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
 from bagpipe.synth import zipf_bags

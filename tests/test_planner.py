@@ -103,6 +103,42 @@ def test_identical_inputs_give_identical_plans(stream, lookahead):
             assert np.array_equal(getattr(a, field), getattr(b, field))
 
 
+PLAN_FIELDS = ("fetch_keys", "fetch_versions", "fetch_slots", "evict_keys", "evict_writers", "evict_slots",
+               "sync_now_keys", "sync_later_keys", "sync_later_deadlines", "batch_keys", "batch_slots")
+
+
+@settings(max_examples=60, deadline=None)
+@given(streams(), st.sampled_from(["lookahead", "lru", "lfu", "none"]), st.integers(1, 8),
+       st.integers(0, 2**31))
+def test_a_sparse_key_space_of_2_40_rows_is_planned_as_its_dense_image(stream, policy, lookahead, seed):
+    """The planner's state grows with the rows it sees, not the key space: the same trace with its rows spread over
+    2^40 keys (in the same order: an increasing map) gets the same plan, mapped, where a per-row array would need
+    8 TB; and planning it allocates no more than the dense trace does, within a small margin."""
+    import tracemalloc
+
+    num_rows, batches, cache_rows = stream
+    rng = np.random.default_rng(seed)
+    spread = np.sort(rng.choice(2**40, size=num_rows, replace=False))  # key k -> spread[k], increasing
+    config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead, num_trainers=2,
+                           policy=policy)
+    sparse = PlannerConfig(num_rows=2**40, cache_rows=cache_rows, lookahead=lookahead, num_trainers=2,
+                           policy=policy)
+    tracemalloc.start()
+    try:
+        dense_steps = list(plan(batches, config))
+        tracemalloc.reset_peak()
+        sparse_steps = list(plan([spread[b] for b in batches], sparse))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20
+    keyed = ("fetch_keys", "evict_keys", "sync_now_keys", "sync_later_keys", "batch_keys")
+    for a, b in zip(dense_steps, sparse_steps, strict=True):
+        for field in PLAN_FIELDS:
+            mine = getattr(a, field)
+            assert np.array_equal(spread[mine] if field in keyed else mine, getattr(b, field)), field
+
+
 def test_sync_split_follows_next_use():
     batches = [np.array([1, 2, 3]), np.array([1]), np.array([2]), np.array([9])]
     steps = list(plan(batches, PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))

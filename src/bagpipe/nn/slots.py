@@ -9,18 +9,14 @@ every many batches. Pure numpy, no torch and no device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from bagpipe.planner.keys import KeyTable
 from bagpipe.planner.plan import ONLINE_POLICIES, online_scores
 
 CLEANUP_FRACTION = 0.05  # the default share of the cache freed when a batch does not fit
-
-_EMPTY, _GONE = -1, -2  # a hash table position never used, and one whose key was removed
-_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
-
 
 @dataclass(frozen=True)
 class Admission:
@@ -31,66 +27,6 @@ class Admission:
     fetch_keys: np.ndarray  # sorted
     fetch_slots: np.ndarray
     batch_slots: np.ndarray  # the slot of each of the batch's distinct keys, in their (sorted) order
-
-
-class KeyTable:
-    """key -> slot for at most ``capacity`` keys: linear probing, every operation vectorised over its keys."""
-
-    def __init__(self, capacity: int) -> None:
-        self.bits = max(4, math.ceil(math.log2(2 * capacity)))
-        self.mask = (1 << self.bits) - 1
-        self.keys = np.full(1 << self.bits, _EMPTY, dtype=np.int64)
-        self.values = np.zeros(1 << self.bits, dtype=np.int64)
-        self._claims = np.zeros(1 << self.bits, dtype=np.int64)  # scratch: which key an insertion round places where
-        self.live = self.gone = 0
-
-    def _home(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys.astype(np.uint64) * _FIBONACCI) >> np.uint64(64 - self.bits)).astype(np.int64)
-
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """The table position of each key, -1 where it is absent."""
-        found = np.full(len(keys), -1, dtype=np.int64)
-        todo, at = np.arange(len(keys)), self._home(keys)
-        while len(todo):
-            held = self.keys[at]
-            hit = held == keys[todo]
-            found[todo[hit]] = at[hit]
-            on = ~hit & (held != _EMPTY)  # a removed key's place does not end the probe
-            todo, at = todo[on], (at[on] + 1) & self.mask
-        return found
-
-    def get(self, keys: np.ndarray) -> np.ndarray:
-        at = self.find(keys)
-        return np.where(at >= 0, self.values[at], -1)
-
-    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Add distinct keys that are absent."""
-        todo, at = np.arange(len(keys)), self._home(keys)
-        while len(todo):
-            held = self.keys[at]
-            open_ = np.flatnonzero(held < 0)
-            self._claims[at[open_]] = open_  # one winner per open place: the last to claim it
-            won = open_[self._claims[at[open_]] == open_]
-            self.keys[at[won]], self.values[at[won]] = keys[todo[won]], values[todo[won]]
-            self.gone -= int((held[won] == _GONE).sum())
-            rest = np.ones(len(todo), dtype=bool)
-            rest[won] = False
-            todo, at = todo[rest], (at[rest] + 1) & self.mask
-        self.live += len(keys)
-
-    def remove(self, keys: np.ndarray) -> None:
-        """Remove keys that are present."""
-        at = self.find(keys)
-        assert (at >= 0).all(), "removing a key the table does not hold"
-        self.keys[at] = _GONE
-        self.live -= len(keys)
-        self.gone += len(keys)
-        if self.gone > len(self.keys) // 4:  # removed places lengthen every probe: start over with the live keys
-            live = np.flatnonzero(self.keys >= 0)
-            keys, values = self.keys[live], self.values[live]
-            self.keys.fill(_EMPTY)
-            self.live = self.gone = 0
-            self.insert(keys, values)
 
 
 class SlotIndex:

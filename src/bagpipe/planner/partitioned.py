@@ -41,6 +41,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from bagpipe.planner.keys import KeyIndex, grown
 from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, PlannerConfig, _Stream, per_space
 
 
@@ -83,34 +84,35 @@ class PartitionedStep:
 
 @dataclass
 class _Cache:
-    """One trainer's residency: which row each slot holds, each row's slot, the next use by this trainer."""
+    """One trainer's residency: which row each slot holds, each row's slot, the next use by this trainer. Rows are
+    their numbers in the plan's KeyIndex (the order first seen)."""
 
-    slot_of: np.ndarray  # per row: its slot here, -1 if not held
-    slot_key: np.ndarray  # per slot: its row, -1 if free
+    slot_of: np.ndarray  # per row number: its slot here, -1 if not held
+    slot_row: np.ndarray  # per slot: its row's number, -1 if free
     slot_next: np.ndarray  # per slot: the next use of its row by this trainer, as known
     free: np.ndarray  # a stack of free slots: free[:num_free]
     num_free: int
 
     @classmethod
-    def empty(cls, num_rows: int, capacity: int) -> "_Cache":
-        return cls(np.full(num_rows, -1, dtype=np.int32), np.full(capacity, -1, dtype=np.int64),
+    def empty(cls, capacity: int) -> "_Cache":
+        return cls(np.zeros(0, dtype=np.int32), np.full(capacity, -1, dtype=np.int64),
                    np.full(capacity, NEVER, dtype=np.int64), np.arange(capacity - 1, -1, -1, dtype=np.int64), capacity)
 
-    def let_go(self, keys: np.ndarray) -> np.ndarray:
-        """Free the slots of ``keys``; the slots."""
-        slots = self.slot_of[keys].astype(np.int64)
+    def let_go(self, rows: np.ndarray) -> np.ndarray:
+        """Free the slots of ``rows``; the slots."""
+        slots = self.slot_of[rows].astype(np.int64)
         self.free[self.num_free:self.num_free + len(slots)] = slots
         self.num_free += len(slots)
-        self.slot_key[slots] = -1
+        self.slot_row[slots] = -1
         self.slot_next[slots] = NEVER
-        self.slot_of[keys] = -1
+        self.slot_of[rows] = -1
         return slots
 
-    def take(self, keys: np.ndarray) -> None:
-        slots = self.free[self.num_free - len(keys):self.num_free][::-1].copy()
-        self.num_free -= len(keys)
-        self.slot_of[keys] = slots
-        self.slot_key[slots] = keys
+    def take(self, rows: np.ndarray) -> None:
+        slots = self.free[self.num_free - len(rows):self.num_free][::-1].copy()
+        self.num_free -= len(rows)
+        self.slot_of[rows] = slots
+        self.slot_row[slots] = rows
 
 
 def _in(keys: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
@@ -137,44 +139,63 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
         return [*parts, np.concatenate(parts)]
 
     streams = per_space((with_batch(parts) for parts in slices), trainers + 1)
-    own = [_Stream(streams[t], lookahead=config.lookahead, num_rows=config.num_rows) for t in range(trainers)]
-    everyone = _Stream(streams[trainers], lookahead=config.lookahead, num_rows=config.num_rows)
-    caches = [_Cache.empty(config.num_rows, capacity) for _ in range(trainers)]
-    latest = np.full(config.num_rows, -1, dtype=np.int64)  # the iteration of each row's last update
-    server = np.full(config.num_rows, -1, dtype=np.int64)  # the version the servers hold
-    next_any = np.full(config.num_rows, NEVER, dtype=np.int64)  # each row's next use by any trainer, as known
-    holders = np.zeros(config.num_rows, dtype=np.int16)  # how many trainers hold each row
+    # Rows are numbered in the order first seen (one KeyIndex for every stream), and the state below is over those
+    # numbers: it grows with the rows the plan sees, not with the key space. Keys appear in the steps, and decide
+    # wherever order or balance is by key (sorting, owners, writers).
+    index = KeyIndex()
+    own = [_Stream(streams[t], lookahead=config.lookahead, num_rows=config.num_rows, index=index)
+           for t in range(trainers)]
+    everyone = _Stream(streams[trainers], lookahead=config.lookahead, num_rows=config.num_rows, index=index)
+    caches = [_Cache.empty(capacity) for _ in range(trainers)]
+    latest = np.zeros(0, dtype=np.int64)  # per row number: the iteration of its last update (-1: none)
+    server = np.zeros(0, dtype=np.int64)  # the version the servers hold (-1: the initial row)
+    next_any = np.zeros(0, dtype=np.int64)  # its next use by any trainer, as known
+    holders = np.zeros(0, dtype=np.int16)  # how many trainers hold it
     empty = np.zeros(0, dtype=np.int64)
+    keys_of = index.keys_of
+
+    def by_key(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (numbers) and their keys, in key order."""
+        keys = keys_of(rows)
+        order = np.argsort(keys)
+        return keys[order], rows[order]
 
     ahead: list = [[] for _ in range(trainers)]  # per trainer, rows it hands off ahead at the next boundary
     i = 0
     while (global_batch := everyone.batch(i)) is not None:
         batch, lookups = global_batch
+        rows = everyone.numbers(i)  # the global batch's rows, by number, in key order as ``batch``
         mine = [own[t].batch(i)[0] for t in range(trainers)]
+        mine_rows = [own[t].numbers(i) for t in range(trainers)]
+        if index.count > len(latest):  # (every stream has numbered the rows of i + 1 by now: peeked below)
+            latest, server = grown(latest, index.count, -1), grown(server, index.count, -1)
+            next_any, holders = grown(next_any, index.count, NEVER), grown(holders, index.count, 0)
+            for cache in caches:
+                cache.slot_of = grown(cache.slot_of, index.count, -1)
         for t, keys in enumerate(mine):
             if len(keys) > capacity:
                 raise ValueError(f"trainer {t}'s slice of batch {i} touches {len(keys)} distinct rows, more than its "
                                  f"cache's {capacity}: raise cache_rows or lower the batch size")
         if i % _NEXT_USE_BLOCK == 0:  # a new block brings further uses of idle rows in sight
             for t, cache in enumerate(caches):
-                unknown = np.flatnonzero((cache.slot_key >= 0) & (cache.slot_next == NEVER))
-                cache.slot_next[unknown] = own[t].first_uses(cache.slot_key[unknown])
+                unknown = np.flatnonzero((cache.slot_row >= 0) & (cache.slot_next == NEVER))
+                cache.slot_next[unknown] = own[t].first_uses_of(cache.slot_row[unknown])
             held = np.flatnonzero((holders > 0) & (next_any == NEVER))
-            next_any[held] = everyone.first_uses(held)
+            next_any[held] = everyone.first_uses_of(held)
         users = np.stack([_in(batch, keys) for keys in mine])  # [trainer, row of the batch]: it uses the row now
         writes, write_slots = _ahead(ahead, caches)
         drops: list[list] = [[] for _ in range(trainers)]
         drop_slots: list[list] = [[] for _ in range(trainers)]
         # 1. Holders that do not use a row now keep it (its next use by them is near) or let it go; a dirty row
         # some user lacks is handed off first.
-        held_by = [caches[t].slot_of[batch] >= 0 for t in range(trainers)]
+        held_by = [caches[t].slot_of[rows] >= 0 for t in range(trainers)]
         keeping = [np.zeros(len(batch), dtype=bool) for _ in range(trainers)]
         joining = [np.zeros(len(batch), dtype=bool) for _ in range(trainers)]
         if config.keep_within:
             for t, cache in enumerate(caches):
                 stale = np.flatnonzero(held_by[t] & ~users[t])
                 if len(stale):
-                    keeping[t][stale] = cache.slot_next[cache.slot_of[batch[stale]]] - i <= config.keep_within
+                    keeping[t][stale] = cache.slot_next[cache.slot_of[rows[stale]]] - i <= config.keep_within
                 # A row others use now and this trainer next: it joins them as a keeper now, so that the fetch
                 # (of the version before this iteration's update) has an iteration to arrive.
                 following = own[t].peek(i + 1)
@@ -183,44 +204,44 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                     room = capacity - len(mine[t])  # (a join is optional: without it the row is fetched at i + 1)
                     joining[t][np.flatnonzero(joining[t])[room:]] = False
                     keeping[t] |= joining[t]
-        _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, holders, writes, write_slots)
+        _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, writes, write_slots)
         fetching = np.zeros(len(batch), dtype=bool)
         for t in range(trainers):
             fetching |= (users[t] | joining[t]) & ~held_by[t]
-        handoff = fetching & (latest[batch] > server[batch])
+        handoff = fetching & (latest[rows] > server[rows])
         if handoff.any():
-            rows = batch[handoff]
-            _write(rows, [held[handoff] for held in held_by], caches, writes, write_slots)
-            server[rows] = latest[rows]
+            handed = rows[handoff]
+            _write(batch[handoff], handed, [held[handoff] for held in held_by], caches, writes, write_slots)
+            server[handed] = latest[handed]
         for t in range(trainers):
             stale = held_by[t] & ~users[t] & ~keeping[t]
             if stale.any():
-                keys = batch[stale]
-                drop_slots[t].append(caches[t].let_go(keys))
-                holders[keys] -= 1
-                drops[t].append(keys)
+                gone = rows[stale]
+                drop_slots[t].append(caches[t].let_go(gone))
+                holders[gone] -= 1
+                drops[t].append(gone)
         # 2. Room for the fetches: each trainer evicts for its own capacity (never a row of its slice).
         fetches = []
         for t, cache in enumerate(caches):
-            keys = mine[t]
-            missing = keys[cache.slot_of[keys] < 0]
+            slice_rows = mine_rows[t]
+            missing = slice_rows[cache.slot_of[slice_rows] < 0]
             overflow = len(missing) + int(joining[t].sum()) - cache.num_free
             if overflow > 0:
-                resident = cache.slot_of[keys]
+                resident = cache.slot_of[slice_rows]
                 in_slice = np.zeros(capacity, dtype=bool)
                 in_slice[resident[resident >= 0]] = True
                 kept = np.zeros(capacity, dtype=bool)  # rows it keeps now: let go only if nothing else will do
-                kept[cache.slot_of[batch[keeping[t] & held_by[t]]]] = True
-                others = np.flatnonzero((cache.slot_key >= 0) & ~in_slice & ~kept)
-                chosen = _evicted(cache.slot_key[others], cache.slot_next[others], next_any,
+                kept[cache.slot_of[rows[keeping[t] & held_by[t]]]] = True
+                others = np.flatnonzero((cache.slot_row >= 0) & ~in_slice & ~kept)
+                chosen = _evicted(cache.slot_row[others], cache.slot_next[others], next_any,
                                   min(len(others), overflow + int(config.cleanup_fraction * capacity)),
                                   beyond=i + config.lookahead)
                 if len(chosen) < overflow:  # (never for the cleanup's sake)
                     kept_slots = np.flatnonzero(kept)
-                    chosen = np.concatenate([chosen, _evicted(cache.slot_key[kept_slots], cache.slot_next[kept_slots],
+                    chosen = np.concatenate([chosen, _evicted(cache.slot_row[kept_slots], cache.slot_next[kept_slots],
                                                               next_any, overflow - len(chosen),
                                                               beyond=i + config.lookahead, others_first=False)])
-                chosen = np.sort(chosen)
+                chosen = by_key(chosen)[1]
                 slots = cache.let_go(chosen)
                 holders[chosen] -= 1
                 drops[t].append(chosen)
@@ -232,68 +253,69 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                     server[chosen[last]] = latest[chosen[last]]
             fetches.append(missing)
         for t, cache in enumerate(caches):  # (a kept row its capacity needed is let go after all)
-            keeping[t] &= (cache.slot_of[batch] >= 0) | joining[t]
+            keeping[t] &= (cache.slot_of[rows] >= 0) | joining[t]
         bits = (np.int64(1) << np.arange(trainers, dtype=np.int64))[:, None]
         users_of, holders_of = (users * bits).sum(axis=0), ((users | np.stack(keeping)) * bits).sum(axis=0)
         # 3. The fetches, at the version of each row's last update (the servers have it now).
         steps = []
         for t, cache in enumerate(caches):
-            joined = batch[joining[t]]
+            joined = rows[joining[t]]
             missing = np.concatenate([fetches[t], joined])
             late = np.arange(len(missing)) >= len(fetches[t])
             cache.take(missing)
             holders[missing] += 1
             cache.slot_next[cache.slot_of[joined]] = i + 1
             keys = mine[t]
-            cache.slot_next[cache.slot_of[keys]] = own[t].next_uses[i]
+            cache.slot_next[cache.slot_of[mine_rows[t]]] = own[t].next_uses[i]
             shared = holders_of[users[t]] != bits[t, 0]
             shared_keys = keys[shared]
             owners = _owners(shared_keys, users[:, users[t]][:, shared])
-            kept = batch[keeping[t]]
-            write_keys = np.concatenate(writes[t]) if writes[t] else empty
+            written = np.concatenate(writes[t]) if writes[t] else empty
+            dropped = np.concatenate(drops[t]) if drops[t] else empty
             steps.append(TrainerStep(
-                write_keys=write_keys, write_versions=latest[write_keys],
+                write_keys=keys_of(written), write_versions=latest[written],
                 write_slots=np.concatenate(write_slots[t]) if write_slots[t] else empty,
-                drop_keys=np.concatenate(drops[t]) if drops[t] else empty,
+                drop_keys=keys_of(dropped),
                 drop_slots=np.concatenate(drop_slots[t]) if drop_slots[t] else empty,
-                fetch_keys=missing, fetch_versions=latest[missing],
+                fetch_keys=keys_of(missing), fetch_versions=latest[missing],
                 fetch_slots=cache.slot_of[missing].astype(np.int64), fetch_late=late,
-                batch_keys=keys, batch_slots=cache.slot_of[keys].astype(np.int64),
+                batch_keys=keys, batch_slots=cache.slot_of[mine_rows[t]].astype(np.int64),
                 own_keys=keys[~shared], shared_keys=shared_keys, shared_owners=owners,
                 shared_users=users_of[users[t]][shared], shared_holders=holders_of[users[t]][shared],
-                kept_keys=kept, kept_slots=cache.slot_of[kept].astype(np.int64), kept_users=users_of[keeping[t]],
-                kept_holders=holders_of[keeping[t]], resident_rows=capacity - cache.num_free))
+                kept_keys=batch[keeping[t]], kept_slots=cache.slot_of[rows[keeping[t]]].astype(np.int64),
+                kept_users=users_of[keeping[t]], kept_holders=holders_of[keeping[t]],
+                resident_rows=capacity - cache.num_free))
         # 4. The iteration: every row of the batch is updated by its holders.
-        latest[batch] = i
-        next_any[batch] = coming = everyone.next_uses[i]
+        latest[rows] = i
+        next_any[rows] = coming = everyone.next_uses[i]
         # 5. Hand-offs ahead: a row that a trainer not holding it uses before any holder does again is written back
         # at the next boundary (by a holder, balanced by key), so the fetch that needs it can be issued ahead.
         first_again = np.full(len(batch), NEVER, dtype=np.int64)
         for t, cache in enumerate(caches):
             here = np.flatnonzero((holders_of >> t) & 1)
-            first_again[here] = np.minimum(first_again[here], cache.slot_next[cache.slot_of[batch[here]]])
+            first_again[here] = np.minimum(first_again[here], cache.slot_next[cache.slot_of[rows[here]]])
         soon = np.flatnonzero((coming != NEVER) & (coming < first_again))
         ahead = [[] for _ in range(trainers)]
         if len(soon):
-            rows, who = batch[soon], holders_of[soon]
-            ahead = [rows[write] for write in _writers(rows, [((who >> t) & 1).astype(bool)
-                                                              for t in range(trainers)])]
-            server[rows] = i
+            who = holders_of[soon]
+            ahead = [rows[soon][write] for write in _writers(batch[soon], [((who >> t) & 1).astype(bool)
+                                                                           for t in range(trainers)])]
+            server[rows[soon]] = i
         yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=lookups)
         i += 1
     # The final flush: every dirty row written back by one of its holders (or ahead), every row let go.
     steps = []
     writes, write_slots = _ahead(ahead, caches)
     for t, cache in enumerate(caches):
-        keys = np.sort(cache.slot_key[cache.slot_key >= 0])
+        keys, held = by_key(cache.slot_row[cache.slot_row >= 0])
         early = np.concatenate(writes[t]) if writes[t] else empty
         early_slots = np.concatenate(write_slots[t]) if write_slots[t] else empty
-        slots = cache.let_go(keys)
-        holders[keys] -= 1
-        last = (holders[keys] == 0) & (latest[keys] > server[keys])
-        server[keys[last]] = latest[keys[last]]
-        write_keys = np.concatenate([early, keys[last]])
-        steps.append(TrainerStep(write_keys=write_keys, write_versions=latest[write_keys],
+        slots = cache.let_go(held)
+        holders[held] -= 1
+        last = (holders[held] == 0) & (latest[held] > server[held])
+        server[held[last]] = latest[held[last]]
+        written = np.concatenate([early, held[last]])
+        steps.append(TrainerStep(write_keys=keys_of(written), write_versions=latest[written],
                                  write_slots=np.concatenate([early_slots, slots[last]]),
                                  drop_keys=keys, drop_slots=slots, fetch_keys=empty, fetch_versions=empty,
                                  fetch_slots=empty, fetch_late=np.zeros(0, dtype=bool), batch_keys=empty,
@@ -327,25 +349,26 @@ def _evicted(rows: np.ndarray, nxt: np.ndarray, next_any: np.ndarray, count: int
 
 
 def _hand_off_before(n: int, everyone: _Stream, own: list[_Stream], batch: np.ndarray, caches: list[_Cache],
-                     latest: np.ndarray, server: np.ndarray, holders: np.ndarray, writes: list[list],
-                     write_slots: list[list]) -> None:
+                     latest: np.ndarray, server: np.ndarray, writes: list[list], write_slots: list[list]) -> None:
     """Hand-offs an iteration early: a dirty row that a trainer not holding it uses at ``n`` and that nobody
     updates before (it is not in the current ``batch``) is written back now, by one of its holders (balanced by
     key), so that the fetch at ``n`` finds it on its server (rather than wait for a hand-off at ``n``'s boundary)."""
     coming = everyone.peek(n)
     if coming is None:
         return
-    rows = coming[~_in(coming, batch)]
-    rows = rows[latest[rows] > server[rows]]
+    keys = coming[~_in(coming, batch)]
+    rows = everyone.index.known(keys)  # (numbered: the streams have seen batch n)
+    dirty = latest[rows] > server[rows]
+    keys, rows = keys[dirty], rows[dirty]
     if not len(rows):
         return
     lacking = np.zeros(len(rows), dtype=bool)
     for t, cache in enumerate(caches):
-        lacking |= _in(rows, own[t].peek(n)) & (cache.slot_of[rows] < 0)
-    rows = rows[lacking]
+        lacking |= _in(keys, own[t].peek(n)) & (cache.slot_of[rows] < 0)
+    keys, rows = keys[lacking], rows[lacking]
     if not len(rows):
         return
-    _write(rows, [cache.slot_of[rows] >= 0 for cache in caches], caches, writes, write_slots)  # (a dirty row is held)
+    _write(keys, rows, [cache.slot_of[rows] >= 0 for cache in caches], caches, writes, write_slots)  # (held: dirty)
     server[rows] = latest[rows]
 
 
@@ -362,19 +385,21 @@ def _writers(rows: np.ndarray, holding: list[np.ndarray]) -> list[np.ndarray]:
     return chosen
 
 
-def _write(rows: np.ndarray, holding: list[np.ndarray], caches: list[_Cache], writes: list[list],
+def _write(keys: np.ndarray, rows: np.ndarray, holding: list[np.ndarray], caches: list[_Cache], writes: list[list],
            write_slots: list[list]) -> None:
-    """``_writers``' write-backs of ``rows`` added to each trainer's, read from its slots."""
-    for t, write in enumerate(_writers(rows, holding)):
+    """``_writers``' write-backs of ``keys`` (``rows``: their numbers) added to each trainer's, read from its
+    slots."""
+    for t, write in enumerate(_writers(keys, holding)):
         if write.any():
             writes[t].append(rows[write])
             write_slots[t].append(caches[t].slot_of[rows[write]].astype(np.int64))
 
 
 def _ahead(ahead: list, caches: list[_Cache]) -> tuple[list[list], list[list]]:
-    """Each trainer's write-backs and their slots, begun with the rows it hands off ahead at this boundary."""
-    writes = [[keys] if len(keys) else [] for keys in ahead]
-    slots = [[cache.slot_of[keys].astype(np.int64)] if len(keys) else [] for keys, cache in zip(ahead, caches)]
+    """Each trainer's write-backs (row numbers) and their slots, begun with the rows it hands off ahead at this
+    boundary."""
+    writes = [[rows] if len(rows) else [] for rows in ahead]
+    slots = [[cache.slot_of[rows].astype(np.int64)] if len(rows) else [] for rows, cache in zip(ahead, caches)]
     return writes, slots
 
 

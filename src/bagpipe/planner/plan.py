@@ -16,6 +16,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from bagpipe.planner.keys import KeyIndex, grown
+
 POLICIES = ("lookahead", "lru", "lfu", "none")
 ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
 NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
@@ -80,20 +82,26 @@ class PlanStep:
 class _Stream:
     """The batch stream seen through a window: unique keys of batches, and their true next uses.
 
-    Next uses are computed for a block of batches at a time by one backward scan over the block
-    plus the lookahead beyond it, through a dense array of each row's earliest use seen so far
-    (O(rows), like the planner's other per-row arrays): two vectorised gathers per batch, no sort.
-    Uses further away are NEVER until a later block brings them in sight.
+    Keys are numbered in the order first seen (``index``: a KeyIndex, which several streams of one plan may share),
+    and all per-row state here is over those numbers, so it grows with the rows the stream brings, not with the
+    key space. Next uses are computed for a block of batches at a time by one backward scan over the block plus the
+    lookahead beyond it, through an array of each row's earliest use seen so far (two vectorised gathers per
+    batch, no sort); only the entries a scan set are reset before the next. Uses further away are NEVER until a
+    later block brings them in sight.
     """
 
-    def __init__(self, batches: Iterator[np.ndarray], *, lookahead: int, num_rows: int) -> None:
+    def __init__(self, batches: Iterator[np.ndarray], *, lookahead: int, num_rows: int,
+                 index: KeyIndex | None = None) -> None:
         self.batches = batches
         self.lookahead = lookahead
-        self.window: deque[tuple[np.ndarray, int]] = deque()  # (unique keys, lookups) from `first`
+        self.num_rows = num_rows  # the key space: keys are in [0, num_rows)
+        self.index = KeyIndex() if index is None else index
+        self.window: deque[tuple[np.ndarray, np.ndarray, int]] = deque()  # (unique keys, numbers, lookups)
         self.first = 0
         self.exhausted = False
         self.next_uses: dict[int, np.ndarray] = {}
-        self.earliest = np.full(num_rows, NEVER, dtype=np.int64)  # first use in the current block's range
+        self.earliest = np.zeros(0, dtype=np.int64)  # by number: first use in the current block's range
+        self._set: list[np.ndarray] = []  # the numbers whose earliest the last scan set
 
     def _fill(self, upto: int) -> None:
         while not self.exhausted and self.first + len(self.window) < upto:
@@ -103,10 +111,10 @@ class _Stream:
             else:
                 batch = np.asarray(batch, dtype=np.int64).ravel()
                 unique = _sorted_unique(batch)
-                if len(unique) and (unique[0] < 0 or unique[-1] >= len(self.earliest)):
+                if len(unique) and (unique[0] < 0 or unique[-1] >= self.num_rows):
                     raise ValueError(f"batch {self.first + len(self.window)} has a row outside "
-                                     f"[0, {len(self.earliest)})")
-                self.window.append((unique, batch.size))
+                                     f"[0, {self.num_rows})")
+                self.window.append((unique, self.index.numbers(unique), batch.size))
 
     def batch(self, i: int) -> tuple[np.ndarray, int] | None:
         """Unique keys and lookup count of batch i; starts a new block of next uses when due."""
@@ -119,7 +127,12 @@ class _Stream:
             return None
         if i not in self.next_uses:
             self._compute_block(i)
-        return self.window[0]
+        keys, _, lookups = self.window[0]
+        return keys, lookups
+
+    def numbers(self, i: int) -> np.ndarray:
+        """The numbers of batch ``i``'s unique keys (in the same order); ``batch(i)`` first."""
+        return self.window[i - self.first][1]
 
     def peek(self, j: int) -> np.ndarray | None:
         """Unique keys of batch ``j`` (at or after the current one) without moving on; None past the end."""
@@ -131,17 +144,21 @@ class _Stream:
         stop = start + _NEXT_USE_BLOCK
         self._fill(stop + self.lookahead)
         last = self.first + len(self.window)
+        self.earliest = grown(self.earliest, self.index.count, NEVER)
         earliest = self.earliest
-        earliest.fill(NEVER)
+        for numbers in self._set:
+            earliest[numbers] = NEVER
+        self._set = []
         for j in range(last - 1, start - 1, -1):  # backwards: earliest[k] is k's first use after j
-            keys = self.window[j - self.first][0]
+            numbers = self.window[j - self.first][1]
             if j < stop:
-                self.next_uses[j] = earliest[keys]
-            earliest[keys] = j
+                self.next_uses[j] = earliest[numbers]
+            earliest[numbers] = j
+            self._set.append(numbers)
 
-    def first_uses(self, keys: np.ndarray) -> np.ndarray:
-        """First use of each key in the current block's range, NEVER if none."""
-        return self.earliest[keys]
+    def first_uses_of(self, numbers: np.ndarray) -> np.ndarray:
+        """First use of each row (by number) in the current block's range, NEVER if none."""
+        return self.earliest[numbers]
 
 
 def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanStep]:
@@ -149,69 +166,81 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
 
     Each batch is an array of keys (repeats allowed), in training order.
     """
-    stream = _Stream(iter(batches), lookahead=config.lookahead, num_rows=config.num_rows)
+    index = KeyIndex()  # rows by number (in the order first seen): the state below grows with the rows seen
+    stream = _Stream(iter(batches), lookahead=config.lookahead, num_rows=config.num_rows, index=index)
     capacity = config.cache_rows
-    slot_of = np.full(config.num_rows, -1, dtype=np.int64)
-    slot_key = np.full(capacity, -1, dtype=np.int64)
+    slot_of = np.zeros(0, dtype=np.int64)  # by row number: its slot, -1 if not resident
+    slot_row = np.full(capacity, -1, dtype=np.int64)  # the number of the slot's row, -1 if free
     slot_next = np.full(capacity, NEVER, dtype=np.int64)  # next use of the slot's row, as known
     slot_last = np.full(capacity, -1, dtype=np.int64)
-    freq = np.zeros(config.num_rows, dtype=np.int64)
-    version = np.full(config.num_rows, -1, dtype=np.int64)
+    freq = np.zeros(0, dtype=np.int64)  # by row number: its uses so far
+    version = np.zeros(0, dtype=np.int64)  # by row number: the iteration after which it was last written back
     free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
     num_free = capacity
     writes = 0  # write-backs handed out so far, to share them evenly among trainers
     empty = np.zeros(0, dtype=np.int64)
-    previous_batch = empty  # policy "none" evicts the last batch's rows
+    previous_keys = previous_rows = empty  # policy "none" evicts the last batch's rows
 
-    def evict(keys: np.ndarray, *, after: int) -> tuple[np.ndarray, np.ndarray]:
+    def evict(rows: np.ndarray, *, after: int) -> tuple[np.ndarray, np.ndarray]:
         nonlocal writes, num_free
-        slots = slot_of[keys]
+        slots = slot_of[rows]
         free[num_free:num_free + len(slots)] = slots
         num_free += len(slots)
-        slot_key[slots] = -1
-        slot_of[keys] = -1
-        version[keys] = after
-        writers = (writes + np.arange(len(keys))) % config.num_trainers
-        writes += len(keys)
+        slot_row[slots] = -1
+        slot_of[rows] = -1
+        version[rows] = after
+        writers = (writes + np.arange(len(rows))) % config.num_trainers
+        writes += len(rows)
         return writers, slots
+
+    def by_key(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (numbers) and their keys, in key order."""
+        keys = index.keys_of(rows)
+        order = np.argsort(keys)
+        return keys[order], rows[order]
 
     i = 0
     while (current := stream.batch(i)) is not None:
         keys, lookups = current
+        rows = stream.numbers(i)
         if len(keys) > capacity:
             raise ValueError(f"batch {i} touches {len(keys)} distinct rows, more than the cache's "
                              f"{capacity}: raise cache_rows or lower the batch size")
+        if index.count > len(slot_of):
+            slot_of, freq, version = (grown(slot_of, index.count, -1), grown(freq, index.count, 0),
+                                      grown(version, index.count, -1))
         if i % _NEXT_USE_BLOCK == 0:  # a new block brings further uses of idle rows in sight
-            unknown = np.flatnonzero((slot_key >= 0) & (slot_next == NEVER))
-            slot_next[unknown] = stream.first_uses(slot_key[unknown])
+            unknown = np.flatnonzero((slot_row >= 0) & (slot_next == NEVER))
+            slot_next[unknown] = stream.first_uses_of(slot_row[unknown])
         evict_keys, writers, evict_slots = empty, empty, empty
-        if config.policy == "none" and len(previous_batch):
-            evict_keys = previous_batch
-            writers, evict_slots = evict(previous_batch, after=i - 1)
-        missing = keys[slot_of[keys] < 0]
+        if config.policy == "none" and len(previous_rows):
+            evict_keys = previous_keys
+            writers, evict_slots = evict(previous_rows, after=i - 1)
+        absent = slot_of[rows] < 0
+        missing, missing_rows = keys[absent], rows[absent]
         overflow = len(missing) - num_free
         if overflow > 0:
             in_batch = np.zeros(capacity, dtype=bool)  # slots of batch i's resident rows: not evictable
-            batch_slots = slot_of[keys]
+            batch_slots = slot_of[rows]
             in_batch[batch_slots[batch_slots >= 0]] = True
-            candidates = np.flatnonzero((slot_key >= 0) & ~in_batch)
+            candidates = np.flatnonzero((slot_row >= 0) & ~in_batch)
             overflow = min(len(candidates), overflow + int(config.cleanup_fraction * capacity))
             score = _scores(config.policy, candidates, slot_next=slot_next, slot_last=slot_last,
-                            freq=freq[slot_key[candidates]], i=i, lookahead=config.lookahead)
+                            freq=freq[slot_row[candidates]], i=i, lookahead=config.lookahead)
             chosen = candidates[np.argpartition(-score, overflow - 1)[:overflow]]
-            evict_keys = np.sort(slot_key[chosen])
-            writers, evict_slots = evict(evict_keys, after=i - 1)
-        fetch_versions = version[missing]
+            evict_keys, evicted = by_key(slot_row[chosen])
+            writers, evict_slots = evict(evicted, after=i - 1)
+        fetch_versions = version[missing_rows]
         slots = free[num_free - len(missing):num_free][::-1].copy()
         num_free -= len(missing)
-        slot_of[missing] = slots
-        slot_key[slots] = missing
+        slot_of[missing_rows] = slots
+        slot_row[slots] = missing_rows
         next_use = stream.next_uses[i]
-        batch_slots = slot_of[keys]
+        batch_slots = slot_of[rows]
         slot_next[batch_slots] = next_use
         slot_last[batch_slots] = i
-        freq[keys] += 1
-        previous_batch = keys
+        freq[rows] += 1
+        previous_keys, previous_rows = keys, rows
         soon = next_use == i + 1
         visible = next_use - i <= config.lookahead
         yield PlanStep(
@@ -231,8 +260,8 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             batch_slots=batch_slots,
         )
         i += 1
-    remaining = np.sort(slot_key[slot_key >= 0])
-    writers, evict_slots = evict(remaining, after=i - 1) if len(remaining) else (empty, empty)
+    remaining, remaining_rows = by_key(slot_row[slot_row >= 0])
+    writers, evict_slots = evict(remaining_rows, after=i - 1) if len(remaining) else (empty, empty)
     yield PlanStep(iteration=i, fetch_keys=empty, fetch_versions=empty, evict_keys=remaining,
                    evict_writers=writers, sync_now_keys=empty, sync_later_keys=empty,
                    sync_later_deadlines=empty, resident_rows=0, lookups=0, evict_slots=evict_slots)

@@ -1,0 +1,130 @@
+"""Sparse keys in vectorised hash tables: state sized by the rows a job touches, never by its tables.
+
+A key space may be far larger than memory (26 tables of 40M rows; ids hashed into 2^40), while the rows a run
+touches are what its batches bring. ``KeyTable`` maps at most a given number of keys to values (linear probing in
+numpy arrays of twice its capacity, every operation vectorised over its keys); ``KeyIndex`` numbers keys densely in
+the order first seen (0, 1, 2, ...) and grows with them, so that per-row state can live in arrays over those
+numbers (``grown``): memory proportional to the distinct rows seen.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_EMPTY, _GONE = -1, -2  # a hash table position never used, and one whose key was removed
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
+
+
+class KeyTable:
+    """key -> slot for at most ``capacity`` keys: linear probing, every operation vectorised over its keys."""
+
+    def __init__(self, capacity: int) -> None:
+        self.bits = max(4, math.ceil(math.log2(2 * capacity)))
+        self.mask = (1 << self.bits) - 1
+        self.keys = np.full(1 << self.bits, _EMPTY, dtype=np.int64)
+        self.values = np.zeros(1 << self.bits, dtype=np.int64)
+        self._claims = np.zeros(1 << self.bits, dtype=np.int64)  # scratch: which key an insertion round places where
+        self.live = self.gone = 0
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys.astype(np.uint64) * _FIBONACCI) >> np.uint64(64 - self.bits)).astype(np.int64)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The table position of each key, -1 where it is absent."""
+        found = np.full(len(keys), -1, dtype=np.int64)
+        todo, at = np.arange(len(keys)), self._home(keys)
+        while len(todo):
+            held = self.keys[at]
+            hit = held == keys[todo]
+            found[todo[hit]] = at[hit]
+            on = ~hit & (held != _EMPTY)  # a removed key's place does not end the probe
+            todo, at = todo[on], (at[on] + 1) & self.mask
+        return found
+
+    def get(self, keys: np.ndarray) -> np.ndarray:
+        at = self.find(keys)
+        return np.where(at >= 0, self.values[at], -1)
+
+    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Add distinct keys that are absent."""
+        todo, at = np.arange(len(keys)), self._home(keys)
+        while len(todo):
+            held = self.keys[at]
+            open_ = np.flatnonzero(held < 0)
+            self._claims[at[open_]] = open_  # one winner per open place: the last to claim it
+            won = open_[self._claims[at[open_]] == open_]
+            self.keys[at[won]], self.values[at[won]] = keys[todo[won]], values[todo[won]]
+            self.gone -= int((held[won] == _GONE).sum())
+            rest = np.ones(len(todo), dtype=bool)
+            rest[won] = False
+            todo, at = todo[rest], (at[rest] + 1) & self.mask
+        self.live += len(keys)
+
+    def remove(self, keys: np.ndarray) -> None:
+        """Remove keys that are present."""
+        at = self.find(keys)
+        assert (at >= 0).all(), "removing a key the table does not hold"
+        self.keys[at] = _GONE
+        self.live -= len(keys)
+        self.gone += len(keys)
+        if self.gone > len(self.keys) // 4:  # removed places lengthen every probe: start over with the live keys
+            live = np.flatnonzero(self.keys >= 0)
+            keys, values = self.keys[live], self.values[live]
+            self.keys.fill(_EMPTY)
+            self.live = self.gone = 0
+            self.insert(keys, values)
+
+
+class KeyIndex:
+    """Each distinct key's dense number, in the order keys are first seen; grows as keys arrive (a table of twice
+    the keys seen, rebuilt at double the size when full: amortised O(1) a key). Keys are non-negative int64."""
+
+    def __init__(self, capacity: int = 1 << 10) -> None:
+        self.table = KeyTable(capacity)
+        self.capacity = capacity
+        self.keys = np.zeros(capacity, dtype=np.int64)  # number -> key
+        self.count = 0
+
+    def numbers(self, keys: np.ndarray) -> np.ndarray:
+        """The number of each of ``keys`` (distinct), numbering those not seen before in the order given."""
+        found = self.table.get(keys)
+        new = np.flatnonzero(found < 0)
+        if len(new):
+            numbers = np.arange(self.count, self.count + len(new), dtype=np.int64)
+            self._make_room(self.count + len(new))
+            self.table.insert(keys[new], numbers)
+            self.keys[numbers] = keys[new]
+            self.count += len(new)
+            found[new] = numbers
+        return found
+
+    def keys_of(self, numbers: np.ndarray) -> np.ndarray:
+        """The key of each number."""
+        return self.keys[numbers]
+
+    def known(self, keys: np.ndarray) -> np.ndarray:
+        """The number of each key, -1 for a key never seen."""
+        return self.table.get(keys)
+
+    def _make_room(self, count: int) -> None:
+        if count <= self.capacity:
+            return
+        capacity = self.capacity
+        while capacity < count:
+            capacity *= 2
+        table = KeyTable(capacity)
+        table.insert(self.keys[:self.count], np.arange(self.count, dtype=np.int64))
+        self.table, self.capacity = table, capacity
+        self.keys = grown(self.keys, capacity, 0)
+
+
+def grown(values: np.ndarray, size: int, fill) -> np.ndarray:
+    """``values`` extended to at least ``size`` entries (doubling, so that growing one at a time stays linear),
+    the new ones ``fill``."""
+    if size <= len(values):
+        return values
+    longer = np.full(max(size, 2 * len(values)), fill, dtype=values.dtype)
+    longer[:len(values)] = values
+    return longer
