@@ -12,11 +12,17 @@ and written back).
 
 The projection takes from the measurements (a) the per-trainer compute time per sample
 (forward + backward + optimizer, measured here), (b) the bytes each trainer moves per iteration
-for fetches, write-backs and gradient sync, and applies them to a cluster of N trainers on an
-L Gbit/s network: compute scales as the per-trainer batch (2048 / N), fetches and write-backs
-run in the background (prefetch) and cost time only beyond the compute they hide behind, the
-blocking all-reduce (dense gradients + rows used next iteration) moves 2 (N - 1) / N of its
-buffer per trainer (ring). It is a model, stated with its assumptions, not a measurement.
+for fetches, write-backs and gradient sync, and applies them to a cluster of N trainers and S
+servers, each machine with a link of L Gbit/s: compute scales as the per-trainer batch (2048 / N),
+fetches and write-backs run in the background (prefetch) and cost time only beyond the compute
+they hide behind, the blocking all-reduce (the main sum: dense gradients + rows used next
+iteration) moves 2 (N - 1) / N of its buffer per trainer (ring), and every link must carry its
+bytes: a trainer's all of its own, a server's every trainer's fetches and write-backs of its
+shard. An iteration takes max(C + K / L, B / L, B_server / L) (C compute, K the blocking bytes,
+B a trainer's bytes, B_server a server's). Held against whole jobs over a shaped link by
+bench_network.py --project (issue 29: within 24% with one shared link, where the first version,
+with no server link and every all-reduced byte blocking, was off by up to 62%). It is a model,
+stated with its assumptions, not a measurement.
 """
 
 from __future__ import annotations
@@ -65,28 +71,23 @@ def run(work: Path, *, iterations: int, trainers: int, lookahead: int, cache_fra
             # per trainer: every trainer fetches every planned row, and writes back its share
             "rows_moved_per_trainer": (s["rows_fetched"] + s["rows_written_back"]) / trainers / s["iterations"],
             "allreduce_bytes_per_trainer": s["allreduce_bytes_per_iteration"],
+            "allreduce_main_bytes_per_trainer": s["allreduce_main_bytes_per_iteration"],
+            "allreduce_main_row_bytes_per_trainer": s["allreduce_main_row_bytes_per_iteration"],
             "bytes_per_iteration": s["bytes_sent"] / s["iterations"]}
 
 
-def dense_params() -> int:
-    from bagpipe.models.dlrm import DLRM
-
-    model = DLRM(num_tables=26, emb_dim=16, bottom_sizes=MODEL.bottom_sizes, top_sizes=MODEL.top_sizes)
-    return sum(p.numel() for p in model.parameters())
-
-
-def project(points: list[dict], *, trainers: int, gbits: list[float], dims: list[int]) -> list[str]:
+def project(points: list[dict], *, trainers: int, gbits: list[float], dims: list[int], servers: int = 1) -> list[str]:
     """Per-iteration time of a cluster, from the measured per-sample compute and per-trainer rows.
 
     Rows cost (4 D + 8) bytes each (a fp32 row and its key; SGD has no optimizer state); the
-    all-reduce carries the dense gradients plus D floats per synced row. The dense model's
-    compute is taken as independent of D (at D = 128 the MLPs' input grows; this understates
-    compute, so it overstates the share of communication).
+    blocking all-reduce carries the main sum's dense gradients plus D floats per row used next
+    iteration (both measured at D = 16). The dense model's compute and size are taken as
+    independent of D (at D = 128 the MLPs' input grows; this understates compute, so it
+    overstates the share of communication).
     """
-    dense_bytes = dense_params() * 4
-    lines = ["| policy | dim | Gbit/s | compute ms | fetch + write-back MB | their time ms | all-reduce MB | "
-             "its time ms | projected ms / iteration | samples/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| policy | dim | Gbit/s | compute ms | fetch + write-back MB | their time ms | blocking all-reduce MB | "
+             "its time ms | a server's link ms | projected ms / iteration | samples/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for dim in dims:
         for gbit in gbits:
             bandwidth = gbit * 1e9 / 8  # bytes/s
@@ -99,12 +100,16 @@ def project(points: list[dict], *, trainers: int, gbits: list[float], dims: list
                 compute = at[1]["compute_ms"] * 1 / trainers
                 move_mb = at[2]["rows_moved_per_trainer"] * (4 * dim + 8) / 1e6
                 move_ms = 1e3 * move_mb * 1e6 / bandwidth
-                synced_rows = (at[2]["allreduce_bytes_per_trainer"] - dense_bytes) / (16 * 4)
-                allreduce_mb = (dense_bytes + synced_rows * dim * 4) / 1e6
+                # the main sum only: its dense part, and its rows at width D (measured at 16)
+                main, main_rows = at[2]["allreduce_main_bytes_per_trainer"], at[2]["allreduce_main_row_bytes_per_trainer"]
+                allreduce_mb = (main - main_rows + main_rows * dim / 16) / 1e6
                 allreduce_ms = 1e3 * 2 * (trainers - 1) / trainers * allreduce_mb * 1e6 / bandwidth
-                total = compute + max(0.0, move_ms - compute) + allreduce_ms  # fetches hide behind compute
+                server_ms = move_ms * trainers / servers  # every trainer's fetches and write-backs of its shard
+                # fetches hide behind compute until a link is busy all the time
+                total = max(compute + allreduce_ms, move_ms + allreduce_ms, server_ms)
                 lines.append(f"| {policy} | {dim} | {gbit:g} | {compute:.1f} | {move_mb:.2f} | {move_ms:.2f} | "
-                             f"{allreduce_mb:.2f} | {allreduce_ms:.2f} | {total:.1f} | {1e3 * BATCH / total:,.0f} |")
+                             f"{allreduce_mb:.2f} | {allreduce_ms:.2f} | {server_ms:.2f} | {total:.1f} | "
+                             f"{1e3 * BATCH / total:,.0f} |")
     return lines
 
 

@@ -68,6 +68,7 @@ def test_metrics_carry_the_breakdown_and_cache_counters(demo_runs):
     # the blocking main sum is part of what a trainer all-reduces: the early bucket (DLRM's top MLP) and the rows not
     # used next iteration go in sums of their own
     assert 0 < summary["allreduce_main_bytes_per_iteration"] < summary["allreduce_bytes_per_iteration"]
+    assert 0 < summary["allreduce_main_row_bytes_per_iteration"] < summary["allreduce_main_bytes_per_iteration"]
     # the steady state's span in wall-clock time: the timed iterations back to back (what a benchmark reads a link's
     # bytes over), within the run's own life
     for mode in ("bagpipe", "reference"):

@@ -185,6 +185,7 @@ class TrainerStats:
     bytes_sent: int = 0  # payload this trainer sent: write-backs and gradient all-reduces
     allreduce_bytes: int = 0  # of which gradient all-reduce buffers (blocking and background)
     allreduce_main_bytes: int = 0  # of which the blocking main sums (dense gradients, rows used next iteration)
+    allreduce_main_row_bytes: int = 0  # of which their rows' (replicated: the rows used again next iteration)
     samples_per_s: float = float("nan")  # steady state, as the reference counts it
     extra: dict = field(default_factory=dict)
 

@@ -114,6 +114,8 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         # of which the blocking main sum's (dense gradients and, replicated, the rows used again next iteration)
         "allreduce_main_bytes_per_iteration": float(np.mean([s.allreduce_main_bytes for s in all_stats]))
         / max(oracle.iterations, 1),
+        "allreduce_main_row_bytes_per_iteration": float(np.mean([s.allreduce_main_row_bytes for s in all_stats]))
+        / max(oracle.iterations, 1),  # of which the rows' gradients (the rest: dense)
         # partitioned cache: shared rows' gradients a trainer sends to their other users per iteration (mean)
         "rows_exchanged_per_iteration": float(np.mean([s.rows_exchanged for s in all_stats]))
         / max(oracle.iterations, 1),

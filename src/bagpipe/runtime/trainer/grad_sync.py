@@ -95,6 +95,8 @@ class GradientSync:
         now_grads, later_grads = row_shares(lookups, message)
         dense = 0 if extra is None else extra.numel()
         buffer = self.finish(self.start(main_share(extra, now_grads), what=("main", message.iteration, None)))
+        if self.group is not None:
+            self.stats.allreduce_main_row_bytes += (buffer.numel() - dense) * 4
         offset = dense
         for space, (grads, step) in enumerate(zip(later_grads, message.spaces)):
             cache = self.caches[space]
