@@ -96,7 +96,7 @@ def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
     steps = list(plan([np.array([5, 3, 5, 9]), np.array([9, 7])],
                       PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))
     flat = np.array([[5, 3], [5, 9]])
-    rows = BatchRows(10)
+    rows = BatchRows()
     rows.load(batch_view(steps[0]))
     view = rows.at(flat)
     assert view.keys.tolist() == [9, 3, 5] and view.num_now == 1  # 9 is used again at iteration 1
@@ -105,6 +105,12 @@ def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
     slot_of = dict(zip(steps[0].batch_keys.tolist(), steps[0].batch_slots.tolist()))
     assert view.slots.tolist() == [slot_of[k] for k in view.keys.tolist()]
     assert rows.at(np.array([9, 9, 3])).positions.tolist() == [0, 0, 1]
+    # keys anywhere in a 2^40 key space (nothing sized by it), and PAD at the empty place after the rows
+    from bagpipe.cache import BatchView
+
+    sparse = BatchRows()
+    sparse.load(BatchView(np.array([2**40 - 1, 7, 2**39]), np.array([4, 5, 6]), 0, np.zeros(0, dtype=np.int32)))
+    assert sparse.at(np.array([[7, -1], [2**39, 2**40 - 1]])).positions.tolist() == [[1, 3], [2, 0]]
 
 
 @pytest.mark.parametrize("optimizer, trainers, shards, cache_rows, keep_within", [

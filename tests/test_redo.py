@@ -72,7 +72,7 @@ def test_a_lost_trainers_shares_computed_again_from_a_survivors_log_are_its_own_
     planners = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=10, num_trainers=TRAINERS)
                 for space, share in zip(layout.spaces, shares_of)]
     batches = list(iterate_batches(dataset.train, batch_size=BATCH, iterations=ITERATIONS))
-    rows = [BatchRows(space.num_rows) for space in layout.spaces]
+    rows = [BatchRows() for _ in layout.spaces]
     before = None  # the previous iteration: (trainer 1's message, what it sent)
     checked = 0
     evicted = 0

@@ -124,25 +124,30 @@ def batch_view(step: PlanStep) -> BatchView:
 
 
 class BatchRows:
-    """Each batch row's index in its BatchView, by flat key: a dense scratch over all rows (like the
-    planner's own per-row arrays), so mapping ids to rows is one scatter per batch, one gather per slice."""
+    """Each batch row's index in its BatchView, by flat key: a binary search among the batch's keys, sorted once
+    per batch, so that memory and time go with the batch, never with the tables (a key space may be 2^40)."""
 
-    def __init__(self, num_rows: int) -> None:
-        self._row_of = np.zeros(num_rows, dtype=np.int32)  # int32: half the bytes in every message
+    def __init__(self) -> None:
         self._view: BatchView | None = None
+        self._sorted = np.zeros(0, dtype=np.int64)  # the view's keys, sorted
+        self._place = np.zeros(0, dtype=np.int32)  # each sorted key's index in the view (int32: as in messages)
 
     def load(self, view: BatchView) -> None:
         """Make ``view`` the batch that ``at`` maps ids into."""
-        self._row_of[view.keys] = np.arange(len(view.keys), dtype=np.int32)
+        order = np.argsort(view.keys, kind="stable")
+        self._sorted, self._place = view.keys[order], order.astype(np.int32)
         self._view = view
 
     def at(self, keys: np.ndarray) -> BatchView:
-        """The loaded view with the positions of ``keys`` (any shape; PAD maps to the empty place)."""
+        """The loaded view with the positions of ``keys`` (any shape; PAD maps to the empty place). A key not in
+        the batch gets some place: callers pass the batch's own ids (or check, as CachedTables does)."""
         view = self._view
-        if (keys < 0).any():
-            positions = np.where(keys >= 0, self._row_of[np.maximum(keys, 0)], len(view.keys)).astype(np.int32)
+        if not len(view.keys):
+            positions = np.zeros(np.shape(keys), dtype=np.int32)  # (every key is PAD: the empty place is 0)
         else:
-            positions = self._row_of[keys]
+            positions = self._place[np.minimum(np.searchsorted(self._sorted, keys), len(view.keys) - 1)]
+            if (keys < 0).any():
+                positions = np.where(keys >= 0, positions, len(view.keys)).astype(np.int32)
         return BatchView(view.keys, view.slots, view.num_now, positions)
 
 

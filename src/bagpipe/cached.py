@@ -65,7 +65,7 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
     keys = [layout.keys(b.ids.numpy()) for b in batches]
     configs = [PlannerConfig(num_rows=layout.spaces[s].num_rows, cache_rows=shares[s], lookahead=lookahead,
                              policy=policy) for s in spaces]
-    rows_of = [BatchRows(layout.spaces[s].num_rows) for s in spaces]
+    rows_of = [BatchRows() for s in spaces]
     for steps in plan_spaces(([valid_keys(k) for k in batch_keys] for batch_keys in keys), configs):
         for shard in losses.get(steps[0].iteration, []):
             for group in groups:
@@ -105,7 +105,7 @@ def train_partitioned_batches(model: nn.Module, dense_optimizer: torch.optim.Opt
     shares = layout.split_cache(cache_rows, batch_size=size)
     caches = [[RowCache(capacity=shares[s], dim=layout.spaces[s].dim, optimizer=row_optimizer) for s in spaces]
               for _ in range(trainers)]
-    rows_of = [[BatchRows(layout.spaces[s].num_rows) for s in spaces] for _ in range(trainers)]
+    rows_of = [[BatchRows() for s in spaces] for _ in range(trainers)]
     parts = [batch.slices(trainers) for batch in batches]
     keys = [[layout.keys(part.ids.numpy()) for part in batch_parts] for batch_parts in parts]
     configs = [PlannerConfig(num_rows=layout.spaces[s].num_rows, cache_rows=shares[s], lookahead=lookahead,

@@ -117,7 +117,7 @@ class CachedTables:
         if planned is None or not len(planned[0]):
             return None
         if self._rows_of[s] is None:
-            self._rows_of[s] = BatchRows(self.spaces[s].num_rows)
+            self._rows_of[s] = BatchRows()
         keys = planned[0]
         self._rows_of[s].load(BatchView(keys, planned[1], 0, np.zeros(0, dtype=np.int32)))
         positions = self._rows_of[s].at(flat).positions.astype(np.int64)

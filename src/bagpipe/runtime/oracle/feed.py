@@ -149,7 +149,7 @@ class Feed:
         """The replicated plan over ``keys`` (each iteration's keys per space): per iteration, its number and how to
         make the trainers' messages (of its batch, with or without a checkpoint; None before the start)."""
         layout, trainers = self.layout, len(self.queues)
-        rows = [BatchRows(space.num_rows) for space in layout.spaces]
+        rows = [BatchRows() for _ in layout.spaces]
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         for steps in self.figures.timed(plan_spaces(keys, self.planner_configs)):
             iteration = steps[0].iteration
