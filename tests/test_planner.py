@@ -139,6 +139,20 @@ def test_a_sparse_key_space_of_2_40_rows_is_planned_as_its_dense_image(stream, p
             assert np.array_equal(spread[mine] if field in keyed else mine, getattr(b, field)), field
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 20_000), st.integers(0, 2**31), st.sampled_from([2, 50, 2**40]), st.floats(0.0, 1.2))
+def test_the_highest_scores_are_a_defined_set_ties_to_the_earlier_position(n, seed, spread, share):
+    """``highest`` (the planner's eviction choice) is the stable order's first ``count``: the scores alone decide,
+    many equal scores included (the common case: rows not used within the window), whatever path it takes."""
+    from bagpipe.planner.plan import highest
+
+    rng = np.random.default_rng(seed)
+    score = rng.integers(0, spread, n)
+    count = min(n, int(share * n))
+    expected = np.sort(np.argsort(-score, kind="stable")[:count])
+    assert np.array_equal(highest(score, count), expected)
+
+
 def test_sync_split_follows_next_use():
     batches = [np.array([1, 2, 3]), np.array([1]), np.array([2]), np.array([9])]
     steps = list(plan(batches, PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))

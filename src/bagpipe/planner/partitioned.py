@@ -42,7 +42,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from bagpipe.planner.keys import KeyIndex, grown
-from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, PlannerConfig, _Stream, per_space
+from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, PlannerConfig, _Stream, highest, per_space
 
 
 @dataclass(frozen=True)
@@ -344,7 +344,7 @@ def _evicted(rows: np.ndarray, nxt: np.ndarray, next_any: np.ndarray, count: int
         return rows[np.concatenate([first, far[:count - len(first)]])]
     near = np.flatnonzero(~given_up & (nxt < beyond))
     need = count - len(first) - len(far)
-    furthest = near[np.argpartition(-nxt[near], need - 1)[:need]]
+    furthest = near[highest(nxt[near], need)]
     return rows[np.concatenate([first, far, furthest])]
 
 

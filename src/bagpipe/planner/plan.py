@@ -227,7 +227,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             overflow = min(len(candidates), overflow + int(config.cleanup_fraction * capacity))
             score = _scores(config.policy, candidates, slot_next=slot_next, slot_last=slot_last,
                             freq=freq[slot_row[candidates]], i=i, lookahead=config.lookahead)
-            chosen = candidates[np.argpartition(-score, overflow - 1)[:overflow]]
+            chosen = candidates[highest(score, overflow)]
             evict_keys, evicted = by_key(slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
         fetch_versions = version[missing_rows]
@@ -296,6 +296,37 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     # Sort-based: several times faster than np.unique's hash path on int64 batches.
     ordered = np.sort(values)
     return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
+
+
+_SAMPLE = 4096  # scores sampled to find a threshold above which the highest lie
+
+
+def highest(score: np.ndarray, count: int) -> np.ndarray:
+    """The positions (increasing) of the ``count`` highest of ``score``, equal scores going to the earlier position.
+
+    The set is defined by the scores alone (a partial sort's choice among equal scores is not), so plans do not
+    depend on the sorting algorithm. The partial sort runs over the few scores above a threshold: the value that
+    about 2 ``count`` of them exceed, taken from a strided sample, and lowered to all of them where fewer than
+    ``count`` reach it; one pass over the scores besides."""
+    n = len(score)
+    if count >= n:
+        return np.arange(n)
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    keep = None
+    sample = score[::max(1, n // _SAMPLE)]
+    above = int(np.ceil(2 * count * len(sample) / n))
+    if above < len(sample):
+        threshold = np.partition(sample, len(sample) - above)[len(sample) - above]
+        keep = np.flatnonzero(score >= threshold)
+        if len(keep) < count:
+            keep = None
+    if keep is None:
+        keep = np.arange(n)
+    kept = score[keep]
+    value = np.partition(kept, len(kept) - count)[len(kept) - count]  # the count-th highest score
+    over = keep[kept > value]
+    return np.sort(np.concatenate([over, keep[kept == value][:count - len(over)]]))
 
 
 def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
