@@ -153,6 +153,44 @@ def test_the_highest_scores_are_a_defined_set_ties_to_the_earlier_position(n, se
     assert np.array_equal(highest(score, count), expected)
 
 
+def test_the_planner_holds_at_most_its_stated_bytes_per_row_seen():
+    """PLANNER_BYTES_PER_SEEN_ROW (what preflight counts a job's planner at) bounds what planning allocates per
+    distinct row it sees: 200k rows spread over 2^40 keys, a small cache, every step consumed as it comes."""
+    import tracemalloc
+
+    from bagpipe.planner.plan import PLANNER_BYTES_PER_SEEN_ROW
+
+    def batches():
+        rng = np.random.default_rng(0)
+        for _ in range(100):
+            yield rng.integers(0, 2**40, 2000)
+
+    config = PlannerConfig(num_rows=2**40, cache_rows=4000, lookahead=20)
+    tracemalloc.start()
+    try:
+        seen = sum(len(step.fetch_keys) for step in plan(batches(), config))  # every row fetched once: none repeat
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen > 199_000
+    assert peak < seen * PLANNER_BYTES_PER_SEEN_ROW
+    assert peak > seen * 16  # (it does hold state per row seen: a number and a key at least)
+    # the partitioned plan, with its more per trainer
+    from bagpipe.planner.partitioned import plan_partitioned
+    from bagpipe.planner.plan import PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER
+
+    trainers = 8
+    tracemalloc.start()
+    try:
+        seen = sum(len(part.fetch_keys) for step in plan_partitioned(
+            (np.array_split(batch, trainers) for batch in batches()),
+            PlannerConfig(num_rows=2**40, cache_rows=4000, lookahead=20, num_trainers=trainers)) for part in step.trainers)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < seen * (PLANNER_BYTES_PER_SEEN_ROW + trainers * PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER)
+
+
 def test_sync_split_follows_next_use():
     batches = [np.array([1, 2, 3]), np.array([1]), np.array([2]), np.array([9])]
     steps = list(plan(batches, PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))

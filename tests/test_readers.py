@@ -12,7 +12,6 @@ from bagpipe.data.binary import open_dataset
 from bagpipe.data.blocks import BOM
 from bagpipe.data.formats import BadRows, DataError, decode_lines, dense_transform
 from bagpipe.data.preprocess import preprocess
-from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 
 SIZES = [5, 1000, 3]
 
@@ -266,7 +265,7 @@ def test_skipped_non_utf8_lines_keep_the_line_numbers_of_the_rest():
     assert decode_lines([b"a\n", b"b\n"], path="f.tsv", first_line=1, bad=None) == [(1, ["a", "b"])]
 
 
-def test_inferred_table_sizes_no_role_could_plan_are_refused(tmp_path):
+def test_inferred_table_sizes_no_server_could_hold_are_refused(tmp_path):
     path = write(tmp_path / "train.jsonl", [jsonl_line(sparse=[0, 1, 2]), jsonl_line(sparse=[3, 2**40, 0])])
     with pytest.raises(ValueError) as err:
         preprocess(path, tmp_path / "bin", show_progress=False)
@@ -275,8 +274,10 @@ def test_inferred_table_sizes_no_role_could_plan_are_refused(tmp_path):
     assert f"{2**40 + 1 + 4 + 3:,} rows" in message and "--table-sizes" in message and "meta.json" in message
 
 
-def test_inferred_table_sizes_are_refused_only_beyond_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(pre, "physical_memory_bytes", lambda: 1000 * PLANNER_BYTES_PER_ROW)
+def test_inferred_table_sizes_are_refused_only_beyond_memory_and_disk(tmp_path, monkeypatch):
+    row = pre.TABLE_BYTES_PER_ROW
+    monkeypatch.setattr(pre, "physical_memory_bytes", lambda: 600 * row)
+    monkeypatch.setattr(pre, "free_disk_bytes", lambda path: 400 * row)  # memory and disk: 1,000 rows
     fits = write(tmp_path / "fits.jsonl", [jsonl_line(sparse=[0, 997, 0])])  # 1 + 998 + 1 rows
     assert preprocess(fits, tmp_path / "bin", show_progress=False)["table_sizes"] == [1, 998, 1]
     too_big = write(tmp_path / "too_big.jsonl", [jsonl_line(sparse=[0, 1, 0]), jsonl_line(sparse=[0, 998, 0])])

@@ -18,7 +18,7 @@ from bagpipe.embeddings import EmbeddingLayout, valid_keys
 from bagpipe.files import check_writable, human_bytes, mount_point
 from bagpipe.models import MODELS, check_model, model_tables
 from bagpipe.optim import make_row_optimizer
-from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
+from bagpipe.planner.plan import PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER, PLANNER_BYTES_PER_SEEN_ROW
 from bagpipe.progress import progress
 from bagpipe.rundir import prepare_run_dir
 from bagpipe.storage.disk import record_bytes, storage_path
@@ -102,11 +102,20 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def planner_bytes(layout: EmbeddingLayout, dataset: BinaryDataset, *, partitioned_trainers: int = 0) -> int:
+    """The most the oracle's planner can hold: its state grows with the distinct rows it sees, which are at most
+    the tables' rows and at most the training split's ids (the same rows again in later epochs); the partitioned
+    plan (``partitioned_trainers``: its trainers) holds more per row."""
+    per_row = PLANNER_BYTES_PER_SEEN_ROW + partitioned_trainers * PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER
+    return min(layout.num_rows, int(dataset.train.ids.size)) * per_row
+
+
 def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
     """Refuse a job whose tables cannot fit in this machine's memory at all.
 
     The reference holds every table once; a local bagpipe job holds them on its servers, besides the
-    planner's per-row arrays (no process gathers them: the end of a run reads the servers' snapshots).
+    planner's state over the rows it sees (``planner_bytes``; no process gathers the tables: the end of a run
+    reads the servers' snapshots).
     On disk (--storage disk: the servers', or --mode single's process's) only the DRAM budgets count.
     """
     layout = job_layout(config, dataset)
@@ -118,7 +127,8 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
     else:
         parts = {"tables": table_bytes(config, layout)}
     if config.mode == "bagpipe" or (config.mode == "single" and config.policy == "lookahead"):
-        parts["the planner"] = layout.num_rows * PLANNER_BYTES_PER_ROW
+        parts["the planner"] = planner_bytes(
+            layout, dataset, partitioned_trainers=config.trainers if config.cache_mode == "partitioned" else 0)
         if config.parity:  # in memory whatever the tier: 1/k of the tables, and a version per row
             parts["the parity"] = table_bytes(config, layout) // config.parity + layout.num_rows * 8
     need, have = sum(parts.values()), physical_memory_bytes()

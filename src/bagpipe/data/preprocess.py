@@ -29,7 +29,6 @@ from bagpipe.data.sequences import (INTERACTION_FILES, SNIFF_LINES, SequenceSett
 from bagpipe.data.vocab import (OOV_ID, VOCAB_DIR, EncodedParser, HashedColumn, Vocabulary, check_vocab_min_count,
                                 count_values, write_vocabularies)
 from bagpipe.heap import kept_heap
-from bagpipe.planner.plan import PLANNER_BYTES_PER_ROW
 from bagpipe.progress import progress
 
 log = logging.getLogger(__name__)
@@ -185,6 +184,18 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def free_disk_bytes(path: Path) -> int:
+    """Free space on the file system that ``path`` (or its nearest existing parent) is on."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+# The least a table's row costs the servers that hold it, in memory or on disk: one float32 (a table of width 1,
+# with no optimizer state). Tables sized by ids far beyond the data (hashed ids, say) cannot be held at all.
+TABLE_BYTES_PER_ROW = 4
+
+
 class _InferredSizes:
     """Each table's largest id so far (its inferred size is that + 1), and where it was seen."""
 
@@ -207,19 +218,24 @@ class _InferredSizes:
     def sizes(self) -> list[int]:
         return [max(int(m) + 1, 1) for m in self.max_ids]  # a multi-valued feature may be all PAD
 
-    def refuse_if_unplannable(self, names: list[str]) -> None:
-        """Ids no role could plan for (the oracle holds a few arrays over every row) are an error."""
+    def refuse_if_unstorable(self, names: list[str], out: Path) -> None:
+        """Ids whose tables no server could hold (a table holds every row up to its largest id, in memory or on
+        disk: at least TABLE_BYTES_PER_ROW each) are an error. (The planner is not the limit: its state grows with
+        the rows the data uses, not with the tables.)"""
         rows = sum(self.sizes())
-        need, have = rows * PLANNER_BYTES_PER_ROW, physical_memory_bytes()
+        need = rows * TABLE_BYTES_PER_ROW
+        if need <= physical_memory_bytes():
+            return
+        have = physical_memory_bytes() + free_disk_bytes(out)
         if need <= have:
             return
         table = int(np.argmax(self.max_ids))
         raise ValueError(
             f"{self.seen_at[table]}: {names[table]} has id {int(self.max_ids[table])}, "
-            f"so with no table sizes given the tables would hold {rows:,} rows; planning them needs "
-            f"{PLANNER_BYTES_PER_ROW} bytes a row, {_gib(need)}, but this machine has {_gib(have)}. Give "
-            f"--table-sizes or a meta.json with table_sizes beside the data, or map the ids into a dense range "
-            f"0..n-1 per table")
+            f"so with no table sizes given the tables would hold {rows:,} rows; even at width 1 their servers need "
+            f"{TABLE_BYTES_PER_ROW} bytes a row, {_gib(need)}, but this machine has {_gib(have)} of memory and free "
+            f"disk. Give --table-sizes or a meta.json with table_sizes beside the data, or map the ids into a dense "
+            f"range 0..n-1 per table")
 
 
 def _gib(num_bytes: int) -> str:
@@ -490,7 +506,7 @@ def _convert_splits(splits: dict[str, Path], out: Path, parser, *, sizes: list[i
                     rows_are_lines = (bad.total if bad else 0) == skipped_before
                     per_table = np.maximum.reduceat(chunk.ids, parser.table_starts(), axis=1)
                     inferred.update(per_table, path=path, first_line=first_line if rows_are_lines else None)
-                    inferred.refuse_if_unplannable(parser.table_names())  # as soon as it shows, not at the end
+                    inferred.refuse_if_unstorable(parser.table_names(), out)  # as soon as it shows, not at the end
                 writers[part].append(chunk)
     except BaseException:
         for writer in writers.values():  # no write lands later, in files a second pass opens again

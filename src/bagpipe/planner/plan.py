@@ -23,10 +23,14 @@ ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot c
 NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
-# The least memory every row of the flat key space costs the oracle, however small the cache: the
-# planner's slot_of, freq, version and the stream's earliest (int64 each), plus cache.BatchRows'
-# scratch (int32). A data set whose tables need more than the machine has cannot be planned.
-PLANNER_BYTES_PER_ROW = 4 * 8 + 4
+# What a row the planner has seen costs it, at most: its number in the KeyIndex's hash table (key, value and an
+# insertion scratch, int64 each, in a table at most 4 times the rows it holds) and keys array, its slot, use count,
+# version and earliest next use (int64 each), every array grown by doubling (so up to twice the rows). Rows never
+# seen cost nothing: a job's planner needs at most this times the distinct rows its data uses (preflight).
+PLANNER_BYTES_PER_SEEN_ROW = 256
+# The partitioned plan's more, per trainer: each trainer's slot, its own stream's next uses (and the rows' holders,
+# versions and next use by anyone, shared)
+PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER = 32
 
 
 @dataclass(frozen=True, kw_only=True)
