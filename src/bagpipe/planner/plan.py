@@ -22,6 +22,7 @@ POLICIES = ("lookahead", "lru", "lfu", "none")
 ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
 NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
+_LOWEST = np.iinfo(np.int64).min  # the score of a slot that may not be evicted
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
 # What a row the planner has seen costs it, at most: its number in the KeyIndex's hash table (key, value and an
 # insertion scratch, int64 each, in a table at most 4 times the rows it holds) and keys array, its slot, use count,
@@ -177,6 +178,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
     slot_row = np.full(capacity, -1, dtype=np.int64)  # the number of the slot's row, -1 if free
     slot_next = np.full(capacity, NEVER, dtype=np.int64)  # next use of the slot's row, as known
     slot_last = np.full(capacity, -1, dtype=np.int64)
+    slot_freq = np.zeros(capacity, dtype=np.int64)  # the uses so far of the slot's row (as ``freq``, by slot)
     freq = np.zeros(0, dtype=np.int64)  # by row number: its uses so far
     version = np.zeros(0, dtype=np.int64)  # by row number: the iteration after which it was last written back
     free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
@@ -224,14 +226,16 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         missing, missing_rows = keys[absent], rows[absent]
         overflow = len(missing) - num_free
         if overflow > 0:
-            in_batch = np.zeros(capacity, dtype=bool)  # slots of batch i's resident rows: not evictable
-            batch_slots = slot_of[rows]
-            in_batch[batch_slots[batch_slots >= 0]] = True
-            candidates = np.flatnonzero((slot_row >= 0) & ~in_batch)
-            overflow = min(len(candidates), overflow + int(config.cleanup_fraction * capacity))
-            score = _scores(config.policy, candidates, slot_next=slot_next, slot_last=slot_last,
-                            freq=freq[slot_row[candidates]], i=i, lookahead=config.lookahead)
-            chosen = candidates[highest(score, overflow)]
+            # every slot scored at once (contiguous arrays, no gathers); free slots and those of batch i's resident
+            # rows, which may not go, score lowest
+            resident = slot_of[rows][~absent]
+            candidates = capacity - num_free - len(resident)
+            overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
+            score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq, i=i,
+                            lookahead=config.lookahead)
+            score[resident] = _LOWEST
+            score[free[:num_free]] = _LOWEST
+            chosen = highest(score, overflow)  # slots, in increasing order
             evict_keys, evicted = by_key(slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
         fetch_versions = version[missing_rows]
@@ -244,6 +248,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         slot_next[batch_slots] = next_use
         slot_last[batch_slots] = i
         freq[rows] += 1
+        slot_freq[batch_slots] = freq[rows]
         previous_keys, previous_rows = keys, rows
         soon = next_use == i + 1
         visible = next_use - i <= config.lookahead
@@ -344,12 +349,11 @@ def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
     raise ValueError(f"{policy!r} is not an online policy ({', '.join(ONLINE_POLICIES)})")
 
 
-def _scores(policy: str, slots: np.ndarray, *, slot_next, slot_last, freq, i: int, lookahead: int) -> np.ndarray:
-    """Eviction priority of resident slots (``freq`` is their rows' use counts): highest goes first."""
-    age = i - slot_last[slots]
+def _scores(policy: str, *, slot_next, slot_last, slot_freq, i: int, lookahead: int) -> np.ndarray:
+    """Eviction priority of every slot (meaningful for those holding a row; ``slot_freq``: their rows' use
+    counts): highest goes first."""
     if policy in ONLINE_POLICIES:
-        return online_scores(policy, age, freq)
+        return online_scores(policy, i - slot_last, slot_freq)
     # lookahead: rows with no use in the window first (least frequent of those first), then the
     # row whose next use is furthest away.
-    nxt = slot_next[slots]
-    return np.where(nxt - i >= lookahead, _NOT_IN_WINDOW - freq, nxt)
+    return np.where(slot_next - i >= lookahead, _NOT_IN_WINDOW - slot_freq, slot_next)
