@@ -110,6 +110,14 @@ def test_roles_wait_for_an_oracle_that_prepares_its_data_longer_than_the_timeout
     assert summary["iterations"] == 20
 
 
+def test_trainers_wait_for_servers_that_fill_their_tables_longer_than_the_timeout(small_binary, tmp_path):
+    """A server on disk fills hundreds of millions of rows before it serves (80 s for 200M rows here): the
+    trainers wait while the oracle says so, not for a fixed time; here 10 s of filling against a 7 s timeout."""
+    config = job_config(small_binary, tmp_path / "run", iterations=20, timeout=7.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "server0@tables filled:pause=10"})
+    assert summary["iterations"] == 20
+
+
 def test_two_processes_claiming_one_worker_id_are_told(small_binary, tmp_path):
     port = str(free_port())
     world = ["--world-size", "4", "--world-size-trainers", "2", "--master-port", port, "--timeout", "20"]

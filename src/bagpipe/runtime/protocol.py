@@ -164,6 +164,7 @@ class Pulled:
 
     messages: list[StepMessage]  # the next plan messages (none: none is ready yet, ask again)
     written_by_all: int  # every trainer's write-backs up to this version are acknowledged (what it last said)
+    servers_ready: bool = True  # False: a server is still filling its tables (the wait is theirs, not the oracle's)
 
 
 @dataclass

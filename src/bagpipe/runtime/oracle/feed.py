@@ -210,7 +210,9 @@ class Feed:
         last version all its write-backs up to are acknowledged; the answer says the lowest of all the trainers'
         (every trainer keeps the rows others write back until then)."""
         state = self.state
-        state.await_servers()
+        if not state.await_servers(within=PULL_WAIT_S):  # a server still filling its tables (on disk: minutes, for
+            with state.changed:                            # hundreds of millions of rows): the trainer asks again
+                return Pulled([], min(self.written), servers_ready=False)
         kept = self.sent[trainer]
         with state.changed:
             if finished is not None:

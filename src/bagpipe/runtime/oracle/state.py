@@ -29,14 +29,18 @@ class JobState:
             self.failure = self.failure or err
             self.changed.notify_all()
 
-    def await_servers(self) -> None:
-        """Until every server is ready (or the job failed); a TimeoutError after the world's timeout."""
-        deadline = time.monotonic() + self.world.timeout
+    def await_servers(self, within: float | None = None) -> bool:
+        """Until every server is ready (or the job failed): a TimeoutError after the world's timeout; or, given
+        ``within`` seconds, whether they are ready by then (no error: the caller asks again)."""
+        deadline = time.monotonic() + (self.world.timeout if within is None else within)
         with self.changed:
             while len(self.servers_ready) < self.world.num_servers and self.failure is None:
                 if not self.changed.wait(timeout=max(deadline - time.monotonic(), 0.0)):
+                    if within is not None:
+                        return False
                     raise TimeoutError(f"servers ready after {self.world.timeout:.0f} s: "
                                        f"{sorted(self.servers_ready)} of {self.world.num_servers}")
+        return True
 
     def wait_for_trainers(self) -> None:
         """Until every trainer reported done, or the job failed (a lost trainer is the heartbeats' to tell)."""

@@ -60,6 +60,7 @@ def _start_data_server(handlers: ServerHandlers, store, liveness: Liveness, row_
     handlers.epochs = epochs = Epochs(world, store)
     specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
     server = Server(shard_stores(world, job, row_optimizer, specs))
+    inject_fault("tables filled")  # (its tables made: on disk, hundreds of millions of rows take minutes)
     if job.resume:
         directory, chain = resume_chain(config.run_dir, job.resume)
         server.restore(directory, chain, shard=index, num_shards=world.num_shards)

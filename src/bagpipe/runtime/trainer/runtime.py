@@ -96,6 +96,7 @@ class TrainerRuntime:
         # acknowledged (``written_by_all``, from the oracle): those of a lost trainer are sent again from here.
         self.others_evicted: deque = deque()
         self.written_by_all = job.start - 1
+        self.servers_pending = False  # the oracle's last answer: a server is still filling its tables
         self.received = -1  # the last plan message received (``begin``)
         self.stopping = threading.Event()
         self.started: float | None = None  # when the first step was asked for
@@ -122,6 +123,7 @@ class TrainerRuntime:
             pulled = self.epochs.call("oracle", ORACLE.pull, (self.index, self.received, PULL_MAX_STEPS, self.finished,
                                                              self.written.through()))
             self.written_by_all = pulled.written_by_all
+            self.servers_pending = not pulled.servers_ready
             for message in pulled.messages:
                 self.received = message.iteration
                 fetches = self._issue_fetches(message)
@@ -254,8 +256,8 @@ class TrainerRuntime:
                 message, fetches = self._ready.get(timeout=0.2)
                 break
             except queue.Empty:
-                if self.epochs.awaiting:  # a lost oracle's replacement, awaited within its own deadline
-                    since = time.perf_counter()
+                if self.epochs.awaiting or self.servers_pending:  # a lost oracle's replacement, awaited within
+                    since = time.perf_counter()  # its own deadline; servers filling their tables (the oracle says)
                 elif time.perf_counter() - since > self.world.timeout:
                     raise TimeoutError(f"trainer {self.index}: no plan from the oracle for "
                                        f"{self.world.timeout:.0f} s") from None
