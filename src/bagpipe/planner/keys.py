@@ -31,8 +31,9 @@ class KeyTable:
     def _home(self, keys: np.ndarray) -> np.ndarray:
         return ((keys.astype(np.uint64) * _FIBONACCI) >> np.uint64(64 - self.bits)).astype(np.int64)
 
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """The table position of each key, -1 where it is absent."""
+    def find(self, keys: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
+        """The table position of each key, -1 where it is absent; ``ends``, if given, gets the position where each
+        absent key's probe ended (a never-used place: where inserting it may start, ``insert(..., start=ends)``)."""
         found = np.full(len(keys), -1, dtype=np.int64)
         todo, at = np.arange(len(keys)), self._home(keys)
         while len(todo):
@@ -40,6 +41,9 @@ class KeyTable:
             hit = held == keys[todo]
             found[todo[hit]] = at[hit]
             on = ~hit & (held != _EMPTY)  # a removed key's place does not end the probe
+            if ends is not None:
+                ended = ~hit & ~on
+                ends[todo[ended]] = at[ended]
             todo, at = todo[on], (at[on] + 1) & self.mask
         return found
 
@@ -47,9 +51,10 @@ class KeyTable:
         at = self.find(keys)
         return np.where(at >= 0, self.values[at], -1)
 
-    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Add distinct keys that are absent."""
-        todo, at = np.arange(len(keys)), self._home(keys)
+    def insert(self, keys: np.ndarray, values: np.ndarray, start: np.ndarray | None = None) -> None:
+        """Add distinct keys that are absent (``start``: where each one's probe may begin, found by ``find``
+        with no insertion since: every place before it on the key's probe is taken)."""
+        todo, at = np.arange(len(keys)), (self._home(keys) if start is None else start.copy())
         while len(todo):
             held = self.keys[at]
             open_ = np.flatnonzero(held < 0)
@@ -89,12 +94,16 @@ class KeyIndex:
 
     def numbers(self, keys: np.ndarray) -> np.ndarray:
         """The number of each of ``keys`` (distinct), numbering those not seen before in the order given."""
-        found = self.table.get(keys)
-        new = np.flatnonzero(found < 0)
+        ends = np.zeros(len(keys), dtype=np.int64)
+        at = self.table.find(keys, ends)
+        found = np.where(at >= 0, self.table.values[at], -1)
+        new = np.flatnonzero(at < 0)
         if len(new):
             numbers = np.arange(self.count, self.count + len(new), dtype=np.int64)
-            self._make_room(self.count + len(new))
-            self.table.insert(keys[new], numbers)
+            if self._make_room(self.count + len(new)):  # a new table: every probe starts again
+                self.table.insert(keys[new], numbers)
+            else:
+                self.table.insert(keys[new], numbers, start=ends[new])
             self.keys[numbers] = keys[new]
             self.count += len(new)
             found[new] = numbers
@@ -108,9 +117,10 @@ class KeyIndex:
         """The number of each key, -1 for a key never seen."""
         return self.table.get(keys)
 
-    def _make_room(self, count: int) -> None:
+    def _make_room(self, count: int) -> bool:
+        """Room for ``count`` keys; whether the table was rebuilt for it."""
         if count <= self.capacity:
-            return
+            return False
         capacity = self.capacity
         while capacity < count:
             capacity *= 2
@@ -118,6 +128,7 @@ class KeyIndex:
         table.insert(self.keys[:self.count], np.arange(self.count, dtype=np.int64))
         self.table, self.capacity = table, capacity
         self.keys = grown(self.keys, capacity, 0)
+        return True
 
 
 def grown(values: np.ndarray, size: int, fill) -> np.ndarray:

@@ -23,6 +23,7 @@ ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot c
 NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
 _LOWEST = np.iinfo(np.int64).min  # the score of a slot that may not be evicted
+_INT32_KEYS = np.iinfo(np.int32).max  # a key space this small sorts its batches as int32
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
 # What a row the planner has seen costs it, at most: its number in the KeyIndex's hash table (key, value and an
 # insertion scratch, int64 each, in a table at most 4 times the rows it holds) and keys array, its slot, use count,
@@ -115,10 +116,12 @@ class _Stream:
                 self.exhausted = True
             else:
                 batch = np.asarray(batch, dtype=np.int64).ravel()
-                unique = _sorted_unique(batch)
-                if len(unique) and (unique[0] < 0 or unique[-1] >= self.num_rows):
+                if len(batch) and (batch.min() < 0 or batch.max() >= self.num_rows):
                     raise ValueError(f"batch {self.first + len(self.window)} has a row outside "
                                      f"[0, {self.num_rows})")
+                # keys below 2^31 sort as int32: about 1.6x faster than as int64
+                unique = (_sorted_unique(batch.astype(np.int32)).astype(np.int64) if self.num_rows <= _INT32_KEYS
+                          else _sorted_unique(batch))
                 self.window.append((unique, self.index.numbers(unique), batch.size))
 
     def batch(self, i: int) -> tuple[np.ndarray, int] | None:
