@@ -191,6 +191,34 @@ def test_the_planner_holds_at_most_its_stated_bytes_per_row_seen():
     assert peak < seen * (PLANNER_BYTES_PER_SEEN_ROW + trainers * PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3000), st.integers(0, 2**31), st.sampled_from([4, 2**12, 2**40]))
+def test_key_index_numbers_keys_in_the_order_first_seen_through_every_growth(count, seed, space):
+    """KeyIndex (the planner's sparse rows -> numbers) against a dict, across table rebuilds (``KeyTable.fill``,
+    whose runs wrap past the table's end when they reach it) and inserts started where a lookup's probe ended."""
+    from bagpipe.planner.keys import KeyIndex, KeyTable
+
+    rng = np.random.default_rng(seed)
+    index, reference = KeyIndex(capacity=4), {}
+    for _ in range(6):
+        keys = np.unique(rng.integers(0, space, rng.integers(1, count + 1)))
+        expected = [reference.setdefault(int(k), len(reference)) for k in keys]
+        assert index.numbers(keys).tolist() == expected
+    known = np.array(sorted(reference), dtype=np.int64)
+    assert index.known(known).tolist() == [reference[int(k)] for k in known]
+    assert np.array_equal(index.keys_of(np.arange(index.count)), np.array(list(reference), dtype=np.int64))
+    assert index.known(np.array([space + 1])).tolist() == [-1]
+    full = KeyTable(len(known))  # as full as a table gets: long runs, some wrapping
+    full.fill(known, np.arange(len(known)))
+    assert full.get(known).tolist() == list(range(len(known))) and full.live == len(known)
+    # keys whose homes are the table's last places: their run must wrap around to its start
+    table = KeyTable(8)
+    candidates = np.unique(rng.integers(0, 2**40, 20_000))
+    last = candidates[table._home(candidates) >= table.mask - 1][:6]
+    table.fill(last, np.arange(len(last)))
+    assert len(last) == 6 and table.get(last).tolist() == list(range(6)) and (table.keys[:3] >= 0).any()
+
+
 def test_sync_split_follows_next_use():
     batches = [np.array([1, 2, 3]), np.array([1]), np.array([2]), np.array([9])]
     steps = list(plan(batches, PlannerConfig(num_rows=10, cache_rows=4, lookahead=2)))

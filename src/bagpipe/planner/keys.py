@@ -67,6 +67,22 @@ class KeyTable:
             todo, at = todo[rest], (at[rest] + 1) & self.mask
         self.live += len(keys)
 
+    def fill(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Put distinct keys into an empty table at once: in the order of their home places, each where linear
+        probing in that order puts it (a run's positions by a running maximum, no probing rounds); those whose
+        run would pass the table's end wrap around through ``insert``."""
+        assert self.live == 0 and self.gone == 0, "fill() is for an empty table"
+        home = self._home(keys)
+        order = np.argsort(home, kind="stable")
+        ranks = np.arange(len(keys))
+        at = ranks + np.maximum.accumulate(home[order] - ranks)
+        fits = at <= self.mask
+        placed = order[fits]
+        self.keys[at[fits]], self.values[at[fits]] = keys[placed], values[placed]
+        self.live = len(placed)
+        if not fits.all():
+            self.insert(keys[order[~fits]], values[order[~fits]])
+
     def remove(self, keys: np.ndarray) -> None:
         """Remove keys that are present."""
         at = self.find(keys)
@@ -125,7 +141,7 @@ class KeyIndex:
         while capacity < count:
             capacity *= 2
         table = KeyTable(capacity)
-        table.insert(self.keys[:self.count], np.arange(self.count, dtype=np.int64))
+        table.fill(self.keys[:self.count], np.arange(self.count, dtype=np.int64))
         self.table, self.capacity = table, capacity
         self.keys = grown(self.keys, capacity, 0)
         return True
