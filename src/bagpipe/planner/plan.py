@@ -182,6 +182,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
     slot_next = np.full(capacity, NEVER, dtype=np.int64)  # next use of the slot's row, as known
     slot_last = np.full(capacity, -1, dtype=np.int64)
     slot_freq = np.zeros(capacity, dtype=np.int64)  # the uses so far of the slot's row (as ``freq``, by slot)
+    slot_far = np.full(capacity, _NOT_IN_WINDOW, dtype=np.int64)  # its lookahead score with no use in the window
     freq = np.zeros(0, dtype=np.int64)  # by row number: its uses so far
     version = np.zeros(0, dtype=np.int64)  # by row number: the iteration after which it was last written back
     free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
@@ -234,8 +235,8 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             resident = slot_of[rows][~absent]
             candidates = capacity - num_free - len(resident)
             overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
-            score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq, i=i,
-                            lookahead=config.lookahead)
+            score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
+                            slot_far=slot_far, i=i, lookahead=config.lookahead)
             score[resident] = _LOWEST
             score[free[:num_free]] = _LOWEST
             chosen = highest(score, overflow)  # slots, in increasing order
@@ -251,7 +252,8 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         slot_next[batch_slots] = next_use
         slot_last[batch_slots] = i
         freq[rows] += 1
-        slot_freq[batch_slots] = freq[rows]
+        slot_freq[batch_slots] = uses = freq[rows]
+        slot_far[batch_slots] = _NOT_IN_WINDOW - uses
         previous_keys, previous_rows = keys, rows
         soon = next_use == i + 1
         visible = next_use - i <= config.lookahead
@@ -352,11 +354,11 @@ def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
     raise ValueError(f"{policy!r} is not an online policy ({', '.join(ONLINE_POLICIES)})")
 
 
-def _scores(policy: str, *, slot_next, slot_last, slot_freq, i: int, lookahead: int) -> np.ndarray:
+def _scores(policy: str, *, slot_next, slot_last, slot_freq, slot_far, i: int, lookahead: int) -> np.ndarray:
     """Eviction priority of every slot (meaningful for those holding a row; ``slot_freq``: their rows' use
-    counts): highest goes first."""
+    counts, ``slot_far``: _NOT_IN_WINDOW less those): highest goes first."""
     if policy in ONLINE_POLICIES:
         return online_scores(policy, i - slot_last, slot_freq)
     # lookahead: rows with no use in the window first (least frequent of those first), then the
     # row whose next use is furthest away.
-    return np.where(slot_next - i >= lookahead, _NOT_IN_WINDOW - slot_freq, slot_next)
+    return np.where(slot_next >= i + lookahead, slot_far, slot_next)
