@@ -65,6 +65,7 @@ def test_metrics_carry_the_breakdown_and_cache_counters(demo_runs):
     assert set(summary["peak_rss_bytes"]) == {"oracle", "server0", "trainer0", "trainer1"}
     assert all(b > 10 * 2**20 for b in summary["peak_rss_bytes"].values())
     assert summary["startup_s"] > 0
+    assert 10 * 2**20 < summary["oracle_peak_rss_while_feeding_bytes"] <= summary["peak_rss_bytes"]["oracle"]
     # the blocking main sum is part of what a trainer all-reduces: the early bucket (DLRM's top MLP) and the rows not
     # used next iteration go in sums of their own
     assert 0 < summary["allreduce_main_bytes_per_iteration"] < summary["allreduce_bytes_per_iteration"]

@@ -31,7 +31,7 @@ from bagpipe.runtime.checkpointing import JobCheckpoints
 from bagpipe.runtime.oracle.state import JobState
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, part_messages, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH
-from bagpipe.timing import cpu_seconds
+from bagpipe.timing import cpu_seconds, peak_rss_bytes
 
 PULL_WAIT_S = 1.0  # how long a pull waits for a plan message before answering with none
 
@@ -270,6 +270,7 @@ class PlanningFigures:
         self.ids = self.iterations = 0
         self._thread_start = self._cpu_start = None
         self.cpu_s = 0.0
+        self.peak_rss_fed = 0  # the oracle's peak memory once the trainers are fed (before evaluation and the model)
 
     def begin(self) -> None:
         self._thread_start, self._cpu_start = time.thread_time(), cpu_seconds()
@@ -292,6 +293,7 @@ class PlanningFigures:
         """The trainers are fed (every one has reported): the producer's and the process's CPU so far."""
         if self._cpu_start is not None:
             self.cpu_s = cpu_seconds() - self._cpu_start
+        self.peak_rss_fed = peak_rss_bytes()
 
     def finish_thread(self) -> None:
         if self._thread_start is not None:
@@ -309,7 +311,10 @@ class PlanningFigures:
                 "oracle_cpu_per_planner": (round(self.cpu_s / self.planner_cpu_s, 3) if self.planner_cpu_s
                                            else float("nan")),
                 "oracle_ms_per_1k_ids": round(self.cpu_s * 1e6 / self.ids, 4) if self.ids else float("nan"),
-                "planned_ids_per_planner_s": round(self.ids / self.planner_cpu_s) if self.planner_cpu_s else 0}
+                "planned_ids_per_planner_s": round(self.ids / self.planner_cpu_s) if self.planner_cpu_s else 0,
+                # its peak memory while it planned and fed the trainers (peak_rss_bytes: the whole run's, the final
+                # evaluation and model written included)
+                "oracle_peak_rss_while_feeding_bytes": self.peak_rss_fed}
 
 
 def _refill(step: PlanStep, slot_key: np.ndarray) -> PlanStep:
