@@ -28,6 +28,7 @@ from bagpipe.data.sequences import (INTERACTION_FILES, SNIFF_LINES, SequenceSett
                                     is_atomic_header, is_interaction_log)
 from bagpipe.data.vocab import (OOV_ID, VOCAB_DIR, EncodedParser, HashedColumn, Vocabulary, check_vocab_min_count,
                                 count_values, write_vocabularies)
+from bagpipe.files import mount_point
 from bagpipe.heap import kept_heap
 from bagpipe.progress import progress
 
@@ -186,9 +187,7 @@ def physical_memory_bytes() -> int:
 
 def free_disk_bytes(path: Path) -> int:
     """Free space on the file system that ``path`` (or its nearest existing parent) is on."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(mount_point(path)).free
 
 
 # The least a table's row costs the servers that hold it, in memory or on disk: one float32 (a table of width 1,

@@ -129,6 +129,12 @@ class KeyIndex:
         """The key of each number."""
         return self.keys[numbers]
 
+    def in_key_order(self, numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The keys of ``numbers`` and the numbers, both in key order."""
+        keys = self.keys[numbers]
+        order = np.argsort(keys)
+        return keys[order], numbers[order]
+
     def known(self, keys: np.ndarray) -> np.ndarray:
         """The number of each key, -1 for a key never seen."""
         return self.table.get(keys)

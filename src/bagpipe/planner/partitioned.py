@@ -154,12 +154,6 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
     empty = np.zeros(0, dtype=np.int64)
     keys_of = index.keys_of
 
-    def by_key(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows (numbers) and their keys, in key order."""
-        keys = keys_of(rows)
-        order = np.argsort(keys)
-        return keys[order], rows[order]
-
     ahead: list = [[] for _ in range(trainers)]  # per trainer, rows it hands off ahead at the next boundary
     i = 0
     while (global_batch := everyone.batch(i)) is not None:
@@ -241,7 +235,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                     chosen = np.concatenate([chosen, _evicted(cache.slot_row[kept_slots], cache.slot_next[kept_slots],
                                                               next_any, overflow - len(chosen),
                                                               beyond=i + config.lookahead, others_first=False)])
-                chosen = by_key(chosen)[1]
+                chosen = index.in_key_order(chosen)[1]
                 slots = cache.let_go(chosen)
                 holders[chosen] -= 1
                 drops[t].append(chosen)
@@ -307,7 +301,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
     steps = []
     writes, write_slots = _ahead(ahead, caches)
     for t, cache in enumerate(caches):
-        keys, held = by_key(cache.slot_row[cache.slot_row >= 0])
+        keys, held = index.in_key_order(cache.slot_row[cache.slot_row >= 0])
         early = np.concatenate(writes[t]) if writes[t] else empty
         early_slots = np.concatenate(write_slots[t]) if write_slots[t] else empty
         slots = cache.let_go(held)

@@ -203,12 +203,6 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         writes += len(rows)
         return writers, slots
 
-    def by_key(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows (numbers) and their keys, in key order."""
-        keys = index.keys_of(rows)
-        order = np.argsort(keys)
-        return keys[order], rows[order]
-
     i = 0
     while (current := stream.batch(i)) is not None:
         keys, lookups = current
@@ -226,13 +220,14 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         if config.policy == "none" and len(previous_rows):
             evict_keys = previous_keys
             writers, evict_slots = evict(previous_rows, after=i - 1)
-        absent = slot_of[rows] < 0
+        held = slot_of[rows]
+        absent = held < 0
         missing, missing_rows = keys[absent], rows[absent]
         overflow = len(missing) - num_free
         if overflow > 0:
             # every slot scored at once (contiguous arrays, no gathers); free slots and those of batch i's resident
             # rows, which may not go, score lowest
-            resident = slot_of[rows][~absent]
+            resident = held[~absent]
             candidates = capacity - num_free - len(resident)
             overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
             score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
@@ -240,7 +235,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             score[resident] = _LOWEST
             score[free[:num_free]] = _LOWEST
             chosen = highest(score, overflow)  # slots, in increasing order
-            evict_keys, evicted = by_key(slot_row[chosen])
+            evict_keys, evicted = index.in_key_order(slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
         fetch_versions = version[missing_rows]
         slots = free[num_free - len(missing):num_free][::-1].copy()
@@ -274,7 +269,7 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             batch_slots=batch_slots,
         )
         i += 1
-    remaining, remaining_rows = by_key(slot_row[slot_row >= 0])
+    remaining, remaining_rows = index.in_key_order(slot_row[slot_row >= 0])
     writers, evict_slots = evict(remaining_rows, after=i - 1) if len(remaining) else (empty, empty)
     yield PlanStep(iteration=i, fetch_keys=empty, fetch_versions=empty, evict_keys=remaining,
                    evict_writers=writers, sync_now_keys=empty, sync_later_keys=empty,
