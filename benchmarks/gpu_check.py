@@ -20,7 +20,9 @@ own try block and reported as it ended: finding what breaks is the point of a fi
 5. `bagpipe.nn` against `nn.EmbeddingBag` on the GPU (benchmarks/gpu_check_nn.py), with the cache's pinned
    allocations (reused staging buffers: a small number whatever the batches).
 
-Not yet here (not built): NCCL among the trainers (they sum on the host over gloo).
+Not here: NCCL among the trainers (refused: they sum in host memory over gloo; NCCL needs a GPU per trainer, and
+this machine has one). A trainer's fetched rows go to its GPU on a side stream of each cache's own, through reused
+pinned buffers: step 4 reports their allocations (summary.json's copies_to_device).
 Exits 1 without a GPU unless --allow-cpu (to try the script itself on a CPU machine).
 """
 
@@ -142,6 +144,8 @@ def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cac
             "rows_to_device_per_trainer_iteration": summary["rows_fetched"] / iterations / trainers
             if mode == "bagpipe" else None,
             "stall_fraction": summary.get("embedding_stall_fraction"),
+            # each trainer's pinned allocations for those copies (reused buffers: a few, not one per batch)
+            "copies_to_device": summary.get("copies_to_device"),
             "fetch_wait_fraction": summary.get("fetch_wait_fraction")}
 
 
@@ -167,14 +171,16 @@ def compare(args, cases: list[tuple], *, base: str) -> dict:
             runs[name].append(train_once(work, data, name, device=device, mode=mode, cache_rows=cache_rows,
                                          args=args, trainers=trainers))
     medians = {name: statistics.median(r["samples_per_s"] for r in results) for name, results in runs.items()}
-    lines = [f"| case | ran on | median samples/s | vs {base} | rows to the device / trainer / iteration | stall |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = [f"| case | ran on | median samples/s | vs {base} | rows to the device / trainer / iteration | stall "
+             "| pinned allocations / trainer |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, value in medians.items():
         last = runs[name][-1]
         moved = last["rows_to_device_per_trainer_iteration"]
         stall = last["stall_fraction"]
+        pinned = [figures.get("pinned_allocations", 0) for figures in (last["copies_to_device"] or {}).values()]
         lines.append(f"| {name} | {last['device']} | {value:,.0f} | {value / medians[base]:.2f}x | "
-                     f"{'' if moved is None else f'{moved:,.0f}'} | {'' if stall is None else f'{stall:.1%}'} |")
+                     f"{'' if moved is None else f'{moved:,.0f}'} | {'' if stall is None else f'{stall:.1%}'} | "
+                     f"{', '.join(map(str, pinned))} |")
     return {"rows": total, "batch_size": args.batch_size, "dim": args.dim, "iterations": args.iterations,
             "medians": medians, "table": "\n".join(lines), "runs": runs}
 

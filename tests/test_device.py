@@ -8,8 +8,10 @@ import logging
 import pytest
 import torch
 
+from bagpipe.cache import RowCache
 from bagpipe.device import HostStaging, resolve_device
 from bagpipe.nn import CachedEmbeddingBag, Lookahead
+from bagpipe.optim import make_row_optimizer
 from bagpipe.synth import zipf_bags
 
 CUDA = torch.cuda.is_available()
@@ -126,6 +128,44 @@ def test_to_device_on_cuda_equals_the_inputs_with_bounded_allocations():
         staged += rows * 18 * 4
     assert staging.allocations == 2  # slots x dtypes: no allocation per batch
     assert staging.stats() == {"allocations": 2, "bytes_allocated": 2 * 512 * 18 * 4, "staged_bytes": staged}
+
+
+def _fill_and_churn(cache: RowCache, *, steps: int, seed: int) -> None:
+    """Install random rows into free slots, evict some, install again: ``steps`` times."""
+    generator, key = torch.Generator().manual_seed(seed), 0
+    for _ in range(steps):
+        free = [slot for slot in range(cache.capacity) if cache.slot_key[slot] < 0]
+        count = int(torch.randint(1, len(free) + 1, (1,), generator=generator))
+        slots = torch.tensor(free)[torch.randperm(len(free), generator=generator)[:count]].numpy()
+        keys = torch.arange(key, key + count).numpy()
+        key += count
+        cache.install(slots, keys, torch.randn(count, cache.dim, generator=generator),
+                      torch.rand(count, cache.state.shape[1], generator=generator))
+        held = [slot for slot in range(cache.capacity) if cache.slot_key[slot] >= 0]
+        gone = torch.tensor(held)[torch.randperm(len(held), generator=generator)[:len(held) // 2]].numpy()
+        cache.evict(gone, cache.slot_key[gone])
+
+
+def test_a_row_cache_on_the_cpu_copies_nothing():
+    cache = RowCache(capacity=32, dim=4, optimizer=make_row_optimizer("adagrad", lr=0.1))
+    _fill_and_churn(cache, steps=5, seed=0)
+    assert cache.copy_stream is None and cache.staging is None
+    assert cache.copy_stats() == {"pinned_allocations": 0, "pinned_bytes": 0, "bytes_to_device": 0}
+
+
+@needs_cuda
+def test_a_row_cache_on_cuda_installs_on_its_side_stream_what_the_cpu_cache_holds():
+    """Fetched rows go in on the cache's own stream (ordered before the compute stream's writes by an event), through
+    a few reused pinned buffers; the slots end up holding what a CPU cache given the same steps holds."""
+    optimizer = make_row_optimizer("adam", lr=0.1)
+    caches = {device: RowCache(capacity=64, dim=8, optimizer=optimizer, device=device) for device in ("cpu", "cuda")}
+    for cache in caches.values():
+        _fill_and_churn(cache, steps=100, seed=3)
+    gpu = caches["cuda"]
+    assert gpu.copy_stream is not None and gpu.copy_stream != torch.cuda.current_stream()
+    assert torch.equal(gpu.weights.cpu(), caches["cpu"].weights) and torch.equal(gpu.state.cpu(), caches["cpu"].state)
+    stats = gpu.copy_stats()
+    assert 0 < stats["pinned_allocations"] <= 2 * 2 * 8 and stats["bytes_to_device"] >= 100 * (8 + 16) * 4
 
 
 @needs_cuda

@@ -130,6 +130,15 @@ def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy
         assert 0 < summary["others_evicted_peak_rows"] < summary["rows_written_back"] / 4
     else:
         assert summary["others_evicted_peak_rows"] == 0
+    # fetched rows reach a GPU through a few reused pinned buffers (per cache: 2 ring slots x 2 dtypes x growth
+    # steps), never one per batch; on the CPU nothing is copied
+    copies = summary["copies_to_device"]
+    assert sorted(copies) == [f"trainer{t}" for t in range(trainers)]
+    for figures in copies.values():
+        if device == "cuda":
+            assert 0 < figures["pinned_allocations"] <= 2 * 2 * 8 and figures["bytes_to_device"] > 0
+        else:
+            assert figures == {"pinned_allocations": 0, "pinned_bytes": 0, "bytes_to_device": 0}
 
 
 def test_default_settings_equal_the_sliced_reference_bit_for_bit(wide_tsv, tmp_path):

@@ -33,8 +33,12 @@ class RowCache:
         self.capacity, self.dim, self.optimizer = capacity, dim, optimizer
         self.weights = torch.zeros(capacity, dim, device=device)
         self.state = torch.zeros(capacity, optimizer.state_width(dim), device=device)
-        # on a GPU, fetched rows go in through reused pinned buffers, copied asynchronously in stream order
+        # on a GPU, fetched rows go in through reused pinned buffers, copied on a side stream of the cache's own
+        # (so that a copy runs beside the kernels still queued on the compute stream); the compute stream waits for
+        # the copy's event before it writes the rows into their slots: nothing waits on the host
+        on_gpu = self.weights.device.type == "cuda"
         self.staging = HostStaging(self.weights.device) if self.weights.device.type != "cpu" else None
+        self.copy_stream = torch.cuda.Stream(device=self.weights.device) if on_gpu else None
         self.slot_key = np.full(capacity, -1, dtype=np.int64)
         self.resident_rows = 0
 
@@ -78,10 +82,29 @@ class RowCache:
         self.resident_rows += len(slots)
         index = torch.from_numpy(slots).to(self.weights.device)
         if self.staging is not None and rows.device.type == "cpu":
-            rows, state = self.staging.to_device(rows, state)
+            rows, state = self._copy_in(rows, state)
         self.weights.index_copy_(0, index, rows.to(self.weights.device))
         if state.shape[1]:
             self.state.index_copy_(0, index, state.to(self.state.device))
+
+    def _copy_in(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host ``rows`` and ``state`` on the cache's device: staged, copied on the side stream (on a CUDA device),
+        with the compute stream ordered after the copy by an event (``wait_stream``), not by the host waiting."""
+        if self.copy_stream is None:
+            return tuple(self.staging.to_device(rows, state))
+        compute = torch.cuda.current_stream(self.weights.device)
+        rows, state = self.staging.to_device(rows, state, stream=self.copy_stream)
+        compute.wait_stream(self.copy_stream)
+        for copy in (rows, state):  # made on the side stream, read on the compute stream: not reused before that
+            copy.record_stream(compute)
+        return rows, state
+
+    def copy_stats(self) -> dict:
+        """Host-to-device staging of fetched rows: pinned allocations (a few, whatever the batches) and bytes
+        staged; zeros on the CPU."""
+        stats = self.staging.stats() if self.staging is not None else {}
+        return {"pinned_allocations": stats.get("allocations", 0), "pinned_bytes": stats.get("bytes_allocated", 0),
+                "bytes_to_device": stats.get("staged_bytes", 0)}
 
     def gather(self, view: "BatchView", *, padded: bool) -> tuple[torch.Tensor, Lookup]:
         """A batch's embeddings of this cache's space: ``[*view.positions.shape, D]``.

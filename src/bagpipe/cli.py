@@ -383,7 +383,8 @@ def _add_roles(sub) -> None:
     p.add_argument("--dist-worker-id", type=int, default=None,
                    help="this trainer's index among the trainers; must be --worker-id - 1 (default: that)")
     p.add_argument("--dist-backend", choices=("gloo", "nccl"), default="gloo",
-                   help="the trainers' gradient-sync backend (default gloo; nccl is not available yet)")
+                   help="the trainers' gradient-sync backend: gloo (nccl is refused: the sums run in host "
+                        "memory over gloo, whatever --device)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where the trainer's cache and model live; "
                    "a GPU falls back to the CPU, with a warning, when there is none (default: the job's --device, "
                    "cpu unless the oracle's --config says otherwise)")
@@ -725,18 +726,26 @@ def run_server(args) -> None:
     server_main(world, given=given)
 
 
+# Why --dist-backend nccl is refused (issue 28): the trainers sum on the host over gloo whatever their device; an
+# NCCL group needs every trainer on a GPU of its own (NCCL refuses two ranks on one device), and the only GPU machine
+# this project is checked on has one, so an NCCL path could not run there, let alone be shown equal to the reference.
+NCCL_REFUSED = ("--dist-backend nccl: the trainers' gradient sums run over gloo, in host memory, whatever their "
+                "--device (NCCL needs a GPU per trainer, which no machine this project is checked on has); "
+                "use --dist-backend gloo: it trains the same model, bit for bit")
+
+
 def run_trainer(args) -> None:
     from bagpipe.config import complete_model
     from bagpipe.runtime.agree import stated
     from bagpipe.runtime.trainer.main import run_trainer as trainer_main
 
+    if getattr(args, "dist_backend", "gloo") != "gloo":  # refused before joining the job: nothing to undo
+        raise ValueError(NCCL_REFUSED)
     world = _world(args, trainers_from_oracle=True)
     setup_logging(role="trainer", rank=world.rank)
     if getattr(args, "dist_worker_id", None) is not None and args.dist_worker_id != world.rank - 1:
         raise ValueError(f"--dist-worker-id {args.dist_worker_id} is not trainer {world.rank - 1}, which "
                          f"--worker-id {world.rank} is (trainers are ranks 1..T)")
-    if getattr(args, "dist_backend", "gloo") != "gloo":
-        raise ValueError("--dist-backend nccl: the trainers' gradient sync runs on gloo only so far")
     train, model = _given(args)
     device = train.pop("device", None)  # this process's, not the job's: trainers may differ (cuda:0, cuda:1)
     sizes = read_emb_info(args.emb_info_file) if getattr(args, "emb_info_file", None) else None

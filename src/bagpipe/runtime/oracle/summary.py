@@ -95,6 +95,8 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         "cache_mode": config.cache_mode,
         "device": stats[0].extra.get("device", "cpu"),  # where trainer 0 trained (a trainer's own --device may differ)
         "rows_fetched": sum(s.rows_fetched for s in all_stats),
+        # each trainer's fetched rows copied to its device (a GPU: through reused pinned buffers; zeros on a CPU)
+        "copies_to_device": {f"trainer{t}": s.extra.get("copies_to_device", {}) for t, s in sorted(stats.items())},
         "rows_written_back": sum(s.rows_written_back for s in all_stats),
         "rows_moved_per_iteration": sum(s.rows_fetched + s.rows_written_back for s in all_stats)
         / max(oracle.iterations, 1),

@@ -160,6 +160,9 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     stats.extra["time_breakdown_ms"] = clock.steady_ms()
     stats.extra["peak_rss_bytes"] = peak_rss_bytes()
     stats.extra["cpu_s"] = cpu_seconds()
+    # fetched rows' copies to the device (zeros on the CPU): pinned allocations (reused buffers: a few in all)
+    stats.extra["copies_to_device"] = {key: sum(cache.copy_stats()[key] for cache in runtime.caches)
+                                       for key in ("pinned_allocations", "pinned_bytes", "bytes_to_device")}
     runtime.stats.samples_per_s = timer.samples_per_s
     stats.extra["timed_window"] = timer.window
     runtime.stats.extra["final_train_loss"] = loss
