@@ -153,6 +153,61 @@ def test_the_highest_scores_are_a_defined_set_ties_to_the_earlier_position(n, se
     assert np.array_equal(highest(score, count), expected)
 
 
+def _with_and_without_the_eviction_shortcut(batches, config):
+    """The plan with the lookahead policy's eviction shortcut and with every slot scored instead, and for each
+    eviction whether the shortcut found it."""
+    import sys
+
+    plan_module = sys.modules["bagpipe.planner.plan"]
+    shortcut, taken = plan_module._lowest_idle_once_used, []
+
+    def counted(*args, **kwargs):
+        chosen = shortcut(*args, **kwargs)
+        taken.append(chosen is not None)
+        return chosen
+
+    try:
+        plan_module._lowest_idle_once_used = counted
+        fast = list(plan(batches, config))
+        plan_module._lowest_idle_once_used = lambda *args, **kwargs: None
+        scored = list(plan(batches, config))
+    finally:
+        plan_module._lowest_idle_once_used = shortcut
+    return fast, scored, taken
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(50, 3000), st.integers(1, 60), st.integers(0, 2**31), st.sampled_from([0.0, 0.8, 1.2]),
+       st.integers(1, 60))
+def test_evictions_found_without_scoring_the_cache_are_the_scored_ones(num_rows, lookahead, seed, skew, size):
+    """The lookahead policy's shortcut (the lowest slots holding rows used once and not again within the window,
+    where there are enough: the highest score there is) plans exactly what scoring every slot plans."""
+    rng = np.random.default_rng(seed)
+    weights = np.arange(1, num_rows + 1, dtype=float) ** -skew
+    batches = [rng.choice(num_rows, size=size, p=weights / weights.sum()) for _ in range(int(rng.integers(5, 80)))]
+    largest = max(len(np.unique(b)) for b in batches)
+    config = PlannerConfig(num_rows=num_rows, cache_rows=int(rng.integers(largest, max(largest + 1, num_rows // 3))),
+                           lookahead=lookahead, num_trainers=2)
+    fast, scored, _ = _with_and_without_the_eviction_shortcut(batches, config)
+    for a, b in zip(fast, scored, strict=True):
+        for field in PLAN_FIELDS:
+            assert np.array_equal(getattr(a, field), getattr(b, field)), field
+
+
+def test_the_eviction_shortcut_is_taken_where_it_can_be_and_not_elsewhere():
+    """A Zipf trace through a small cache: some evictions find enough rows used once (the shortcut), some do not
+    (every slot scored), and the plans agree (so the property test above compares both paths)."""
+    rng = np.random.default_rng(0)
+    weights = np.arange(1, 2001, dtype=float) ** -1.2
+    batches = [rng.choice(2000, size=40, p=weights / weights.sum()) for _ in range(60)]
+    fast, scored, taken = _with_and_without_the_eviction_shortcut(
+        batches, PlannerConfig(num_rows=2000, cache_rows=120, lookahead=8))
+    assert 10 < sum(taken) < len(taken) - 10
+    for a, b in zip(fast, scored, strict=True):
+        for field in PLAN_FIELDS:
+            assert np.array_equal(getattr(a, field), getattr(b, field)), field
+
+
 def test_the_planner_holds_at_most_its_stated_bytes_per_row_seen():
     """PLANNER_BYTES_PER_SEEN_ROW (what preflight counts a job's planner at) bounds what planning allocates per
     distinct row it sees: 200k rows spread over 2^40 keys, a small cache, every step consumed as it comes."""

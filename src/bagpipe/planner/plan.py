@@ -230,11 +230,16 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             resident = held[~absent]
             candidates = capacity - num_free - len(resident)
             overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
-            score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
-                            slot_far=slot_far, i=i, lookahead=config.lookahead)
-            score[resident] = _LOWEST
-            score[free[:num_free]] = _LOWEST
-            chosen = highest(score, overflow)  # slots, in increasing order
+            chosen = None
+            if config.policy == "lookahead":
+                chosen = _lowest_idle_once_used(overflow, slot_next=slot_next, slot_row=slot_row,
+                                                slot_freq=slot_freq, in_batch=resident, i=i, lookahead=config.lookahead)
+            if chosen is None:
+                score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
+                                slot_far=slot_far, i=i, lookahead=config.lookahead)
+                score[resident] = _LOWEST
+                score[free[:num_free]] = _LOWEST
+                chosen = highest(score, overflow)  # slots, in increasing order
             evict_keys, evicted = index.in_key_order(slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
         fetch_versions = version[missing_rows]
@@ -336,6 +341,34 @@ def highest(score: np.ndarray, count: int) -> np.ndarray:
     value = np.partition(kept, len(kept) - count)[len(kept) - count]  # the count-th highest score
     over = keep[kept > value]
     return np.sort(np.concatenate([over, keep[kept == value][:count - len(over)]]))
+
+
+_SCAN_CHUNK = 1 << 14  # slots looked at first by _lowest_idle_once_used (then twice as many, and so on)
+
+
+def _lowest_idle_once_used(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: int, lookahead: int
+                           ) -> np.ndarray | None:
+    """The lookahead policy's ``count`` evictions where the cache has at least that many rows used once and not again
+    within the window, found without scoring the cache; None where it has not (the caller scores every slot).
+
+    Such a row scores _NOT_IN_WINDOW - 1, the highest score there is (every resident row has been used, so its use
+    count is at least 1, and a row of batch ``i`` scores lowest), so when ``count`` of them exist, the eviction
+    (``highest``: the ``count`` highest scores, equal ones to the earlier slot) is the ``count`` lowest slots holding
+    one. Slots are looked at from 0 in growing chunks until that many are found: evictions refill the lowest slots,
+    so they are found near the start, and only a cache without enough of them is scanned to its end (then None)."""
+    capacity = len(slot_row)
+    banned = np.zeros(capacity, dtype=bool)
+    banned[in_batch] = True  # batch i's resident rows may not go (their next use is i: in the window anyway)
+    found: list[np.ndarray] = []
+    need, start, chunk = count, 0, max(_SCAN_CHUNK, 2 * count)
+    while need > 0 and start < capacity:
+        stop = min(capacity, start + chunk)
+        hits = np.flatnonzero((slot_next[start:stop] >= i + lookahead) & (slot_freq[start:stop] == 1)
+                              & (slot_row[start:stop] >= 0) & ~banned[start:stop])[:need]
+        found.append(hits + start)
+        need -= len(hits)
+        start, chunk = stop, 2 * chunk
+    return np.concatenate(found) if need <= 0 else None
 
 
 def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
