@@ -70,12 +70,17 @@ class KeyTable:
     def fill(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Put distinct keys into an empty table at once: in the order of their home places, each where linear
         probing in that order puts it (a run's positions by a running maximum, no probing rounds); those whose
-        run would pass the table's end wrap around through ``insert``."""
+        run would pass the table's end wrap around through ``insert``. The order comes from sorting each key's
+        home and index packed into one int64 (a plain sort: about twice as fast as an argsort of the homes)."""
         assert self.live == 0 and self.gone == 0, "fill() is for an empty table"
-        home = self._home(keys)
-        order = np.argsort(home, kind="stable")
+        index_bits = max(1, int(len(keys) - 1).bit_length())
+        if self.bits + index_bits > 63:  # (not with any table memory can hold)
+            raise ValueError(f"fill: {len(keys)} keys into 2^{self.bits} places do not pack into an int64")
+        packed = (self._home(keys) << index_bits) | np.arange(len(keys), dtype=np.int64)
+        packed.sort()
+        order, home = packed & ((1 << index_bits) - 1), packed >> index_bits
         ranks = np.arange(len(keys))
-        at = ranks + np.maximum.accumulate(home[order] - ranks)
+        at = ranks + np.maximum.accumulate(home - ranks) if len(keys) else ranks
         fits = at <= self.mask
         placed = order[fits]
         self.keys[at[fits]], self.values[at[fits]] = keys[placed], values[placed]

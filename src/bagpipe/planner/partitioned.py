@@ -42,7 +42,8 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from bagpipe.planner.keys import KeyIndex, grown
-from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, PlannerConfig, _Stream, highest, per_space
+from bagpipe.planner.plan import (_NEXT_USE_BLOCK, NEVER, PlannerConfig, _Stream, highest, number_batches,
+                                  per_space)
 
 
 @dataclass(frozen=True)
@@ -143,9 +144,10 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
     # numbers: it grows with the rows the plan sees, not with the key space. Keys appear in the steps, and decide
     # wherever order or balance is by key (sorting, owners, writers).
     index = KeyIndex()
-    own = [_Stream(streams[t], lookahead=config.lookahead, num_rows=config.num_rows, index=index)
+    own = [_Stream(number_batches(streams[t], num_rows=config.num_rows, index=index), lookahead=config.lookahead)
            for t in range(trainers)]
-    everyone = _Stream(streams[trainers], lookahead=config.lookahead, num_rows=config.num_rows, index=index)
+    everyone = _Stream(number_batches(streams[trainers], num_rows=config.num_rows, index=index),
+                       lookahead=config.lookahead)
     caches = [_Cache.empty(capacity) for _ in range(trainers)]
     latest = np.zeros(0, dtype=np.int64)  # per row number: the iteration of its last update (-1: none)
     server = np.zeros(0, dtype=np.int64)  # the version the servers hold (-1: the initial row)
@@ -198,7 +200,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                     room = capacity - len(mine[t])  # (a join is optional: without it the row is fetched at i + 1)
                     joining[t][np.flatnonzero(joining[t])[room:]] = False
                     keeping[t] |= joining[t]
-        _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, writes, write_slots)
+        _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, writes, write_slots, index)
         fetching = np.zeros(len(batch), dtype=bool)
         for t in range(trainers):
             fetching |= (users[t] | joining[t]) & ~held_by[t]
@@ -343,7 +345,8 @@ def _evicted(rows: np.ndarray, nxt: np.ndarray, next_any: np.ndarray, count: int
 
 
 def _hand_off_before(n: int, everyone: _Stream, own: list[_Stream], batch: np.ndarray, caches: list[_Cache],
-                     latest: np.ndarray, server: np.ndarray, writes: list[list], write_slots: list[list]) -> None:
+                     latest: np.ndarray, server: np.ndarray, writes: list[list], write_slots: list[list],
+                     index: KeyIndex) -> None:
     """Hand-offs an iteration early: a dirty row that a trainer not holding it uses at ``n`` and that nobody
     updates before (it is not in the current ``batch``) is written back now, by one of its holders (balanced by
     key), so that the fetch at ``n`` finds it on its server (rather than wait for a hand-off at ``n``'s boundary)."""
@@ -351,7 +354,7 @@ def _hand_off_before(n: int, everyone: _Stream, own: list[_Stream], batch: np.nd
     if coming is None:
         return
     keys = coming[~_in(coming, batch)]
-    rows = everyone.index.known(keys)  # (numbered: the streams have seen batch n)
+    rows = index.known(keys)  # (numbered: the streams have seen batch n)
     dirty = latest[rows] > server[rows]
     keys, rows = keys[dirty], rows[dirty]
     if not len(rows):

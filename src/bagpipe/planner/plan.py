@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -85,44 +85,62 @@ class PlanStep:
     batch_slots: np.ndarray = field(default_factory=_no_keys)  # and their slots
 
 
+class Numbered(NamedTuple):
+    """A batch as the planner's decisions take it: its distinct keys (sorted), their numbers in the plan's KeyIndex
+    (rows numbered in the order first seen), its ids counted with repeats, and the rows numbered so far."""
+
+    keys: np.ndarray
+    numbers: np.ndarray
+    lookups: int
+    count: int
+
+
+def number_batches(batches: Iterable[np.ndarray], *, num_rows: int, index: KeyIndex | None = None
+                   ) -> Iterator[Numbered]:
+    """Each batch of keys (repeats allowed) sorted, deduplicated and numbered (``index``: shared by several streams
+    of one plan, or a new one): the stream's half of planning, independent of every decision (so it may run ahead,
+    in another process: planner/ahead.py)."""
+    index = KeyIndex() if index is None else index
+    for position, batch in enumerate(batches):
+        batch = np.asarray(batch, dtype=np.int64).ravel()
+        if len(batch) and (batch.min() < 0 or batch.max() >= num_rows):
+            raise ValueError(f"batch {position} has a row outside [0, {num_rows})")
+        # keys below 2^31 sort as int32: about 1.6x faster than as int64
+        unique = (_sorted_unique(batch.astype(np.int32)).astype(np.int64) if num_rows <= _INT32_KEYS
+                  else _sorted_unique(batch))
+        yield Numbered(unique, index.numbers(unique), batch.size, index.count)
+
+
 class _Stream:
     """The batch stream seen through a window: unique keys of batches, and their true next uses.
 
-    Keys are numbered in the order first seen (``index``: a KeyIndex, which several streams of one plan may share),
-    and all per-row state here is over those numbers, so it grows with the rows the stream brings, not with the
-    key space. Next uses are computed for a block of batches at a time by one backward scan over the block plus the
-    lookahead beyond it, through an array of each row's earliest use seen so far (two vectorised gathers per
-    batch, no sort); only the entries a scan set are reset before the next. Uses further away are NEVER until a
-    later block brings them in sight.
+    Batches come numbered (``number_batches``: keys numbered in the order first seen, by a KeyIndex that several
+    streams of one plan may share), and all per-row state here is over those numbers, so it grows with the rows the
+    stream brings, not with the key space. Next uses are computed for a block of batches at a time by one backward
+    scan over the block plus the lookahead beyond it, through an array of each row's earliest use seen so far (two
+    vectorised gathers per batch, no sort); only the entries a scan set are reset before the next. Uses further
+    away are NEVER until a later block brings them in sight.
     """
 
-    def __init__(self, batches: Iterator[np.ndarray], *, lookahead: int, num_rows: int,
-                 index: KeyIndex | None = None) -> None:
-        self.batches = batches
+    def __init__(self, numbered: Iterator[Numbered], *, lookahead: int) -> None:
+        self.numbered = numbered
         self.lookahead = lookahead
-        self.num_rows = num_rows  # the key space: keys are in [0, num_rows)
-        self.index = KeyIndex() if index is None else index
-        self.window: deque[tuple[np.ndarray, np.ndarray, int]] = deque()  # (unique keys, numbers, lookups)
+        self.window: deque[Numbered] = deque()
         self.first = 0
         self.exhausted = False
+        self.count = 0  # rows numbered so far (by the batches read into the window)
         self.next_uses: dict[int, np.ndarray] = {}
         self.earliest = np.zeros(0, dtype=np.int64)  # by number: first use in the current block's range
         self._set: list[np.ndarray] = []  # the numbers whose earliest the last scan set
 
     def _fill(self, upto: int) -> None:
         while not self.exhausted and self.first + len(self.window) < upto:
-            batch = next(self.batches, None)
-            if batch is None:
+            numbered = next(self.numbered, None)
+            if numbered is None:
                 self.exhausted = True
             else:
-                batch = np.asarray(batch, dtype=np.int64).ravel()
-                if len(batch) and (batch.min() < 0 or batch.max() >= self.num_rows):
-                    raise ValueError(f"batch {self.first + len(self.window)} has a row outside "
-                                     f"[0, {self.num_rows})")
-                # keys below 2^31 sort as int32: about 1.6x faster than as int64
-                unique = (_sorted_unique(batch.astype(np.int32)).astype(np.int64) if self.num_rows <= _INT32_KEYS
-                          else _sorted_unique(batch))
-                self.window.append((unique, self.index.numbers(unique), batch.size))
+                self.window.append(numbered)
+                self.count = numbered.count
 
     def batch(self, i: int) -> tuple[np.ndarray, int] | None:
         """Unique keys and lookup count of batch i; starts a new block of next uses when due."""
@@ -135,7 +153,7 @@ class _Stream:
             return None
         if i not in self.next_uses:
             self._compute_block(i)
-        keys, _, lookups = self.window[0]
+        keys, _, lookups, _ = self.window[0]
         return keys, lookups
 
     def numbers(self, i: int) -> np.ndarray:
@@ -152,7 +170,7 @@ class _Stream:
         stop = start + _NEXT_USE_BLOCK
         self._fill(stop + self.lookahead)
         last = self.first + len(self.window)
-        self.earliest = grown(self.earliest, self.index.count, NEVER)
+        self.earliest = grown(self.earliest, self.count, NEVER)
         earliest = self.earliest
         for numbers in self._set:
             earliest[numbers] = NEVER
@@ -174,11 +192,17 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
 
     Each batch is an array of keys (repeats allowed), in training order.
     """
-    index = KeyIndex()  # rows by number (in the order first seen): the state below grows with the rows seen
-    stream = _Stream(iter(batches), lookahead=config.lookahead, num_rows=config.num_rows, index=index)
+    return plan_numbered(number_batches(batches, num_rows=config.num_rows), config)
+
+
+def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterator[PlanStep]:
+    """``plan`` of batches already numbered (``number_batches``, here or in another process: planner/ahead.py)."""
+    # rows by number (in the order first seen): the state below grows with the rows seen
+    stream = _Stream(iter(numbered), lookahead=config.lookahead)
     capacity = config.cache_rows
     slot_of = np.zeros(0, dtype=np.int64)  # by row number: its slot, -1 if not resident
     slot_row = np.full(capacity, -1, dtype=np.int64)  # the number of the slot's row, -1 if free
+    slot_key = np.full(capacity, -1, dtype=np.int64)  # the key of the slot's row
     slot_next = np.full(capacity, NEVER, dtype=np.int64)  # next use of the slot's row, as known
     slot_last = np.full(capacity, -1, dtype=np.int64)
     slot_freq = np.zeros(capacity, dtype=np.int64)  # the uses so far of the slot's row (as ``freq``, by slot)
@@ -210,9 +234,9 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
         if len(keys) > capacity:
             raise ValueError(f"batch {i} touches {len(keys)} distinct rows, more than the cache's "
                              f"{capacity}: raise cache_rows or lower the batch size")
-        if index.count > len(slot_of):
-            slot_of, freq, version = (grown(slot_of, index.count, -1), grown(freq, index.count, 0),
-                                      grown(version, index.count, -1))
+        if stream.count > len(slot_of):
+            slot_of, freq, version = (grown(slot_of, stream.count, -1), grown(freq, stream.count, 0),
+                                      grown(version, stream.count, -1))
         if i % _NEXT_USE_BLOCK == 0:  # a new block brings further uses of idle rows in sight
             unknown = np.flatnonzero((slot_row >= 0) & (slot_next == NEVER))
             slot_next[unknown] = stream.first_uses_of(slot_row[unknown])
@@ -240,13 +264,14 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
                 score[resident] = _LOWEST
                 score[free[:num_free]] = _LOWEST
                 chosen = highest(score, overflow)  # slots, in increasing order
-            evict_keys, evicted = index.in_key_order(slot_row[chosen])
+            evict_keys, evicted = _in_key_order(slot_key[chosen], slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
         fetch_versions = version[missing_rows]
         slots = free[num_free - len(missing):num_free][::-1].copy()
         num_free -= len(missing)
         slot_of[missing_rows] = slots
         slot_row[slots] = missing_rows
+        slot_key[slots] = missing
         next_use = stream.next_uses[i]
         batch_slots = slot_of[rows]
         slot_next[batch_slots] = next_use
@@ -274,7 +299,8 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
             batch_slots=batch_slots,
         )
         i += 1
-    remaining, remaining_rows = index.in_key_order(slot_row[slot_row >= 0])
+    held = slot_row >= 0
+    remaining, remaining_rows = _in_key_order(slot_key[held], slot_row[held])
     writers, evict_slots = evict(remaining_rows, after=i - 1) if len(remaining) else (empty, empty)
     yield PlanStep(iteration=i, fetch_keys=empty, fetch_versions=empty, evict_keys=remaining,
                    evict_writers=writers, sync_now_keys=empty, sync_later_keys=empty,
@@ -304,6 +330,12 @@ def per_space(items: Iterable[list], count: int) -> list[Iterator]:
             yield waiting[space].popleft()
 
     return [stream(space) for space in range(count)]
+
+
+def _in_key_order(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``keys`` and their ``rows`` (numbers), both in key order."""
+    order = np.argsort(keys)
+    return keys[order], rows[order]
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
