@@ -494,6 +494,9 @@ def _add_plan_stats(sub) -> None:
                    help="when evicting, also free this share of the cache (fewer, larger eviction rounds; default 0)")
     p.add_argument("--keep-within", type=int, default=0, help="the partitioned cache's traffic: a trainer keeps a row "
                    "another trainer updates when its own next use is at most N iterations away (default 0)")
+    p.add_argument("--planner-processes", type=int, choices=(1, 2), default=1,
+                   help="2: batches sorted and numbered in a process of their own, ahead of the decisions (the same "
+                        "plan; worth it on large tables with a core to spare); default 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -643,7 +646,7 @@ def run_plan_stats(args) -> None:
     split = open_dataset(args.data).train
     stats = plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows, lookahead=args.lookahead,
                        policy=args.policy, iterations=args.iterations, num_trainers=args.trainers,
-                       cleanup_fraction=args.cleanup_fraction)
+                       cleanup_fraction=args.cleanup_fraction, processes=args.planner_processes)
     if args.trainers > 1 and args.batch_size % args.trainers:
         log.warning("--batch-size %d is not a multiple of the %d trainers: no slices, so no traffic figures",
                     args.batch_size, args.trainers)

@@ -214,6 +214,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
     writes = 0  # write-backs handed out so far, to share them evenly among trainers
     empty = np.zeros(0, dtype=np.int64)
     previous_keys = previous_rows = empty  # policy "none" evicts the last batch's rows
+    scanned = True  # whether the last eviction's rows were used once (then the next looks for those first)
 
     def evict(rows: np.ndarray, *, after: int) -> tuple[np.ndarray, np.ndarray]:
         nonlocal writes, num_free
@@ -256,8 +257,9 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
             overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
             chosen = None
             if config.policy == "lookahead":
-                chosen = _lowest_idle_once_used(overflow, slot_next=slot_next, slot_row=slot_row,
-                                                slot_freq=slot_freq, in_batch=resident, i=i, lookahead=config.lookahead)
+                chosen = _idle_evictions(overflow, slot_next=slot_next, slot_row=slot_row, slot_freq=slot_freq,
+                                         in_batch=resident, i=i, lookahead=config.lookahead, scan=scanned)
+                scanned = chosen is not None and bool((slot_freq[chosen] == 1).all())  # (so the scan finds them)
             if chosen is None:
                 score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
                                 slot_far=slot_far, i=i, lookahead=config.lookahead)
@@ -375,32 +377,42 @@ def highest(score: np.ndarray, count: int) -> np.ndarray:
     return np.sort(np.concatenate([over, keep[kept == value][:count - len(over)]]))
 
 
-_SCAN_CHUNK = 1 << 14  # slots looked at first by _lowest_idle_once_used (then twice as many, and so on)
+_SCAN_CHUNK = 1 << 14  # slots looked at first by _idle_evictions' scan (then twice as many, and so on)
 
 
-def _lowest_idle_once_used(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: int, lookahead: int
-                           ) -> np.ndarray | None:
-    """The lookahead policy's ``count`` evictions where the cache has at least that many rows used once and not again
-    within the window, found without scoring the cache; None where it has not (the caller scores every slot).
+def _idle_evictions(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: int, lookahead: int,
+                    scan: bool = True) -> np.ndarray | None:
+    """The lookahead policy's ``count`` evictions where the cache holds at least that many rows with no use within
+    the window (``idle``), found without scoring every slot; None where it does not (the caller scores them all).
 
-    Such a row scores _NOT_IN_WINDOW - 1, the highest score there is (every resident row has been used, so its use
-    count is at least 1, and a row of batch ``i`` scores lowest), so when ``count`` of them exist, the eviction
-    (``highest``: the ``count`` highest scores, equal ones to the earlier slot) is the ``count`` lowest slots holding
-    one. Slots are looked at from 0 in growing chunks until that many are found: evictions refill the lowest slots,
-    so they are found near the start, and only a cache without enough of them is scanned to its end (then None)."""
+    An idle row scores _NOT_IN_WINDOW less its use count, above every row used within the window (a row of batch
+    ``i`` scores lowest), so ``highest``'s choice (the ``count`` highest scores, equal ones to the earlier slot) is
+    the idle rows by increasing use count, and among the last count taken, the lowest slots. Every resident row has
+    been used, so rows used once score highest of all: with ``scan``, slots are first looked at from 0 in growing
+    chunks until ``count`` such rows are found (evictions refill the lowest slots, so they are found near the
+    start); where there are not enough, one pass finds the idle rows and the use count up to which they go."""
     capacity = len(slot_row)
     banned = np.zeros(capacity, dtype=bool)
     banned[in_batch] = True  # batch i's resident rows may not go (their next use is i: in the window anyway)
-    found: list[np.ndarray] = []
-    need, start, chunk = count, 0, max(_SCAN_CHUNK, 2 * count)
-    while need > 0 and start < capacity:
-        stop = min(capacity, start + chunk)
-        hits = np.flatnonzero((slot_next[start:stop] >= i + lookahead) & (slot_freq[start:stop] == 1)
-                              & (slot_row[start:stop] >= 0) & ~banned[start:stop])[:need]
-        found.append(hits + start)
-        need -= len(hits)
-        start, chunk = stop, 2 * chunk
-    return np.concatenate(found) if need <= 0 else None
+    if scan:
+        found: list[np.ndarray] = []
+        need, start, chunk = count, 0, max(_SCAN_CHUNK, 2 * count)
+        while need > 0 and start < capacity:
+            stop = min(capacity, start + chunk)
+            hits = np.flatnonzero((slot_next[start:stop] >= i + lookahead) & (slot_freq[start:stop] == 1)
+                                  & (slot_row[start:stop] >= 0) & ~banned[start:stop])[:need]
+            found.append(hits + start)
+            need -= len(hits)
+            start, chunk = stop, 2 * chunk
+        if need <= 0:
+            return np.concatenate(found)
+    idle = np.flatnonzero((slot_next >= i + lookahead) & (slot_row >= 0) & ~banned)
+    if len(idle) < count:
+        return None
+    uses = slot_freq[idle]
+    last = int(np.searchsorted(np.cumsum(np.bincount(uses)), count))  # the use count the evictions go up to
+    below = idle[uses < last]
+    return np.sort(np.concatenate([below, idle[uses == last][:count - len(below)]]))
 
 
 def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:

@@ -11,8 +11,9 @@ import numpy as np
 from bagpipe.data.batches import batch_rows, batches_per_epoch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import EmbeddingLayout, one_per_feature, valid_keys
+from bagpipe.planner.ahead import numbered_ahead
 from bagpipe.planner.partitioned import plan_partitioned
-from bagpipe.planner.plan import PlannerConfig, plan
+from bagpipe.planner.plan import PlannerConfig, number_batches, plan, plan_numbered
 from bagpipe.planner.reference import belady
 
 STATS_POLICIES = ("lookahead", "lru", "lfu", "none", "belady")
@@ -97,26 +98,39 @@ def _per_iteration(fetched: float, written: float, synchronised: float, iteratio
 
 
 def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahead: int, policy: str,
-               iterations: int = 0, num_trainers: int = 1, cleanup_fraction: float = 0.0) -> dict:
+               iterations: int = 0, num_trainers: int = 1, cleanup_fraction: float = 0.0, processes: int = 1) -> dict:
+    """What ``policy`` moves over the split's first ``iterations`` batches, and how fast it plans them: the whole
+    run (``ids_per_s``) and after the first step (``ids_per_s_after_first_step``: the first waits for the
+    lookahead's batches to be numbered, and with ``processes`` = 2 for the numbering process to start)."""
     if policy not in STATS_POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(STATS_POLICIES)}, got {policy!r}")
+    if processes not in (1, 2) or (processes == 2 and policy == "belady"):
+        raise ValueError(f"planner processes must be 1 or 2 (2: not with belady), got {processes}")
     batches = key_batches(split, batch_size=batch_size, iterations=iterations)
     num_rows = int(sum(split.table_sizes))
     started = time.perf_counter()
+    first_step = None
     if policy == "belady":
         counts = belady(batches, cache_rows=cache_rows)
         fetched, written, peak, lookups = (counts.rows_fetched, counts.rows_written_back,
                                            counts.peak_cache_rows, counts.lookups)
+        later = lookups
     else:
         config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead,
                                num_trainers=num_trainers, policy=policy, cleanup_fraction=cleanup_fraction)
         fetched = written = peak = lookups = 0
-        for step in plan(batches, config):
+        numbered = (numbered_ahead(batches, num_rows=num_rows) if processes == 2
+                    else number_batches(batches, num_rows=num_rows))
+        for step in plan_numbered(numbered, config):
+            if first_step is None:
+                first_step = time.perf_counter()
             fetched += len(step.fetch_keys)
             written += len(step.evict_keys)
             peak = max(peak, step.resident_rows)
             lookups += step.lookups
-    seconds = time.perf_counter() - started
+        later = lookups - (len(batches[0]) if batches else 0)
+    ended = time.perf_counter()
+    seconds = ended - started
     return {
         "policy": policy,
         "iterations": len(batches),
@@ -130,4 +144,8 @@ def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahea
         "peak_cache_rows": peak,
         "plan_seconds": seconds,
         "ids_per_s": lookups / seconds if seconds > 0 else float("nan"),
+        "planner_processes": processes,
+        "first_step_s": (first_step or ended) - started,
+        "ids_per_s_after_first_step": later / (ended - first_step) if first_step and ended > first_step
+        else float("nan"),
     }
