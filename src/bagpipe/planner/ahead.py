@@ -28,6 +28,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from bagpipe.heap import kept_heap
 from bagpipe.planner.plan import _NEXT_USE_BLOCK, Numbered, number_batches
 
 DEPTH = 2 * _NEXT_USE_BLOCK  # numbered batches held ahead of the decisions (they take a block's worth at once)
@@ -144,9 +145,10 @@ def _number(batches, numbered, num_rows: int) -> None:
             yield batch
 
     try:
-        for item in number_batches(received(), num_rows=num_rows):
-            numbered.send((_narrow(item.keys, num_rows), _narrow(item.numbers, item.count), item.lookups,
-                           item.count))
+        with kept_heap():  # (its numpy temporaries and the hash table's rebuilds: reused, not faulted in again)
+            for item in number_batches(received(), num_rows=num_rows):
+                numbered.send((_narrow(item.keys, num_rows), _narrow(item.numbers, item.count), item.lookups,
+                               item.count))
         numbered.send(_END)
     except (BrokenPipeError, EOFError):
         return  # the consumer stopped

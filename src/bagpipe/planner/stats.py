@@ -11,6 +11,7 @@ import numpy as np
 from bagpipe.data.batches import batch_rows, batches_per_epoch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import EmbeddingLayout, one_per_feature, valid_keys
+from bagpipe.heap import kept_heap
 from bagpipe.planner.ahead import numbered_ahead
 from bagpipe.planner.partitioned import plan_partitioned
 from bagpipe.planner.plan import PlannerConfig, number_batches, plan, plan_numbered
@@ -121,13 +122,14 @@ def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahea
         fetched = written = peak = lookups = 0
         numbered = (numbered_ahead(batches, num_rows=num_rows) if processes == 2
                     else number_batches(batches, num_rows=num_rows))
-        for step in plan_numbered(numbered, config):
-            if first_step is None:
-                first_step = time.perf_counter()
-            fetched += len(step.fetch_keys)
-            written += len(step.evict_keys)
-            peak = max(peak, step.resident_rows)
-            lookups += step.lookups
+        with kept_heap():  # the planner's large numpy temporaries reused, not faulted in again each iteration
+            for step in plan_numbered(numbered, config):
+                if first_step is None:
+                    first_step = time.perf_counter()
+                fetched += len(step.fetch_keys)
+                written += len(step.evict_keys)
+                peak = max(peak, step.resident_rows)
+                lookups += step.lookups
         later = lookups - (len(batches[0]) if batches else 0)
     ended = time.perf_counter()
     seconds = ended - started
