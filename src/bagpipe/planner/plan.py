@@ -122,9 +122,13 @@ class _Stream:
     away are NEVER until a later block brings them in sight.
     """
 
-    def __init__(self, numbered: Iterator[Numbered], *, lookahead: int) -> None:
+    def __init__(self, numbered: Iterator[Numbered], *, lookahead: int, ramp: bool = False) -> None:
         self.numbered = numbered
         self.lookahead = lookahead
+        # ``ramp``: blocks of 1, 1, 2, 4, ... 64 iterations from the start, so that the first step waits for
+        # 1 + lookahead batches, not 64 + lookahead (the plan is the same: see plan_numbered)
+        self.ramp = ramp
+        self.new_block = False  # whether the last ``batch(i)`` started a block (its rows' first uses are known)
         self.window: deque[Numbered] = deque()
         self.first = 0
         self.exhausted = False
@@ -151,7 +155,8 @@ class _Stream:
             self.first += 1
         if not self.window:
             return None
-        if i not in self.next_uses:
+        self.new_block = i not in self.next_uses
+        if self.new_block:
             self._compute_block(i)
         keys, _, lookups, _ = self.window[0]
         return keys, lookups
@@ -167,7 +172,7 @@ class _Stream:
         return self.window[at][0] if 0 <= at < len(self.window) else None
 
     def _compute_block(self, start: int) -> None:
-        stop = start + _NEXT_USE_BLOCK
+        stop = start + (max(1, min(start, _NEXT_USE_BLOCK)) if self.ramp else _NEXT_USE_BLOCK)
         self._fill(stop + self.lookahead)
         last = self.first + len(self.window)
         self.earliest = grown(self.earliest, self.count, NEVER)
@@ -198,7 +203,10 @@ def plan(batches: Iterable[np.ndarray], config: PlannerConfig) -> Iterator[PlanS
 def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterator[PlanStep]:
     """``plan`` of batches already numbered (``number_batches``, here or in another process: planner/ahead.py)."""
     # rows by number (in the order first seen): the state below grows with the rows seen
-    stream = _Stream(iter(numbered), lookahead=config.lookahead)
+    # (Blocks ramp up from the start: a block's size changes no decision. Its scan reaches ``lookahead`` past its
+    # last iteration, so a row's next use is known exactly wherever it is within the window (where a score or a
+    # deadline depends on it), and NEVER only where it is further: the same scores, evictions and deadlines.)
+    stream = _Stream(iter(numbered), lookahead=config.lookahead, ramp=True)
     capacity = config.cache_rows
     slot_of = np.zeros(0, dtype=np.int64)  # by row number: its slot, -1 if not resident
     slot_row = np.full(capacity, -1, dtype=np.int64)  # the number of the slot's row, -1 if free
@@ -238,7 +246,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         if stream.count > len(slot_of):
             slot_of, freq, version = (grown(slot_of, stream.count, -1), grown(freq, stream.count, 0),
                                       grown(version, stream.count, -1))
-        if i % _NEXT_USE_BLOCK == 0:  # a new block brings further uses of idle rows in sight
+        if stream.new_block:  # a new block brings further uses of idle rows in sight
             unknown = np.flatnonzero((slot_row >= 0) & (slot_next == NEVER))
             slot_next[unknown] = stream.first_uses_of(slot_row[unknown])
         evict_keys, writers, evict_slots = empty, empty, empty
