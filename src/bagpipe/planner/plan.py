@@ -414,13 +414,23 @@ def _idle_evictions(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: 
             start, chunk = stop, 2 * chunk
         if need <= 0:
             return np.concatenate(found)
-    idle = np.flatnonzero((slot_next >= i + lookahead) & (slot_row >= 0) & ~banned)
+    mask = np.greater_equal(slot_next, i + lookahead)
+    mask &= slot_row >= 0
+    mask &= ~banned
+    idle = np.flatnonzero(mask)
     if len(idle) < count:
         return None
     uses = slot_freq[idle]
-    last = int(np.searchsorted(np.cumsum(np.bincount(uses)), count))  # the use count the evictions go up to
-    below = idle[uses < last]
-    return np.sort(np.concatenate([below, idle[uses == last][:count - len(below)]]))
+    taken = np.cumsum(np.bincount(uses))
+    last = int(np.searchsorted(taken, count))  # the use count the evictions go up to
+    below = idle[uses < last] if last and taken[last - 1] else idle[:0]
+    need, start, chunk, more = count - len(below), 0, max(_SCAN_CHUNK, 2 * count), []
+    while need > 0:  # the lowest slots of use count ``last``: looked for from the first, in growing chunks
+        hits = np.flatnonzero(uses[start:start + chunk] == last)[:need]
+        more.append(idle[hits + start])
+        need -= len(hits)
+        start, chunk = start + chunk, 2 * chunk
+    return np.sort(np.concatenate([below, *more]))
 
 
 def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
