@@ -12,6 +12,7 @@ from bagpipe.data.batches import batch_rows, batches_per_epoch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.embeddings import EmbeddingLayout, one_per_feature, valid_keys
 from bagpipe.heap import kept_heap
+from bagpipe.timing import peak_rss_bytes
 from bagpipe.planner.ahead import numbered_ahead
 from bagpipe.planner.partitioned import plan_partitioned
 from bagpipe.planner.plan import PlannerConfig, number_batches, plan, plan_numbered
@@ -147,6 +148,9 @@ def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahea
         "plan_seconds": seconds,
         "ids_per_s": lookups / seconds if seconds > 0 else float("nan"),
         "planner_processes": processes,
+        # peak RSS of the planning process (with the batches loaded) and, with 2, of the numbering process
+        "peak_rss_bytes": {"planner": peak_rss_bytes(),
+                           **({"numbering": peak_rss_bytes(children=True)} if processes == 2 else {})},
         "first_step_s": (first_step or ended) - started,
         "ids_per_s_after_first_step": later / (ended - first_step) if first_step and ended > first_step
         else float("nan"),
