@@ -25,7 +25,6 @@ class KeyTable:
         self.mask = (1 << self.bits) - 1
         self.keys = np.full(1 << self.bits, _EMPTY, dtype=np.int64)
         self.values = np.zeros(1 << self.bits, dtype=np.int64)
-        self._claims = np.zeros(1 << self.bits, dtype=np.int64)  # scratch: which key an insertion round places where
         self.live = self.gone = 0
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
@@ -58,8 +57,9 @@ class KeyTable:
         while len(todo):
             held = self.keys[at]
             open_ = np.flatnonzero(held < 0)
-            self._claims[at[open_]] = open_  # one winner per open place: the last to claim it
-            won = open_[self._claims[at[open_]] == open_]
+            # one winner per open place: the first key claiming it (a sort of the round's claims, not a scratch
+            # array as large as the table)
+            won = open_[np.unique(at[open_], return_index=True)[1]]
             self.keys[at[won]], self.values[at[won]] = keys[todo[won]], values[todo[won]]
             self.gone -= int((held[won] == _GONE).sum())
             rest = np.ones(len(todo), dtype=bool)

@@ -25,10 +25,11 @@ _NOT_IN_WINDOW = 1 << 50
 _LOWEST = np.iinfo(np.int64).min  # the score of a slot that may not be evicted
 _INT32_KEYS = np.iinfo(np.int32).max  # a key space this small sorts its batches as int32
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
-# What a row the planner has seen costs it, at most: its number in the KeyIndex's hash table (key, value and an
-# insertion scratch, int64 each, in a table at most 4 times the rows it holds) and keys array, its slot, use count,
-# version and earliest next use (int64 each), every array grown by doubling (so up to twice the rows). Rows never
-# seen cost nothing: a job's planner needs at most this times the distinct rows its data uses (preflight).
+# What a row the planner has seen costs it, at most: its number in the KeyIndex's hash table (key and value, int64
+# each, in a table at most 4 times the rows it holds; the old table too while it is rebuilt) and keys array, its
+# slot, use count, version and earliest next use (int64 each), every array grown by doubling (so up to twice the
+# rows). Rows never seen cost nothing: a job's planner needs at most this times the distinct rows its data uses
+# (preflight).
 PLANNER_BYTES_PER_SEEN_ROW = 256
 # The partitioned plan's more, per trainer: each trainer's slot, its own stream's next uses (and the rows' holders,
 # versions and next use by anyone, shared)
