@@ -79,10 +79,18 @@ def _ordered(times: dict[str, float]) -> list[tuple[str, float]]:
     return sorted(times.items(), key=lambda item: (rank.get(item[0], len(PHASES)), item[0]))
 
 
-def peak_rss_bytes(*, children: bool = False) -> int:
-    """This process's peak resident set size (ru_maxrss: KiB on Linux, bytes on macOS); ``children``: the largest
-    of its children's that have ended and been waited for."""
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF).ru_maxrss
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: Linux's VmHWM (the peak of its memory as it is now: a process started
+    by fork and exec does not count the pages it had before its exec, which ru_maxrss does), else ru_maxrss (KiB
+    on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 

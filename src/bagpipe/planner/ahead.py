@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from bagpipe.heap import kept_heap
+from bagpipe.timing import peak_rss_bytes
 from bagpipe.planner.plan import _NEXT_USE_BLOCK, Numbered, number_batches
 
 DEPTH = 2 * _NEXT_USE_BLOCK  # numbered batches held ahead of the decisions (they take a block's worth at once)
@@ -39,10 +40,16 @@ class _Failure(tuple):
     """An error in the child or in the batches: (kind, text), raised by the consumer."""
 
 
-def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int = DEPTH) -> Iterator[Numbered]:
+class _Finished(tuple):
+    """The child's last message: (its peak RSS in bytes,)."""
+
+
+def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int = DEPTH,
+                   report: dict | None = None) -> Iterator[Numbered]:
     """``number_batches(batches, num_rows=num_rows)``, computed in a child process up to ``depth`` batches ahead of
     the consumer. Start-up (spawning the child) takes a few tenths of a second: worth it for long plans of large
-    tables, not for a handful of batches."""
+    tables, not for a handful of batches. ``report``, if given, gets the child's ``peak_rss_bytes`` at the end (its
+    own: a forked child's usage counts the parent's pages until it runs its own program)."""
     batches_out, batches_in = os.pipe()  # (reading end, writing end)
     numbered_out, numbered_in = os.pipe()
     source = str(Path(__file__).resolve().parents[2])  # the directory bagpipe is imported from, here and there
@@ -78,6 +85,10 @@ def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int =
         try:
             while not stopping.is_set():
                 item = numbered_out.recv()
+                if isinstance(item, _Finished):
+                    if report is not None:
+                        report["peak_rss_bytes"] = item[0]
+                    item = _END
                 ready.put(item if item is _END or isinstance(item, _Failure) else _widened(*item))
                 if item is _END or isinstance(item, _Failure):
                     return
@@ -149,7 +160,7 @@ def _number(batches, numbered, num_rows: int) -> None:
             for item in number_batches(received(), num_rows=num_rows):
                 numbered.send((_narrow(item.keys, num_rows), _narrow(item.numbers, item.count), item.lookups,
                                item.count))
-        numbered.send(_END)
+        numbered.send(_Finished((peak_rss_bytes(),)))
     except (BrokenPipeError, EOFError):
         return  # the consumer stopped
     except Exception as err:  # noqa: BLE001 - sent to the consumer, which raises it

@@ -112,6 +112,7 @@ def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahea
     num_rows = int(sum(split.table_sizes))
     started = time.perf_counter()
     first_step = None
+    child: dict = {}  # the numbering process's report (processes = 2)
     if policy == "belady":
         counts = belady(batches, cache_rows=cache_rows)
         fetched, written, peak, lookups = (counts.rows_fetched, counts.rows_written_back,
@@ -121,7 +122,7 @@ def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahea
         config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead,
                                num_trainers=num_trainers, policy=policy, cleanup_fraction=cleanup_fraction)
         fetched = written = peak = lookups = 0
-        numbered = (numbered_ahead(batches, num_rows=num_rows) if processes == 2
+        numbered = (numbered_ahead(batches, num_rows=num_rows, report=child) if processes == 2
                     else number_batches(batches, num_rows=num_rows))
         with kept_heap():  # the planner's large numpy temporaries reused, not faulted in again each iteration
             for step in plan_numbered(numbered, config):
@@ -150,7 +151,7 @@ def plan_stats(split: BinarySplit, *, batch_size: int, cache_rows: int, lookahea
         "planner_processes": processes,
         # peak RSS of the planning process (with the batches loaded) and, with 2, of the numbering process
         "peak_rss_bytes": {"planner": peak_rss_bytes(),
-                           **({"numbering": peak_rss_bytes(children=True)} if processes == 2 else {})},
+                           **({"numbering": child.get("peak_rss_bytes", 0)} if processes == 2 else {})},
         "first_step_s": (first_step or ended) - started,
         "ids_per_s_after_first_step": later / (ended - first_step) if first_step and ended > first_step
         else float("nan"),
