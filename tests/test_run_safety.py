@@ -171,6 +171,43 @@ def test_the_storage_check_names_small_sizes_and_a_read_only_directory(small_bin
     assert human_bytes(512) == "512 B" and human_bytes(3 * 2**20) == "3.0 MiB"
 
 
+def test_the_disk_checks_count_the_model_the_run_writes_at_its_end(small_binary, tmp_path, monkeypatch):
+    """The model directory (every table's rows) is written after the whole run: a disk that holds the tables' files
+    but not them and the model too is refused before the run starts, and so is a run directory's disk that cannot
+    hold the model of an in-memory job."""
+    from collections import namedtuple
+    from dataclasses import replace
+
+    from bagpipe import preflight
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.optim import make_row_optimizer
+    from bagpipe.storage.disk import record_bytes
+    from test_runtime import job_config
+
+    dataset = open_dataset(small_binary)
+    on_disk = job_config(small_binary, tmp_path / "run", storage="disk", storage_dir=str(tmp_path / "tables"))
+    layout = preflight.job_layout(on_disk, dataset)
+    optimizer = make_row_optimizer(on_disk.optimizer, lr=on_disk.lr)
+    files = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
+    model = preflight.model_bytes(layout)
+    assert model == sum(space.num_rows * space.dim * 4 for space in layout.spaces) > 0
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": files + model // 2}
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(10**12, 0, free["bytes"]))
+    with pytest.raises(ValueError, match=r"tables' files need .* \(and the model the run writes at its end into "
+                                         r".*, on the same disk: .* in all\), which has"):
+        preflight.check_disk(on_disk, layout)
+    free["bytes"] = files + model
+    preflight.check_disk(on_disk, layout)  # room for both
+    in_memory = replace(on_disk, storage="memory")
+    free["bytes"] = model - 1
+    with pytest.raises(ValueError, match=r"the model this run writes at its end \(model/: every table's rows\) "
+                                         r"needs .* which has .* free; give --run-dir on a larger disk"):
+        preflight.check_memory(in_memory, dataset)
+    free["bytes"] = model
+    preflight.check_memory(in_memory, dataset)
+
+
 def _mount_tmpfs(where: Path, options: str) -> None:
     where.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)

@@ -383,8 +383,8 @@ def _add_roles(sub) -> None:
     p.add_argument("--dist-worker-id", type=int, default=None,
                    help="this trainer's index among the trainers; must be --worker-id - 1 (default: that)")
     p.add_argument("--dist-backend", choices=("gloo", "nccl"), default="gloo",
-                   help="the trainers' gradient-sync backend: gloo (nccl is refused: the sums run in host "
-                        "memory over gloo, whatever --device)")
+                   help="the trainers' gradient-sync backend (default gloo; nccl is refused: the sums run in "
+                        "host memory over gloo, whatever --device)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where the trainer's cache and model live; "
                    "a GPU falls back to the CPU, with a warning, when there is none (default: the job's --device, "
                    "cpu unless the oracle's --config says otherwise)")

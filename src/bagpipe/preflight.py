@@ -125,6 +125,7 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
         holders = config.servers if config.mode == "bagpipe" else 1
         parts = {"the storage budgets": int(holders * config.storage_budget_mb * 2**20)}
     else:
+        check_model_space(config, layout)
         parts = {"tables": table_bytes(config, layout)}
     if config.mode == "bagpipe" or (config.mode == "single" and config.policy == "lookahead"):
         parts["the planner"] = planner_bytes(
@@ -143,17 +144,39 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
                          f"{remedy}")
 
 
+def model_bytes(layout: EmbeddingLayout) -> int:
+    """What the model directory a run writes at its end (``model/``: every table's rows, float32) takes, at least."""
+    return sum(space.num_rows * space.dim * 4 for space in layout.spaces)
+
+
 def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     """Refuse a disk-tier job whose tables' files cannot fit in the free space of --storage-dir (a local
-    job's servers all write there; so does --mode single)."""
+    job's servers all write there; so does --mode single), counting the model directory the run writes at its end
+    where the run directory is on the same disk (``check_model_space`` otherwise)."""
     optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
-    need = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
+    files = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
     where = storage_path(config.storage_dir, config.run_dir).absolute()
     check_writable(where, what="--storage-dir")
     free = shutil.disk_usage(where if where.exists() else mount_point(where)).free
+    shared = mount_point(where) == mount_point(config.run_dir)
+    need = files + (model_bytes(layout) if shared else 0)
     if need > free:
-        raise ValueError(f"--storage disk: the tables' files need {human_bytes(need)} in {where}, which has "
+        model = (f" (and the model the run writes at its end into {config.run_dir}, on the same disk: "
+                 f"{human_bytes(need)} in all)" if shared else "")
+        raise ValueError(f"--storage disk: the tables' files need {human_bytes(files)} in {where}{model}, which has "
                          f"{human_bytes(free)} free; give --storage-dir on a larger disk")
+    if not shared:
+        check_model_space(config, layout)
+
+
+def check_model_space(config: TrainConfig, layout: EmbeddingLayout) -> None:
+    """Refuse a job whose run directory's disk cannot hold the model directory the run writes at its end (every
+    table's rows): found out after the whole run otherwise."""
+    need = model_bytes(layout)
+    free = shutil.disk_usage(mount_point(config.run_dir)).free
+    if need > free:
+        raise ValueError(f"the model this run writes at its end (model/: every table's rows) needs {human_bytes(need)} "
+                         f"in {config.run_dir}, which has {human_bytes(free)} free; give --run-dir on a larger disk")
 
 
 def cache_rows_of(config: TrainConfig, layout: EmbeddingLayout) -> list[int]:
