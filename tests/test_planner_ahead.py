@@ -61,7 +61,11 @@ def _numbering_children() -> list[int]:
     """This process's children running the numbering (from /proc: Linux)."""
     children = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for pid in (task / "children").read_text().split():
+        try:
+            pids = (task / "children").read_text().split()
+        except FileNotFoundError:  # a thread that ended meanwhile (the numbering's own, once stopped)
+            continue
+        for pid in pids:
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
             except FileNotFoundError:
