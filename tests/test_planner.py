@@ -240,6 +240,17 @@ def test_idle_evictions_are_the_highest_scores_by_either_path(capacity, seed, lo
             assert chosen is not None and np.array_equal(chosen, expected)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 2**31), st.sampled_from([1, 2, 300, 2**16, 2**16 + 7, 2**31 - 1]))
+def test_batches_sorted_by_radix_are_sorted(n, seed, bound):
+    """The int32 batches' sort by two 16-bit digits (plan._radix_sorted) is numpy's sort, repeats and every digit
+    boundary included."""
+    import sys
+
+    values = np.random.default_rng(seed).integers(0, bound, n).astype(np.int32)
+    assert np.array_equal(sys.modules["bagpipe.planner.plan"]._radix_sorted(values), np.sort(values))
+
+
 def test_the_planner_holds_at_most_its_stated_bytes_per_row_seen():
     """PLANNER_BYTES_PER_SEEN_ROW (what preflight counts a job's planner at) bounds what planning allocates per
     distinct row it sees: 200k rows spread over 2^40 keys, a small cache, every step consumed as it comes."""
