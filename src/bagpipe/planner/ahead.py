@@ -52,8 +52,9 @@ def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int =
     own: a forked child's usage counts the parent's pages until it runs its own program)."""
     batches_out, batches_in = os.pipe()  # (reading end, writing end)
     numbered_out, numbered_in = os.pipe()
-    source = str(Path(__file__).resolve().parents[2])  # the directory bagpipe is imported from, here and there
-    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")])))
+    imported_from = str(Path(__file__).resolve().parents[2])  # the directory bagpipe is imported from, here and there
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [imported_from,
+                                                                          os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen([sys.executable, "-m", "bagpipe.planner.ahead", str(batches_out), str(numbered_in),
                               str(num_rows)], pass_fds=(batches_out, numbered_in), env=environment,
                              stdin=subprocess.DEVNULL)

@@ -143,9 +143,7 @@ class KeyIndex:
 
     def in_key_order(self, numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The keys of ``numbers`` and the numbers, both in key order."""
-        keys = self.keys[numbers]
-        order = np.argsort(keys)
-        return keys[order], numbers[order]
+        return in_key_order(self.keys[numbers], numbers)
 
     def known(self, keys: np.ndarray) -> np.ndarray:
         """The number of each key, -1 for a key never seen."""
@@ -163,6 +161,12 @@ class KeyIndex:
         self.table, self.capacity = table, capacity
         self.keys = grown(self.keys, capacity, 0)
         return True
+
+
+def in_key_order(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``keys`` and their ``rows`` (numbers, or anything one per key), both in key order."""
+    order = np.argsort(keys)
+    return keys[order], rows[order]
 
 
 def grown(values: np.ndarray, size: int, fill) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from bagpipe.planner.keys import KeyIndex, grown
+from bagpipe.planner.keys import KeyIndex, grown, in_key_order
 
 POLICIES = ("lookahead", "lru", "lfu", "none")
 ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
@@ -275,7 +275,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
                 score[resident] = _LOWEST
                 score[free[:num_free]] = _LOWEST
                 chosen = highest(score, overflow)  # slots, in increasing order
-            evict_keys, evicted = _in_key_order(slot_key[chosen], slot_row[chosen])
+            evict_keys, evicted = in_key_order(slot_key[chosen], slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
         fetch_versions = version[missing_rows]
         slots = free[num_free - len(missing):num_free][::-1].copy()
@@ -311,7 +311,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         )
         i += 1
     held = slot_row >= 0
-    remaining, remaining_rows = _in_key_order(slot_key[held], slot_row[held])
+    remaining, remaining_rows = in_key_order(slot_key[held], slot_row[held])
     writers, evict_slots = evict(remaining_rows, after=i - 1) if len(remaining) else (empty, empty)
     yield PlanStep(iteration=i, fetch_keys=empty, fetch_versions=empty, evict_keys=remaining,
                    evict_writers=writers, sync_now_keys=empty, sync_later_keys=empty,
@@ -341,12 +341,6 @@ def per_space(items: Iterable[list], count: int) -> list[Iterator]:
             yield waiting[space].popleft()
 
     return [stream(space) for space in range(count)]
-
-
-def _in_key_order(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``keys`` and their ``rows`` (numbers), both in key order."""
-    order = np.argsort(keys)
-    return keys[order], rows[order]
 
 
 def _radix_sorted(values: np.ndarray) -> np.ndarray:
@@ -394,7 +388,7 @@ def highest(score: np.ndarray, count: int) -> np.ndarray:
     return np.sort(np.concatenate([over, keep[kept == value][:count - len(over)]]))
 
 
-_SCAN_CHUNK = 1 << 14  # slots looked at first by _idle_evictions' scan (then twice as many, and so on)
+_SCAN_CHUNK = 1 << 14  # slots looked at first by _lowest_hits (then twice as many, and so on)
 
 
 def _idle_evictions(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: int, lookahead: int,
@@ -412,17 +406,11 @@ def _idle_evictions(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: 
     banned = np.zeros(capacity, dtype=bool)
     banned[in_batch] = True  # batch i's resident rows may not go (their next use is i: in the window anyway)
     if scan:
-        found: list[np.ndarray] = []
-        need, start, chunk = count, 0, max(_SCAN_CHUNK, 2 * count)
-        while need > 0 and start < capacity:
-            stop = min(capacity, start + chunk)
-            hits = np.flatnonzero((slot_next[start:stop] >= i + lookahead) & (slot_freq[start:stop] == 1)
-                                  & (slot_row[start:stop] >= 0) & ~banned[start:stop])[:need]
-            found.append(hits + start)
-            need -= len(hits)
-            start, chunk = stop, 2 * chunk
-        if need <= 0:
-            return np.concatenate(found)
+        once = _lowest_hits(count, capacity, lambda start, stop: np.flatnonzero(
+            (slot_next[start:stop] >= i + lookahead) & (slot_freq[start:stop] == 1) & (slot_row[start:stop] >= 0)
+            & ~banned[start:stop]))
+        if len(once) == count:
+            return once
     mask = np.greater_equal(slot_next, i + lookahead)
     mask &= slot_row >= 0
     mask &= ~banned
@@ -433,13 +421,23 @@ def _idle_evictions(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: 
     taken = np.cumsum(np.bincount(uses))
     last = int(np.searchsorted(taken, count))  # the use count the evictions go up to
     below = idle[uses < last] if last and taken[last - 1] else idle[:0]
-    need, start, chunk, more = count - len(below), 0, max(_SCAN_CHUNK, 2 * count), []
-    while need > 0:  # the lowest slots of use count ``last``: looked for from the first, in growing chunks
-        hits = np.flatnonzero(uses[start:start + chunk] == last)[:need]
-        more.append(idle[hits + start])
-        need -= len(hits)
-        start, chunk = start + chunk, 2 * chunk
-    return np.sort(np.concatenate([below, *more]))
+    # the lowest slots of use count ``last`` (there are enough: ``taken``)
+    more = idle[_lowest_hits(count - len(below), len(idle),
+                             lambda start, stop: np.flatnonzero(uses[start:stop] == last))]
+    return np.sort(np.concatenate([below, more]))
+
+
+def _lowest_hits(count: int, length: int, hits_in) -> np.ndarray:
+    """The first ``count`` positions below ``length`` (fewer where there are not that many) that ``hits_in(start,
+    stop)`` finds (their offsets from ``start``, increasing), looked for from 0 in chunks that double."""
+    found, start, chunk = [np.zeros(0, dtype=np.int64)], 0, max(_SCAN_CHUNK, 2 * count)
+    while count > 0 and start < length:
+        stop = min(length, start + chunk)
+        hits = hits_in(start, stop)[:count] + start
+        found.append(hits)
+        count -= len(hits)
+        start, chunk = stop, 2 * chunk
+    return np.concatenate(found)
 
 
 def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
