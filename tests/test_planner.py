@@ -251,6 +251,42 @@ def test_batches_sorted_by_radix_are_sorted(n, seed, bound):
     assert np.array_equal(sys.modules["bagpipe.planner.plan"]._radix_sorted(values), np.sort(values))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 3000), st.integers(0, 2**31), st.sampled_from([1, 300, 2**16 + 7, 2**31, 2**40]),
+       st.sampled_from([(-1,), (20, 30)]))
+def test_unique_inverse_is_numpys_unique_with_its_inverse(n, seed, bound, shape):
+    """keys.unique_inverse (a radix sort where the keys fit int32, a stable sort above) gives np.unique's distinct
+    keys and inverse, int64 and int32, for any shape; the same batch mapped through BatchRows (which searches only
+    the distinct ids) gets the places a binary search per id finds, PAD (-1) at the empty place."""
+    from bagpipe.cache import BatchRows, BatchView
+    from bagpipe.planner.keys import unique_inverse
+
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, bound, n if shape == (-1,) else 600)
+    values = values.reshape(shape) if shape != (-1,) else values
+    distinct, inverse = unique_inverse(values)
+    expected, expected_inverse = np.unique(values, return_inverse=True)
+    assert distinct.dtype == np.int64 and inverse.dtype == np.int32
+    assert np.array_equal(distinct, expected) and np.array_equal(inverse, expected_inverse.ravel())
+    view = BatchView(rng.permutation(expected), np.arange(len(expected)), 0, np.zeros(0, dtype=np.int32))
+    rows = BatchRows()
+    rows.load(view)
+    ids = np.where(rng.random(values.shape) < 0.1, -1, values)
+    positions = rows.at(ids).positions
+    order = np.argsort(view.keys)
+    assert positions.dtype == np.int32 and positions.shape == ids.shape
+    by_search = np.where(ids >= 0, order[np.minimum(np.searchsorted(view.keys[order], ids), len(order) - 1)],
+                         len(view.keys))
+    assert np.array_equal(positions, by_search if len(view.keys) else np.zeros(ids.shape))
+
+
+def test_unique_inverse_refuses_negative_keys():
+    from bagpipe.planner.keys import unique_inverse
+
+    with pytest.raises(ValueError, match="non-negative"):
+        unique_inverse(np.array([3, -1]))
+
+
 def test_the_planner_holds_at_most_its_stated_bytes_per_row_seen():
     """PLANNER_BYTES_PER_SEEN_ROW (what preflight counts a job's planner at) bounds what planning allocates per
     distinct row it sees: 200k rows spread over 2^40 keys, a small cache, every step consumed as it comes."""

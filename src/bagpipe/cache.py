@@ -16,6 +16,7 @@ import torch
 from bagpipe.device import HostStaging
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather, update_rows
 from bagpipe.optim import RowOptimizer
+from bagpipe.planner.keys import unique_inverse
 from bagpipe.planner.plan import PlanStep
 
 
@@ -163,15 +164,24 @@ class BatchRows:
 
     def at(self, keys: np.ndarray) -> BatchView:
         """The loaded view with the positions of ``keys`` (any shape; PAD maps to the empty place). A key not in
-        the batch gets some place: callers pass the batch's own ids (or check, as CachedTables does)."""
+        the batch gets some place: callers pass the batch's own ids (or check, as CachedTables does).
+
+        The ids are deduplicated first (keys.unique_inverse: one radix sort) and only the distinct ones searched
+        for, in increasing order: a binary search per id reads memory at random, three times slower."""
         view = self._view
         if not len(view.keys):
-            positions = np.zeros(np.shape(keys), dtype=np.int32)  # (every key is PAD: the empty place is 0)
+            return BatchView(view.keys, view.slots, view.num_now, np.zeros(np.shape(keys), dtype=np.int32))
+        flat = np.asarray(keys).ravel()
+        valid = flat >= 0
+        padded = not valid.all()
+        distinct, inverse = unique_inverse(flat[valid] if padded else flat)
+        found = self._place[np.minimum(np.searchsorted(self._sorted, distinct), len(view.keys) - 1)][inverse]
+        if padded:
+            positions = np.full(len(flat), len(view.keys), dtype=np.int32)
+            positions[valid] = found
         else:
-            positions = self._place[np.minimum(np.searchsorted(self._sorted, keys), len(view.keys) - 1)]
-            if (keys < 0).any():
-                positions = np.where(keys >= 0, positions, len(view.keys)).astype(np.int32)
-        return BatchView(view.keys, view.slots, view.num_now, positions)
+            positions = found
+        return BatchView(view.keys, view.slots, view.num_now, positions.reshape(np.shape(keys)))
 
 
 class StepTables:

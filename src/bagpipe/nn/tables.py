@@ -16,13 +16,13 @@ import weakref
 import numpy as np
 import torch
 
-from bagpipe.cache import BatchRows, BatchView
 from bagpipe.embeddings import (EmbeddingLayout, EmbeddingTables, Embeddings, Lookup, distinct_positions, gather,
                                 init_row_blocks, valid_keys)
 from bagpipe.nn.host import HostTable, host_table
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
 from bagpipe.optim import RowOptimizer
+from bagpipe.planner.keys import unique_inverse
 from bagpipe.storage import StorageSpec
 from bagpipe.storage.memory import MemoryRows
 from bagpipe.storage.disk import record_bytes
@@ -49,7 +49,6 @@ class CachedTables:
         self.changed: list[torch.Tensor] = []  # per space, rows updated since the last checkpoint (if tracked)
         self._keys: list[np.ndarray] = []  # the rows of the last lookup, per space (what a step changes)
         # with a plan: each id's row in the planned batch, through a per-row scratch (as a trainer's)
-        self._rows_of: list[BatchRows | None] = [None] * len(self.spaces)
 
     @classmethod
     def over(cls, tables: EmbeddingTables, **options) -> "CachedTables":
@@ -112,20 +111,22 @@ class CachedTables:
 
     def _planned(self, s: int, flat: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The planned batch's distinct keys (the planner sorted them) and each id's place in them, if ``flat``
-        is that batch: the values ``distinct_positions`` computes, without sorting the batch again."""
+        is that batch (its distinct keys are exactly the planned ones): the values ``distinct_positions``
+        computes, by one radix sort of the batch (keys.unique_inverse)."""
         planned = self.spaces[s].planned
         if planned is None or not len(planned[0]):
             return None
-        if self._rows_of[s] is None:
-            self._rows_of[s] = BatchRows()
         keys = planned[0]
-        self._rows_of[s].load(BatchView(keys, planned[1], 0, np.zeros(0, dtype=np.int32)))
-        positions = self._rows_of[s].at(flat).positions.astype(np.int64)
         valid = flat >= 0
-        used = positions[valid]
-        if not (np.array_equal(keys[np.minimum(used, len(keys) - 1)], flat[valid])
-                and np.bincount(used, minlength=len(keys)).all()):
+        padded = not valid.all()
+        distinct, inverse = unique_inverse(flat[valid] if padded else flat)
+        if not np.array_equal(distinct, keys):
             return None  # not the planned batch (other keys, or only some of its keys)
+        if padded:
+            positions = np.full(flat.shape, len(keys), dtype=np.int64)  # PAD: the empty place after the rows
+            positions[valid] = inverse
+        else:
+            positions = inverse.astype(np.int64).reshape(flat.shape)
         return torch.from_numpy(keys), torch.from_numpy(positions)
 
     def track_changes(self) -> None:

@@ -169,6 +169,34 @@ def in_key_order(keys: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nda
     return keys[order], rows[order]
 
 
+def radix_order(values: np.ndarray) -> np.ndarray:
+    """The stable order that sorts non-negative int32 ``values``: two stable passes over 16-bit digits (numpy sorts
+    16-bit keys by radix: several times faster than a comparison sort of a batch's keys)."""
+    low = np.argsort((values & 0xFFFF).astype(np.uint16), kind="stable")
+    return low[np.argsort((values[low] >> 16).astype(np.uint16), kind="stable")]
+
+
+def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct non-negative ``values`` (int64, sorted) and each value's index among them (int32): what
+    ``np.unique(values, return_inverse=True)`` gives, by one radix sort where they fit int32. Mapping a batch's
+    ids to its distinct keys this way costs about a third of a binary search per id (whose probes are random
+    reads: 5.6 ms against 2 for 53k ids of 20k keys)."""
+    values = np.asarray(values).ravel()
+    if not len(values):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+    if values.min() < 0:
+        raise ValueError(f"unique_inverse takes non-negative values, got {values.min()}")
+    order = (radix_order(values.astype(np.int32)) if values.max() <= np.iinfo(np.int32).max
+             else np.argsort(values, kind="stable"))
+    ordered = values[order]
+    first = np.empty(len(ordered), dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    inverse = np.empty(len(values), dtype=np.int32)
+    inverse[order] = np.cumsum(first, dtype=np.int32) - 1
+    return ordered[first].astype(np.int64), inverse
+
+
 def grown(values: np.ndarray, size: int, fill) -> np.ndarray:
     """``values`` extended to at least ``size`` entries (doubling, so that growing one at a time stays linear),
     the new ones ``fill``."""

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from bagpipe.planner.keys import KeyIndex, grown, in_key_order
+from bagpipe.planner.keys import KeyIndex, grown, in_key_order, radix_order
 
 POLICIES = ("lookahead", "lru", "lfu", "none")
 ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
@@ -344,11 +344,8 @@ def per_space(items: Iterable[list], count: int) -> list[Iterator]:
 
 
 def _radix_sorted(values: np.ndarray) -> np.ndarray:
-    """Non-negative int32 ``values`` sorted by two stable passes over 16-bit digits (numpy sorts 16-bit keys by
-    radix: about a fifth faster here than a comparison sort of the int32s)."""
-    low = np.argsort((values & 0xFFFF).astype(np.uint16), kind="stable")
-    values = values[low]
-    return values[np.argsort((values >> 16).astype(np.uint16), kind="stable")]
+    """Non-negative int32 ``values`` sorted (keys.radix_order: faster than any sort of int64s here)."""
+    return values[radix_order(values)]
 
 
 def _sorted_unique(values: np.ndarray, *, presorted: bool = False) -> np.ndarray:
