@@ -88,6 +88,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     early = EarlyBucket(runtime.grads, model.early_params(), lambda: runtime.step.iteration)
     late_params = [p for p in params if all(p is not q for q in early.params)]
     leader = runtime.index == 0
+    alone = runtime.alone  # one trainer: its sums are its own gradients, left on its device
     run = RunDir(config.run_dir, append=True) if leader else None
     timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
@@ -118,19 +119,25 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         local_loss = backward_slice(model, message, embeddings, seed=config.seed, part=runtime.index, lap=clock.lap)
         dense.redo.keep(message.iteration, lookups)  # before the step: a replacement may need this slice again
         inject_fault(f"backward {message.iteration}")
-        flat = dense_share(late_params, local_loss)
-        sync_before = stats.sync_s
-        flat = runtime.sync(lookups, flat)
-        early_flat = early.finish()
-        clock.lap("sync")
-        clock.carve("sync", "sync_wait", stats.sync_s - sync_before)
-        for group, values in ((late_params, flat), (early.params, early_flat)):
-            offset = 0
-            for p in group:
-                p.grad.copy_(values[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        dense_optimizer.step()
-        loss = float(flat[-1])
+        if alone:  # nothing to sum: every gradient stays where the backward left it
+            runtime.grads.apply_alone(message, lookups)
+            clock.lap("sync")
+            dense_optimizer.step()
+            loss = float(local_loss)
+        else:
+            flat = dense_share(late_params, local_loss)
+            sync_before = stats.sync_s
+            flat = runtime.sync(lookups, flat)
+            early_flat = early.finish()
+            clock.lap("sync")
+            clock.carve("sync", "sync_wait", stats.sync_s - sync_before)
+            for group, values in ((late_params, flat), (early.params, early_flat)):
+                offset = 0
+                for p in group:
+                    p.grad.copy_(values[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            dense_optimizer.step()
+            loss = float(flat[-1])
         clock.lap("optimizer")
         iteration = message.iteration
         for warning in dense.loss_watch.loss(iteration + 1, loss):

@@ -385,6 +385,12 @@ class TrainerRuntime:
         self.begin(after=n)
         self.resend_others_evicted()
 
+    @property
+    def alone(self) -> bool:
+        """Whether this is a job's only trainer, with a replicated cache: it sums with no one, so its gradients
+        stay on its device (``GradientSync.apply_alone``; the dense ones in the parameters' ``grad``)."""
+        return self.world.num_trainers == 1 and self.shared is None
+
     def sync(self, lookups: list[Lookup], extra: torch.Tensor | None = None) -> torch.Tensor | None:
         """This iteration's gradient sync (``GradientSync.sync``; with the partitioned cache ``SharedRows.sync``)."""
         if self.shared is not None:
