@@ -66,10 +66,11 @@ adversarial: $(BIN)/bagpipe
 # Dependencies it lacks are installed from $(GPU_WHEELS) if there (made here by `make gpu-wheels`, carried over).
 GPU_PYTHON ?= python3
 GPU_WHEELS ?= .gpu-wheels
-GPU_DEPS := tqdm xxhash orjson pyarrow pytest pytest-xdist
+GPU_DEPS := tqdm xxhash orjson pyarrow pytest pytest-xdist py-spy
 OUT ?= runs/gpu_check
 gpu-check:
-	@$(GPU_PYTHON) -c "import tqdm, xxhash, orjson, pyarrow, pytest, xdist" 2>/dev/null || \
+	@$(GPU_PYTHON) -c "import tqdm, xxhash, orjson, pyarrow, pytest, xdist, shutil, sys, pathlib; \
+	  assert shutil.which('py-spy') or (pathlib.Path(sys.executable).parent / 'py-spy').exists()" 2>/dev/null || \
 	  $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS) || \
 	  echo "gpu-check: could not install $(GPU_DEPS) from $(GPU_WHEELS) (make gpu-wheels); the report says what is missing"
 	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)

@@ -17,7 +17,10 @@ own try block and reported as it ended: finding what breaks is the point of a fi
    trainer on the GPU and with two trainers sharing it, against --mode reference on the GPU (alternated, medians):
    samples/s, the rows each trainer copied to the GPU per iteration (its H2D traffic) and the share of its loop it
    waited for rows, plans and sums;
-5. `bagpipe.nn` against `nn.EmbeddingBag` on the GPU (benchmarks/gpu_check_nn.py), with the cache's pinned
+5. where the training loop's wall time goes on the host, by line (py-spy, carried by `make gpu-wheels`): --mode
+   single at 5% and a one-trainer bagpipe job on the GPU (a `.to(device)` or `.cpu()` high on the list is the
+   host waiting for the device);
+6. `bagpipe.nn` against `nn.EmbeddingBag` on the GPU (benchmarks/gpu_check_nn.py), with the cache's pinned
    allocations (reused staging buffers: a small number whatever the batches).
 
 Not here: NCCL among the trainers (refused: they sum in host memory over gloo; NCCL needs a GPU per trainer, and
@@ -33,11 +36,13 @@ import importlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +81,7 @@ class Report:
             if result.get("table"):
                 lines += [result["table"], ""]
             for key, value in result.items():
-                if key not in ("ok", "seconds", "table", "where", "runs"):
+                if key not in ("ok", "seconds", "table", "where", "runs", "profiles"):
                     lines.append(f"- {key}: {value}")
             if result.get("where"):
                 lines += ["", "```", result["where"], "```"]
@@ -121,9 +126,8 @@ def tests(timeout: float) -> dict:
     return {"summary": summaries, "all_passed": passed, "table": "\n".join(f"```\n{t}\n```" for t in tails)}
 
 
-def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cache_rows: int, args,
-               trainers: int = 1) -> dict:
-    run_dir = work / name
+def train_command(run_dir: Path, data: Path, *, device: str, mode: str, cache_rows: int, args,
+                  trainers: int = 1) -> list[str]:
     command = [sys.executable, "-m", "bagpipe.cli", "train", "--data", str(data), "--run-dir", str(run_dir),
                "--overwrite", "--no-progress", "--mode", mode, "--device", device, "--batch-size",
                str(args.batch_size), "--iterations", str(args.iterations), "--emb-dim", str(args.dim),
@@ -132,6 +136,14 @@ def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cac
         command += ["--cache-rows", str(cache_rows)]
     if mode == "bagpipe":
         command += ["--trainers", str(trainers), "--servers", "1"]
+    return command
+
+
+def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cache_rows: int, args,
+               trainers: int = 1) -> dict:
+    run_dir = work / name
+    command = train_command(run_dir, data, device=device, mode=mode, cache_rows=cache_rows, args=args,
+                            trainers=trainers)
     done = run(command, timeout=args.step_timeout)
     if done.returncode:
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-2000:]}")
@@ -207,6 +219,80 @@ def bagpipe_against_reference(args) -> dict:
             "target": "bagpipe with one GPU trainer within 15% of the reference on the GPU (>= 0.85x)"}
 
 
+# each mode's training loop as py-spy names its frame, and the first and last source lines of its iterations (the
+# setup before and the evaluation and model write after are not what an iteration costs)
+LOOPS = {"single": ("_train", "bagpipe/reference.py", "for iteration, batch in enumerate(batches", "bar.close()"),
+         "bagpipe": ("train_loop", "bagpipe/runtime/trainer/loop.py", "while True:",
+                     'stats.extra["time_breakdown_ms"]')}
+
+
+def loop_frames(mode: str) -> tuple[str, range]:
+    """The frame prefix of ``mode``'s training loop and the lines of its iterations."""
+    function, path, first, last = LOOPS[mode]
+    lines = (ROOT / "src" / path).read_text().splitlines()
+    start = next(n for n, line in enumerate(lines, 1) if first in line)
+    stop = next(n for n, line in enumerate(lines, 1) if n > start and last in line)
+    return f"{function} ({path}:", range(start, stop)
+
+
+def py_spy(args) -> str:
+    found = args.py_spy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(found).exists():
+        raise RuntimeError("py-spy is not installed (make gpu-wheels carries it; or --py-spy PATH)")
+    return found
+
+
+def loop_lines(raw: Path, loop: str, lines: range, *, top: int = 12) -> dict:
+    """py-spy's raw samples (``frame;frame;... count``, idle ones included) of the training loop's iterations
+    (frame ``loop`` at one of ``lines``), by where they were: the loop's own line, the innermost line of this
+    project, and the innermost frame of all; each a share of the iterations' samples (their wall time)."""
+    by_loop, by_project, by_leaf = Counter(), Counter(), Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        at = next((i for i, frame in enumerate(frames) if frame.startswith(loop)), None)
+        if at is None or not count.isdigit() or int(frames[at].rpartition(":")[2].rstrip(")")) not in lines:
+            continue
+        count = int(count)
+        total += count
+        below = frames[at:]
+        by_loop[below[0]] += count
+        by_project[next(frame for frame in reversed(below) if "(bagpipe/" in frame)] += count
+        by_leaf[below[-1]] += count
+
+    def shares(counter: Counter) -> list[tuple[str, float]]:
+        return [(frame, round(count / max(total, 1), 4)) for frame, count in counter.most_common(top)]
+    return {"samples": total, "loop_lines": shares(by_loop), "project_lines": shares(by_project),
+            "innermost": shares(by_leaf)}
+
+
+def host_profile(args) -> dict:
+    """Where the training loop's wall time goes on the host, by line: py-spy samples (idle included: time
+    blocked on the device, a queue or a socket counts) of --mode single at 5% and of a one-trainer bagpipe job,
+    both on the GPU. A ``.to(device)`` or ``.cpu()`` high on the list is the host waiting for the GPU."""
+    spy = py_spy(args)
+    data, total = synth_data(args)
+    cases = [("single-5%-cuda", "single", total // 20), ("bagpipe-1-trainer-cuda", "bagpipe", total // 20)]
+    found, lines = {}, []
+    for name, mode, cache_rows in cases:
+        raw = Path(args.out) / f"py_spy_{name}.txt"
+        command = [spy, "record", "--subprocesses", "--idle", "--rate", "250", "--format", "raw", "-o", str(raw),
+                   "--", *train_command(Path(args.work) / f"profile-{name}", data, device="cuda", mode=mode,
+                                        cache_rows=cache_rows, args=args)]
+        done = run(command, timeout=args.step_timeout)
+        if done.returncode or not raw.exists():
+            raise RuntimeError(f"py-spy on {name}: exit {done.returncode}: {done.stderr[-2000:]}")
+        found[name] = loop_lines(raw, *loop_frames(mode))
+        lines += [f"### {name}: {found[name]['samples']} samples of its training loop", ""]
+        for title, key in (("the loop's line", "loop_lines"), ("the innermost line of bagpipe", "project_lines"),
+                           ("the innermost frame", "innermost")):
+            lines += [f"| {title} | share |", "| --- | ---: |"]
+            lines += [f"| `{frame}` | {share:.1%} |" for frame, share in found[name][key]]
+            lines.append("")
+    return {"profiles": found, "table": "\n".join(lines)}
+
+
 def nn_check(args) -> dict:
     out = Path(args.out) / "gpu_check_nn.json"
     done = run([sys.executable, str(ROOT / "benchmarks" / "gpu_check_nn.py"), "--batches", "100", "--out",
@@ -227,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--step-timeout", type=float, default=240.0, help="seconds any one command may take")
-    p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, train, bagpipe, nn")
+    p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, train, bagpipe, profile, "
+                   "nn")
+    p.add_argument("--py-spy", default="", help="py-spy's path (default: on PATH or beside this Python)")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (to try the script itself)")
     args = p.parse_args(argv)
     args.work = args.work or str(Path(args.out) / "work")
@@ -246,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if "bagpipe" not in skip:
         report.step("bagpipe train --mode bagpipe, trainers on CUDA, against reference", bagpipe_against_reference,
                     args)
+    if "profile" not in skip:
+        report.step("where the training loop's time goes on the host (py-spy)", host_profile, args)
     if "nn" not in skip and torch.cuda.is_available():
         report.step("bagpipe.nn against nn.EmbeddingBag", nn_check, args)
     return 0 if all(result["ok"] for result in report.steps.values()) else 1
