@@ -6,6 +6,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bagpipe.cache import RowCache
 from bagpipe.cached import gather_tables, train_cached
@@ -111,6 +113,42 @@ def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
     sparse = BatchRows()
     sparse.load(BatchView(np.array([2**40 - 1, 7, 2**39]), np.array([4, 5, 6]), 0, np.zeros(0, dtype=np.int32)))
     assert sparse.at(np.array([[7, -1], [2**39, 2**40 - 1]])).positions.tolist() == [[1, 3], [2, 0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([50, 2**31 - 1, 2**40]), st.integers(1, 40), st.integers(1, 6),
+       st.sampled_from([0.0, 0.3]))
+def test_the_planners_place_for_each_id_is_what_a_search_finds(seed, num_rows, batch, width, pad):
+    """``plan(..., inverse=True)`` places every id among its batch's rows as it sorts them; batch_view(step, keys)
+    turns that into each id's place in the view (PAD at the empty place): the positions BatchRows finds by
+    searching, for any key space and PAD. The decisions are those of a plan without it; a step planned without it
+    cannot be asked for positions."""
+    from bagpipe.cache import BatchRows, batch_view
+    from bagpipe.data.schema import PAD
+    from bagpipe.embeddings import valid_keys
+    from bagpipe.planner import PlannerConfig, plan
+
+    rng = np.random.default_rng(seed)
+    matrices = [np.where(rng.random((batch, width)) < pad, PAD, rng.integers(0, num_rows, (batch, width)))
+                for _ in range(6)]
+    config = PlannerConfig(num_rows=num_rows, cache_rows=batch * width + 5, lookahead=2)
+    placed = list(plan([valid_keys(m) for m in matrices], config, inverse=True))
+    plain = list(plan([valid_keys(m) for m in matrices], config))
+    for step, same, keys in zip(placed, plain, matrices + [None]):
+        for name in ("fetch_keys", "fetch_slots", "evict_keys", "evict_slots", "batch_keys", "batch_slots"):
+            assert np.array_equal(getattr(step, name), getattr(same, name)), name
+        assert not len(same.batch_inverse)
+        if keys is None:  # the final flush
+            continue
+        searched = BatchRows()
+        searched.load(batch_view(step))
+        view = batch_view(step, keys)
+        assert view.positions.dtype == np.int32 and view.positions.shape == keys.shape
+        assert np.array_equal(view.positions, searched.at(keys).positions)
+        assert np.array_equal(view.keys, batch_view(step).keys) and view.num_now == batch_view(step).num_now
+        if (keys != PAD).any():
+            with pytest.raises(ValueError, match="inverse=True"):
+                batch_view(same, keys)
 
 
 @pytest.mark.parametrize("optimizer, trainers, shards, cache_rows, keep_within", [

@@ -244,3 +244,38 @@ def test_the_feed_counts_its_planners_time_apart_from_its_reading_and_every_id_i
     summary = figures.summary()
     assert summary["oracle_ms_per_iteration"]["planner"] == pytest.approx(1e3 * figures.planner_cpu_s / 13, abs=1e-3)
     assert summary["planned_ids_per_planner_s"] == round(figures.ids / figures.planner_cpu_s)
+
+
+@pytest.mark.parametrize("trainers", [2, 3])
+def test_messages_cut_from_the_planners_places_equal_those_searched(small_binary, trainers):
+    """The oracle's messages place each trainer's ids by cutting its rows out of the whole batch's places (the
+    planner's, ``plan_spaces(..., inverse=True)``): the same messages as a search of each slice's ids (BatchRows)."""
+    config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH * 3, iterations=ITERATIONS,
+                         cache_rows=1600, trainers=trainers)
+    dataset = open_dataset(small_binary)
+    layout = job_layout(config, dataset)
+    planners = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=4, num_trainers=trainers)
+                for space, share in zip(layout.spaces, cache_rows_of(config, layout))]
+    batches = list(iterate_batches(dataset.train, batch_size=BATCH * 3, iterations=ITERATIONS))
+    matrices = [layout.keys(b.ids.numpy()) for b in batches]
+    rows = [BatchRows() for _ in layout.spaces]
+    compared = 0
+    for steps in plan_spaces(([valid_keys(k) for k in m] for m in matrices), planners, inverse=True):
+        iteration = steps[0].iteration
+        batch = batches[iteration] if iteration < ITERATIONS else None
+        views = [batch_view(step) for step in steps]
+        for space_rows, view in zip(rows, views):
+            space_rows.load(view)
+        searched = slice_messages(iteration, steps, views, rows, batch, layout, trainers)
+        keys_of = matrices[min(iteration, ITERATIONS - 1)]
+        placed = slice_messages(iteration, steps, [batch_view(step, None if batch is None else keys)
+                                                   for step, keys in zip(steps, keys_of)], None, batch, layout,
+                                trainers)
+        for a, b in zip(searched, placed):
+            for x, y in zip(a.spaces, b.spaces):
+                assert (x.positions is None) == (y.positions is None) == (batch is None)
+                if batch is not None:
+                    assert x.positions.dtype == y.positions.dtype and torch.equal(x.positions, y.positions)
+                    compared += 1
+                assert torch.equal(x.batch_keys, y.batch_keys) and x.num_now == y.num_now
+    assert compared == ITERATIONS * trainers * len(layout.spaces)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bagpipe.data.schema import PAD
 from bagpipe.device import HostStaging
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather, update_rows
 from bagpipe.optim import RowOptimizer
@@ -140,11 +141,24 @@ class BatchView:
     positions: np.ndarray
 
 
-def batch_view(step: PlanStep) -> BatchView:
-    """The rows of a plan step's batch, in sync order (positions still empty: see ``BatchRows``)."""
+def batch_view(step: PlanStep, keys: np.ndarray | None = None) -> BatchView:
+    """The rows of a plan step's batch, in sync order. With ``keys`` (the batch's key matrix of the step's space,
+    PAD where empty: the ids whose valid ones the planner was given, in order, planned with ``inverse=True``),
+    each id's place among them from the planner's ``batch_inverse`` (no search; PAD at the empty place after the
+    rows); without, positions are left empty (``BatchRows`` finds them for any ids)."""
     now = np.isin(step.batch_keys, step.sync_now_keys, assume_unique=True)
     order = np.argsort(~now, kind="stable")  # the rows synced at once first, each group sorted
-    return BatchView(step.batch_keys[order], step.batch_slots[order], int(now.sum()), np.zeros(0, dtype=np.int32))
+    positions = np.zeros(0, dtype=np.int32)
+    if keys is not None:
+        valid = keys != PAD
+        if len(step.batch_inverse) != np.count_nonzero(valid):
+            raise ValueError(f"batch_view: the step places {len(step.batch_inverse)} ids, the keys hold "
+                             f"{np.count_nonzero(valid)} (plan with inverse=True, over these keys)")
+        place = np.empty(len(order), dtype=np.int32)  # each sorted row's place in the view
+        place[order] = np.arange(len(order), dtype=np.int32)
+        positions = np.full(keys.shape, len(order), dtype=np.int32)
+        positions[valid] = place[step.batch_inverse]
+    return BatchView(step.batch_keys[order], step.batch_slots[order], int(now.sum()), positions)
 
 
 class BatchRows:

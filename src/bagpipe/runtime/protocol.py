@@ -195,9 +195,20 @@ def slice_messages(iteration: int, steps, views, rows, batch, layout: EmbeddingL
                    checkpoint: bool = False) -> list[StepMessage]:
     """Each trainer's message of one plan step (each space's ``PlanStep`` and ``BatchView``): the step, the same for
     every trainer but for which evicted rows it writes back, and its slice of the global ``batch`` (None: the final
-    flush), with each of the slice's ids' place among the batch's rows (``rows``: each space's ``BatchRows``, loaded
-    with this step's view)."""
-    def spaces_of(trainer: int, slice_keys: list | None) -> list[SpaceStep]:
+    flush), with each of the slice's ids' place among the batch's rows: found by ``rows`` (each space's
+    ``BatchRows``, loaded with this step's view), or, ``rows`` None, cut from the views' positions of the whole
+    batch (``batch_view(step, keys)``: the planner placed every id)."""
+    size = 0 if batch is None else len(batch) // num_trainers
+
+    def spaces_of(trainer: int, part) -> list[SpaceStep]:
+        slice_keys = None if part is None or rows is None else layout.keys(part.ids.numpy())
+
+        def positions(s: int, view: BatchView) -> torch.Tensor | None:
+            if part is None:
+                return None
+            if rows is None:
+                return torch.from_numpy(view.positions[trainer * size:(trainer + 1) * size])
+            return torch.from_numpy(rows[s].at(slice_keys[s]).positions)  # each place's row in batch_keys
         return [SpaceStep(fetch_keys=torch.from_numpy(step.fetch_keys),
                           fetch_versions=torch.from_numpy(step.fetch_versions),
                           fetch_slots=torch.from_numpy(step.fetch_slots),
@@ -205,11 +216,9 @@ def slice_messages(iteration: int, steps, views, rows, batch, layout: EmbeddingL
                           evict_slots=torch.from_numpy(step.evict_slots),
                           write_mask=torch.from_numpy(step.evict_writers == trainer),
                           batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
-                          num_now=view.num_now,
-                          positions=None if slice_keys is None else torch.from_numpy(
-                              rows[s].at(slice_keys[s]).positions))  # each place's row in batch_keys
+                          num_now=view.num_now, positions=positions(s, view))
                 for s, (step, view) in enumerate(zip(steps, views))]
-    return _messages(iteration, steps, batch, layout, num_trainers, spaces_of, checkpoint=checkpoint)
+    return _messages(iteration, steps, batch, num_trainers, spaces_of, checkpoint=checkpoint)
 
 
 def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, checkpoint: bool = False
@@ -217,7 +226,8 @@ def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, chec
     """Each trainer's message of one partitioned plan step (each space's ``PartitionedStep``): its part of the step
     and its slice of the global ``batch`` (None: the final flush), with each of the slice's ids' place among its
     distinct rows."""
-    def spaces_of(trainer: int, slice_keys: list | None) -> list[PartSpaceStep]:
+    def spaces_of(trainer: int, part) -> list[PartSpaceStep]:
+        slice_keys = None if part is None else layout.keys(part.ids.numpy())
         spaces = []
         for s, step in enumerate(steps):
             mine = step.trainers[trainer]
@@ -239,21 +249,19 @@ def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, chec
                 positions=None if slice_keys is None else positions_in(
                     torch.from_numpy(slice_keys[s]), torch.from_numpy(mine.batch_keys)).to(torch.int32)))
         return spaces
-    return _messages(iteration, steps, batch, layout, len(steps[0].trainers), spaces_of, checkpoint=checkpoint)
+    return _messages(iteration, steps, batch, len(steps[0].trainers), spaces_of, checkpoint=checkpoint)
 
 
-def _messages(iteration: int, steps, batch, layout: EmbeddingLayout, num_trainers: int, spaces_of, *,
-              checkpoint: bool) -> list[StepMessage]:
-    """Each trainer's message: its slice of ``batch`` (None: the final flush) and ``spaces_of(trainer, its slice's
-    keys per space)``."""
+def _messages(iteration: int, steps, batch, num_trainers: int, spaces_of, *, checkpoint: bool) -> list[StepMessage]:
+    """Each trainer's message: its slice of ``batch`` (None: the final flush) and ``spaces_of(trainer, its
+    slice)``."""
     parts = [None] * num_trainers if batch is None else batch.slices(num_trainers)
     messages = []
     for trainer, part in enumerate(parts):
-        slice_keys = None if part is None else layout.keys(part.ids.numpy())
         messages.append(StepMessage(iteration=iteration, final=batch is None,
                                     dense_x=None if part is None else part.dense_x,
                                     ids=None if part is None else part.ids,
                                     target=None if part is None else part.target,
-                                    spaces=spaces_of(trainer, slice_keys),
+                                    spaces=spaces_of(trainer, part),
                                     lookups=sum(step.lookups for step in steps), checkpoint=checkpoint))
     return messages

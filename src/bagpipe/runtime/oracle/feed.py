@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from bagpipe.cache import BatchRows, batch_view
+from bagpipe.cache import batch_view
 from bagpipe.config import TrainConfig
 from bagpipe.data.batches import epoch_rows, fresh_negatives, read_batch
 from bagpipe.data.binary import BinaryDataset
@@ -104,12 +104,14 @@ class Feed:
                                           shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
                 reading = time.thread_time()
                 batch = read_batch(split, rows, epoch=epoch, negatives=negatives)
-                pending.append(batch)
                 if self.partitioned:
+                    pending.append((batch, None))
                     parts = [layout.keys(part.ids.numpy()) for part in batch.slices(trainers)]
                     keys = [[valid_keys(part[s]) for part in parts] for s in range(len(layout.spaces))]
-                else:
-                    keys = [valid_keys(keys) for keys in layout.keys(batch.ids.numpy())]
+                else:  # (each space's key matrix kept: the messages place its ids where the planner put them)
+                    matrices = layout.keys(batch.ids.numpy())
+                    pending.append((batch, matrices))
+                    keys = [valid_keys(keys) for keys in matrices]
                 figures.read_cpu_s += time.thread_time() - reading
                 yield keys
 
@@ -118,7 +120,7 @@ class Feed:
         plans = self._partitioned(key_stream()) if self.partitioned else self._replicated(key_stream())
         for iteration, messages_of in plans:
             self.planned = iteration
-            batch = pending.popleft() if iteration < self.iterations else None
+            batch, batch_keys = pending.popleft() if iteration < self.iterations else (None, None)
             if messages_of is None:  # replayed up to the checkpoint resumed from
                 continue
             checkpoint = False
@@ -133,7 +135,7 @@ class Feed:
                 self.state.await_servers()  # a checkpoint asks every server for its part
                 checkpoint = self.checkpoints.maybe_begin(iteration)
             inject_fault(f"planned {iteration}")
-            for out, message in zip(self.queues, messages_of(batch, checkpoint)):
+            for out, message in zip(self.queues, messages_of(batch, batch_keys, checkpoint)):
                 self.bytes_sent += message.nbytes()
                 while not stop.is_set():
                     try:
@@ -149,9 +151,9 @@ class Feed:
         """The replicated plan over ``keys`` (each iteration's keys per space): per iteration, its number and how to
         make the trainers' messages (of its batch, with or without a checkpoint; None before the start)."""
         layout, trainers = self.layout, len(self.queues)
-        rows = [BatchRows() for _ in layout.spaces]
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
-        for steps in self.figures.timed(plan_spaces(keys, self.planner_configs)):
+        # (with each id's place among its batch's rows: the messages cut every trainer's from it, no search)
+        for steps in self.figures.timed(plan_spaces(keys, self.planner_configs, inverse=True)):
             iteration = steps[0].iteration
             if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
                 for slot_key, step in zip(resident, steps):
@@ -164,11 +166,10 @@ class Feed:
             for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
                 self.checkpoints.count_evictions(space, step.evict_keys)
 
-            def messages_of(batch, checkpoint: bool, steps=steps, iteration=iteration):
-                views = [batch_view(step) for step in steps]
-                for space_rows, view in zip(rows, views):
-                    space_rows.load(view)
-                return slice_messages(iteration, steps, views, rows, batch, layout, trainers, checkpoint=checkpoint)
+            def messages_of(batch, batch_keys, checkpoint: bool, steps=steps, iteration=iteration):
+                views = [batch_view(step, None if batch is None else keys) for step, keys
+                         in zip(steps, batch_keys or [None] * len(steps))]
+                return slice_messages(iteration, steps, views, None, batch, layout, trainers, checkpoint=checkpoint)
             yield iteration, messages_of
 
     def _partitioned(self, keys):
@@ -191,7 +192,7 @@ class Feed:
                               for step, slot_keys in zip(steps, resident))
             for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
                 self.checkpoints.count_evictions(space, np.concatenate([part.write_keys for part in step.trainers]))
-            yield iteration, (lambda batch, checkpoint, steps=steps, iteration=iteration:
+            yield iteration, (lambda batch, _keys, checkpoint, steps=steps, iteration=iteration:
                               part_messages(iteration, steps, batch, self.layout, checkpoint=checkpoint))
 
     def _resumed(self, started: float) -> None:
