@@ -25,6 +25,7 @@ from torch import nn
 from bagpipe.nn.host import host_table, initial_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows, accumulating
 from bagpipe.nn.slots import CLEANUP_FRACTION
+from bagpipe.planner.keys import unique_inverse
 from bagpipe.optim import RowOptimizer, make_row_optimizer
 from bagpipe.storage import StorageSpec
 
@@ -114,14 +115,18 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError("offsets is required when input is 1-D")
         if input.dim() not in (1, 2):
             raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D")
-        keys, positions = np.unique(input.detach().cpu().numpy().reshape(-1), return_inverse=True)
+        ids, placed = input.detach().cpu().numpy().reshape(-1), self.rows.placed
+        if placed is not None and np.array_equal(ids, placed[0]):  # the batch a Lookahead planned: placed by its sort
+            keys, positions = self.rows.planned[0], placed[1]
+        else:
+            keys, positions = unique_inverse(ids)  # (np.unique's, by a radix sort)
         slots = self.rows.make_resident(keys)
         device = self.rows.cache_weight.device
         rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
         if torch.is_grad_enabled() and self.requires_grad:
             rows.requires_grad_(True)
             rows.register_hook(functools.partial(self.rows.fused_step, keys))
-        positions = torch.from_numpy(positions.reshape(input.shape)).to(device)
+        positions = torch.from_numpy(positions.reshape(input.shape)).to(device).long()  # (int32 while copied)
         # sparse: the gradient nn.EmbeddingBag(sparse=True) gives, summed per row in the same order
         return F.embedding_bag(positions, rows, offsets, mode=self.mode, sparse=True,
                                per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset)

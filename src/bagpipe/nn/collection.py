@@ -21,6 +21,7 @@ from bagpipe.nn.cached_bag import MODES, row_optimizer
 from bagpipe.nn.host import host_table, initial_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows, accumulating, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
+from bagpipe.planner.keys import unique_inverse
 from bagpipe.storage import StorageSpec
 
 
@@ -90,7 +91,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 if len(bags[t][0]) and (int(bags[t][0].min()) < 0 or int(bags[t][0].max()) >= self.tables[t][0]):
                     raise IndexError(f"table {t}: an id outside [0, {self.tables[t][0]})")
             # one admission for all members (their keys are in disjoint, increasing ranges: concatenated, sorted)
-            distinct = [np.unique(bags[t][0].cpu().numpy(), return_inverse=True) for t in members]
+            distinct = [unique_inverse(bags[t][0].cpu().numpy()) for t in members]  # (np.unique's, faster)
             keys = [keys + self.offset_of[t] for t, (keys, _) in zip(members, distinct)]
             slots = np.split(rows.make_resident(np.concatenate(keys)), np.cumsum([len(k) for k in keys])[:-1])
             device = rows.cache_weight.device
@@ -101,7 +102,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     leaf.requires_grad_(True)
                     leaf.register_hook(functools.partial(rows.fused_step, table_keys,
                                                          table=(self.offset_of[t], self.tables[t][0])))
-                outputs[t] = F.embedding_bag(torch.from_numpy(positions).to(device), leaf, bags[t][1].to(device),
+                outputs[t] = F.embedding_bag(torch.from_numpy(positions).to(device).long(), leaf, bags[t][1].to(device),
                                              mode=self.mode, sparse=True, per_sample_weights=weights[t])
         return outputs
 

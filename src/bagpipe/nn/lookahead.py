@@ -64,24 +64,28 @@ class Lookahead:
         yield from self._prefetched(steps)
 
     def _steps(self) -> Iterator[tuple[Any, tuple]]:
-        """Each batch with its plan steps, one per space (the last, with no batch, writes every row back)."""
+        """Each batch with its plan steps, one per space, and the keys each was planned from (the last step, with
+        no batch, writes every row back). Planned with each id's place among its batch's rows, from the
+        planner's own sort: the module's lookup of those ids needs none of its own."""
         waiting: deque = deque()
 
         def keys() -> Iterator[list[np.ndarray]]:
             for batch in self.batches:
-                waiting.append(batch)
-                yield self.module.plan_keys(self.ids(batch))
+                planned = self.module.plan_keys(self.ids(batch))
+                waiting.append((batch, planned))
+                yield planned
 
-        for steps in plan_spaces(keys(), self.configs):
-            yield (waiting.popleft() if waiting else None), steps
+        for steps in plan_spaces(keys(), self.configs, inverse=True):
+            batch, planned = waiting.popleft() if waiting else (None, [None] * len(steps))
+            yield batch, tuple(zip(steps, planned))
 
     def _read(self, steps: tuple) -> list:
         return [space.read_host(step.fetch_keys) if len(step.fetch_keys) else None
-                for space, step in zip(self.spaces, steps)]
+                for space, (step, _) in zip(self.spaces, steps)]
 
     def _carry_out(self, steps: tuple, rows: list | None) -> None:
-        for s, (space, step) in enumerate(zip(self.spaces, steps)):
-            space.carry_out(step, None if rows is None else rows[s])
+        for s, (space, (step, ids)) in enumerate(zip(self.spaces, steps)):
+            space.carry_out(step, None if rows is None else rows[s], ids=ids)
 
     def _prefetched(self, steps: Iterator[tuple[Any, Any]]) -> Iterator:
         ready: queue.Queue = queue.Queue(maxsize=1)

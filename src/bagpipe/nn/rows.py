@@ -46,6 +46,7 @@ class CachedRows(nn.Module):
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.dirty = False  # some cached row changed since the last flush
         self._planned: tuple[np.ndarray, np.ndarray] | None = None  # a plan step's batch: its keys and their slots
+        self._placed: tuple[np.ndarray, np.ndarray] | None = None  # and the ids it was planned from, each's place
         # inside ``accumulating``: per table (its first key, its rows), its lookups' sparse gradients, in order
         self.pending: dict[tuple[int, int], list[torch.Tensor]] | None = None
         self._staging: HostStaging | None = None  # for the cache's device, made on the first copy to it
@@ -54,6 +55,13 @@ class CachedRows(nn.Module):
     def planned(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The batch the last plan step made resident: its distinct keys (sorted) and their slots."""
         return self._planned
+
+    @property
+    def placed(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The ids the last plan step's batch was planned from (flat, in order) and each one's index among its
+        distinct keys (the planner's, from its sort), where the plan gave them: a lookup of exactly those ids
+        needs no sort of its own."""
+        return self._placed
 
     @property
     def num_rows(self) -> int:
@@ -66,21 +74,24 @@ class CachedRows(nn.Module):
         if self._planned is not None and np.array_equal(self._planned[0], keys):
             return self._planned[1]  # the plan made them resident, and says where
         self._check_range(keys)
-        self._planned = None  # the policy moves rows from here on
+        self._planned = self._placed = None  # the policy moves rows from here on
         admission = self.index.admit(keys)
         self._write_back(admission.evict_keys, admission.evict_slots)
         self._install(admission.fetch_keys, admission.fetch_slots)
         return admission.batch_slots
 
-    def carry_out(self, step: PlanStep, rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def carry_out(self, step: PlanStep, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ids: np.ndarray | None = None) -> None:
         """One step of a plan made elsewhere (``bagpipe.nn.Lookahead``): write the evicted rows back, then
         install the fetched ones (``rows``: read ahead by ``read_host``) in the slots it names. The step's
-        batch is then looked up where the plan put it, without asking the policy."""
+        batch is then looked up where the plan put it, without asking the policy (``ids``: the keys the step
+        was planned from, if planned with ``inverse=True``: the lookup then takes each id's place from it)."""
         self.index.move(evict_keys=step.evict_keys, evict_slots=step.evict_slots, fetch_keys=step.fetch_keys,
                         fetch_slots=step.fetch_slots)
         self._write_back(step.evict_keys, step.evict_slots)
         self._install(step.fetch_keys, step.fetch_slots, rows)
         self._planned = (step.batch_keys, step.batch_slots)
+        self._placed = (ids, step.batch_inverse) if ids is not None and len(step.batch_inverse) == len(ids) else None
 
     def warm_up(self, keys: np.ndarray, *, fraction: float = 0.7) -> int:
         """Frequency-aware warm-up: count ``keys`` (the ids of a sample of the data, repeats and all) and
@@ -114,7 +125,7 @@ class CachedRows(nn.Module):
         """Write every cached row back and free its slot (a plan starts from an empty cache)."""
         self.flush()
         self.index.clear()
-        self._planned = None
+        self._planned = self._placed = None
 
     def reload(self) -> None:
         """Read the cached rows and their state again from the host table (after it was replaced from a state

@@ -111,17 +111,22 @@ class CachedTables:
 
     def _planned(self, s: int, flat: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The planned batch's distinct keys (the planner sorted them) and each id's place in them, if ``flat``
-        is that batch (its distinct keys are exactly the planned ones): the values ``distinct_positions``
-        computes, by one radix sort of the batch (keys.unique_inverse)."""
+        is that batch: the values ``distinct_positions`` computes, taken from the planner's sort where the ids are
+        those the plan placed (``CachedRows.placed``: bagpipe.nn.Lookahead's), else by one radix sort of the batch
+        (keys.unique_inverse) whose distinct keys must be exactly the planned ones."""
         planned = self.spaces[s].planned
         if planned is None or not len(planned[0]):
             return None
-        keys = planned[0]
+        keys, placed = planned[0], self.spaces[s].placed
         valid = flat >= 0
         padded = not valid.all()
-        distinct, inverse = unique_inverse(flat[valid] if padded else flat)
-        if not np.array_equal(distinct, keys):
-            return None  # not the planned batch (other keys, or only some of its keys)
+        given = flat[valid] if padded else flat.ravel()
+        if placed is not None and np.array_equal(given, placed[0]):
+            inverse = placed[1]  # the ids the plan placed (its sort's places): nothing to sort here
+        else:
+            distinct, inverse = unique_inverse(given)
+            if not np.array_equal(distinct, keys):
+                return None  # not the planned batch (other keys, or only some of its keys)
         if padded:
             positions = np.full(flat.shape, len(keys), dtype=np.int64)  # PAD: the empty place after the rows
             positions[valid] = inverse
