@@ -34,6 +34,9 @@ def test_toml_then_flags(tmp_path):
     ({"cache_mode": "sharded"}, "cache_mode must be one of replicated, partitioned, got 'sharded'"),
     ({"mode": "bagpipe", "cache_mode": "partitioned", "policy": "lru"},
      "--cache-mode partitioned plans each trainer's cache by lookahead only, not --policy lru"),
+    ({"planner_processes": 3}, "planner_processes must be 1 or 2, got 3"),
+    ({"mode": "bagpipe", "cache_mode": "partitioned", "planner_processes": 2},
+     r"--cache-mode partitioned plans in one process \(--planner-processes 2 numbers the replicated plan's"),
     ({"data": ""}, "data"),
 ])
 def test_impossible_values_are_refused(overrides, message):

@@ -82,3 +82,25 @@ def test_a_consumer_that_stops_early_leaves_no_process_behind():
     assert len(_numbering_children()) == 1
     numbered.close()
     assert _numbering_children() == []
+
+
+def test_spaces_numbered_in_processes_of_their_own_plan_as_in_one():
+    """plan_spaces(..., processes=2): a numbering process per embedding space (their batches read on the feeding
+    threads, one at a time), with each id's place (inverse=True): the same steps as in one process."""
+    from bagpipe.planner.plan import plan_spaces
+
+    rng = np.random.default_rng(0)
+    batches = [[rng.integers(0, 5000, 300), rng.integers(0, 2**40, 500)] for _ in range(40)]
+    configs = [PlannerConfig(num_rows=5000, cache_rows=800, lookahead=5),
+               PlannerConfig(num_rows=2**40, cache_rows=1200, lookahead=5)]
+    one = list(plan_spaces(iter(batches), configs, inverse=True))
+    two = list(plan_spaces(iter(batches), configs, inverse=True, processes=2))
+    assert len(one) == len(two) == 41
+    for steps, same in zip(one, two):
+        for step, other in zip(steps, same):
+            for name in ("fetch_keys", "fetch_slots", "fetch_versions", "evict_keys", "evict_slots", "evict_writers",
+                         "batch_keys", "batch_slots", "batch_inverse", "sync_now_keys", "sync_later_deadlines"):
+                assert np.array_equal(getattr(step, name), getattr(other, name)), name
+    assert two[3][0].batch_inverse.dtype == np.int32 and len(two[3][1].batch_inverse) == 500
+    with pytest.raises(ValueError, match="processes must be 1 or 2"):
+        next(plan_spaces(iter(batches), configs, processes=3))

@@ -40,7 +40,7 @@ _NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity",
                          "rpc_transports", "rpc_channels",
                          "master_port", "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
                          "policy", "cache_mode", "keep_within", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
-                         "keep_checkpoints")
+                         "keep_checkpoints", "planner_processes")
 _REFERENCES: dict[str, tuple[Path, dict]] = {}  # a configuration's reference, trained once per test session
 
 
@@ -103,6 +103,7 @@ def assert_same_parameters(ours: dict, reference: dict, *, rel: float = 0.0) -> 
 # and re-fetches, with two trainers (gloo's all-reduce: one sum of two operands) and with three
 # (the ordered all-to-all reduction). On a GPU (where there is one: --device, the trainers' models and caches there,
 # every trainer on the same GPU) against the reference on it.
+# (the SGD job plans with --planner-processes 2: its batches numbered in a process of their own, the same plan)
 @pytest.mark.parametrize("optimizer, policy, trainers, device", [
     ("adagrad", "lookahead", 2, "cpu"), ("sgd", "lookahead", 2, "cpu"), ("adagrad", "lru", 2, "cpu"),
     ("adam", "lookahead", 2, "cpu"), ("adam", "lookahead", 1, "cpu"), ("adagrad", "lookahead", 3, "cpu"),
@@ -111,9 +112,11 @@ def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy
     batch = BATCH - BATCH % trainers
     # (the 3-trainer job names TensorPipe's channel too: the setting reaches every role's RPC agent)
     rpc = {"rpc_channels": "basic"} if trainers == 3 else {}
+    processes = 2 if optimizer == "sgd" else 1
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, policy=policy, trainers=trainers,
-                        batch_size=batch, device=device, **rpc)
+                        batch_size=batch, device=device, planner_processes=processes, **rpc)
     summary = launch_local(config, show_progress=False)
+    assert summary["planner_processes"] == processes
     if rpc:
         for log_file in (tmp_path / "bagpipe" / "logs").glob("*.log"):
             assert "RPC over TensorPipe: transports uv, channels basic" in log_file.read_text(), log_file.name

@@ -306,6 +306,10 @@ def _add_job_flags(p) -> None:
                    + _default("cleanup_fraction") + "; --mode single frees 0.05 at least")
     g.add_argument("--prefetch-depth", type=int, default=None,
                    help="iterations whose fetches a trainer has in flight" + _default("prefetch_depth"))
+    g.add_argument("--planner-processes", type=int, choices=(1, 2), default=None, help="the oracle's planning in "
+                   "1 process, or 2: each embedding space's batches numbered in a process of its own (the same "
+                   "plan; a core more, for when the planner cannot keep up with the trainers)"
+                   + _default("planner_processes"))
     g.add_argument("--timeout", type=float, default=None,
                    help="seconds any remote wait may take" + _default("timeout"))
     g.add_argument("--liveness-s", type=float, default=None, help="seconds of silence after which a process of "
@@ -457,6 +461,10 @@ def _add_oracle_flags(p) -> None:
                    default=None, help="when evicting, also free this share of the cache" + _default("cleanup_fraction"))
     g.add_argument("--prefetch-depth", type=int, default=None,
                    help="iterations whose fetches a trainer has in flight" + _default("prefetch_depth"))
+    g.add_argument("--planner-processes", type=int, choices=(1, 2), default=None, help="the oracle's planning in "
+                   "1 process, or 2: each embedding space's batches numbered in a process of its own (the same "
+                   "plan; a core more, for when the planner cannot keep up with the trainers)"
+                   + _default("planner_processes"))
     _add_world_flags(p)
     _add_ignored_flags(p, "--prefetch", "--cache", "--dataset-multiprocessing", "--ragged", "--logging-prefix")
     p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only

@@ -242,6 +242,9 @@ class TrainConfig:
     keep_within: int = 4
     cleanup_fraction: float = 0.0  # evict this share of the cache at once when evicting
     prefetch_depth: int = 8  # iterations whose fetches a trainer has in flight
+    # the oracle's planning: 1 process, or 2 (each embedding space's batches numbered in a process of its own, the
+    # decisions in the oracle: the same plan; worth a core where the planner cannot keep up with the trainers)
+    planner_processes: int = 1
     timeout: float = 60.0  # seconds any remote wait may take before the job fails
     liveness_s: float = 0.0  # silence after which a peer counts as lost (0: timeout / 2, within 3-10 s)
     master_port: int = 0  # 0: a free port on 127.0.0.1
@@ -309,6 +312,8 @@ class TrainConfig:
                              f"parity server, so --servers must be a multiple of {self.parity + 1}, got {self.servers}")
         if not 0 <= self.master_port < 65535:
             raise ValueError(f"master_port must be in [0, 65535), got {self.master_port}")
+        if self.planner_processes not in (1, 2):
+            raise ValueError(f"planner_processes must be 1 or 2, got {self.planner_processes}")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
         if self.mode == "bagpipe" and self.cache_mode == "partitioned":
@@ -327,6 +332,9 @@ class TrainConfig:
         if self.policy != "lookahead":
             raise ValueError(f"--cache-mode partitioned plans each trainer's cache by lookahead only, not "
                              f"--policy {self.policy}")
+        if self.planner_processes != 1:
+            raise ValueError("--cache-mode partitioned plans in one process (--planner-processes 2 numbers the "
+                             "replicated plan's batches only)")
 
     @property
     def checkpoints(self) -> bool:
@@ -402,6 +410,7 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
 RESUMABLE_CHANGES = ("device", "iterations", "epochs", "log_every", "warmup_iterations", "timeout", "liveness_s",
+                     "planner_processes",
                      "rpc_transports", "rpc_channels", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
                      "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every", "eval_protocol", "master_port",
                      "replace_trainers", "replace_oracle", "replace_data_servers", "storage", "storage_dir",

@@ -45,18 +45,18 @@ class _Finished(tuple):
 
 
 def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int = DEPTH,
-                   report: dict | None = None) -> Iterator[Numbered]:
-    """``number_batches(batches, num_rows=num_rows)``, computed in a child process up to ``depth`` batches ahead of
-    the consumer. Start-up (spawning the child) takes a few tenths of a second: worth it for long plans of large
-    tables, not for a handful of batches. ``report``, if given, gets the child's ``peak_rss_bytes`` at the end (its
-    own: a forked child's usage counts the parent's pages until it runs its own program)."""
+                   report: dict | None = None, inverse: bool = False) -> Iterator[Numbered]:
+    """``number_batches(batches, num_rows=num_rows, inverse=inverse)``, computed in a child process up to ``depth``
+    batches ahead of the consumer. Start-up (spawning the child) takes a few tenths of a second: worth it for long
+    plans of large tables, not for a handful of batches. ``report``, if given, gets the child's ``peak_rss_bytes`` at
+    the end (its own: a forked child's usage counts the parent's pages until it runs its own program)."""
     batches_out, batches_in = os.pipe()  # (reading end, writing end)
     numbered_out, numbered_in = os.pipe()
     imported_from = str(Path(__file__).resolve().parents[2])  # the directory bagpipe is imported from, here and there
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [imported_from,
                                                                           os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen([sys.executable, "-m", "bagpipe.planner.ahead", str(batches_out), str(numbered_in),
-                              str(num_rows)], pass_fds=(batches_out, numbered_in), env=environment,
+                              str(num_rows), str(int(inverse))], pass_fds=(batches_out, numbered_in), env=environment,
                              stdin=subprocess.DEVNULL)
     os.close(batches_out)
     os.close(numbered_in)
@@ -146,11 +146,12 @@ def _narrow(values: np.ndarray, bound: int) -> np.ndarray:
     return values.astype(np.int32) if bound <= np.iinfo(np.int32).max else values.astype(np.int64, copy=False)
 
 
-def _widened(keys: np.ndarray, numbers: np.ndarray, lookups: int, count: int) -> Numbered:
-    return Numbered(keys.astype(np.int64, copy=False), numbers.astype(np.int64, copy=False), lookups, count)
+def _widened(keys: np.ndarray, numbers: np.ndarray, lookups: int, count: int,
+             inverse: np.ndarray | None = None) -> Numbered:
+    return Numbered(keys.astype(np.int64, copy=False), numbers.astype(np.int64, copy=False), lookups, count, inverse)
 
 
-def _number(batches, numbered, num_rows: int) -> None:
+def _number(batches, numbered, num_rows: int, inverse: bool = False) -> None:
     """The child: numbers the batches it receives until the end marker, sending each back (arrays as they are)."""
     def received() -> Iterator[np.ndarray]:
         while (batch := batches.recv()) is not _END:
@@ -158,9 +159,9 @@ def _number(batches, numbered, num_rows: int) -> None:
 
     try:
         with kept_heap():  # (its numpy temporaries and the hash table's rebuilds: reused, not faulted in again)
-            for item in number_batches(received(), num_rows=num_rows):
+            for item in number_batches(received(), num_rows=num_rows, inverse=inverse):
                 numbered.send((_narrow(item.keys, num_rows), _narrow(item.numbers, item.count), item.lookups,
-                               item.count))
+                               item.count) + ((item.inverse,) if inverse else ()))  # (an inverse is int32)
         numbered.send(_Finished((peak_rss_bytes(),)))
     except (BrokenPipeError, EOFError):
         return  # the consumer stopped
@@ -168,8 +169,8 @@ def _number(batches, numbered, num_rows: int) -> None:
         numbered.send(_Failure((type(err).__name__, str(err))))
 
 
-if __name__ == "__main__":  # the child: python -m bagpipe.planner.ahead BATCHES_FD NUMBERED_FD NUM_ROWS
+if __name__ == "__main__":  # the child: python -m bagpipe.planner.ahead BATCHES_FD NUMBERED_FD NUM_ROWS [INVERSE]
     from bagpipe.planner import ahead  # (this module by its name, so that what it sends unpickles as its own)
 
     ahead._number(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False),
-                  int(sys.argv[3]))
+                  int(sys.argv[3]), inverse=len(sys.argv) > 4 and sys.argv[4] == "1")

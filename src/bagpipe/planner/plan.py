@@ -10,6 +10,7 @@ written; a later fetch must observe that version.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple
@@ -335,12 +336,27 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
                    sync_later_deadlines=empty, resident_rows=0, lookups=0, evict_slots=evict_slots)
 
 
-def plan_spaces(batches: Iterable[list[np.ndarray]], configs: list[PlannerConfig], *, inverse: bool = False
-                ) -> Iterator[tuple[PlanStep, ...]]:
+def plan_spaces(batches: Iterable[list[np.ndarray]], configs: list[PlannerConfig], *, inverse: bool = False,
+                processes: int = 1) -> Iterator[tuple[PlanStep, ...]]:
     """``plan`` for several embedding spaces at once: each batch gives one key array per space, and
-    each step is one PlanStep per space (every space's planner sees the same batches)."""
-    yield from zip(*(plan(stream, config, inverse=inverse)
-                     for stream, config in zip(per_space(batches, len(configs)), configs)))
+    each step is one PlanStep per space (every space's planner sees the same batches). ``processes`` 2: each
+    space's batches numbered in a process of its own (planner/ahead.py; the batches are then read on its feeding
+    thread), the decisions here: the same plan."""
+    if processes not in (1, 2):
+        raise ValueError(f"processes must be 1 or 2, got {processes}")
+    streams = per_space(batches, len(configs))
+    if processes == 1:
+        yield from zip(*(plan(stream, config, inverse=inverse) for stream, config in zip(streams, configs)))
+        return
+    from bagpipe.planner.ahead import numbered_ahead  # (a child process per space)
+
+    numbered = [numbered_ahead(stream, num_rows=config.num_rows, inverse=inverse)
+                for stream, config in zip(streams, configs)]
+    try:
+        yield from zip(*(plan_numbered(items, config) for items, config in zip(numbered, configs)))
+    finally:
+        for items in numbered:  # (each child stopped and waited for, whether the plan ended or was left)
+            items.close()
 
 
 def per_space(items: Iterable[list], count: int) -> list[Iterator]:
@@ -348,16 +364,19 @@ def per_space(items: Iterable[list], count: int) -> list[Iterator]:
     reading ``items`` only as far as it needs."""
     source = iter(items)
     waiting: list[deque] = [deque() for _ in range(count)]
+    reading = threading.Lock()  # (the streams may be read on threads of their own: planner/ahead.py's feeders)
 
     def stream(space: int) -> Iterator:
         while True:
-            if not waiting[space]:
-                parts = next(source, None)
-                if parts is None:
-                    return
-                for queue, part in zip(waiting, parts, strict=True):
-                    queue.append(part)
-            yield waiting[space].popleft()
+            with reading:
+                if not waiting[space]:
+                    parts = next(source, None)
+                    if parts is None:
+                        return
+                    for queue, part in zip(waiting, parts, strict=True):
+                        queue.append(part)
+                part = waiting[space].popleft()
+            yield part
 
     return [stream(space) for space in range(count)]
 

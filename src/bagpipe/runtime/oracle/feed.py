@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import threading
 import time
 from collections import deque
 from typing import Callable
@@ -80,6 +81,7 @@ class Feed:
         self.on_resumed = on_resumed
         self.bytes_sent = 0
         self.figures = PlanningFigures()
+        self.figures.processes = config.planner_processes
 
     def produce(self) -> None:
         """The producer thread's: plan to the end of the job (a failure is the job's: the trainers' next pull
@@ -112,7 +114,7 @@ class Feed:
                     matrices = layout.keys(batch.ids.numpy())
                     pending.append((batch, matrices))
                     keys = [valid_keys(keys) for keys in matrices]
-                figures.read_cpu_s += time.thread_time() - reading
+                figures.read(time.thread_time() - reading)
                 yield keys
 
         started = time.perf_counter()
@@ -153,7 +155,8 @@ class Feed:
         layout, trainers = self.layout, len(self.queues)
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         # (with each id's place among its batch's rows: the messages cut every trainer's from it, no search)
-        for steps in self.figures.timed(plan_spaces(keys, self.planner_configs, inverse=True)):
+        for steps in self.figures.timed(plan_spaces(keys, self.planner_configs, inverse=True,
+                                                    processes=self.config.planner_processes)):
             iteration = steps[0].iteration
             if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
                 for slot_key, step in zip(resident, steps):
@@ -268,6 +271,9 @@ class PlanningFigures:
 
     def __init__(self) -> None:
         self.planner_cpu_s = self.read_cpu_s = self.thread_cpu_s = 0.0
+        self._read_here_s = 0.0  # of the reading, what the producer thread did (with --planner-processes 2: none)
+        self.processes = 1
+        self._producer: int | None = None
         self.ids = self.iterations = 0
         self._thread_start = self._cpu_start = None
         self.cpu_s = 0.0
@@ -275,17 +281,25 @@ class PlanningFigures:
 
     def begin(self) -> None:
         self._thread_start, self._cpu_start = time.thread_time(), cpu_seconds()
+        self._producer = threading.get_ident()
+
+    def read(self, seconds: float) -> None:
+        """``seconds`` of CPU reading a batch and mapping its ids to keys, on the thread that did it (the producer,
+        or with --planner-processes 2 a numbering process's feeder)."""
+        self.read_cpu_s += seconds
+        if threading.get_ident() == self._producer:
+            self._read_here_s += seconds
 
     def timed(self, steps):
         """``steps`` (the planner's), each one's CPU time counted, less the reading it did for it."""
         steps = iter(steps)
         while True:
-            started, read_before = time.thread_time(), self.read_cpu_s
+            started, read_before = time.thread_time(), self._read_here_s
             try:
                 planned = next(steps)
             except StopIteration:
                 return
-            self.planner_cpu_s += time.thread_time() - started - (self.read_cpu_s - read_before)
+            self.planner_cpu_s += time.thread_time() - started - (self._read_here_s - read_before)
             self.ids += sum(step.lookups for step in planned)
             self.iterations += 1
             yield planned
@@ -313,6 +327,9 @@ class PlanningFigures:
                                            else float("nan")),
                 "oracle_ms_per_1k_ids": round(self.cpu_s * 1e6 / self.ids, 4) if self.ids else float("nan"),
                 "planned_ids_per_planner_s": round(self.ids / self.planner_cpu_s) if self.planner_cpu_s else 0,
+                # 2: the batches numbered in a process per embedding space (their CPU is theirs, not in ``cpu`` or
+                # ``planner``, which are then the decisions')
+                "planner_processes": self.processes,
                 # its peak memory while it planned and fed the trainers (peak_rss_bytes: the whole run's, the final
                 # evaluation and model written included)
                 "oracle_peak_rss_while_feeding_bytes": self.peak_rss_fed}
