@@ -85,8 +85,9 @@ def test_a_consumer_that_stops_early_leaves_no_process_behind():
 
 
 def test_spaces_numbered_in_processes_of_their_own_plan_as_in_one():
-    """plan_spaces(..., processes=2): a numbering process per embedding space (their batches read on the feeding
-    threads, one at a time), with each id's place (inverse=True): the same steps as in one process."""
+    """plan_spaces_ahead: a numbering process per embedding space (their batches read on the feeding threads, one at
+    a time), with each id's place (inverse=True): the same steps as plan_spaces in one process."""
+    from bagpipe.planner.ahead import plan_spaces_ahead
     from bagpipe.planner.plan import plan_spaces
 
     rng = np.random.default_rng(0)
@@ -94,7 +95,7 @@ def test_spaces_numbered_in_processes_of_their_own_plan_as_in_one():
     configs = [PlannerConfig(num_rows=5000, cache_rows=800, lookahead=5),
                PlannerConfig(num_rows=2**40, cache_rows=1200, lookahead=5)]
     one = list(plan_spaces(iter(batches), configs, inverse=True))
-    two = list(plan_spaces(iter(batches), configs, inverse=True, processes=2))
+    two = list(plan_spaces_ahead(iter(batches), configs, inverse=True))
     assert len(one) == len(two) == 41
     for steps, same in zip(one, two):
         for step, other in zip(steps, same):
@@ -102,5 +103,3 @@ def test_spaces_numbered_in_processes_of_their_own_plan_as_in_one():
                          "batch_keys", "batch_slots", "batch_inverse", "sync_now_keys", "sync_later_deadlines"):
                 assert np.array_equal(getattr(step, name), getattr(other, name)), name
     assert two[3][0].batch_inverse.dtype == np.int32 and len(two[3][1].batch_inverse) == 500
-    with pytest.raises(ValueError, match="processes must be 1 or 2"):
-        next(plan_spaces(iter(batches), configs, processes=3))

@@ -30,7 +30,8 @@ import numpy as np
 
 from bagpipe.heap import kept_heap
 from bagpipe.timing import peak_rss_bytes
-from bagpipe.planner.plan import _NEXT_USE_BLOCK, Numbered, number_batches
+from bagpipe.planner.plan import (_NEXT_USE_BLOCK, Numbered, PlannerConfig, PlanStep, number_batches, per_space,
+                                  plan_numbered)
 
 DEPTH = 2 * _NEXT_USE_BLOCK  # numbered batches held ahead of the decisions (they take a block's worth at once)
 _END = None
@@ -125,6 +126,19 @@ def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int =
                 ready.get_nowait()
             except queue.Empty:
                 break
+
+
+def plan_spaces_ahead(batches: Iterable[list[np.ndarray]], configs: list[PlannerConfig], *, inverse: bool = False
+                      ) -> Iterator[tuple[PlanStep, ...]]:
+    """``plan_spaces`` with each embedding space's batches numbered in a process of its own (``numbered_ahead``;
+    their batches are then read on its feeding threads, one at a time) and the decisions here: the same plan."""
+    numbered = [numbered_ahead(stream, num_rows=config.num_rows, inverse=inverse)
+                for stream, config in zip(per_space(batches, len(configs)), configs)]
+    try:
+        yield from zip(*(plan_numbered(items, config) for items, config in zip(numbered, configs)))
+    finally:
+        for items in numbered:  # (each child stopped and waited for, whether the plan ended or was left)
+            items.close()
 
 
 _PIPE_BYTES = 1 << 20  # a batch or its numbered form in one read or write where the system allows (Linux: F_SETPIPE_SZ)

@@ -336,27 +336,13 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
                    sync_later_deadlines=empty, resident_rows=0, lookups=0, evict_slots=evict_slots)
 
 
-def plan_spaces(batches: Iterable[list[np.ndarray]], configs: list[PlannerConfig], *, inverse: bool = False,
-                processes: int = 1) -> Iterator[tuple[PlanStep, ...]]:
+def plan_spaces(batches: Iterable[list[np.ndarray]], configs: list[PlannerConfig], *, inverse: bool = False
+                ) -> Iterator[tuple[PlanStep, ...]]:
     """``plan`` for several embedding spaces at once: each batch gives one key array per space, and
-    each step is one PlanStep per space (every space's planner sees the same batches). ``processes`` 2: each
-    space's batches numbered in a process of its own (planner/ahead.py; the batches are then read on its feeding
-    thread), the decisions here: the same plan."""
-    if processes not in (1, 2):
-        raise ValueError(f"processes must be 1 or 2, got {processes}")
-    streams = per_space(batches, len(configs))
-    if processes == 1:
-        yield from zip(*(plan(stream, config, inverse=inverse) for stream, config in zip(streams, configs)))
-        return
-    from bagpipe.planner.ahead import numbered_ahead  # (a child process per space)
-
-    numbered = [numbered_ahead(stream, num_rows=config.num_rows, inverse=inverse)
-                for stream, config in zip(streams, configs)]
-    try:
-        yield from zip(*(plan_numbered(items, config) for items, config in zip(numbered, configs)))
-    finally:
-        for items in numbered:  # (each child stopped and waited for, whether the plan ended or was left)
-            items.close()
+    each step is one PlanStep per space (every space's planner sees the same batches). (planner/ahead.py's
+    ``plan_spaces_ahead``: the same, each space's batches numbered in a process of its own.)"""
+    yield from zip(*(plan(stream, config, inverse=inverse)
+                     for stream, config in zip(per_space(batches, len(configs)), configs)))
 
 
 def per_space(items: Iterable[list], count: int) -> list[Iterator]:

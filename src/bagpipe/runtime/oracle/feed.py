@@ -26,6 +26,7 @@ from bagpipe.data.binary import BinaryDataset
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
 from bagpipe.planner import PlannerConfig, plan_spaces
+from bagpipe.planner.ahead import plan_spaces_ahead
 from bagpipe.planner.partitioned import TrainerStep, plan_partitioned_spaces
 from bagpipe.planner.plan import PlanStep
 from bagpipe.runtime.checkpointing import JobCheckpoints
@@ -155,8 +156,8 @@ class Feed:
         layout, trainers = self.layout, len(self.queues)
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         # (with each id's place among its batch's rows: the messages cut every trainer's from it, no search)
-        for steps in self.figures.timed(plan_spaces(keys, self.planner_configs, inverse=True,
-                                                    processes=self.config.planner_processes)):
+        planning = plan_spaces_ahead if self.config.planner_processes == 2 else plan_spaces
+        for steps in self.figures.timed(planning(keys, self.planner_configs, inverse=True)):
             iteration = steps[0].iteration
             if iteration <= self.start and resident is not None:  # replaying the plan up to the checkpoint
                 for slot_key, step in zip(resident, steps):
