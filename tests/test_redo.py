@@ -72,21 +72,19 @@ def test_a_lost_trainers_shares_computed_again_from_a_survivors_log_are_its_own_
     planners = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=10, num_trainers=TRAINERS)
                 for space, share in zip(layout.spaces, shares_of)]
     batches = list(iterate_batches(dataset.train, batch_size=BATCH, iterations=ITERATIONS))
-    rows = [BatchRows() for _ in layout.spaces]
     before = None  # the previous iteration: (trainer 1's message, what it sent)
     checked = 0
     evicted = 0
-    for steps in plan_spaces(([valid_keys(k) for k in layout.keys(b.ids.numpy())] for b in batches), planners):
+    matrices = [layout.keys(b.ids.numpy()) for b in batches]
+    for steps in plan_spaces(([valid_keys(k) for k in m] for m in matrices), planners, inverse=True):
         iteration = steps[0].iteration
         for s, step in enumerate(steps):
             carry_out(step, caches[s], stores[s], dim=layout.spaces[s].dim, row_optimizer=row_optimizer, timeout=5.0)
             evicted += len(step.evict_keys)
         if iteration == ITERATIONS:
             break
-        views = [batch_view(step) for step in steps]
-        for space_rows, view in zip(rows, views):
-            space_rows.load(view)
-        messages = slice_messages(iteration, steps, views, rows, batches[iteration], layout, TRAINERS)
+        views = [batch_view(step, keys) for step, keys in zip(steps, matrices[iteration])]
+        messages = slice_messages(iteration, steps, views, batches[iteration], TRAINERS)
         sent = []
         for part, message in enumerate(messages):
             step_views = [BatchView(s.batch_keys.numpy(), s.batch_slots.numpy(), s.num_now, s.positions)
@@ -249,7 +247,7 @@ def test_the_feed_counts_its_planners_time_apart_from_its_reading_and_every_id_i
 @pytest.mark.parametrize("trainers", [2, 3])
 def test_messages_cut_from_the_planners_places_equal_those_searched(small_binary, trainers):
     """The oracle's messages place each trainer's ids by cutting its rows out of the whole batch's places (the
-    planner's, ``plan_spaces(..., inverse=True)``): the same messages as a search of each slice's ids (BatchRows)."""
+    planner's, ``plan_spaces(..., inverse=True)``): the places a search of each slice's ids finds (BatchRows)."""
     config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH * 3, iterations=ITERATIONS,
                          cache_rows=1600, trainers=trainers)
     dataset = open_dataset(small_binary)
@@ -263,19 +261,19 @@ def test_messages_cut_from_the_planners_places_equal_those_searched(small_binary
     for steps in plan_spaces(([valid_keys(k) for k in m] for m in matrices), planners, inverse=True):
         iteration = steps[0].iteration
         batch = batches[iteration] if iteration < ITERATIONS else None
-        views = [batch_view(step) for step in steps]
+        views = [batch_view(step, None if batch is None else keys)
+                 for step, keys in zip(steps, matrices[min(iteration, ITERATIONS - 1)])]
         for space_rows, view in zip(rows, views):
             space_rows.load(view)
-        searched = slice_messages(iteration, steps, views, rows, batch, layout, trainers)
-        keys_of = matrices[min(iteration, ITERATIONS - 1)]
-        placed = slice_messages(iteration, steps, [batch_view(step, None if batch is None else keys)
-                                                   for step, keys in zip(steps, keys_of)], None, batch, layout,
-                                trainers)
-        for a, b in zip(searched, placed):
-            for x, y in zip(a.spaces, b.spaces):
-                assert (x.positions is None) == (y.positions is None) == (batch is None)
+        messages = slice_messages(iteration, steps, views, batch, trainers)
+        for trainer, message in enumerate(messages):
+            slice_keys = None if batch is None else layout.keys(batch.slices(trainers)[trainer].ids.numpy())
+            for s, space in enumerate(message.spaces):
+                assert torch.equal(space.batch_keys, torch.from_numpy(views[s].keys))
+                assert (space.positions is None) == (batch is None)
                 if batch is not None:
-                    assert x.positions.dtype == y.positions.dtype and torch.equal(x.positions, y.positions)
+                    searched = rows[s].at(slice_keys[s]).positions
+                    assert space.positions.dtype == torch.int32
+                    assert torch.equal(space.positions, torch.from_numpy(searched))
                     compared += 1
-                assert torch.equal(x.batch_keys, y.batch_keys) and x.num_now == y.num_now
     assert compared == ITERATIONS * trainers * len(layout.spaces)

@@ -191,24 +191,15 @@ class TrainerStats:
     extra: dict = field(default_factory=dict)
 
 
-def slice_messages(iteration: int, steps, views, rows, batch, layout: EmbeddingLayout, num_trainers: int, *,
-                   checkpoint: bool = False) -> list[StepMessage]:
+def slice_messages(iteration: int, steps, views, batch, num_trainers: int, *, checkpoint: bool = False
+                   ) -> list[StepMessage]:
     """Each trainer's message of one plan step (each space's ``PlanStep`` and ``BatchView``): the step, the same for
     every trainer but for which evicted rows it writes back, and its slice of the global ``batch`` (None: the final
-    flush), with each of the slice's ids' place among the batch's rows: found by ``rows`` (each space's
-    ``BatchRows``, loaded with this step's view), or, ``rows`` None, cut from the views' positions of the whole
-    batch (``batch_view(step, keys)``: the planner placed every id)."""
+    flush), with each of the slice's ids' place among the batch's rows, cut from the views' places of the whole
+    batch (``batch_view(step, keys)``: where the planner's sort put each id)."""
     size = 0 if batch is None else len(batch) // num_trainers
 
     def spaces_of(trainer: int, part) -> list[SpaceStep]:
-        slice_keys = None if part is None or rows is None else layout.keys(part.ids.numpy())
-
-        def positions(s: int, view: BatchView) -> torch.Tensor | None:
-            if part is None:
-                return None
-            if rows is None:
-                return torch.from_numpy(view.positions[trainer * size:(trainer + 1) * size])
-            return torch.from_numpy(rows[s].at(slice_keys[s]).positions)  # each place's row in batch_keys
         return [SpaceStep(fetch_keys=torch.from_numpy(step.fetch_keys),
                           fetch_versions=torch.from_numpy(step.fetch_versions),
                           fetch_slots=torch.from_numpy(step.fetch_slots),
@@ -216,8 +207,9 @@ def slice_messages(iteration: int, steps, views, rows, batch, layout: EmbeddingL
                           evict_slots=torch.from_numpy(step.evict_slots),
                           write_mask=torch.from_numpy(step.evict_writers == trainer),
                           batch_keys=torch.from_numpy(view.keys), batch_slots=torch.from_numpy(view.slots),
-                          num_now=view.num_now, positions=positions(s, view))
-                for s, (step, view) in enumerate(zip(steps, views))]
+                          num_now=view.num_now, positions=None if part is None else torch.from_numpy(
+                              view.positions[trainer * size:(trainer + 1) * size]))  # each id's row in batch_keys
+                for step, view in zip(steps, views)]
     return _messages(iteration, steps, batch, num_trainers, spaces_of, checkpoint=checkpoint)
 
 

@@ -153,7 +153,7 @@ class Feed:
     def _replicated(self, keys):
         """The replicated plan over ``keys`` (each iteration's keys per space): per iteration, its number and how to
         make the trainers' messages (of its batch, with or without a checkpoint; None before the start)."""
-        layout, trainers = self.layout, len(self.queues)
+        trainers = len(self.queues)
         resident = [np.full(c.cache_rows, -1, dtype=np.int64) for c in self.planner_configs] if self.start else None
         # (with each id's place among its batch's rows: the messages cut every trainer's from it, no search)
         planning = plan_spaces_ahead if self.config.planner_processes == 2 else plan_spaces
@@ -171,9 +171,8 @@ class Feed:
                 self.checkpoints.count_evictions(space, step.evict_keys)
 
             def messages_of(batch, batch_keys, checkpoint: bool, steps=steps, iteration=iteration):
-                views = [batch_view(step, None if batch is None else keys) for step, keys
-                         in zip(steps, batch_keys or [None] * len(steps))]
-                return slice_messages(iteration, steps, views, None, batch, layout, trainers, checkpoint=checkpoint)
+                views = [batch_view(step, keys) for step, keys in zip(steps, batch_keys or [None] * len(steps))]
+                return slice_messages(iteration, steps, views, batch, trainers, checkpoint=checkpoint)
             yield iteration, messages_of
 
     def _partitioned(self, keys):
