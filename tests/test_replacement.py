@@ -14,12 +14,14 @@ from bagpipe.storage.parity import ParityRows
 from test_parity import member_bits, members
 
 # Jobs sized to their faults. With a slower network (WRITEBACK_DELAY) an iteration takes ~35 ms here; a loss at
-# iteration 20-35 is recovered from ~5.5 s after training starts (3.2 s to the replacement joined, 3 s of them its
-# pause before joining, then 0.3 s to the shard copied back or the parity made), so one loss needs ~160 iterations
-# and is given 260; a second loss (the first replacement lost as it ends) is recovered from at ~7.3 s and is given
-# 420. On a busier machine the iterations slow down with the recovery, and the pause does not: the margin grows.
-ITERATIONS = 260
-TWO_LOSSES = 420
+# iteration 20-35 is recovered from ~4 s after training starts (1.7 s to the replacement joined, 1.5 s of them its
+# pause before joining, then 0.3 s to the shard copied back or the parity made), so one loss needs ~115 iterations
+# and is given 200; a second loss (the first replacement lost as it ends) is recovered from at ~5.8 s (~165
+# iterations) and is given 320. On a busier machine the iterations slow down with the recovery, and the pause does
+# not: the margin grows.
+ITERATIONS = 200
+TWO_LOSSES = 320
+PAUSE_S = 1.5  # the lost server's first replacement waits this long before joining: training must go on meanwhile
 WRITEBACK_DELAY = ["--writeback-delay", "0.01"]
 
 
@@ -150,7 +152,7 @@ def test_a_shard_copied_while_it_is_written_back_to_is_taken_over_bit_for_bit(se
 def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iterations: int,
                         cache_mode: str = "replicated") -> dict:
     """A 2-trainer, 3+1-server job (--check-parity) with ``fault``: its summary, once its export is found equal to
-    the sliced reference's bit for bit with no restart. The lost server's first replacement pauses 3 s before it
+    the sliced reference's bit for bit with no restart. The lost server's first replacement pauses PAUSE_S before it
     joins (a replacement forked by the launcher joins in a fraction of a second): training must go on meanwhile."""
     from test_runtime import assert_same_parameters, job_config, reference_of
 
@@ -160,7 +162,7 @@ def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iteration
     config = job_config(data, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3, check_parity=True,
                         iterations=iterations, timeout=20.0, cache_mode=cache_mode)
     summary = launch_local(config, show_progress=False,
-                           env={"BAGPIPE_FAULTS": f"{fault},{fault.split('@')[0]}/1@joining:pause=3"},
+                           env={"BAGPIPE_FAULTS": f"{fault},{fault.split('@')[0]}/1@joining:pause={PAUSE_S}"},
                            extra_trainer_args=WRITEBACK_DELAY)
     try:
         assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
@@ -190,7 +192,7 @@ def _went_on_and_left_nothing(tmp_path, summary: dict, *, server: int, losses: i
     first = summary["failures"][0]
     trained = [r["iteration"] for r in records if "train_loss" in r
                and first["at"] < r["time"] < first["at"] + first["joined_in_s"]]
-    # (the replacement pauses 3 s before joining: a few metrics windows; 2 show that training went on rather than
+    # (the replacement pauses PAUSE_S before joining: a few metrics windows; 2 show that training went on rather than
     # waiting)
     assert len(trained) >= 2, trained
     log = (tmp_path / "bagpipe" / "logs" / f"server{server}.log").read_text()
