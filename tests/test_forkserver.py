@@ -114,3 +114,36 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
+
+
+def test_a_process_forked_from_a_fork_server_forks_its_own_server_from_itself(forks, tmp_path):
+    """A process that holds every module a server would import (forked from one: a launcher the test suite starts as
+    `bagpipe train`) forks its own server from itself instead of starting an interpreter that imports them again;
+    that server serves as the other does, keeps none of the process's descriptors and dies with it."""
+    (tmp_path / "launcher.py").write_text(
+        "import json, os, sys, time\n"
+        "from bagpipe.runtime.forkserver import ForkServer, _ServerFork\n"
+        "other = open(sys.argv[1], 'w')\n"
+        "started = time.perf_counter()\n"
+        "server = ForkServer(env=dict(os.environ), preload=('torch', 'bagpipe.faults', 'forked_entry'),\n"
+        "                    entry='forked_entry:main')\n"
+        "with open(sys.argv[2], 'w') as out:\n"
+        "    code = server.start(['fds'], env=dict(os.environ), stdout=out.fileno()).wait(timeout=60)\n"
+        "first_child_s = time.perf_counter() - started\n"
+        "server_fds = sorted(os.readlink(f'/proc/{server.pid}/fd/{fd}') for fd in os.listdir(f'/proc/{server.pid}/fd'))\n"
+        "sleeper = server.start(['sleep', '120'], env=dict(os.environ))\n"
+        "server.close()\n"
+        "print(json.dumps({'forked': isinstance(server.process, _ServerFork), 'code': code, 'server_fds': server_fds,\n"
+        "                  'sleeper': sleeper.wait(timeout=30), 'first_child_s': first_child_s,\n"
+        "                  'server_code': server.process.returncode}))\n")
+    other, held = tmp_path / "other", tmp_path / "held"
+    code, out, err = _run(forks, tmp_path, str(other), str(held), script=str(tmp_path / "launcher.py"))
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["forked"] and report["code"] == 0 and report["first_child_s"] < 10
+    assert str(other) not in json.loads(held.read_text()) and str(other) not in report["server_fds"]
+    assert report["sleeper"] == -signal.SIGKILL and report["server_code"] == -signal.SIGKILL
+    # and a process that has not imported them starts a fresh server, as before
+    server = ForkServer(env=dict(os.environ), preload=("json", "bagpipe.not_a_module_here"))
+    assert isinstance(server.process, subprocess.Popen)
+    server.close()

@@ -160,7 +160,8 @@ def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iteration
     from bagpipe.runtime.launch import launch_local
 
     config = job_config(data, tmp_path / "bagpipe", optimizer=optimizer, servers=4, parity=3, check_parity=True,
-                        iterations=iterations, timeout=20.0, cache_mode=cache_mode)
+                        iterations=iterations, timeout=20.0, cache_mode=cache_mode,
+                        log_every=5)  # (metrics windows short enough for several within the pause)
     summary = launch_local(config, show_progress=False,
                            env={"BAGPIPE_FAULTS": f"{fault},{fault.split('@')[0]}/1@joining:pause={PAUSE_S}"},
                            extra_trainer_args=WRITEBACK_DELAY)
