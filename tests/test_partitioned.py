@@ -30,7 +30,7 @@ def replay(slices: list[list[np.ndarray]], config: PlannerConfig) -> dict:
     held: list[dict[int, int]] = [{} for _ in range(trainers)]  # per trainer: row -> the version of its copy
     slot_key: list[dict[int, int]] = [{} for _ in range(trainers)]  # per trainer: slot -> the row in it
     totals = {"fetched": 0, "written": 0, "shared": 0, "own": 0, "kept": 0}
-    steps = list(plan_partitioned(iter(slices), config))
+    steps = list(plan_partitioned(iter(slices), config, inverse=True))
     assert [step.iteration for step in steps] == list(range(len(slices) + 1))
     for step in steps:
         i = step.iteration
@@ -76,6 +76,7 @@ def replay(slices: list[list[np.ndarray]], config: PlannerConfig) -> dict:
         for t, part in enumerate(step.trainers):
             mine = set(slices[i][t].tolist())
             assert part.batch_keys.tolist() == sorted(mine)
+            assert part.batch_keys[part.batch_inverse].tolist() == slices[i][t].tolist()  # each id's place
             assert [slot_key[t][slot] for slot in part.batch_slots.tolist()] == sorted(mine)
             assert set(part.own_keys.tolist()) | set(part.shared_keys.tolist()) == mine
             assert all(holders[key] == {t} for key in part.own_keys.tolist())

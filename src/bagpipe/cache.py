@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bagpipe.data.schema import PAD
 from bagpipe.device import HostStaging
-from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather, update_rows
+from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather, id_places, update_rows, valid_keys
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner.keys import unique_inverse
 from bagpipe.planner.plan import PlanStep
@@ -150,14 +149,9 @@ def batch_view(step: PlanStep, keys: np.ndarray | None = None) -> BatchView:
     order = np.argsort(~now, kind="stable")  # the rows synced at once first, each group sorted
     positions = np.zeros(0, dtype=np.int32)
     if keys is not None:
-        valid = keys != PAD
-        if len(step.batch_inverse) != np.count_nonzero(valid):
-            raise ValueError(f"batch_view: the step places {len(step.batch_inverse)} ids, the keys hold "
-                             f"{np.count_nonzero(valid)} (plan with inverse=True, over these keys)")
         place = np.empty(len(order), dtype=np.int32)  # each sorted row's place in the view
         place[order] = np.arange(len(order), dtype=np.int32)
-        positions = np.full(keys.shape, len(order), dtype=np.int32)
-        positions[valid] = place[step.batch_inverse]
+        positions = id_places(keys, place[step.batch_inverse], empty=len(order), given=len(step.batch_inverse))
     return BatchView(step.batch_keys[order], step.batch_slots[order], int(now.sum()), positions)
 
 
@@ -185,17 +179,10 @@ class BatchRows:
         view = self._view
         if not len(view.keys):
             return BatchView(view.keys, view.slots, view.num_now, np.zeros(np.shape(keys), dtype=np.int32))
-        flat = np.asarray(keys).ravel()
-        valid = flat >= 0
-        padded = not valid.all()
-        distinct, inverse = unique_inverse(flat[valid] if padded else flat)
+        keys = np.asarray(keys)
+        distinct, inverse = unique_inverse(valid_keys(keys))
         found = self._place[np.minimum(np.searchsorted(self._sorted, distinct), len(view.keys) - 1)][inverse]
-        if padded:
-            positions = np.full(len(flat), len(view.keys), dtype=np.int32)
-            positions[valid] = found
-        else:
-            positions = found
-        return BatchView(view.keys, view.slots, view.num_now, positions.reshape(np.shape(keys)))
+        return BatchView(view.keys, view.slots, view.num_now, id_places(keys, found, empty=len(view.keys)))
 
 
 class StepTables:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from bagpipe.embeddings import (EmbeddingLayout, EmbeddingTables, Embeddings, Lookup, distinct_positions, gather,
-                                init_row_blocks, valid_keys)
+                                id_places, init_row_blocks, valid_keys)
 from bagpipe.nn.host import HostTable, host_table
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
@@ -118,20 +118,14 @@ class CachedTables:
         if planned is None or not len(planned[0]):
             return None
         keys, placed = planned[0], self.spaces[s].placed
-        valid = flat >= 0
-        padded = not valid.all()
-        given = flat[valid] if padded else flat.ravel()
+        given = valid_keys(flat)
         if placed is not None and np.array_equal(given, placed[0]):
             inverse = placed[1]  # the ids the plan placed (its sort's places): nothing to sort here
         else:
             distinct, inverse = unique_inverse(given)
             if not np.array_equal(distinct, keys):
                 return None  # not the planned batch (other keys, or only some of its keys)
-        if padded:
-            positions = np.full(flat.shape, len(keys), dtype=np.int64)  # PAD: the empty place after the rows
-            positions[valid] = inverse
-        else:
-            positions = inverse.astype(np.int64).reshape(flat.shape)
+        positions = id_places(flat, inverse, empty=len(keys)).astype(np.int64)  # PAD: the empty place after the rows
         return torch.from_numpy(keys), torch.from_numpy(positions)
 
     def track_changes(self) -> None:

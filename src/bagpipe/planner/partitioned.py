@@ -36,14 +36,14 @@ contributions in trainer order itself, so it needs none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
 
 from bagpipe.planner.keys import KeyIndex, grown
-from bagpipe.planner.plan import (_NEXT_USE_BLOCK, NEVER, PlannerConfig, _Stream, highest, number_batches,
-                                  per_space)
+from bagpipe.planner.keys import unique_inverse
+from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, Numbered, PlannerConfig, _Stream, distinct, highest, per_space
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ class TrainerStep:
     kept_users: np.ndarray  # each kept row's users (bit t: trainer t), whose contributions it receives
     kept_holders: np.ndarray  # and its holders
     resident_rows: int  # rows held after this boundary
+    # each id of its slice (in the order given) as its index in batch_keys, int32; only where asked for
+    # (``plan_partitioned(..., inverse=True)``: the oracle's messages place the slice's ids with it, no search)
+    batch_inverse: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
 
 @dataclass(frozen=True)
@@ -124,30 +127,47 @@ def _in(keys: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
     return sorted_keys[at] == keys
 
 
-def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) -> Iterator[PartitionedStep]:
+def _number_slices(slices: Iterable[list[np.ndarray]], trainers: int, *, num_rows: int, index: KeyIndex,
+                   inverse: bool) -> Iterator[list[Numbered]]:
+    """Per iteration, each trainer's slice numbered (its distinct keys, sorted; with ``inverse``, each id's index
+    among them), then the global batch's: the union of the slices' distinct keys, with each slice's places among
+    them (``Numbered.places``: which trainers use each row, no search). The union is numbered first, in key order,
+    as a sort of the whole batch would be: the same numbers."""
+    for position, parts in enumerate(slices):
+        parts = [np.asarray(part, dtype=np.int64).ravel() for part in parts]
+        if len(parts) != trainers:
+            raise ValueError(f"an iteration has {len(parts)} slices for {trainers} trainers")
+        mine = [distinct(part, num_rows=num_rows, inverse=inverse) for part in parts]
+        union, where = unique_inverse(np.concatenate([keys for keys, _ in mine]))
+        if len(union) and (union[0] < 0 or union[-1] >= num_rows):
+            raise ValueError(f"batch {position} has a row outside [0, {num_rows})")
+        numbers = index.numbers(union)
+        bounds = np.cumsum([0] + [len(keys) for keys, _ in mine])
+        places = tuple(where[start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
+        yield [*(Numbered(keys, numbers[place], len(part), index.count, ids)
+                 for (keys, ids), place, part in zip(mine, places, parts)),
+               Numbered(union, numbers, sum(len(part) for part in parts), index.count, places=places)]
+
+
+def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, *,
+                     inverse: bool = False) -> Iterator[PartitionedStep]:
     """One PartitionedStep per iteration (``slices``: per iteration, each trainer's keys, repeats allowed), then a
     final step that writes back every dirty row and lets every row go. ``config.cache_rows`` is each trainer's
-    capacity; ``config.num_trainers`` the trainers."""
+    capacity; ``config.num_trainers`` the trainers. ``inverse``: each trainer's step also places every id of its
+    slice among its distinct keys (``TrainerStep.batch_inverse``)."""
     trainers, capacity = config.num_trainers, config.cache_rows
     if trainers > 63:
         raise ValueError(f"the partitioned plan names a row's users in 63 bits: {trainers} trainers are too many")
     if config.policy != "lookahead":
         raise ValueError(f"the partitioned plan evicts by lookahead only, not {config.policy!r}")
-    def with_batch(parts: list) -> list[np.ndarray]:  # each trainer's keys, then the global batch's
-        parts = [np.asarray(part, dtype=np.int64).ravel() for part in parts]
-        if len(parts) != trainers:
-            raise ValueError(f"an iteration has {len(parts)} slices for {trainers} trainers")
-        return [*parts, np.concatenate(parts)]
-
-    streams = per_space((with_batch(parts) for parts in slices), trainers + 1)
     # Rows are numbered in the order first seen (one KeyIndex for every stream), and the state below is over those
     # numbers: it grows with the rows the plan sees, not with the key space. Keys appear in the steps, and decide
     # wherever order or balance is by key (sorting, owners, writers).
     index = KeyIndex()
-    own = [_Stream(number_batches(streams[t], num_rows=config.num_rows, index=index), lookahead=config.lookahead)
-           for t in range(trainers)]
-    everyone = _Stream(number_batches(streams[trainers], num_rows=config.num_rows, index=index),
-                       lookahead=config.lookahead)
+    streams = per_space(_number_slices(slices, trainers, num_rows=config.num_rows, index=index, inverse=inverse),
+                        trainers + 1)
+    own = [_Stream(streams[t], lookahead=config.lookahead) for t in range(trainers)]
+    everyone = _Stream(streams[trainers], lookahead=config.lookahead)
     caches = [_Cache.empty(capacity) for _ in range(trainers)]
     latest = np.zeros(0, dtype=np.int64)  # per row number: the iteration of its last update (-1: none)
     server = np.zeros(0, dtype=np.int64)  # the version the servers hold (-1: the initial row)
@@ -178,7 +198,9 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 cache.slot_next[unknown] = own[t].first_uses_of(cache.slot_row[unknown])
             held = np.flatnonzero((holders > 0) & (next_any == NEVER))
             next_any[held] = everyone.first_uses_of(held)
-        users = np.stack([_in(batch, keys) for keys in mine])  # [trainer, row of the batch]: it uses the row now
+        users = np.zeros((trainers, len(batch)), dtype=bool)  # [trainer, row of the batch]: it uses the row now
+        for t, place in enumerate(everyone.places(i)):
+            users[t, place] = True
         writes, write_slots = _ahead(ahead, caches)
         drops: list[list] = [[] for _ in range(trainers)]
         drop_slots: list[list] = [[] for _ in range(trainers)]
@@ -280,7 +302,8 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig) 
                 shared_users=users_of[users[t]][shared], shared_holders=holders_of[users[t]][shared],
                 kept_keys=batch[keeping[t]], kept_slots=cache.slot_of[rows[keeping[t]]].astype(np.int64),
                 kept_users=users_of[keeping[t]], kept_holders=holders_of[keeping[t]],
-                resident_rows=capacity - cache.num_free))
+                resident_rows=capacity - cache.num_free,
+                **({"batch_inverse": own[t].inverse(i)} if inverse else {})))
         # 4. The iteration: every row of the batch is updated by its holders.
         latest[rows] = i
         next_any[rows] = coming = everyone.next_uses[i]
@@ -410,9 +433,9 @@ def _owners(shared: np.ndarray, uses: np.ndarray) -> np.ndarray:
     return np.argmax(uses & (seen == turn), axis=0).astype(np.int64)
 
 
-def plan_partitioned_spaces(slices: Iterable[list[list[np.ndarray]]],
-                            configs: list[PlannerConfig]) -> Iterator[tuple[PartitionedStep, ...]]:
+def plan_partitioned_spaces(slices: Iterable[list[list[np.ndarray]]], configs: list[PlannerConfig], *,
+                            inverse: bool = False) -> Iterator[tuple[PartitionedStep, ...]]:
     """``plan_partitioned`` for several embedding spaces: each iteration gives, per space, each trainer's keys, and
     each step is one PartitionedStep per space."""
-    yield from zip(*(plan_partitioned(stream, config)
+    yield from zip(*(plan_partitioned(stream, config, inverse=inverse)
                      for stream, config in zip(per_space(slices, len(configs)), configs)))

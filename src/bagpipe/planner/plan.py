@@ -93,13 +93,15 @@ class PlanStep:
 class Numbered(NamedTuple):
     """A batch as the planner's decisions take it: its distinct keys (sorted), their numbers in the plan's KeyIndex
     (rows numbered in the order first seen), its ids counted with repeats, the rows numbered so far, and (where
-    asked for) each id's index among the distinct keys."""
+    asked for) each id's index among the distinct keys; for the union of several slices' keys (the partitioned plan's
+    global batch), each slice's distinct keys' indices among these (``places``)."""
 
     keys: np.ndarray
     numbers: np.ndarray
     lookups: int
     count: int
     inverse: np.ndarray | None = None
+    places: tuple[np.ndarray, ...] | None = None
 
 
 def number_batches(batches: Iterable[np.ndarray], *, num_rows: int, index: KeyIndex | None = None,
@@ -113,14 +115,17 @@ def number_batches(batches: Iterable[np.ndarray], *, num_rows: int, index: KeyIn
         batch = np.asarray(batch, dtype=np.int64).ravel()
         if len(batch) and (batch.min() < 0 or batch.max() >= num_rows):
             raise ValueError(f"batch {position} has a row outside [0, {num_rows})")
-        if inverse:
-            unique, where = unique_inverse(batch)
-            yield Numbered(unique, index.numbers(unique), batch.size, index.count, where)
-            continue
-        # keys below 2^31 sort as int32, by radix (two 16-bit digits): faster than any sort of int64s here
-        unique = (_sorted_unique(_radix_sorted(batch.astype(np.int32)), presorted=True).astype(np.int64)
-                  if num_rows <= _INT32_KEYS else _sorted_unique(batch))
-        yield Numbered(unique, index.numbers(unique), batch.size, index.count)
+        unique, where = distinct(batch, num_rows=num_rows, inverse=inverse)
+        yield Numbered(unique, index.numbers(unique), batch.size, index.count, where)
+
+
+def distinct(batch: np.ndarray, *, num_rows: int, inverse: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """A batch's distinct keys (int64, sorted) and, where asked for, each id's index among them (int32)."""
+    if inverse:
+        return unique_inverse(batch)
+    # keys below 2^31 sort as int32, by radix (two 16-bit digits): faster than any sort of int64s here
+    return (_sorted_unique(_radix_sorted(batch.astype(np.int32)), presorted=True).astype(np.int64)
+            if num_rows <= _INT32_KEYS else _sorted_unique(batch)), None
 
 
 class _Stream:
@@ -180,6 +185,10 @@ class _Stream:
     def inverse(self, i: int) -> np.ndarray | None:
         """Each id of batch ``i`` as its index among the unique keys, if numbered with it; ``batch(i)`` first."""
         return self.window[i - self.first].inverse
+
+    def places(self, i: int) -> tuple[np.ndarray, ...] | None:
+        """Batch ``i``'s ``Numbered.places`` (a union of slices); ``batch(i)`` first."""
+        return self.window[i - self.first].places
 
     def peek(self, j: int) -> np.ndarray | None:
         """Unique keys of batch ``j`` (at or after the current one) without moving on; None past the end."""

@@ -18,7 +18,7 @@ import torch
 from bagpipe.cache import BatchView
 from bagpipe.config import TrainConfig, config_from_dict
 from bagpipe.data.schema import Feature, Schema
-from bagpipe.embeddings import EmbeddingLayout, TableConfig, positions_in
+from bagpipe.embeddings import EmbeddingLayout, TableConfig, id_places
 
 PULL_MAX_STEPS = 8  # plan messages a trainer's pull asks the oracle for at most
 DAMAGED_RESENDS = 5  # a fetch whose answer arrived damaged is sent again at most this many times in a row
@@ -213,13 +213,13 @@ def slice_messages(iteration: int, steps, views, batch, num_trainers: int, *, ch
     return _messages(iteration, steps, batch, num_trainers, spaces_of, checkpoint=checkpoint)
 
 
-def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, checkpoint: bool = False
-                  ) -> list[StepMessage]:
-    """Each trainer's message of one partitioned plan step (each space's ``PartitionedStep``): its part of the step
-    and its slice of the global ``batch`` (None: the final flush), with each of the slice's ids' place among its
-    distinct rows."""
+def part_messages(iteration: int, steps, batch, keys, *, checkpoint: bool = False) -> list[StepMessage]:
+    """Each trainer's message of one partitioned plan step (each space's ``PartitionedStep``, planned with
+    ``inverse=True``): its part of the step and its slice of the global ``batch`` (None: the final flush), with each
+    of the slice's ids' place among its distinct rows, where the planner's sort put it (``keys``: per trainer, each
+    space's key matrix of its slice, the ids whose valid ones the planner was given)."""
     def spaces_of(trainer: int, part) -> list[PartSpaceStep]:
-        slice_keys = None if part is None else layout.keys(part.ids.numpy())
+        slice_keys = None if part is None else keys[trainer]
         spaces = []
         for s, step in enumerate(steps):
             mine = step.trainers[trainer]
@@ -238,8 +238,8 @@ def part_messages(iteration: int, steps, batch, layout: EmbeddingLayout, *, chec
                 holders=torch.from_numpy(holders), kept_keys=torch.from_numpy(mine.kept_keys),
                 kept_slots=torch.from_numpy(mine.kept_slots), kept_users=torch.from_numpy(mine.kept_users),
                 kept_holders=torch.from_numpy(mine.kept_holders),
-                positions=None if slice_keys is None else positions_in(
-                    torch.from_numpy(slice_keys[s]), torch.from_numpy(mine.batch_keys)).to(torch.int32)))
+                positions=None if slice_keys is None else torch.from_numpy(
+                    id_places(slice_keys[s], mine.batch_inverse, empty=len(mine.batch_keys)))))
         return spaces
     return _messages(iteration, steps, batch, len(steps[0].trainers), spaces_of, checkpoint=checkpoint)
 

@@ -107,9 +107,9 @@ class Feed:
                                           shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
                 reading = time.thread_time()
                 batch = read_batch(split, rows, epoch=epoch, negatives=negatives)
-                if self.partitioned:
-                    pending.append((batch, None))
+                if self.partitioned:  # (each slice's key matrices kept, as the whole batch's below)
                     parts = [layout.keys(part.ids.numpy()) for part in batch.slices(trainers)]
+                    pending.append((batch, parts))
                     keys = [[valid_keys(part[s]) for part in parts] for s in range(len(layout.spaces))]
                 else:  # (each space's key matrix kept: the messages place its ids where the planner put them)
                     matrices = layout.keys(batch.ids.numpy())
@@ -180,7 +180,7 @@ class Feed:
         # per space and trainer, the row in each slot, while the plan is replayed up to the checkpoint resumed from
         resident = [[np.full(c.cache_rows, -1, dtype=np.int64) for _ in self.queues]
                     for c in self.planner_configs] if self.start else None
-        for steps in self.figures.timed(plan_partitioned_spaces(keys, self.planner_configs)):
+        for steps in self.figures.timed(plan_partitioned_spaces(keys, self.planner_configs, inverse=True)):
             iteration = steps[0].iteration
             if iteration <= self.start and resident is not None:
                 for slot_keys, step in zip(resident, steps):
@@ -195,8 +195,8 @@ class Feed:
                               for step, slot_keys in zip(steps, resident))
             for space, step in enumerate(steps):  # what a snapshot at a later boundary waits for
                 self.checkpoints.count_evictions(space, np.concatenate([part.write_keys for part in step.trainers]))
-            yield iteration, (lambda batch, _keys, checkpoint, steps=steps, iteration=iteration:
-                              part_messages(iteration, steps, batch, self.layout, checkpoint=checkpoint))
+            yield iteration, (lambda batch, slice_keys, checkpoint, steps=steps, iteration=iteration:
+                              part_messages(iteration, steps, batch, slice_keys, checkpoint=checkpoint))
 
     def _resumed(self, started: float) -> None:
         if self.on_resumed is not None:
