@@ -431,10 +431,14 @@ def chain_parts(directory: Path, chain: list[dict]):
 class _MappedRows:
     """A part's ``.npy`` rows, memory-mapped by this object so that the pages a read touched can be dropped
     from this process's memory right after (they stay in the page cache): reading a checkpoint's rows never
-    adds up to holding its tables. Rows scattered over a file map a page or more each (the kernel maps
-    the pages around a fault too), so ``take`` reads them in sorted chunks, dropping each chunk's pages."""
+    adds up to holding its tables. A fault maps the pages around it too (here 150-170 KiB a fault on average:
+    the kernel maps whole large folios), so rows scattered over a file cost that much each until dropped:
+    ``take`` reads them in sorted chunks of at most WINDOWS distinct windows of the file, dropping each chunk's
+    pages, so a scattered read (an evaluation batch's rows) and a dense one (a model's table, block by block)
+    alike map a few tens of MiB at a time."""
 
-    TAKE_ROWS = 1024  # rows read between drops: at most ~64 MiB mapped at a time
+    WINDOW_BYTES = 256 << 10  # rows in one window of the file: about one fault's mapping
+    WINDOWS = 64  # windows read between drops
     MARGIN = 1 << 20  # bytes dropped beyond a chunk's rows on each side (the pages mapped around a fault)
 
     def __init__(self, path: Path) -> None:
@@ -452,14 +456,21 @@ class _MappedRows:
     def take(self, local: np.ndarray) -> np.ndarray:
         """The rows at ``local`` (indices into the part), their pages dropped as they are read."""
         out = np.empty((len(local), self.array.shape[1]), dtype=np.float32)
+        if not len(local):
+            return out
         order = np.argsort(local, kind="stable")
+        at = np.asarray(local)[order]
         row_bytes = 4 * self.array.shape[1]
-        for start in range(0, len(local), self.TAKE_ROWS):
-            chunk = order[start:start + self.TAKE_ROWS]
-            at = local[chunk]
-            out[chunk] = self.array[at]
-            first = max(self.offset + int(at[0]) * row_bytes - self.MARGIN, 0) // mmap.PAGESIZE * mmap.PAGESIZE
-            last = min(self.offset + (int(at[-1]) + 1) * row_bytes + self.MARGIN, len(self.map))
+        window = (self.offset + at * row_bytes) // self.WINDOW_BYTES
+        fresh = np.empty(len(at), dtype=bool)
+        fresh[0] = True
+        np.not_equal(window[1:], window[:-1], out=fresh[1:])
+        group = (np.cumsum(fresh) - 1) // self.WINDOWS
+        bounds = [0, *(np.flatnonzero(group[1:] != group[:-1]) + 1).tolist(), len(at)]
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            out[order[start:stop]] = self.array[at[start:stop]]
+            first = max(self.offset + int(at[start]) * row_bytes - self.MARGIN, 0) // mmap.PAGESIZE * mmap.PAGESIZE
+            last = min(self.offset + (int(at[stop - 1]) + 1) * row_bytes + self.MARGIN, len(self.map))
             self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
         return out
 
