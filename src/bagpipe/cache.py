@@ -151,7 +151,7 @@ def batch_view(step: PlanStep, keys: np.ndarray | None = None) -> BatchView:
     if keys is not None:
         place = np.empty(len(order), dtype=np.int32)  # each sorted row's place in the view
         place[order] = np.arange(len(order), dtype=np.int32)
-        positions = id_places(keys, place[step.batch_inverse], empty=len(order), given=len(step.batch_inverse))
+        positions = id_places(keys, place[step.batch_inverse], empty=len(order))
     return BatchView(step.batch_keys[order], step.batch_slots[order], int(now.sum()), positions)
 
 

@@ -103,14 +103,14 @@ def positions_in(keys: torch.Tensor, distinct: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 0, positions, len(distinct)) if (keys < 0).any() else positions
 
 
-def id_places(keys: np.ndarray, places: np.ndarray, *, empty: int, given: int | None = None) -> np.ndarray:
+def id_places(keys: np.ndarray, places: np.ndarray, *, empty: int) -> np.ndarray:
     """Each id's place (int32) in the shape of ``keys`` (a space's key matrix, PAD where empty): ``places`` gives
-    the valid ids' in order (where the planner's sort of them put each: ``inverse=True``), PAD's is ``empty`` (the
-    empty place after the rows). ``given``: how many ids the planner placed (default ``len(places)``), checked."""
+    the valid ids' in order (where the planner's sort of them put each: ``inverse=True``; one per valid id,
+    checked), PAD's is ``empty`` (the empty place after the rows)."""
     valid = keys != PAD
     count = np.count_nonzero(valid)
-    if (len(places) if given is None else given) != count:
-        raise ValueError(f"the plan places {len(places) if given is None else given} ids, the keys hold {count} "
+    if len(places) != count:
+        raise ValueError(f"the plan places {len(places)} ids, the keys hold {count} "
                          f"(plan with inverse=True, over these keys)")
     if count == keys.size:  # no PAD: the places are the matrix's, in order
         return places.astype(np.int32, copy=False).reshape(keys.shape)
