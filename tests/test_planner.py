@@ -241,21 +241,32 @@ def test_idle_evictions_are_the_highest_scores_by_either_path(capacity, seed, lo
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(0, 5000), st.integers(0, 2**31), st.sampled_from([1, 2, 300, 2**16, 2**16 + 7, 2**31 - 1]))
-def test_batches_sorted_by_radix_are_sorted(n, seed, bound):
-    """The int32 batches' sort by two 16-bit digits (plan._radix_sorted) is numpy's sort, repeats and every digit
-    boundary included."""
-    import sys
+@given(st.integers(0, 5000), st.integers(0, 2**31), st.sampled_from([1, 2, 300, 2**16 + 7, 2**31 - 1, 2**40, 2**62]),
+       st.sampled_from([np.int32, np.int64]), st.booleans())
+def test_sorted_order_is_a_stable_argsort(n, seed, bound, dtype, negative):
+    """keys.sorted_order (values and positions packed in one int64 and sorted, where they fit; else a stable argsort)
+    gives numpy's sorted values and its stable order, repeats, negative values and values too wide to pack
+    included, for int32 and int64 input; the batches' distinct keys (plan.distinct, int32 or int64 sorts) are
+    np.unique's."""
+    from bagpipe.planner.keys import sorted_order
+    from bagpipe.planner.plan import distinct
 
-    values = np.random.default_rng(seed).integers(0, bound, n).astype(np.int32)
-    assert np.array_equal(sys.modules["bagpipe.planner.plan"]._radix_sorted(values), np.sort(values))
+    if dtype is np.int32:
+        bound = min(bound, 2**31 - 1)
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-bound if negative else 0, bound, n).astype(dtype)
+    ordered, order = sorted_order(values)
+    assert ordered.dtype == np.int64
+    assert np.array_equal(order, np.argsort(values, kind="stable")) and np.array_equal(ordered, np.sort(values))
+    if not negative:
+        assert np.array_equal(distinct(values, num_rows=bound)[0], np.unique(values))
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 3000), st.integers(0, 2**31), st.sampled_from([1, 300, 2**16 + 7, 2**31, 2**40]),
        st.sampled_from([(-1,), (20, 30)]))
 def test_unique_inverse_is_numpys_unique_with_its_inverse(n, seed, bound, shape):
-    """keys.unique_inverse (a radix sort where the keys fit int32, a stable sort above) gives np.unique's distinct
+    """keys.unique_inverse (one sort: keys.sorted_order) gives np.unique's distinct
     keys and inverse, int64 and int32, for any shape; the same batch mapped through BatchRows (which searches only
     the distinct ids) gets the places a binary search per id finds, PAD (-1) at the empty place."""
     from bagpipe.cache import BatchRows, BatchView
@@ -328,14 +339,29 @@ def test_the_planner_holds_at_most_its_stated_bytes_per_row_seen():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 3000), st.integers(0, 2**31), st.sampled_from([4, 2**12, 2**40]))
-def test_key_index_numbers_keys_in_the_order_first_seen_through_every_growth(count, seed, space):
+@given(st.integers(1, 3000), st.integers(0, 2**31), st.sampled_from([4, 2**12, 2**31, 2**40]), st.booleans(),
+       st.sampled_from([0, 7, 4096]))
+def test_key_index_numbers_keys_in_the_order_first_seen_through_every_growth(count, seed, space, bounded, spans):
     """KeyIndex (the planner's sparse rows -> numbers) against a dict, across table rebuilds (``KeyTable.fill``,
-    whose runs wrap past the table's end when they reach it) and inserts started where a lookup's probe ended."""
+    whose runs wrap past the table's end when they reach it) and inserts started where a lookup's probe ended; with
+    the key space bounded below 2^31, keys and numbers packed into one int64 a place (``value_bits``), and a packed
+    table's removals; values or keys too wide to pack are refused. Lookups probe a place a key a round, then a span
+    of places a key (below ``spans`` keys left: never, for the last few, for all)."""
+    import bagpipe.planner.keys as keys_module
+
+    below, keys_module._SPAN_BELOW = keys_module._SPAN_BELOW, spans
+    try:
+        _check_key_index(count, seed, space, bounded)
+    finally:
+        keys_module._SPAN_BELOW = below
+
+
+def _check_key_index(count, seed, space, bounded):
     from bagpipe.planner.keys import KeyIndex, KeyTable
 
     rng = np.random.default_rng(seed)
-    index, reference = KeyIndex(capacity=4), {}
+    index, reference = KeyIndex(capacity=4, key_bound=space if bounded else None), {}
+    assert index.value_bits == (32 if bounded and space <= 2**31 else 0)
     for _ in range(6):
         keys = np.unique(rng.integers(0, space, rng.integers(1, count + 1)))
         expected = [reference.setdefault(int(k), len(reference)) for k in keys]
@@ -353,6 +379,19 @@ def test_key_index_numbers_keys_in_the_order_first_seen_through_every_growth(cou
     last = candidates[table._home(candidates) >= table.mask - 1][:6]
     table.fill(last, np.arange(len(last)))
     assert len(last) == 6 and table.get(last).tolist() == list(range(6)) and (table.keys[:3] >= 0).any()
+    held = np.unique(rng.integers(0, 2**31, len(known)))
+    packed = KeyTable(len(held), value_bits=32)
+    values = rng.integers(0, 2**32, len(held))
+    packed.fill(held[::2], values[::2])
+    packed.insert(held[1::2], values[1::2])
+    assert np.array_equal(packed.get(held), values) and len(packed.values) == 0
+    gone = held[rng.random(len(held)) < 0.5]
+    packed.remove(gone)
+    assert np.array_equal(packed.get(held), np.where(np.isin(held, gone), -1, values))
+    with pytest.raises(ValueError, match="packing 32-bit values"):
+        packed.insert(np.array([2**31 + 5]), np.array([1]))
+    with pytest.raises(ValueError, match="packing 32-bit values"):
+        packed.insert(np.array([3]), np.array([2**32]))
 
 
 def test_sync_split_follows_next_use():

@@ -174,7 +174,7 @@ class BatchRows:
         """The loaded view with the positions of ``keys`` (any shape; PAD maps to the empty place). A key not in
         the batch gets some place: callers pass the batch's own ids (or check, as CachedTables does).
 
-        The ids are deduplicated first (keys.unique_inverse: one radix sort) and only the distinct ones searched
+        The ids are deduplicated first (keys.unique_inverse: one sort) and only the distinct ones searched
         for, in increasing order: a binary search per id reads memory at random, three times slower."""
         view = self._view
         if not len(view.keys):

@@ -119,7 +119,7 @@ class CachedEmbeddingBag(nn.Module):
         if placed is not None and np.array_equal(ids, placed[0]):  # the batch a Lookahead planned: placed by its sort
             keys, positions = self.rows.planned[0], placed[1]
         else:
-            keys, positions = unique_inverse(ids)  # (np.unique's, by a radix sort)
+            keys, positions = unique_inverse(ids)  # (np.unique's, by one sort)
         slots = self.rows.make_resident(keys)
         device = self.rows.cache_weight.device
         rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))

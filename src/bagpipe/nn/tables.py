@@ -112,7 +112,7 @@ class CachedTables:
     def _planned(self, s: int, flat: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The planned batch's distinct keys (the planner sorted them) and each id's place in them, if ``flat``
         is that batch: the values ``distinct_positions`` computes, taken from the planner's sort where the ids are
-        those the plan placed (``CachedRows.placed``: bagpipe.nn.Lookahead's), else by one radix sort of the batch
+        those the plan placed (``CachedRows.placed``: bagpipe.nn.Lookahead's), else by one sort of the batch
         (keys.unique_inverse) whose distinct keys must be exactly the planned ones."""
         planned = self.spaces[s].planned
         if planned is None or not len(planned[0]):

@@ -163,7 +163,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
     # Rows are numbered in the order first seen (one KeyIndex for every stream), and the state below is over those
     # numbers: it grows with the rows the plan sees, not with the key space. Keys appear in the steps, and decide
     # wherever order or balance is by key (sorting, owners, writers).
-    index = KeyIndex()
+    index = KeyIndex(key_bound=config.num_rows)
     streams = per_space(_number_slices(slices, trainers, num_rows=config.num_rows, index=index, inverse=inverse),
                         trainers + 1)
     own = [_Stream(streams[t], lookahead=config.lookahead) for t in range(trainers)]

@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from bagpipe.planner.keys import KeyIndex, grown, in_key_order, radix_order, unique_inverse
+from bagpipe.planner.keys import KeyIndex, grown, in_key_order, unique_inverse
 
 POLICIES = ("lookahead", "lru", "lfu", "none")
 ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
@@ -110,7 +110,7 @@ def number_batches(batches: Iterable[np.ndarray], *, num_rows: int, index: KeyIn
     of one plan, or a new one): the stream's half of planning, independent of every decision (so it may run ahead,
     in another process: planner/ahead.py). ``inverse``: with each id's index among the distinct keys (from the
     same sort: about half a millisecond more for 53k ids)."""
-    index = KeyIndex() if index is None else index
+    index = KeyIndex(key_bound=num_rows) if index is None else index
     for position, batch in enumerate(batches):
         batch = np.asarray(batch, dtype=np.int64).ravel()
         if len(batch) and (batch.min() < 0 or batch.max() >= num_rows):
@@ -123,9 +123,10 @@ def distinct(batch: np.ndarray, *, num_rows: int, inverse: bool = False) -> tupl
     """A batch's distinct keys (int64, sorted) and, where asked for, each id's index among them (int32)."""
     if inverse:
         return unique_inverse(batch)
-    # keys below 2^31 sort as int32, by radix (two 16-bit digits): faster than any sort of int64s here
-    return (_sorted_unique(_radix_sorted(batch.astype(np.int32)), presorted=True).astype(np.int64)
-            if num_rows <= _INT32_KEYS else _sorted_unique(batch)), None
+    # keys below 2^31 sort as int32 (numpy sorts them with SIMD instructions where the CPU has them: 0.5 ms for
+    # 106k ids here, against 1.0 as int64 and 4.3 by a 16-bit radix)
+    return (_sorted_unique(np.sort(batch.astype(np.int32))).astype(np.int64) if num_rows <= _INT32_KEYS
+            else _sorted_unique(np.sort(batch))), None
 
 
 class _Stream:
@@ -376,14 +377,8 @@ def per_space(items: Iterable[list], count: int) -> list[Iterator]:
     return [stream(space) for space in range(count)]
 
 
-def _radix_sorted(values: np.ndarray) -> np.ndarray:
-    """Non-negative int32 ``values`` sorted (keys.radix_order: faster than any sort of int64s here)."""
-    return values[radix_order(values)]
-
-
-def _sorted_unique(values: np.ndarray, *, presorted: bool = False) -> np.ndarray:
-    # Sort-based: several times faster than np.unique's hash path on int64 batches.
-    ordered = values if presorted else np.sort(values)
+def _sorted_unique(ordered: np.ndarray) -> np.ndarray:
+    """The distinct values of sorted ``ordered``."""
     return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
 
 
