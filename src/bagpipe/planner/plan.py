@@ -310,11 +310,13 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         slot_row[slots] = missing_rows
         slot_key[slots] = missing
         next_use = stream.next_uses[i]
-        batch_slots = slot_of[rows]
+        batch_slots = held  # (evictions took none of batch i's rows: its resident rows' slots held, the rest new)
+        batch_slots[absent] = slots
         slot_next[batch_slots] = next_use
         slot_last[batch_slots] = i
-        freq[rows] += 1
-        slot_freq[batch_slots] = uses = freq[rows]
+        uses = freq[rows] + 1
+        freq[rows] = uses
+        slot_freq[batch_slots] = uses
         slot_far[batch_slots] = _NOT_IN_WINDOW - uses
         previous_keys, previous_rows = keys, rows
         inverse = stream.inverse(i)
