@@ -338,6 +338,47 @@ def test_the_planner_holds_at_most_its_stated_bytes_per_row_seen():
     assert peak < seen * (PLANNER_BYTES_PER_SEEN_ROW + trainers * PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER)
 
 
+def test_the_planners_window_is_counted_per_id_of_the_batches_ahead():
+    """Large batches over few rows: the window of batches ahead (their distinct keys, numbers, next uses and each
+    id's place) outweighs the state per row seen, and planner_window_bytes (which preflight adds) bounds it."""
+    import tracemalloc
+
+    from bagpipe.planner.plan import PLANNER_BYTES_PER_SEEN_ROW, planner_window_bytes
+
+    rng = np.random.default_rng(0)
+    keys = rng.choice(2**40, 5000, replace=False)
+    batch_ids, lookahead = 50_000, 20
+    tracemalloc.start()
+    try:
+        steps = plan((keys[rng.integers(0, len(keys), batch_ids)] for _ in range(100)),
+                     PlannerConfig(num_rows=2**40, cache_rows=6000, lookahead=lookahead), inverse=True)
+        seen = sum(len(step.fetch_keys) for step in steps)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == len(keys)  # (the cache holds every row: each fetched once)
+    assert peak > 4 * seen * PLANNER_BYTES_PER_SEEN_ROW  # the window, not the rows, is most of it
+    assert peak < seen * PLANNER_BYTES_PER_SEEN_ROW + planner_window_bytes(lookahead=lookahead, batch_ids=batch_ids)
+    # the partitioned plan: each id streamed twice (its trainer's slice, the whole batch)
+    from bagpipe.planner.partitioned import plan_partitioned
+    from bagpipe.planner.plan import PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER
+
+    trainers = 4
+    tracemalloc.start()
+    try:
+        for _ in plan_partitioned((np.array_split(keys[rng.integers(0, len(keys), batch_ids)], trainers)
+                                   for _ in range(100)),
+                                  PlannerConfig(num_rows=2**40, cache_rows=6000, lookahead=lookahead,
+                                                num_trainers=trainers), inverse=True):
+            pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    per_row = PLANNER_BYTES_PER_SEEN_ROW + trainers * PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER
+    assert 4 * len(keys) * per_row < peak < len(keys) * per_row + planner_window_bytes(
+        lookahead=lookahead, batch_ids=batch_ids, partitioned=True)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 3000), st.integers(0, 2**31), st.sampled_from([4, 2**12, 2**31, 2**40]), st.booleans(),
        st.sampled_from([0, 7, 4096]))

@@ -191,7 +191,7 @@ def test_the_memory_check_counts_the_servers_budgets_on_disk_and_the_disk_its_fr
     memory = job_config(small_binary, tmp_path / "run")
     layout = preflight.job_layout(memory, dataset)
     tables = preflight.table_bytes(memory, layout)
-    planner = preflight.planner_bytes(layout, dataset)
+    planner = preflight.planner_bytes(layout, dataset, lookahead=memory.lookahead, batch_size=memory.batch_size)
     monkeypatch.setattr(preflight, "physical_memory_bytes", lambda: planner + tables // 2)
     with pytest.raises(ValueError, match=r"more than this machine's .*keep the tables on disk \(--storage disk\)"):
         preflight.check_memory(memory, dataset)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 
 import numpy as np
@@ -13,12 +12,13 @@ import numpy as np
 from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, default_config
 from bagpipe.data.batches import batches_per_epoch, epoch_rows, fresh_negatives, planned_iterations, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.data.preprocess import ensure_preprocessed, physical_memory_bytes
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
 from bagpipe.files import check_writable, human_bytes, mount_point
 from bagpipe.models import MODELS, check_model, model_tables
 from bagpipe.optim import make_row_optimizer
-from bagpipe.planner.plan import PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER, PLANNER_BYTES_PER_SEEN_ROW
+from bagpipe.planner.plan import (PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER, PLANNER_BYTES_PER_SEEN_ROW,
+                                  planner_window_bytes)
 from bagpipe.progress import progress
 from bagpipe.rundir import prepare_run_dir
 from bagpipe.storage.disk import record_bytes, storage_path
@@ -98,16 +98,16 @@ def table_bytes(config: TrainConfig, layout: EmbeddingLayout) -> int:
     return sum(space.num_rows * (space.dim + optimizer.state_width(space.dim)) * 4 for space in layout.spaces)
 
 
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def planner_bytes(layout: EmbeddingLayout, dataset: BinaryDataset, *, partitioned_trainers: int = 0) -> int:
+def planner_bytes(layout: EmbeddingLayout, dataset: BinaryDataset, *, partitioned_trainers: int = 0,
+                  lookahead: int = 0, batch_size: int = 0) -> int:
     """The most the oracle's planner can hold: its state grows with the distinct rows it sees, which are at most
     the tables' rows and at most the training split's ids (the same rows again in later epochs); the partitioned
-    plan (``partitioned_trainers``: its trainers) holds more per row."""
+    plan (``partitioned_trainers``: its trainers) holds more per row. Besides, its window: ``lookahead`` batches
+    of ``batch_size`` samples ahead and the block of next uses being computed (``planner_window_bytes``)."""
     per_row = PLANNER_BYTES_PER_SEEN_ROW + partitioned_trainers * PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER
-    return min(layout.num_rows, int(dataset.train.ids.size)) * per_row
+    window = planner_window_bytes(lookahead=lookahead, batch_ids=batch_size * int(np.prod(dataset.train.ids.shape[1:])),
+                                  partitioned=partitioned_trainers > 0) if lookahead else 0
+    return min(layout.num_rows, int(dataset.train.ids.size)) * per_row + window
 
 
 def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
@@ -129,7 +129,8 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
         parts = {"tables": table_bytes(config, layout)}
     if config.mode == "bagpipe" or (config.mode == "single" and config.policy == "lookahead"):
         parts["the planner"] = planner_bytes(
-            layout, dataset, partitioned_trainers=config.trainers if config.cache_mode == "partitioned" else 0)
+            layout, dataset, partitioned_trainers=config.trainers if config.cache_mode == "partitioned" else 0,
+            lookahead=config.lookahead, batch_size=config.batch_size)
         if config.parity:  # in memory whatever the tier: 1/k of the tables, and a version per row
             parts["the parity"] = table_bytes(config, layout) // config.parity + layout.num_rows * 8
     need, have = sum(parts.values()), physical_memory_bytes()

@@ -182,6 +182,7 @@ def _source_meta_path(input_path: Path) -> Path:
 
 
 def physical_memory_bytes() -> int:
+    """This machine's memory (preprocess's and preflight's checks measure against it)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

@@ -32,6 +32,17 @@ _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorise
 # rows). Rows never seen cost nothing: a job's planner needs at most this times the distinct rows its data uses
 # (preflight).
 PLANNER_BYTES_PER_SEEN_ROW = 256
+# And what its window of batches costs it, per id of a batch in the window (the lookahead and the next-use block
+# being scanned: at most lookahead + _NEXT_USE_BLOCK batches), at most: the batch's distinct keys, their numbers and
+# next uses (int64 each, at most one per id) and each id's place among them (int32, where asked for): a cost of the
+# batches planned ahead, independent of the tables
+PLANNER_BYTES_PER_WINDOW_ID = 28
+
+
+def planner_window_bytes(*, lookahead: int, batch_ids: int, partitioned: bool = False) -> int:
+    """The most a planner's window of batches holds (``batch_ids``: ids in a global batch, repeats included); the
+    partitioned plan streams each id twice (its trainer's slice, and the whole batch)."""
+    return (lookahead + _NEXT_USE_BLOCK) * batch_ids * PLANNER_BYTES_PER_WINDOW_ID * (2 if partitioned else 1)
 # The partitioned plan's more, per trainer: each trainer's slot, its own stream's next uses (and the rows' holders,
 # versions and next use by anyone, shared)
 PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER = 32
