@@ -3,12 +3,12 @@
     .venv/bin/python benchmarks/bench_plan_scale.py --data BIN [--data BIN2 ...] [--iterations 300] [--repeats 3]
 
 Each data set's first ``--iterations`` batches (batch 4,096, cache 1M rows, lookahead 50, one process) are
-planned, after a warm-up run of every case, as they are (their tables' own key space) and with every key moved
-to a random place in a key space of 2^31 - 1 keys (the largest that sorts as int32) and of 2^40 keys (int64
-keys). The move keeps the keys' order, so each plan makes the same decisions, slot for slot (checked: the same
-rows fetched and evicted, the same slots); what may change is the planner's cost alone. Beside each data set's
-ids/s, the work its batches bring: distinct rows a batch, rows fetched, rows evicted (not counting the final
-flush); and the cost per distinct row.
+numbered, then planned from the numbered batches (the two halves timed apart), after a warm-up run of every case:
+as they are (their tables' own key space), and with every key moved to a random place in a key space of 2^31 - 1
+keys (the largest that sorts as int32) and of 2^40 keys (int64 keys). The move keeps the keys' order, so each plan
+makes the same decisions, slot for slot (checked: the same rows fetched and evicted, the same slots); what may
+change is the planner's cost alone. Beside each case's ids/s, the work its batches bring: distinct rows a batch,
+rows fetched, rows evicted (not counting the final flush); and the cost per distinct row.
 """
 
 from __future__ import annotations
@@ -34,21 +34,25 @@ def moved(batches: list[np.ndarray], space: int, seed: int = 0) -> list[np.ndarr
     return [places[np.searchsorted(keys, batch)] for batch in batches]
 
 
-def timed_plan(batches: list[np.ndarray], config: PlannerConfig) -> tuple[float, dict]:
-    """Seconds to number and plan every batch (one process), and what the plan did."""
+def timed_plan(batches: list[np.ndarray], config: PlannerConfig) -> tuple[float, float, dict]:
+    """Seconds to number every batch, then to make every decision from the numbered batches (one process), and
+    what the plan did."""
     fetched = evicted = distinct = 0
     slots = []
     with kept_heap():
         started = time.perf_counter()
-        for step in plan_numbered(number_batches(batches, num_rows=config.num_rows), config):
+        numbered = list(number_batches(batches, num_rows=config.num_rows))
+        numbering = time.perf_counter() - started
+        started = time.perf_counter()
+        for step in plan_numbered(iter(numbered), config):
             fetched += len(step.fetch_keys)
             evicted += len(step.evict_keys) if step.lookups else 0  # (not the final step's flush)
             distinct += len(step.batch_keys)
             slots.append(step.fetch_slots)
-        seconds = time.perf_counter() - started
+        deciding = time.perf_counter() - started
     work = {"fetched": fetched, "evicted": evicted, "distinct": distinct,
             "slots": hash(np.concatenate(slots).tobytes()) if slots else 0}
-    return seconds, work
+    return numbering, deciding, work
 
 
 def main() -> None:
@@ -68,25 +72,29 @@ def main() -> None:
         cases.append((data, "tables", num_rows, batches))
         for name, space in SPACES.items():
             cases.append((data, name, space, moved(batches, space)))
-    seconds: dict[int, list[float]] = {n: [] for n in range(len(cases))}
+    seconds: dict[int, list[tuple[float, float]]] = {n: [] for n in range(len(cases))}
     works = {}
     for repeat in range(-1, args.repeats):  # (-1: a warm-up run of every case, not counted)
         for n, (data, name, space, batches) in enumerate(cases):
             config = PlannerConfig(num_rows=space, cache_rows=args.cache_rows, lookahead=args.lookahead)
-            took, work = timed_plan(batches, config)
+            numbering, deciding, work = timed_plan(batches, config)
             if repeat >= 0:
-                seconds[n].append(took)
+                seconds[n].append((numbering, deciding))
             works[n] = work
-            print(f"repeat {repeat}: {data} in {name} ({space:,} keys): {took:.2f} s", flush=True)
-    print("\n| data | key space | ids/s (median) | distinct rows a batch | fetched a batch | evicted a batch "
-          "| ns per distinct row |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+            print(f"repeat {repeat}: {data} in {name} ({space:,} keys): numbering {numbering:.2f} s, decisions "
+                  f"{deciding:.2f} s", flush=True)
+    print("\n| data | key space | ids/s (median) | numbering, ms a batch | decisions, ms a batch | distinct rows a batch "
+          "| fetched a batch | evicted a batch | ns per distinct row |\n"
+          "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, (data, name, space, batches) in enumerate(cases):
         same = [m for m, case in enumerate(cases) if case[0] == data]
         if any(works[m] != works[n] for m in same):
             raise SystemExit(f"{data}: the plan in {name} differs from the plan in the tables' own key space")
-        took, work, count = statistics.median(seconds[n]), works[n], len(batches)
-        ids = sum(len(batch) for batch in batches)
-        print(f"| {data} | {name} ({space:,}) | {ids / took / 1e6:.1f}M | {work['distinct'] / count:,.0f} "
+        took = statistics.median(numbering + deciding for numbering, deciding in seconds[n])
+        numbering, deciding = (statistics.median(part) for part in zip(*seconds[n]))
+        work, count, ids = works[n], len(batches), sum(len(batch) for batch in batches)
+        print(f"| {data} | {name} ({space:,}) | {ids / took / 1e6:.1f}M | {1e3 * numbering / count:.2f} "
+              f"| {1e3 * deciding / count:.2f} | {work['distinct'] / count:,.0f} "
               f"| {work['fetched'] / count:,.0f} | {work['evicted'] / count:,.0f} "
               f"| {1e9 * took / work['distinct']:.0f} |")
 
