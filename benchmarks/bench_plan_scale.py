@@ -83,8 +83,8 @@ def main() -> None:
             works[n] = work
             print(f"repeat {repeat}: {data} in {name} ({space:,} keys): numbering {numbering:.2f} s, decisions "
                   f"{deciding:.2f} s", flush=True)
-    print("\n| data | key space | ids/s (median) | numbering, ms a batch | decisions, ms a batch | distinct rows a batch "
-          "| fetched a batch | evicted a batch | ns per distinct row |\n"
+    print("\n| data | key space | ids/s (median) | numbering, ms a batch | decisions, ms a batch "
+          "| distinct rows a batch | fetched a batch | evicted a batch | ns per distinct row |\n"
           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, (data, name, space, batches) in enumerate(cases):
         same = [m for m, case in enumerate(cases) if case[0] == data]

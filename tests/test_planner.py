@@ -107,6 +107,29 @@ PLAN_FIELDS = ("fetch_keys", "fetch_versions", "fetch_slots", "evict_keys", "evi
                "sync_now_keys", "sync_later_keys", "sync_later_deadlines", "batch_keys", "batch_slots")
 
 
+@settings(max_examples=40, deadline=None)
+@given(streams(), st.sampled_from(["lookahead", "lru", "lfu", "none"]), st.integers(1, 8), st.integers(0, 40))
+def test_per_row_state_past_int32s_end_plans_the_same(stream, policy, lookahead, limit):
+    """Slots, use counts and versions per row are int32 until values could pass int32's end (a cache of 2^31 slots,
+    iteration 2^31 - 1), then int64: with that end moved to ``limit`` (int64 slots, and the switch mid-plan), the
+    plan is the same, dtypes included."""
+    import importlib
+
+    planner = importlib.import_module("bagpipe.planner.plan")  # (the package's ``plan`` is the function)
+    num_rows, batches, cache_rows = stream
+    config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, lookahead=lookahead, num_trainers=2, policy=policy)
+    expected = list(plan(batches, config))
+    saved, planner._INT32_LIMIT = planner._INT32_LIMIT, limit
+    try:
+        moved = list(plan(batches, config))
+    finally:
+        planner._INT32_LIMIT = saved
+    for a, b in zip(expected, moved, strict=True):
+        for field in PLAN_FIELDS:
+            x, y = getattr(a, field), getattr(b, field)
+            assert x.dtype == y.dtype and np.array_equal(x, y), field
+
+
 @settings(max_examples=60, deadline=None)
 @given(streams(), st.sampled_from(["lookahead", "lru", "lfu", "none"]), st.integers(1, 8),
        st.integers(0, 2**31))

@@ -25,12 +25,13 @@ NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
 _LOWEST = np.iinfo(np.int64).min  # the score of a slot that may not be evicted
 _INT32_KEYS = np.iinfo(np.int32).max  # a key space this small sorts its batches as int32
+_INT32_LIMIT = 2**31 - 1  # per-row slots, use counts and versions below this are kept as int32
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
 # What a row the planner has seen costs it, at most: its number in the KeyIndex's hash table (key and value, int64
 # each, in a table at most 4 times the rows it holds; the old table too while it is rebuilt) and keys array, its
-# slot, use count, version and earliest next use (int64 each), every array grown by doubling (so up to twice the
-# rows). Rows never seen cost nothing: a job's planner needs at most this times the distinct rows its data uses
-# (preflight).
+# slot, use count, version (int32 each) and earliest next use (int64), every array grown by doubling (so up to
+# twice the rows). Rows never seen cost nothing: a job's planner needs at most this times the distinct rows its
+# data uses (preflight).
 PLANNER_BYTES_PER_SEEN_ROW = 256
 # And what its window of batches costs it, per id of a batch in the window (the lookahead and the next-use block
 # being scanned: at most lookahead + _NEXT_USE_BLOCK batches), at most: the batch's distinct keys, their numbers and
@@ -246,15 +247,17 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
     # deadline depends on it), and NEVER only where it is further: the same scores, evictions and deadlines.)
     stream = _Stream(iter(numbered), lookahead=config.lookahead, ramp=True)
     capacity = config.cache_rows
-    slot_of = np.zeros(0, dtype=np.int64)  # by row number: its slot, -1 if not resident
+    # per row number, int32 where values allow (half the memory to grow and to gather from: these grow to the
+    # rows seen, 9M and more at 26 x 40M, where the per-slot arrays stay at the cache's size)
+    slot_of = np.zeros(0, dtype=np.int32 if capacity < _INT32_LIMIT else np.int64)  # its slot, -1 if not resident
     slot_row = np.full(capacity, -1, dtype=np.int64)  # the number of the slot's row, -1 if free
     slot_key = np.full(capacity, -1, dtype=np.int64)  # the key of the slot's row
     slot_next = np.full(capacity, NEVER, dtype=np.int64)  # next use of the slot's row, as known
     slot_last = np.full(capacity, -1, dtype=np.int64)
     slot_freq = np.zeros(capacity, dtype=np.int64)  # the uses so far of the slot's row (as ``freq``, by slot)
     slot_far = np.full(capacity, _NOT_IN_WINDOW, dtype=np.int64)  # its lookahead score with no use in the window
-    freq = np.zeros(0, dtype=np.int64)  # by row number: its uses so far
-    version = np.zeros(0, dtype=np.int64)  # by row number: the iteration after which it was last written back
+    freq = np.zeros(0, dtype=np.int32)  # by row number: its uses so far (int64 from iteration _INT32_LIMIT on)
+    version = np.zeros(0, dtype=np.int32)  # by row number: the iteration after which it was last written back
     free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free]
     num_free = capacity
     writes = 0  # write-backs handed out so far, to share them evenly among trainers
@@ -264,7 +267,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
 
     def evict(rows: np.ndarray, *, after: int) -> tuple[np.ndarray, np.ndarray]:
         nonlocal writes, num_free
-        slots = slot_of[rows]
+        slots = slot_of[rows].astype(np.int64)
         free[num_free:num_free + len(slots)] = slots
         num_free += len(slots)
         slot_row[slots] = -1
@@ -281,6 +284,8 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         if len(keys) > capacity:
             raise ValueError(f"batch {i} touches {len(keys)} distinct rows, more than the cache's "
                              f"{capacity}: raise cache_rows or lower the batch size")
+        if i == _INT32_LIMIT - 1:  # use counts and versions reach int32's end
+            freq, version = freq.astype(np.int64), version.astype(np.int64)
         if stream.count > len(slot_of):
             slot_of, freq, version = (grown(slot_of, stream.count, -1), grown(freq, stream.count, 0),
                                       grown(version, stream.count, -1))
@@ -291,7 +296,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         if config.policy == "none" and len(previous_rows):
             evict_keys = previous_keys
             writers, evict_slots = evict(previous_rows, after=i - 1)
-        held = slot_of[rows]
+        held = slot_of[rows].astype(np.int64)
         absent = held < 0
         missing, missing_rows = keys[absent], rows[absent]
         overflow = len(missing) - num_free
@@ -314,7 +319,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
                 chosen = highest(score, overflow)  # slots, in increasing order
             evict_keys, evicted = in_key_order(slot_key[chosen], slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
-        fetch_versions = version[missing_rows]
+        fetch_versions = version[missing_rows].astype(np.int64)
         slots = free[num_free - len(missing):num_free][::-1].copy()
         num_free -= len(missing)
         slot_of[missing_rows] = slots
@@ -327,6 +332,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         slot_last[batch_slots] = i
         uses = freq[rows] + 1
         freq[rows] = uses
+        uses = uses.astype(np.int64)
         slot_freq[batch_slots] = uses
         slot_far[batch_slots] = _NOT_IN_WINDOW - uses
         previous_keys, previous_rows = keys, rows
