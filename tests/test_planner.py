@@ -235,7 +235,8 @@ def test_the_eviction_shortcut_is_taken_on_a_zipf_trace_and_plans_the_same():
 @given(st.integers(1, 5000), st.integers(0, 2**31), st.integers(1, 50), st.floats(0.0, 1.0), st.integers(1, 6))
 def test_idle_evictions_are_the_highest_scores_by_either_path(capacity, seed, lookahead, share, most_uses):
     """``_idle_evictions`` (the scan for rows used once, and the pass over idle rows by use count) chooses what
-    scoring every slot and taking the highest chooses, or declines (None) where the cache has too few idle rows."""
+    scoring every slot and taking the highest chooses, or declines (None) where the cache has too few idle rows;
+    in the planner's state, where a free slot's next use is _FREED and batch i's rows' is i."""
     import sys
 
     plan_module = sys.modules["bagpipe.planner.plan"]
@@ -247,6 +248,7 @@ def test_idle_evictions_are_the_highest_scores_by_either_path(capacity, seed, lo
     in_batch = rng.choice(capacity, size=int(rng.integers(0, capacity // 4 + 1)), replace=False)
     slot_next[in_batch] = i
     free = np.flatnonzero(slot_row < 0)
+    slot_next[free] = plan_module._FREED
     count = max(1, int(share * (capacity - len(free) - len(in_batch))))
     score = plan_module._scores("lookahead", slot_next=slot_next, slot_last=None, slot_freq=slot_freq,
                                 slot_far=(1 << 50) - slot_freq, i=i, lookahead=lookahead)
@@ -255,8 +257,8 @@ def test_idle_evictions_are_the_highest_scores_by_either_path(capacity, seed, lo
     expected = plan_module.highest(score, count)
     idle = int(((slot_next >= i + lookahead) & (slot_row >= 0)).sum())
     for scan in (True, False):
-        chosen = plan_module._idle_evictions(count, slot_next=slot_next, slot_row=slot_row, slot_freq=slot_freq,
-                                             in_batch=in_batch, i=i, lookahead=lookahead, scan=scan)
+        chosen = plan_module._idle_evictions(count, slot_next=slot_next, slot_freq=slot_freq, i=i,
+                                             lookahead=lookahead, scan=scan)
         if idle < count:
             assert chosen is None
         else:

@@ -25,6 +25,7 @@ NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
 _LOWEST = np.iinfo(np.int64).min  # the score of a slot that may not be evicted
 _INT32_KEYS = np.iinfo(np.int32).max  # a key space this small sorts its batches as int32
+_FREED = -1  # a free slot's next use: below every iteration, so never idle (never evicted by _idle_evictions)
 _INT32_LIMIT = 2**31 - 1  # per-row slots, use counts and versions below this are kept as int32
 _NEXT_USE_BLOCK = 64  # iterations whose next uses are computed in one vectorised pass
 # What a row the planner has seen costs it, at most: its number in the KeyIndex's hash table (key and value, int64
@@ -252,7 +253,8 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
     slot_of = np.zeros(0, dtype=np.int32 if capacity < _INT32_LIMIT else np.int64)  # its slot, -1 if not resident
     slot_row = np.full(capacity, -1, dtype=np.int64)  # the number of the slot's row, -1 if free
     slot_key = np.full(capacity, -1, dtype=np.int64)  # the key of the slot's row
-    slot_next = np.full(capacity, NEVER, dtype=np.int64)  # next use of the slot's row, as known
+    # next use of the slot's row, as known (exact within the window); _FREED where the slot is free
+    slot_next = np.full(capacity, _FREED, dtype=np.int64)
     slot_last = np.full(capacity, -1, dtype=np.int64)
     slot_freq = np.zeros(capacity, dtype=np.int64)  # the uses so far of the slot's row (as ``freq``, by slot)
     slot_far = np.full(capacity, _NOT_IN_WINDOW, dtype=np.int64)  # its lookahead score with no use in the window
@@ -271,6 +273,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         free[num_free:num_free + len(slots)] = slots
         num_free += len(slots)
         slot_row[slots] = -1
+        slot_next[slots] = _FREED
         slot_of[rows] = -1
         version[rows] = after
         writers = (writes + np.arange(len(rows))) % config.num_trainers
@@ -290,7 +293,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
             slot_of, freq, version = (grown(slot_of, stream.count, -1), grown(freq, stream.count, 0),
                                       grown(version, stream.count, -1))
         if stream.new_block:  # a new block brings further uses of idle rows in sight
-            unknown = np.flatnonzero((slot_row >= 0) & (slot_next == NEVER))
+            unknown = np.flatnonzero(slot_next == NEVER)  # (free slots are _FREED)
             slot_next[unknown] = stream.first_uses_of(slot_row[unknown])
         evict_keys, writers, evict_slots = empty, empty, empty
         if config.policy == "none" and len(previous_rows):
@@ -308,8 +311,8 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
             overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
             chosen = None
             if config.policy == "lookahead":
-                chosen = _idle_evictions(overflow, slot_next=slot_next, slot_row=slot_row, slot_freq=slot_freq,
-                                         in_batch=resident, i=i, lookahead=config.lookahead, scan=scanned)
+                chosen = _idle_evictions(overflow, slot_next=slot_next, slot_freq=slot_freq, i=i,
+                                         lookahead=config.lookahead, scan=scanned)
                 scanned = chosen is not None and bool((slot_freq[chosen] == 1).all())  # (so the scan finds them)
             if chosen is None:
                 score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
@@ -435,8 +438,8 @@ def highest(score: np.ndarray, count: int) -> np.ndarray:
 _SCAN_CHUNK = 1 << 14  # slots looked at first by _lowest_hits (then twice as many, and so on)
 
 
-def _idle_evictions(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: int, lookahead: int,
-                    scan: bool = True) -> np.ndarray | None:
+def _idle_evictions(count: int, *, slot_next, slot_freq, i: int, lookahead: int, scan: bool = True
+                    ) -> np.ndarray | None:
     """The lookahead policy's ``count`` evictions where the cache holds at least that many rows with no use within
     the window (``idle``), found without scoring every slot; None where it does not (the caller scores them all).
 
@@ -445,20 +448,16 @@ def _idle_evictions(count: int, *, slot_next, slot_row, slot_freq, in_batch, i: 
     the idle rows by increasing use count, and among the last count taken, the lowest slots. Every resident row has
     been used, so rows used once score highest of all: with ``scan``, slots are first looked at from 0 in growing
     chunks until ``count`` such rows are found (evictions refill the lowest slots, so they are found near the
-    start); where there are not enough, one pass finds the idle rows and the use count up to which they go."""
-    capacity = len(slot_row)
-    banned = np.zeros(capacity, dtype=bool)
-    banned[in_batch] = True  # batch i's resident rows may not go (their next use is i: in the window anyway)
+    start); where there are not enough, one pass finds the idle rows and the use count up to which they go.
+    Idle is ``slot_next`` at or past the window's end alone: a free slot's is _FREED, and a row of batch ``i``'s is
+    ``i`` (a next use within the window is known exactly), both below it."""
+    end = i + lookahead
     if scan:
-        once = _lowest_hits(count, capacity, lambda start, stop: np.flatnonzero(
-            (slot_next[start:stop] >= i + lookahead) & (slot_freq[start:stop] == 1) & (slot_row[start:stop] >= 0)
-            & ~banned[start:stop]))
+        once = _lowest_hits(count, len(slot_next), lambda start, stop: np.flatnonzero(
+            (slot_next[start:stop] >= end) & (slot_freq[start:stop] == 1)))
         if len(once) == count:
             return once
-    mask = np.greater_equal(slot_next, i + lookahead)
-    mask &= slot_row >= 0
-    mask &= ~banned
-    idle = np.flatnonzero(mask)
+    idle = np.flatnonzero(slot_next >= end)
     if len(idle) < count:
         return None
     uses = slot_freq[idle]
