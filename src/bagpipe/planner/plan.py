@@ -300,13 +300,13 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
             evict_keys = previous_keys
             writers, evict_slots = evict(previous_rows, after=i - 1)
         held = slot_of[rows].astype(np.int64)
-        absent = held < 0
+        absent = np.flatnonzero(held < 0)  # (positions, not a mask: a random mask's compress is several times slower)
         missing, missing_rows = keys[absent], rows[absent]
         overflow = len(missing) - num_free
         if overflow > 0:
             # every slot scored at once (contiguous arrays, no gathers); free slots and those of batch i's resident
             # rows, which may not go, score lowest
-            resident = held[~absent]
+            resident = held[held >= 0]
             candidates = capacity - num_free - len(resident)
             overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
             chosen = None
@@ -340,17 +340,19 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         slot_far[batch_slots] = _NOT_IN_WINDOW - uses
         previous_keys, previous_rows = keys, rows
         inverse = stream.inverse(i)
-        soon = next_use == i + 1
-        visible = next_use - i <= config.lookahead
+        now = np.flatnonzero(next_use == i + 1)
+        later = np.flatnonzero(next_use != i + 1)
+        deadlines = next_use[later]
+        deadlines[deadlines > i + config.lookahead] = NEVER  # (a deadline only where the next use is in sight)
         yield PlanStep(
             iteration=i,
             fetch_keys=missing,
             fetch_versions=fetch_versions,
             evict_keys=evict_keys,
             evict_writers=writers,
-            sync_now_keys=keys[soon],
-            sync_later_keys=keys[~soon],
-            sync_later_deadlines=np.where(visible, next_use, NEVER)[~soon],
+            sync_now_keys=keys[now],
+            sync_later_keys=keys[later],
+            sync_later_deadlines=deadlines,
             resident_rows=capacity - num_free,
             lookups=lookups,
             fetch_slots=slots,
