@@ -60,8 +60,22 @@ class KeyTable:
         """The table position of each key, -1 where it is absent; ``ends``, if given, gets the position where each
         absent key's probe ended (a never-used place: where inserting it may start, ``insert(..., start=ends)``);
         ``values``, if given, gets each present key's value (from the place the probe read, where packed)."""
-        found = np.full(len(keys), -1, dtype=np.int64)
-        todo, at = np.arange(len(keys)), self._home(keys)
+        # the first round, every key at its home: selects and masked copies over all keys (no compress by a
+        # random mask, which costs several times a take); later rounds follow the keys still probing
+        at = self._home(keys)
+        held = self.keys[at]
+        hit = (held >> self.value_bits if self.value_bits else held) == keys  # (a free place's entry is negative)
+        found = np.where(hit, at, -1)
+        if values is not None:
+            if self.value_bits:
+                np.copyto(values, held & self.value_mask, where=hit)
+            else:
+                values[hit] = self.values[at[hit]]
+        empty = held == _EMPTY  # (never a hit)
+        if ends is not None:
+            np.copyto(ends, at, where=empty)
+        todo = np.flatnonzero(~(hit | empty))
+        at = (at[todo] + 1) & self.mask
         while len(todo):
             if len(todo) <= _SPAN_BELOW:  # the probes' tail: a span of places a key at once, in one or two rounds
                 todo, at = self._find_spans(keys, todo, at, found, ends, values)
