@@ -223,9 +223,23 @@ def test_the_eviction_shortcut_is_taken_on_a_zipf_trace_and_plans_the_same():
     rng = np.random.default_rng(0)
     weights = np.arange(1, 2001, dtype=float) ** -1.2
     batches = [rng.choice(2000, size=40, p=weights / weights.sum()) for _ in range(60)]
-    fast, scored, taken = _with_and_without_the_eviction_shortcut(
-        batches, PlannerConfig(num_rows=2000, cache_rows=120, lookahead=8))
+    import sys
+
+    scan = sys.modules["bagpipe.planner.plan"]._OnceScan
+    lowest, starts = scan.lowest, []
+
+    def recorded(self, *args, **kwargs):
+        starts.append(self.start)
+        return lowest(self, *args, **kwargs)
+
+    scan.lowest = recorded
+    try:
+        fast, scored, taken = _with_and_without_the_eviction_shortcut(
+            batches, PlannerConfig(num_rows=2000, cache_rows=120, lookahead=8))
+    finally:
+        scan.lowest = lowest
     assert len(taken) > 40 and all(taken)
+    assert sum(start > 0 for start in starts) > 20  # (most scans went on from where the last one ended)
     for a, b in zip(fast, scored, strict=True):
         for field in PLAN_FIELDS:
             assert np.array_equal(getattr(a, field), getattr(b, field)), field

@@ -266,6 +266,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
     empty = np.zeros(0, dtype=np.int64)
     previous_keys = previous_rows = empty  # policy "none" evicts the last batch's rows
     scanned = True  # whether the last eviction's rows were used once (then the next looks for those first)
+    once = _OnceScan(capacity)  # where those can be
 
     def evict(rows: np.ndarray, *, after: int) -> tuple[np.ndarray, np.ndarray]:
         nonlocal writes, num_free
@@ -312,7 +313,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
             chosen = None
             if config.policy == "lookahead":
                 chosen = _idle_evictions(overflow, slot_next=slot_next, slot_freq=slot_freq, i=i,
-                                         lookahead=config.lookahead, scan=scanned)
+                                         lookahead=config.lookahead, scan=scanned, once=once)
                 scanned = chosen is not None and bool((slot_freq[chosen] == 1).all())  # (so the scan finds them)
             if chosen is None:
                 score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
@@ -328,6 +329,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         slot_of[missing_rows] = slots
         slot_row[slots] = missing_rows
         slot_key[slots] = missing
+        once.filled(slots)
         next_use = stream.next_uses[i]
         batch_slots = held  # (evictions took none of batch i's rows: its resident rows' slots held, the rest new)
         batch_slots[absent] = slots
@@ -440,25 +442,71 @@ def highest(score: np.ndarray, count: int) -> np.ndarray:
 _SCAN_CHUNK = 1 << 14  # slots looked at first by _lowest_hits (then twice as many, and so on)
 
 
-def _idle_evictions(count: int, *, slot_next, slot_freq, i: int, lookahead: int, scan: bool = True
-                    ) -> np.ndarray | None:
+class _OnceScan:
+    """Where ``_idle_evictions``' scan looks for idle rows used once, the highest scores there are.
+
+    Such a row is idle (no use within the window) and used once. Neither can start while a row stays: its next use
+    as known only comes nearer the window's end as iterations pass (or is learnt, nearer still, where it was NEVER),
+    and its uses only grow; a row fetched anew is the one way (a row fetched again was used before). So after a scan
+    took every such row below ``start``, there are none there but in slots filled since (``fresh``): the next scan
+    looks at those, then on from ``start``, not from slot 0 again."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.start = 0  # below it, rows idle and used once are only in ``fresh`` slots
+        self.fresh: list[np.ndarray] = []
+        self.fresh_count = 0
+
+    def filled(self, slots: np.ndarray) -> None:
+        """Rows were fetched into ``slots``."""
+        if self.start:
+            self.fresh.append(slots)
+            self.fresh_count += len(slots)
+            if self.fresh_count > self.capacity:  # (long without a scan: start over from slot 0)
+                self.start, self.fresh, self.fresh_count = 0, [], 0
+
+    def lowest(self, count: int, *, slot_next, slot_freq, end: int) -> np.ndarray:
+        """The ``count`` lowest slots holding rows with no use before ``end`` and used once (fewer where there are
+        not that many), in increasing order; the caller evicts them all."""
+        def hits(start: int, stop: int) -> np.ndarray:
+            return np.flatnonzero((slot_next[start:stop] >= end) & (slot_freq[start:stop] == 1))
+
+        low = np.zeros(0, dtype=np.int64)
+        if self.fresh:
+            fresh = _sorted_unique(np.sort(np.concatenate(self.fresh)))  # (a slot may be filled twice)
+            fresh = fresh[fresh < self.start]
+            low = fresh[(slot_next[fresh] >= end) & (slot_freq[fresh] == 1)]
+        if len(low) >= count:
+            found = low[:count]
+        else:
+            start = self.start
+            found = np.concatenate([low, start + _lowest_hits(count - len(low), self.capacity - start,
+                                                              lambda a, b: hits(start + a, start + b))])
+        # every such row up to the last found is found (and goes); where too few were, the caller takes another way
+        self.start = int(found[-1]) + 1 if count and len(found) == count else 0
+        self.fresh, self.fresh_count = [], 0
+        return found
+
+
+def _idle_evictions(count: int, *, slot_next, slot_freq, i: int, lookahead: int, scan: bool = True,
+                    once: _OnceScan | None = None) -> np.ndarray | None:
     """The lookahead policy's ``count`` evictions where the cache holds at least that many rows with no use within
     the window (``idle``), found without scoring every slot; None where it does not (the caller scores them all).
 
     An idle row scores _NOT_IN_WINDOW less its use count, above every row used within the window (a row of batch
     ``i`` scores lowest), so ``highest``'s choice (the ``count`` highest scores, equal ones to the earlier slot) is
     the idle rows by increasing use count, and among the last count taken, the lowest slots. Every resident row has
-    been used, so rows used once score highest of all: with ``scan``, slots are first looked at from 0 in growing
-    chunks until ``count`` such rows are found (evictions refill the lowest slots, so they are found near the
-    start); where there are not enough, one pass finds the idle rows and the use count up to which they go.
+    been used, so rows used once score highest of all: with ``scan``, the lowest slots holding those are looked for
+    first (``once``: the plan's _OnceScan, which knows where they can be; a new one looks from slot 0 in growing
+    chunks); where there are not enough, one pass finds the idle rows and the use count up to which they go.
     Idle is ``slot_next`` at or past the window's end alone: a free slot's is _FREED, and a row of batch ``i``'s is
     ``i`` (a next use within the window is known exactly), both below it."""
     end = i + lookahead
     if scan:
-        once = _lowest_hits(count, len(slot_next), lambda start, stop: np.flatnonzero(
-            (slot_next[start:stop] >= end) & (slot_freq[start:stop] == 1)))
-        if len(once) == count:
-            return once
+        found = (_OnceScan(len(slot_next)) if once is None else once).lowest(count, slot_next=slot_next,
+                                                                             slot_freq=slot_freq, end=end)
+        if len(found) == count:
+            return found
     idle = np.flatnonzero(slot_next >= end)
     if len(idle) < count:
         return None
