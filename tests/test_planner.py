@@ -285,9 +285,9 @@ def test_idle_evictions_are_the_highest_scores_by_either_path(capacity, seed, lo
 def test_sorted_order_is_a_stable_argsort(n, seed, bound, dtype, negative):
     """keys.sorted_order (values and positions packed in one int64 and sorted, where they fit; else a stable argsort)
     gives numpy's sorted values and its stable order, repeats, negative values and values too wide to pack
-    included, for int32 and int64 input; the batches' distinct keys (plan.distinct, int32 or int64 sorts) are
-    np.unique's."""
-    from bagpipe.planner.keys import sorted_order
+    included, for int32 and int64 input; the batches' distinct keys (plan.distinct, int32 or int64 sorts) and
+    keys.sorted_distinct are np.unique's."""
+    from bagpipe.planner.keys import sorted_distinct, sorted_order
     from bagpipe.planner.plan import distinct
 
     if dtype is np.int32:
@@ -297,6 +297,7 @@ def test_sorted_order_is_a_stable_argsort(n, seed, bound, dtype, negative):
     ordered, order = sorted_order(values)
     assert ordered.dtype == np.int64
     assert np.array_equal(order, np.argsort(values, kind="stable")) and np.array_equal(ordered, np.sort(values))
+    assert np.array_equal(sorted_distinct(values), np.unique(values))
     if not negative:
         assert np.array_equal(distinct(values, num_rows=bound)[0], np.unique(values))
 

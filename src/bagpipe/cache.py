@@ -16,7 +16,7 @@ import torch
 from bagpipe.device import HostStaging
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather, id_places, update_rows, valid_keys
 from bagpipe.optim import RowOptimizer
-from bagpipe.planner.keys import unique_inverse
+from bagpipe.planner.keys import sorted_distinct, unique_inverse
 from bagpipe.planner.plan import PlanStep
 
 
@@ -77,7 +77,7 @@ class RowCache:
         """Put fetched ``rows`` (and their state) of ``keys`` into the free ``slots``."""
         keys = np.asarray(keys, dtype=np.int64)
         slots = self._check(slots, np.full(len(keys), -1, dtype=np.int64), what="install")
-        if len(np.unique(slots)) != len(slots):
+        if len(sorted_distinct(slots)) != len(slots):
             raise ValueError("install: a slot named twice")
         self.slot_key[slots] = keys
         self.resident_rows += len(slots)

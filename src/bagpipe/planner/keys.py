@@ -281,6 +281,13 @@ def sorted_order(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values[order].astype(np.int64), order
 
 
+def sorted_distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` (flattened, sorted) by one sort: numpy 2.4's np.unique of values alone hashes them,
+    about 20x slower than a sort for 12k int64 here (its paths with return_inverse or return_counts sort)."""
+    ordered = np.sort(np.asarray(values).ravel())
+    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
+
+
 def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ``values`` (int64, sorted) and each value's index among them (int32, flat): what
     ``np.unique(values, return_inverse=True)`` gives, by one sort (``sorted_order``). Mapping a batch's ids to its

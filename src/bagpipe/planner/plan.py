@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from bagpipe.planner.keys import KeyIndex, grown, in_key_order, unique_inverse
+from bagpipe.planner.keys import KeyIndex, grown, in_key_order, sorted_distinct, unique_inverse
 
 POLICIES = ("lookahead", "lru", "lfu", "none")
 ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
@@ -473,7 +473,7 @@ class _OnceScan:
 
         low = np.zeros(0, dtype=np.int64)
         if self.fresh:
-            fresh = _sorted_unique(np.sort(np.concatenate(self.fresh)))  # (a slot may be filled twice)
+            fresh = sorted_distinct(np.concatenate(self.fresh))  # (a slot may be filled twice)
             fresh = fresh[fresh < self.start]
             low = fresh[(slot_next[fresh] >= end) & (slot_freq[fresh] == 1)]
         if len(low) >= count:

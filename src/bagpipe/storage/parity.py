@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from bagpipe.planner.keys import sorted_distinct
 from bagpipe.storage.bits import BITS, from_bits, row_bits
 from bagpipe.storage.rowstore import RowStore, initial_blocks, shard_num_rows
 
@@ -231,7 +232,7 @@ class StandIn:
     def ensure(self, local: np.ndarray, *, asked: bool = True) -> None:
         """Reconstruct the rows of ``local`` not rebuilt yet (``asked``: by a fetch or write-back, counted)."""
         with self._lock:
-            missing = np.unique(np.asarray(local, dtype=np.int64)[~self.rebuilt[local]])
+            missing = sorted_distinct(np.asarray(local, dtype=np.int64)[~self.rebuilt[local]])
             while len(missing):
                 seen = self.parity.generation  # before the reads: a delta folded in after them wakes the retry
                 lost, versions, consistent = reconstruct(
