@@ -94,13 +94,17 @@ class _Cache:
     slot_of: np.ndarray  # per row number: its slot here, -1 if not held
     slot_row: np.ndarray  # per slot: its row's number, -1 if free
     slot_next: np.ndarray  # per slot: the next use of its row by this trainer, as known
+    # per slot: its row's next use by any trainer (the plan's ``next_any``, kept here by slot: an eviction compares
+    # it with ``slot_next`` over the whole cache, which a gather from per-row arrays made slow)
+    slot_any: np.ndarray
     free: np.ndarray  # a stack of free slots: free[:num_free]
     num_free: int
 
     @classmethod
     def empty(cls, capacity: int) -> "_Cache":
         return cls(np.zeros(0, dtype=np.int32), np.full(capacity, -1, dtype=np.int64),
-                   np.full(capacity, NEVER, dtype=np.int64), np.arange(capacity - 1, -1, -1, dtype=np.int64), capacity)
+                   np.full(capacity, NEVER, dtype=np.int64), np.full(capacity, NEVER, dtype=np.int64),
+                   np.arange(capacity - 1, -1, -1, dtype=np.int64), capacity)
 
     def let_go(self, rows: np.ndarray) -> np.ndarray:
         """Free the slots of ``rows``; the slots."""
@@ -112,11 +116,18 @@ class _Cache:
         self.slot_of[rows] = -1
         return slots
 
-    def take(self, rows: np.ndarray) -> None:
+    def take(self, rows: np.ndarray, next_any: np.ndarray) -> None:
         slots = self.free[self.num_free - len(rows):self.num_free][::-1].copy()
         self.num_free -= len(rows)
         self.slot_of[rows] = slots
         self.slot_row[slots] = rows
+        self.slot_any[slots] = next_any[rows]
+
+    def any_changed(self, rows: np.ndarray, next_any: np.ndarray) -> None:
+        """``next_any`` of ``rows`` changed: the slots holding any of them follow."""
+        slots = self.slot_of[rows]
+        held = np.flatnonzero(slots >= 0)
+        self.slot_any[slots[held]] = next_any[rows[held]]
 
 
 def _in(keys: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
@@ -198,6 +209,8 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
                 cache.slot_next[unknown] = own[t].first_uses_of(cache.slot_row[unknown])
             held = np.flatnonzero((holders > 0) & (next_any == NEVER))
             next_any[held] = everyone.first_uses_of(held)
+            for cache in caches:
+                cache.any_changed(held, next_any)
         users = np.zeros((trainers, len(batch)), dtype=bool)  # [trainer, row of the batch]: it uses the row now
         for t, place in enumerate(everyone.places(i)):
             users[t, place] = True
@@ -250,16 +263,14 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
                 in_slice[resident[resident >= 0]] = True
                 kept = np.zeros(capacity, dtype=bool)  # rows it keeps now: let go only if nothing else will do
                 kept[cache.slot_of[rows[keeping[t] & held_by[t]]]] = True
-                others = np.flatnonzero((cache.slot_row >= 0) & ~in_slice & ~kept)
-                chosen = _evicted(cache.slot_row[others], cache.slot_next[others], next_any,
-                                  min(len(others), overflow + int(config.cleanup_fraction * capacity)),
+                others = (cache.slot_row >= 0) & ~in_slice & ~kept
+                chosen = _evicted(cache, others, min(int(others.sum()), overflow + int(config.cleanup_fraction
+                                                                                        * capacity)),
                                   beyond=i + config.lookahead)
                 if len(chosen) < overflow:  # (never for the cleanup's sake)
-                    kept_slots = np.flatnonzero(kept)
-                    chosen = np.concatenate([chosen, _evicted(cache.slot_row[kept_slots], cache.slot_next[kept_slots],
-                                                              next_any, overflow - len(chosen),
+                    chosen = np.concatenate([chosen, _evicted(cache, kept, overflow - len(chosen),
                                                               beyond=i + config.lookahead, others_first=False)])
-                chosen = index.in_key_order(chosen)[1]
+                chosen = index.in_key_order(cache.slot_row[chosen])[1]
                 slots = cache.let_go(chosen)
                 holders[chosen] -= 1
                 drops[t].append(chosen)
@@ -280,7 +291,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
             joined = rows[joining[t]]
             missing = np.concatenate([fetches[t], joined])
             late = np.arange(len(missing)) >= len(fetches[t])
-            cache.take(missing)
+            cache.take(missing, next_any)
             holders[missing] += 1
             cache.slot_next[cache.slot_of[joined]] = i + 1
             keys = mine[t]
@@ -307,6 +318,8 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
         # 4. The iteration: every row of the batch is updated by its holders.
         latest[rows] = i
         next_any[rows] = coming = everyone.next_uses[i]
+        for cache in caches:
+            cache.any_changed(rows, next_any)
         # 5. Hand-offs ahead: a row that a trainer not holding it uses before any holder does again is written back
         # at the next boundary (by a holder, balanced by key), so the fetch that needs it can be issued ahead.
         first_again = np.full(len(batch), NEVER, dtype=np.int64)
@@ -345,26 +358,29 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
     yield PartitionedStep(iteration=i, trainers=tuple(steps), lookups=0)
 
 
-def _evicted(rows: np.ndarray, nxt: np.ndarray, next_any: np.ndarray, count: int, *, beyond: int,
-             others_first: bool = True) -> np.ndarray:
-    """``count`` of ``rows`` (a trainer's, each with its next use by the trainer, ``nxt``) to let go: rows another
-    trainer uses first (unless not ``others_first``: kept rows, which others use now), then rows not used within
-    the window (next use at ``beyond`` or later), then the furthest next uses. Each class is taken whole before the
-    next (in slot order within the first two), so the costly partial sort runs only over the rows in the window,
-    and only when the first two classes do not suffice."""
+def _evicted(cache: _Cache, candidates: np.ndarray, count: int, *, beyond: int, others_first: bool = True
+             ) -> np.ndarray:
+    """``count`` of a trainer's slots where ``candidates`` (a mask over its slots) to let go: rows another trainer
+    uses first (unless not ``others_first``: kept rows, which others use now), then rows not used within the window
+    (next use at ``beyond`` or later), then the furthest next uses. Each class is taken whole before the next (in
+    slot order within the first two), so the costly partial sort runs only over the rows in the window, and only
+    when the first two classes do not suffice. Masks over the cache's per-slot arrays, no gather per row."""
     if count <= 0:
-        return rows[:0]
-    given_up = next_any[rows] < nxt if others_first else np.zeros(len(rows), dtype=bool)
-    first = np.flatnonzero(given_up)
-    if len(first) >= count:
-        return rows[first[:count]]
-    far = np.flatnonzero(~given_up & (nxt >= beyond))
+        return np.zeros(0, dtype=np.int64)
+    first = np.zeros(0, dtype=np.int64)
+    rest = candidates
+    if others_first:
+        given_up = candidates & (cache.slot_any < cache.slot_next)
+        first = np.flatnonzero(given_up)
+        if len(first) >= count:
+            return first[:count]
+        rest = candidates & ~given_up
+    far = np.flatnonzero(rest & (cache.slot_next >= beyond))
     if len(first) + len(far) >= count:
-        return rows[np.concatenate([first, far[:count - len(first)]])]
-    near = np.flatnonzero(~given_up & (nxt < beyond))
+        return np.concatenate([first, far[:count - len(first)]])
+    near = np.flatnonzero(rest & (cache.slot_next < beyond))
     need = count - len(first) - len(far)
-    furthest = near[highest(nxt[near], need)]
-    return rows[np.concatenate([first, far, furthest])]
+    return np.concatenate([first, far, near[highest(cache.slot_next[near], need)]])
 
 
 def _hand_off_before(n: int, everyone: _Stream, own: list[_Stream], batch: np.ndarray, caches: list[_Cache],
