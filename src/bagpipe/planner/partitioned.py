@@ -235,7 +235,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
                     room = capacity - len(mine[t])  # (a join is optional: without it the row is fetched at i + 1)
                     joining[t][np.flatnonzero(joining[t])[room:]] = False
                     keeping[t] |= joining[t]
-        _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, writes, write_slots, index)
+        _hand_off_before(i + 1, everyone, own, batch, caches, latest, server, writes, write_slots)
         fetching = np.zeros(len(batch), dtype=bool)
         for t in range(trainers):
             fetching |= (users[t] | joining[t]) & ~held_by[t]
@@ -384,16 +384,15 @@ def _evicted(cache: _Cache, candidates: np.ndarray, count: int, *, beyond: int, 
 
 
 def _hand_off_before(n: int, everyone: _Stream, own: list[_Stream], batch: np.ndarray, caches: list[_Cache],
-                     latest: np.ndarray, server: np.ndarray, writes: list[list], write_slots: list[list],
-                     index: KeyIndex) -> None:
+                     latest: np.ndarray, server: np.ndarray, writes: list[list], write_slots: list[list]) -> None:
     """Hand-offs an iteration early: a dirty row that a trainer not holding it uses at ``n`` and that nobody
     updates before (it is not in the current ``batch``) is written back now, by one of its holders (balanced by
     key), so that the fetch at ``n`` finds it on its server (rather than wait for a hand-off at ``n``'s boundary)."""
-    coming = everyone.peek(n)
+    coming = everyone.peek_numbered(n)
     if coming is None:
         return
-    keys = coming[~_in(coming, batch)]
-    rows = index.known(keys)  # (numbered: the streams have seen batch n)
+    new = np.flatnonzero(~_in(coming.keys, batch))
+    keys, rows = coming.keys[new], coming.numbers[new]
     dirty = latest[rows] > server[rows]
     keys, rows = keys[dirty], rows[dirty]
     if not len(rows):

@@ -208,9 +208,14 @@ class _Stream:
 
     def peek(self, j: int) -> np.ndarray | None:
         """Unique keys of batch ``j`` (at or after the current one) without moving on; None past the end."""
+        numbered = self.peek_numbered(j)
+        return None if numbered is None else numbered.keys
+
+    def peek_numbered(self, j: int) -> Numbered | None:
+        """Batch ``j`` (at or after the current one) as numbered, without moving on; None past the end."""
         self._fill(j + 1)
         at = j - self.first
-        return self.window[at][0] if 0 <= at < len(self.window) else None
+        return self.window[at] if 0 <= at < len(self.window) else None
 
     def _compute_block(self, start: int) -> None:
         stop = start + (max(1, min(start, _NEXT_USE_BLOCK)) if self.ramp else _NEXT_USE_BLOCK)
