@@ -9,6 +9,10 @@ keys (the largest that sorts as int32) and of 2^40 keys (int64 keys). The move k
 makes the same decisions, slot for slot (checked: the same rows fetched and evicted, the same slots); what may
 change is the planner's cost alone. Beside each case's ids/s, the work its batches bring: distinct rows a batch,
 rows fetched, rows evicted (not counting the final flush); and the cost per distinct row.
+
+    .venv/bin/python benchmarks/bench_plan_scale.py --data BIN --partitioned 2 [--repeats 3]
+
+times the partitioned plan instead (2 trainers, each a cache of --cache-rows rows), in the tables' key space.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 from bagpipe.data.binary import open_dataset
 from bagpipe.heap import kept_heap
 from bagpipe.planner.plan import PlannerConfig, number_batches, plan_numbered
-from bagpipe.planner.stats import key_batches
+from bagpipe.planner.partitioned import plan_partitioned
+from bagpipe.planner.stats import key_batches, slice_key_batches
 
 SPACES = {"int32": 2**31 - 1, "2^40": 2**40}
 
@@ -63,7 +68,12 @@ def main() -> None:
     parser.add_argument("--cache-rows", type=int, default=1_000_000)
     parser.add_argument("--lookahead", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each case, alternated; medians reported")
+    parser.add_argument("--partitioned", type=int, default=0, metavar="TRAINERS",
+                        help="instead: time the partitioned plan for this many trainers (each a cache of --cache-rows) "
+                             "over each data set in its own key space")
     args = parser.parse_args()
+    if args.partitioned:
+        return partitioned(args)
     cases = []
     for data in args.data:
         split = open_dataset(data).train
@@ -97,6 +107,27 @@ def main() -> None:
               f"| {1e3 * deciding / count:.2f} | {work['distinct'] / count:,.0f} "
               f"| {work['fetched'] / count:,.0f} | {work['evicted'] / count:,.0f} "
               f"| {1e9 * took / work['distinct']:.0f} |")
+
+
+def partitioned(args) -> None:
+    """ms a batch of ``plan_partitioned`` over each data set's batches cut into the trainers' slices."""
+    for data in args.data:
+        split = open_dataset(data).train
+        slices = slice_key_batches(split, batch_size=args.batch_size, iterations=args.iterations,
+                                   trainers=args.partitioned)
+        config = PlannerConfig(num_rows=int(sum(split.table_sizes)), cache_rows=args.cache_rows,
+                               lookahead=args.lookahead, num_trainers=args.partitioned)
+        took = []
+        for repeat in range(-1, args.repeats):  # (-1: a warm-up run)
+            with kept_heap():
+                started = time.perf_counter()
+                steps = plan_partitioned(slices, config)
+                fetched = sum(len(part.fetch_keys) for step in steps for part in step.trainers)
+                if repeat >= 0:
+                    took.append(time.perf_counter() - started)
+        ids, median = sum(len(part) for parts in slices for part in parts), statistics.median(took)
+        print(f"{data}: partitioned plan, {args.partitioned} trainers: {1e3 * median / len(slices):.1f} ms a batch "
+              f"({ids / median / 1e6:.1f}M ids/s; runs {[round(t, 2) for t in took]} s), {fetched:,} rows fetched")
 
 
 if __name__ == "__main__":
