@@ -14,7 +14,8 @@ categorical feature, dot-product interactions, a top MLP, BCE loss. Only the emb
   the dense optimizer. With ``--policy lookahead`` the data loader is wrapped in ``bagpipe.nn.Lookahead``.
   With ``--storage disk`` the full tables live in a file of records behind ``--storage-budget-mb`` of DRAM.
 
-Both end with the same parameters bit for bit (``--save`` writes them; a state dict loads into either).
+Both end with the same parameters bit for bit (``--save`` writes them; a state dict loads into either, into the plain
+loop's with ``strict=False``: the cached tables' also hold their optimizer state).
 The data is synthetic: Zipf-distributed ids over 26 tables and a label that depends on them.
 """
 

@@ -90,7 +90,7 @@ def test_training_equals_the_reference_bit_for_bit_with_evictions_every_iteratio
     loop = Lookahead(batches, cached, lookahead=8, prefetch=policy == "lookahead-prefetch") \
         if policy.startswith("lookahead") else batches
     if policy.startswith("lookahead"):  # a planned batch's ids are placed where the planner's sort put them
-        monkeypatch.setattr("bagpipe.nn.cached_bag.unique_inverse", _sorted_again)
+        monkeypatch.setattr("bagpipe.nn.rows.unique_inverse", _sorted_again)
     fetched = []  # rows fetched so far, as each iteration starts (lookahead fetches before handing a batch out)
     for ids, offsets, target in loop:
         fetched.append(cached.rows.stats["rows_fetched"])
@@ -306,7 +306,7 @@ def test_a_collection_equals_one_embedding_bag_per_table_bit_for_bit():
         assert torch.equal(reference.weight.detach(), collection.weight(t)), t
     plain = nn.Module()
     plain.embedding_bags = nn.ModuleList(nn.EmbeddingBag(*shape) for shape in shapes)
-    plain.load_state_dict(collection.state_dict())
+    plain.load_state_dict(collection.state_dict(), strict=False)  # (the optimizer state: no place in it)
     assert torch.equal(plain.embedding_bags[3].weight, references[3].weight)
 
 
@@ -393,8 +393,10 @@ def test_the_cached_dlrm_example_ends_where_the_plain_loop_does(tmp_path, policy
     example.main([*common, "--embeddings", "plain", "--save", str(tmp_path / "plain.pt")])
     assert cached["hit_rate"] < 0.95  # 3,000 of 52,000 rows cached: rows came and went
     ours, theirs = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("cached", "plain"))
+    assert ours["dense"].keys() == theirs["dense"].keys()
+    extra = set(ours["embeddings"]) - set(theirs["embeddings"])  # the cached tables' optimizer state besides
+    assert set(theirs["embeddings"]) <= set(ours["embeddings"]) and all(k.endswith(".optimizer_state") for k in extra)
     for part in ("dense", "embeddings"):
-        assert ours[part].keys() == theirs[part].keys()
         for name, value in theirs[part].items():
             assert torch.equal(ours[part][name], value), name
 

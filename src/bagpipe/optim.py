@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bagpipe.embeddings.tables import Lookup, update_rows
+from bagpipe.embeddings.tables import Lookup, sparse_row_sums, update_rows
 
 OPTIMIZER_NAMES = ("sgd", "adagrad", "adam")
 
@@ -90,8 +90,7 @@ class RowWise(torch.optim.Optimizer):
                 state = self.state[param]
                 if "rows" not in state:
                     state["rows"] = param.new_zeros(param.shape[0], self.row_optimizer.state_width(param.shape[1]))
-                grad = param.grad.coalesce()
-                index = grad.indices()[0]
+                index, grads = sparse_row_sums(param.grad)  # (each row's contributions in the order they came)
                 update_rows(self.row_optimizer, param.data, state["rows"],
-                            Lookup(index, param.data.index_select(0, index)), grad.values())
+                            Lookup(index, param.data.index_select(0, index)), grads)
         return loss

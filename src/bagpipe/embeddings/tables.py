@@ -236,6 +236,24 @@ class EmbeddingTables:
         self.state[space].copy_(torch.from_numpy(state))
 
 
+def row_sums(index: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each distinct ``index``'s ``values`` summed in the order they come (a left fold), the indices sorted: how
+    every row gradient of bagpipe.nn and RowWise is summed from a sparse gradient's entries, one per id looked up.
+
+    One rule for every path, so that they agree bit for bit however the lookups are grouped: a table alone, the
+    tables of a space in one lookup, several backward passes accumulated. (``coalesce()`` is not such a rule:
+    its sort is unstable at small sizes, so a row's sum depends on what else is in the tensor.) A stable sort and
+    a segment sum: deterministic on CUDA too, where ``index_add_`` adds in no fixed order."""
+    ordered, order = torch.sort(index, stable=True)
+    distinct, counts = torch.unique_consecutive(ordered, return_counts=True)
+    return distinct, torch.segment_reduce(values.index_select(0, order), "sum", lengths=counts)
+
+
+def sparse_row_sums(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse ``[N, D]`` gradient (coalesced or not) as its rows' indices and their ``row_sums``."""
+    return row_sums(grad._indices()[0], grad._values())
+
+
 @torch.no_grad()
 def update_rows(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Tensor, lookup: Lookup,
                 grads: torch.Tensor | None = None) -> None:

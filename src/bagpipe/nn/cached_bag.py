@@ -25,7 +25,6 @@ from torch import nn
 from bagpipe.nn.host import host_table, initial_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows, accumulating
 from bagpipe.nn.slots import CLEANUP_FRACTION
-from bagpipe.planner.keys import unique_inverse
 from bagpipe.optim import RowOptimizer, make_row_optimizer
 from bagpipe.storage import StorageSpec
 
@@ -115,12 +114,9 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError("offsets is required when input is 1-D")
         if input.dim() not in (1, 2):
             raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D")
-        ids, placed = input.detach().cpu().numpy().reshape(-1), self.rows.placed
-        if placed is not None and np.array_equal(ids, placed[0]):  # the batch a Lookahead planned: placed by its sort
-            keys, positions = self.rows.planned[0], placed[1]
-        else:
-            keys, positions = unique_inverse(ids)  # (np.unique's, by one sort)
-        slots = self.rows.make_resident(keys)
+        if input.dtype not in (torch.int64, torch.int32):  # (a float id would be truncated silently)
+            raise ValueError(f"input must hold integer ids (torch.int64 or torch.int32), got {input.dtype}")
+        keys, slots, positions = self.rows.resident_positions(input.cpu().numpy().reshape(-1))
         device = self.rows.cache_weight.device
         rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
         if torch.is_grad_enabled() and self.requires_grad:

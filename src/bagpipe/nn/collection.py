@@ -17,18 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bagpipe.nn.cached_bag import MODES, row_optimizer
+from bagpipe.nn.cached_bag import MODES, STATE_KEY, row_optimizer
 from bagpipe.nn.host import host_table, initial_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows, accumulating, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
-from bagpipe.planner.keys import unique_inverse
 from bagpipe.storage import StorageSpec
 
 
 class CachedEmbeddingBagCollection(nn.Module):
     """``tables``: ``(num_embeddings, embedding_dim)`` per table. ``forward(inputs, offsets=None,
     per_sample_weights=None)`` takes one entry per table, each as ``nn.EmbeddingBag`` takes it (1-D with
-    offsets, or 2-D), and returns one pooled ``[bags, dim]`` tensor per table.
+    offsets, or 2-D), and returns one pooled ``[bags, dim]`` tensor per table. ``mode``: "sum" by default, as
+    TorchRec's EmbeddingBagCollection pools (``nn.EmbeddingBag``'s default is "mean"), or "mean". Ids must be
+    integers (int64 or int32; anything else is a ValueError, as ``nn.EmbeddingBag`` refuses it).
 
     ``cache_rows``: rows cached in all (split among the widths in proportion to their rows), or one count
     per width in order of first appearance. ``weights``: each table's initial rows (default N(0, 1), as
@@ -37,7 +38,14 @@ class CachedEmbeddingBagCollection(nn.Module):
     tables live, as for ``CachedEmbeddingBag`` (one file per width on disk, the DRAM budget split among the
     widths in proportion to their rows). As there, the rows are stepped inside ``backward()`` (``accumulate()``
     holds the steps for one on the summed gradient), and without ``optimizer`` with SGD at lr 1e-3 and a
-    UserWarning; the optimizer state is not in ``state_dict()``.
+    UserWarning. ``state_dict()`` also holds each table's optimizer state for Adagrad and Adam
+    (``embedding_bags.{t}.optimizer_state``, as ``CachedEmbeddingBag``'s), so that a reloaded collection trains on
+    as the saved one would have; a plain ``nn.ModuleList`` of ``nn.EmbeddingBag`` loads it with ``strict=False``.
+
+    One lookup per width (space), not per table: a forward makes every table's rows of a width resident at once
+    (one sort, one eviction choice), gathers them in one ``index_select`` and pools every table's bags in one
+    ``embedding_bag``; the backward steps them in one fused update. The work dispatched per iteration does not
+    grow with the number of tables (tests/test_nn_pytorch.py counts it).
     """
 
     def __init__(self, tables: Sequence[tuple[int, int]], *, cache_rows: int | Sequence[int], mode: str = "sum",
@@ -76,6 +84,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             spaces.append(CachedRows(host, cache_rows=shares[space], optimizer=optimizer_, policy=policy,
                                      cleanup_fraction=cleanup_fraction, device=device))
         self.spaces = nn.ModuleList(spaces)
+        self.members = [[t for t, s in enumerate(self.space_of) if s == space] for space in range(len(dims))]
 
     def forward(self, inputs: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None] | None = None,
                 per_sample_weights: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
@@ -83,27 +92,44 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise ValueError(f"{len(inputs)} inputs for {len(self.tables)} tables")
         offsets = [None] * len(inputs) if offsets is None else list(offsets)
         weights = [None] * len(inputs) if per_sample_weights is None else list(per_sample_weights)
-        bags = [_as_bags(x, o, table=t) for t, (x, o) in enumerate(zip(inputs, offsets))]
+        ids = _host_ids(inputs)
+        bags = [_bag_starts(i, x, o, num_ids=len(ids[t]), table=t)
+                for t, (i, x, o) in enumerate(zip(ids, inputs, offsets))]
+        for t, table_ids in enumerate(ids):
+            if len(table_ids) and (table_ids.min() < 0 or table_ids.max() >= self.tables[t][0]):
+                raise IndexError(f"table {t}: an id outside [0, {self.tables[t][0]})")
         outputs: list[torch.Tensor | None] = [None] * len(inputs)
         for space, rows in enumerate(self.spaces):
-            members = [t for t, s in enumerate(self.space_of) if s == space]
-            for t in members:
-                if len(bags[t][0]) and (int(bags[t][0].min()) < 0 or int(bags[t][0].max()) >= self.tables[t][0]):
-                    raise IndexError(f"table {t}: an id outside [0, {self.tables[t][0]})")
-            # one admission for all members (their keys are in disjoint, increasing ranges: concatenated, sorted)
-            distinct = [unique_inverse(bags[t][0].cpu().numpy()) for t in members]  # (np.unique's, faster)
-            keys = [keys + self.offset_of[t] for t, (keys, _) in zip(members, distinct)]
-            slots = np.split(rows.make_resident(np.concatenate(keys)), np.cumsum([len(k) for k in keys])[:-1])
+            members = self.members[space]
+            # one lookup for the space: its tables' keys are disjoint ranges, so one sort numbers them all
+            keys, slots, positions = rows.resident_positions(
+                np.concatenate([ids[t] + self.offset_of[t] for t in members]))
             device = rows.cache_weight.device
-            for t, table_keys, table_slots, (_, positions) in zip(members, keys, slots, distinct):
-                # a leaf and a pooling per table: its gradient then sums as nn.EmbeddingBag's own does (rows.dense_rows)
-                leaf = rows.cache_weight.index_select(0, torch.from_numpy(table_slots).to(device))
-                if torch.is_grad_enabled():
-                    leaf.requires_grad_(True)
-                    leaf.register_hook(functools.partial(rows.fused_step, table_keys,
-                                                         table=(self.offset_of[t], self.tables[t][0])))
-                outputs[t] = F.embedding_bag(torch.from_numpy(positions).to(device).long(), leaf, bags[t][1].to(device),
-                                             mode=self.mode, sparse=True, per_sample_weights=weights[t])
+            leaf = rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
+            if torch.is_grad_enabled():
+                leaf.requires_grad_(True)
+                leaf.register_hook(functools.partial(  # one step for the space
+                    rows.fused_step, keys, tables=[(self.offset_of[t], self.tables[t][0], len(ids[t])) for t in members]))
+            positions = torch.from_numpy(positions).to(device).long()  # (int32 while copied)
+            # the tables pooled in one embedding_bag (one per kind, with or without per-sample weights): their
+            # bags one after the other, each's starts moved past the ids of the tables before it
+            groups = [[t for t in members if weights[t] is None], [t for t in members if weights[t] is not None]]
+            firsts = np.cumsum([0] + [len(ids[t]) for t in members])
+            first_of = dict(zip(members, firsts[:-1].tolist()))
+            for group in filter(None, groups):
+                if len(group) < len(members):
+                    at = np.concatenate([np.arange(first_of[t], first_of[t] + len(ids[t])) for t in group])
+                    group_positions = positions[torch.from_numpy(at).to(device)]
+                    starts = np.cumsum([0] + [len(ids[t]) for t in group])[:-1]
+                else:
+                    group_positions, starts = positions, firsts[:-1]
+                bag_starts = np.concatenate([bags[t] + start for t, start in zip(group, starts)])
+                pooled = F.embedding_bag(group_positions, leaf, torch.from_numpy(bag_starts).to(device),
+                                         mode=self.mode, sparse=True,
+                                         per_sample_weights=None if weights[group[0]] is None
+                                         else _flat_cat([weights[t] for t in group]))
+                for t, output in zip(group, torch.split(pooled, [len(bags[t]) for t in group])):
+                    outputs[t] = output
         return outputs
 
     # -- the full tables ------------------------------------------------------------------------------------
@@ -117,24 +143,39 @@ class CachedEmbeddingBagCollection(nn.Module):
         return space.host.rows(offset, offset + self.tables[table][0])[0]
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        for t in range(len(self.tables)):
-            destination[f"{prefix}embedding_bags.{t}.weight"] = self.weight(t)
+        for t, (num_rows, _) in enumerate(self.tables):
+            space = self.spaces[self.space_of[t]]
+            space.flush()
+            weights, state = space.host.rows(self.offset_of[t], self.offset_of[t] + num_rows)
+            destination[f"{prefix}embedding_bags.{t}.weight"] = weights
+            if state.shape[1]:  # as CachedEmbeddingBag's: SGD keeps none
+                destination[f"{prefix}embedding_bags.{t}.{STATE_KEY}"] = state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        names = {f"{prefix}embedding_bags.{t}.weight": t for t in range(len(self.tables))}
-        for name, t in names.items():
-            if name not in state_dict:
-                missing_keys.append(name)
-            elif tuple(state_dict[name].shape) != self.tables[t]:
-                error_msgs.append(f"size mismatch for {name}: {tuple(state_dict[name].shape)} against {self.tables[t]}")
-            else:
-                space = self.spaces[self.space_of[t]]
+        """As CachedEmbeddingBag's: each table's weight and optimizer state; a table given its weight alone
+        starts a fresh optimizer (zeros), one given neither is kept as it is."""
+        expected = set()
+        for t, (num_rows, dim) in enumerate(self.tables):
+            space = self.spaces[self.space_of[t]]
+            weight_key, state_key = f"{prefix}embedding_bags.{t}.weight", f"{prefix}embedding_bags.{t}.{STATE_KEY}"
+            shapes = {weight_key: (num_rows, dim)}
+            if space.host.state_width:
+                shapes[state_key] = (num_rows, space.host.state_width)
+            expected.update(shapes)
+            if weight_key not in state_dict:
+                missing_keys.append(weight_key)  # the optimizer state may be missing: it then starts afresh
+                continue
+            mismatched = [key for key in shapes if key in state_dict and tuple(state_dict[key].shape) != shapes[key]]
+            for key in mismatched:
+                error_msgs.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} against {shapes[key]}")
+            if not mismatched:
                 space.flush()
-                space.host.set_rows(self.offset_of[t], state_dict[name].detach())
+                space.host.load(state_dict[weight_key], state_dict.get(state_key) if state_key in shapes else None,
+                                start=self.offset_of[t])
         for rows in self.spaces:
             rows.reload()
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in names
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected
                                and not k[len(prefix):].startswith("spaces."))
 
     def accumulate(self) -> ContextManager[None]:
@@ -162,15 +203,42 @@ class CachedEmbeddingBagCollection(nn.Module):
         return hit_rate(total_stats(list(self.spaces)))
 
 
-def _as_bags(ids: torch.Tensor, offsets: torch.Tensor | None, *, table: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A table's input as 1-D ids and the offset of each bag."""
-    if ids.dim() == 2:
+def _host_ids(inputs: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Each table's ids, flat, as int64 in host memory (one copy from a device for all of them), refused as
+    ``nn.EmbeddingBag`` refuses them where they are not integers (a float id would be truncated silently)."""
+    for t, x in enumerate(inputs):
+        if x.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"table {t}: ids must be integers (torch.int64 or torch.int32), got {x.dtype}")
+        if x.dim() not in (1, 2):
+            raise ValueError(f"table {t}: the input must be 2-D, or 1-D with offsets, got {x.dim()}-D")
+    # (read through DLPack: no operation dispatched per table, where .numpy() dispatches a detach)
+    if all(x.device.type == "cpu" for x in inputs):
+        return [np.from_dlpack(x).reshape(-1).astype(np.int64, copy=False) for x in inputs]
+    flat = np.from_dlpack(_flat_cat(inputs).cpu())
+    return np.split(flat.astype(np.int64, copy=False), np.cumsum([x.numel() for x in inputs])[:-1])
+
+
+def _flat_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened one after the other: one cat where they have one shape past their first dimension
+    (the usual case: no operation per tensor), else one after flattening each."""
+    alike = all(x.shape[1:] == tensors[0].shape[1:] for x in tensors)
+    return torch.cat(tensors if alike else [x.reshape(-1) for x in tensors]).reshape(-1)
+
+
+def _bag_starts(ids: np.ndarray, x: torch.Tensor, offsets: torch.Tensor | None, *, num_ids: int,
+                table: int) -> np.ndarray:
+    """Where each bag of a table's input starts among its ``num_ids`` ids (1-D input: its offsets, checked;
+    2-D: one bag a row)."""
+    if x.dim() == 2:
         if offsets is not None:
             raise ValueError(f"table {table}: offsets must be None when the input is 2-D")
-        return ids.reshape(-1), torch.arange(0, ids.numel(), max(ids.shape[1], 1), device=ids.device)[:ids.shape[0]]
-    if ids.dim() != 1 or offsets is None:
+        return np.arange(x.shape[0], dtype=np.int64) * x.shape[1]
+    if offsets is None:
         raise ValueError(f"table {table}: the input must be 2-D, or 1-D with offsets")
-    return ids, offsets
+    starts = np.from_dlpack(offsets.cpu()).astype(np.int64, copy=False).reshape(-1)
+    if len(starts) and (starts[0] != 0 or starts[-1] > num_ids or (np.diff(starts) < 0).any()):
+        raise ValueError(f"table {table}: offsets must start at 0 and not decrease nor pass the {num_ids} ids")
+    return starts
 
 
 def _split(cache_rows: int | Sequence[int], sizes: list[int]) -> list[int]:

@@ -76,15 +76,15 @@ class HostTable:
             with self._lock:
                 self.tier.set_rows(start + first, part)
 
-    def load(self, weights: torch.Tensor, state: torch.Tensor | None) -> None:
-        """Every row and its optimizer state replaced (``state`` None: zeros, a fresh optimizer's), a block at a
-        time."""
-        for first in range(0, self.num_rows, INIT_BLOCK_ROWS):
-            stop = min(first + INIT_BLOCK_ROWS, self.num_rows)
+    def load(self, weights: torch.Tensor, state: torch.Tensor | None, *, start: int = 0) -> None:
+        """Rows from ``start`` on (default: every row) and their optimizer state replaced (``state`` None: zeros,
+        a fresh optimizer's), a block at a time."""
+        for first in range(0, len(weights), INIT_BLOCK_ROWS):
+            stop = min(first + INIT_BLOCK_ROWS, len(weights))
             part = weights[first:stop].detach().to("cpu", torch.float32)
             part_state = (torch.zeros(stop - first, self.state_width) if state is None
                           else state[first:stop].detach().to("cpu", torch.float32))
-            self.write(np.arange(first, stop, dtype=np.int64), part, part_state)
+            self.write(np.arange(start + first, start + stop, dtype=np.int64), part, part_state)
 
     def stats(self) -> dict:
         return self.tier.stats()

@@ -10,18 +10,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from bagpipe.device import HostStaging
-from bagpipe.embeddings import Lookup, update_rows
+from bagpipe.embeddings import Lookup, sparse_row_sums, update_rows
 from bagpipe.nn.host import HostTable
 from bagpipe.nn.slots import CLEANUP_FRACTION, SlotIndex
 from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlanStep
+from bagpipe.planner.keys import unique_inverse
 
 
 class CachedRows(nn.Module):
@@ -79,6 +80,17 @@ class CachedRows(nn.Module):
         self._write_back(admission.evict_keys, admission.evict_slots)
         self._install(admission.fetch_keys, admission.fetch_slots)
         return admission.batch_slots
+
+    def resident_positions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A lookup of ``ids`` (keys, flat, repeats allowed) made resident: its distinct keys (sorted), their
+        slots and each id's index among them. The batch a plan step placed (``placed``) takes the planner's
+        numbering; any other is numbered by one sort."""
+        placed = self._placed
+        if placed is not None and np.array_equal(ids, placed[0]):
+            keys, positions = self._planned[0], placed[1]
+        else:
+            keys, positions = unique_inverse(ids)  # (np.unique's, by one sort)
+        return keys, self.make_resident(keys), positions
 
     def carry_out(self, step: PlanStep, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                   ids: np.ndarray | None = None) -> None:
@@ -146,38 +158,45 @@ class CachedRows(nn.Module):
     def step(self, keys: np.ndarray, grads: torch.Tensor) -> None:
         """Row-optimizer step on rows ``keys``, wherever they are now: in the cache, or on the host if they
         were evicted since they were looked up."""
-        slots = torch.from_numpy(self.index.locate(keys))
-        cached = slots >= 0
-        if bool(cached.all()):
-            self._step_rows(self.cache_weight, self.cache_state, slots.to(grads.device), grads)
+        slots = self.index.locate(keys)
+        cached = slots >= 0  # (decided on the host: the slots are the index's)
+        if cached.all():
+            self._step_rows(self.cache_weight, self.cache_state, torch.from_numpy(slots).to(grads.device), grads)
             return
-        self._step_rows(self.cache_weight, self.cache_state, slots[cached].to(grads.device),
-                        grads[cached.to(grads.device)])
-        evicted = ~cached.numpy()
-        if evicted.any():
-            self.host.step(self.optimizer, keys[evicted], grads[(~cached).to(grads.device)].cpu())
+        self._step_rows(self.cache_weight, self.cache_state, torch.from_numpy(slots[cached]).to(grads.device),
+                        grads[torch.from_numpy(cached).to(grads.device)])
+        evicted = ~cached
+        self.host.step(self.optimizer, keys[evicted], grads[torch.from_numpy(evicted).to(grads.device)].cpu())
 
-    def fused_step(self, keys: np.ndarray, grad: torch.Tensor, *, table: tuple[int, int] | None = None) -> None:
-        """The backward reached a lookup of ``keys`` (a hook on its leaf): step them with their gradient, or hold
-        it while accumulating. ``table``: the first key and the rows of the lookup's table (default: all)."""
-        if self.pending is not None:
-            offset, num_rows = table or (0, self.num_rows)
-            self.pending.setdefault((offset, num_rows), []).append(table_gradient(grad, keys - offset, num_rows))
+    def fused_step(self, keys: np.ndarray, grad: torch.Tensor, *, tables: Sequence[tuple[int, int, int]] = ()) -> None:
+        """The backward reached a lookup of ``keys`` (a hook on its leaf, whose row i is key ``keys[i]``'s): step
+        them with their gradient, or hold it while accumulating. ``tables``: the lookup's tables in the order its
+        ids come (first key, rows, ids looked up in each); default: the whole space, as one table."""
+        if self.pending is None:
+            self.step(keys, dense_rows(grad, len(keys)))
             return
-        self.step(keys, dense_rows(grad, len(keys)))
+        entry_keys, values = entry_gradients(grad, keys)
+        tables = tables or ((0, self.num_rows, len(entry_keys)),)
+        counts = [count for _, _, count in tables]
+        for (offset, num_rows, _), table_keys, table_values in zip(tables, entry_keys.split(counts),
+                                                                   values.split(counts)):
+            self.pending.setdefault((offset, num_rows), []).append(torch.sparse_coo_tensor(
+                (table_keys - offset).unsqueeze(0), table_values, (num_rows, values.shape[1]), check_invariants=False))
 
     def step_pending(self) -> None:
         """One step on the sum of the gradients held since accumulating began: each table's added up as autograd
         adds up the sparse gradients of its ``nn.EmbeddingBag(sparse=True)``'s weight over several backward
-        passes (the same additions, so the same rounding); the rows are stepped wherever they are now."""
+        passes (the same additions, so the same entries in the same order), then summed per row as RowWise sums
+        them; the rows are stepped wherever they are now. (Only here does a collection's work go table by
+        table: autograd's sum of sparse gradients is a merge whose order follows each table's own entries.)"""
         pending, self.pending = self.pending, None
         if not pending:
             return
         keys, values = [], []
         for (offset, _), grads in sorted(pending.items()):
-            grad = functools.reduce(operator.add, grads).coalesce()
-            keys.append(grad.indices()[0] + offset)
-            values.append(grad.values())
+            index, sums = sparse_row_sums(functools.reduce(operator.add, grads))
+            keys.append(index + offset)
+            values.append(sums)
         self.step(torch.cat(keys).cpu().numpy(), torch.cat(values))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "CachedRows":
@@ -268,24 +287,22 @@ def accumulating(spaces: list[CachedRows]) -> Iterator[None]:
         rows.step_pending()
 
 
-def table_gradient(grad: torch.Tensor, keys: np.ndarray, num_rows: int) -> torch.Tensor:
-    """A lookup of ``keys`` (its table's ids)'s gradient as a sparse gradient over its table of ``num_rows``, its
-    entries in embedding_bag's order: what ``nn.EmbeddingBag(sparse=True)``'s weight gets from the same lookup."""
+def entry_gradients(grad: torch.Tensor, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lookup's gradient (its leaf's row i is key ``keys[i]``'s) as the key of each entry and its values, in
+    embedding_bag's order (one entry per id looked up): what RowWise sums for ``nn.EmbeddingBag(sparse=True)``."""
     keys = torch.from_numpy(keys).to(grad.device)
-    index, values = (keys[grad._indices()[0]], grad._values()) if grad.is_sparse else (keys, grad)
-    return torch.sparse_coo_tensor(index.unsqueeze(0), values, (num_rows, values.shape[1]), check_invariants=False)
+    return (keys[grad._indices()[0]], grad._values()) if grad.is_sparse else (keys, grad)
 
 
 def dense_rows(grad: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """A lookup's gradient as ``[num_rows, D]``: embedding_bag's sparse gradient coalesced (each row's
-    contributions summed in the order nn.EmbeddingBag(sparse=True) sums them), rows it lacks zero.
+    """A lookup's gradient as ``[num_rows, D]``: embedding_bag's sparse gradient summed per row by ``row_sums``
+    (each row's contributions in the order they came, as RowWise sums them), rows it lacks zero.
 
-    The order is coalesce's sort of the ids' positions, which only the positions' relative order decides:
-    a lookup of one table's ids, numbered by their rank, sums as a lookup of the ids themselves does."""
+    The sums follow each row's own entries alone, so a lookup of one table's ids sums as one of all a space's
+    tables does, and as one of the ids themselves (numbered by rank) does."""
     if not grad.is_sparse:
         return grad
-    grad = grad.coalesce()
-    indices, values = grad.indices()[0], grad.values()
+    indices, values = sparse_row_sums(grad)
     if len(indices) == num_rows:
         return values
     return values.new_zeros(num_rows, values.shape[1]).index_copy_(0, indices, values)

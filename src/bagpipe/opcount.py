@@ -1,0 +1,36 @@
+"""Count the aten operations a piece of code dispatches: the fixed cost of a training step, whatever the device.
+
+On a GPU each operation is at least one kernel launch and its Python around it, so a step's count is what its
+host time follows; a ``_local_scalar_dense`` is a read of a tensor's value on the host (``.item()``, ``int()``,
+``bool()``), a wait for the device where the tensor lives there. Counted on the CPU, it tells the GPU's story
+without one (benchmarks/bench_step.py, the tests of bagpipe.nn).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READ = "_local_scalar_dense"
+
+
+class OpCounter(TorchDispatchMode):
+    """``with OpCounter() as ops: ...``: ``ops.counts`` maps each aten operation's name to how often the block
+    dispatched it (top-level operations only: those an operation runs inside its kernel are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def host_reads(self) -> int:
+        return self.counts[HOST_READ]
