@@ -1,0 +1,195 @@
+"""The fixed cost of a training step, measured on the CPU: aten operations dispatched per iteration (each one a
+kernel launch and its Python on a GPU; ``host reads``: values read back from a tensor, a wait on a GPU) and host
+milliseconds per iteration at a tiny batch, where the step's own overhead is all there is.
+
+    .venv/bin/python benchmarks/bench_step.py [--repeats 3] [--out FILE.json]
+    .venv/bin/python benchmarks/bench_step.py --before OTHER_CHECKOUT [--repeats 3]   # before/after, alternated
+
+Cases (26 tables of 100,000 rows unless said, the gpu-check's shape of DLRM at a smaller scale):
+- ``nn``: ``bagpipe.nn.CachedEmbeddingBagCollection``, Adagrad, forward + backward with the fused steps (the
+  embedding side alone: the backward starts from given output gradients), an LRU cache of 5%, at 4 and 26 tables;
+  also its samples/s at batch 2,048, dim 16 (one DLRM-sized lookup per table);
+- ``reference``: ``reference.train_step`` (DLRM, every table in memory), the loss read every iteration as
+  ``--mode reference`` reads it;
+- ``single``: the same step over ``--mode single``'s ``CachedTables`` (a 5% cache, planned by ``Lookahead``).
+Counts are of one steady iteration; ms are medians over ``--iterations`` after a warm-up, one thread. With
+``--before`` every case runs in a child process per checkout, the two alternated ``--repeats`` times, and the
+table gives both and their ratio (ops are deterministic; ms medians of the repeats). A case the other checkout
+cannot run is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROWS, WARMUP = 100_000, 5
+OPCOUNT = Path(__file__).resolve().parent.parent / "src" / "bagpipe" / "opcount.py"
+
+
+def OpCounter():
+    """This checkout's counter, whichever checkout's code is measured (one from before it has none)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step_opcount", OPCOUNT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.OpCounter()
+
+
+def _zipf_ids(generator, *, batch: int, tables: int, rows: int):
+    import torch
+
+    # a Zipf-like skew (hot rows first), the same draw in every checkout
+    u = torch.rand(batch, tables, generator=generator)
+    return (rows * u.pow(3.0)).long().clamp_(max=rows - 1)
+
+
+def case_nn(*, tables: int, batch: int, dim: int, iterations: int) -> dict:
+    import torch
+
+    from bagpipe.nn import CachedEmbeddingBagCollection
+
+    shapes = [(ROWS, dim)] * tables
+    collection = CachedEmbeddingBagCollection(shapes, cache_rows=ROWS * tables // 20, optimizer="adagrad", lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    batches = [[column.unsqueeze(1) for column in _zipf_ids(generator, batch=batch, tables=tables, rows=ROWS).T]
+               for _ in range(iterations + WARMUP)]
+    grads = [torch.ones(batch, dim)] * tables
+
+    def step(inputs) -> None:
+        torch.autograd.backward(collection(inputs), grads)
+
+    for inputs in batches[:WARMUP - 1]:
+        step(inputs)
+    with OpCounter() as ops:
+        step(batches[WARMUP - 1])
+    times = []
+    for inputs in batches[WARMUP:]:
+        start = time.perf_counter()
+        step(inputs)
+        times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1e3
+    return {"ops": ops.total, "host_reads": ops.host_reads, "ms": ms, "samples_per_s": batch / ms * 1e3}
+
+
+def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int) -> dict:
+    import torch
+
+    from bagpipe.config import ModelConfig, TrainConfig
+    from bagpipe.data.batches import Batch
+    from bagpipe.data.schema import Schema
+    from bagpipe.nn import CachedTables, Lookahead
+    from bagpipe.reference import build_model, build_tables, train_step
+
+    schema = Schema.one_hot([ROWS] * tables, num_dense=13)
+    config = TrainConfig(data="-", run_dir="-", optimizer="adagrad", lr=0.01, seed=1,
+                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-64-{dim}", arch_mlp_top="128-64-1"))
+    model, embedding_tables = build_model(config, schema), build_tables(config, schema)
+    dense_optimizer = embedding_tables.optimizer.dense_optimizer(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    batches = [Batch(dense_x=torch.rand(batch, 13, generator=generator),
+                     ids=_zipf_ids(generator, batch=batch, tables=tables, rows=ROWS),
+                     target=torch.randint(0, 2, (batch,), generator=generator).float())
+               for _ in range(iterations + WARMUP)]
+    loop = batches
+    if mode == "single":
+        cache_rows = embedding_tables.layout.split_cache(ROWS * tables // 20, batch_size=batch)
+        embedding_tables = CachedTables.over(embedding_tables, cache_rows=cache_rows, policy="lru")
+        loop = Lookahead(batches, embedding_tables, ids=lambda b: b.ids, lookahead=16)
+    times, ops = [], None
+    for i, item in enumerate(loop):
+        start = time.perf_counter()
+        if i == WARMUP - 1:
+            with OpCounter() as ops:
+                train_step(model, embedding_tables, dense_optimizer, item)
+            continue
+        train_step(model, embedding_tables, dense_optimizer, item)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return {"ops": ops.total, "host_reads": ops.host_reads, "ms": statistics.median(times) * 1e3}
+
+
+CASES = {
+    "nn 4 tables, batch 64, dim 8": lambda it: case_nn(tables=4, batch=64, dim=8, iterations=it),
+    "nn 26 tables, batch 64, dim 8": lambda it: case_nn(tables=26, batch=64, dim=8, iterations=it),
+    "nn 26 tables, batch 2048, dim 16": lambda it: case_nn(tables=26, batch=2048, dim=16, iterations=it),
+    "reference, batch 64, dim 8": lambda it: case_dlrm(mode="reference", tables=26, batch=64, dim=8, iterations=it),
+    "single 5%, batch 64, dim 8": lambda it: case_dlrm(mode="single", tables=26, batch=64, dim=8, iterations=it),
+}
+
+
+def run_child(case: str, iterations: int, src: Path) -> dict:
+    """One case in a fresh process on ``src``'s code, one thread."""
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, __file__, "--child", case, "--iterations", str(iterations)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        return {"error": (done.stderr.strip().splitlines() or ["exit code %d" % done.returncode])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--before", type=Path, help="another checkout: its code is measured too, alternated")
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="default: every case")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps(CASES[args.child](args.iterations)))
+        return
+    here = Path(__file__).resolve().parent.parent / "src"
+    checkouts = {"after": here} if args.before is None else {"before": args.before.resolve() / "src", "after": here}
+    results: dict = {}
+    for case in args.case or list(CASES):
+        runs = {name: [] for name in checkouts}
+        for _ in range(args.repeats):
+            for name, src in checkouts.items():  # alternated: the machine's drift falls on both alike
+                runs[name].append(run_child(case, args.iterations, src))
+        results[case] = {name: _summary(found) for name, found in runs.items()}
+        print(_line(case, results[case]), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+def _summary(runs: list[dict]) -> dict:
+    if any("error" in run for run in runs):
+        return {"error": next(run["error"] for run in runs if "error" in run)}
+    summary = {"ops": runs[0]["ops"], "host_reads": runs[0]["host_reads"],
+               "ms": statistics.median(run["ms"] for run in runs)}
+    if "samples_per_s" in runs[0]:
+        summary["samples_per_s"] = statistics.median(run["samples_per_s"] for run in runs)
+    return summary
+
+
+def _line(case: str, result: dict) -> str:
+    parts = []
+    for name, summary in result.items():
+        if "error" in summary:
+            parts.append(f"{name}: cannot run ({summary['error']})")
+            continue
+        text = f"{name}: {summary['ops']} ops ({summary['host_reads']} host reads), {summary['ms']:.2f} ms"
+        if "samples_per_s" in summary:
+            text += f", {summary['samples_per_s']:,.0f} samples/s"
+        parts.append(text)
+    if len(result) == 2 and not any("error" in s for s in result.values()):
+        before, after = result["before"], result["after"]
+        parts.append(f"after/before: ops {after['ops'] / before['ops']:.2f}x, ms {after['ms'] / before['ms']:.2f}x")
+    return f"{case}: " + "; ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
