@@ -139,7 +139,9 @@ class Embeddings(list):
 
     def __init__(self, spaces: list[torch.Tensor], layout: EmbeddingLayout, ids: torch.Tensor) -> None:
         self.spaces, self.layout, self.ids = spaces, layout, ids
-        super().__init__(spaces[spec.space][:, spec.start] if spec.stop - spec.start == 1
+        # a space's one-column entries from one unbind (one operation, where a view each was one apiece)
+        columns = {s: spaces[s].unbind(1) for s in {spec.space for spec in layout.lookups if spec.stop - spec.start == 1}}
+        super().__init__(columns[spec.space][spec.start] if spec.stop - spec.start == 1
                          else spaces[spec.space][:, spec.start:spec.stop] for spec in layout.lookups)
 
     def stack(self, lookups: Sequence[int] | None = None) -> torch.Tensor:
