@@ -11,7 +11,11 @@ Cases (26 tables of 100,000 rows unless said, the gpu-check's shape of DLRM at a
   also its samples/s at batch 2,048, dim 16 (one DLRM-sized lookup per table);
 - ``reference``: ``reference.train_step`` (DLRM, every table in memory), the loss read every iteration as
   ``--mode reference`` reads it;
-- ``single``: the same step over ``--mode single``'s ``CachedTables`` (a 5% cache, planned by ``Lookahead``).
+- ``single``: the same step over ``--mode single``'s ``CachedTables`` (a 5% cache, planned by ``Lookahead``);
+- ``job reference|single|bagpipe``: whole ``bagpipe train`` jobs (one trainer for bagpipe), batch 64, dim 8, on
+  ``bagpipe synth`` data made once in ``--work-dir`` (26 tables of up to 100,000 rows): the steady ms per
+  iteration of the summary's phases, and the operations and host reads of the first steady iteration that the
+  summary records (``ops_per_iteration``; trainer 0's for bagpipe; code from before it records none).
 Counts are of one steady iteration; ms are medians over ``--iterations`` after a warm-up, one thread. With
 ``--before`` every case runs in a child process per checkout, the two alternated ``--repeats`` times, and the
 table gives both and their ratio (ops are deterministic; ms medians of the repeats). A case the other checkout
@@ -116,6 +120,29 @@ def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int) 
     return {"ops": ops.total, "host_reads": ops.host_reads, "ms": statistics.median(times) * 1e3}
 
 
+def case_job(*, mode: str, data: Path, work: Path, src: Path, iterations: int) -> dict:
+    """A whole ``bagpipe train`` job on ``src``'s code (one trainer for ``--mode bagpipe``), batch 64, dim 8, one
+    thread: its steady ms per iteration (the phases of its summary added up) and, where that code records them,
+    trainer 0's operations and host reads in its first steady iteration."""
+    run_dir = work / f"run-{mode}"
+    extra = {"reference": [], "single": ["--cache-rows", "130000"],
+             "bagpipe": ["--trainers", "1", "--cache-rows", "130000"]}[mode]
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "bagpipe.cli", "train", "--data", str(data), "--run-dir", str(run_dir),
+                           "--overwrite", "--mode", mode, *extra, "--iterations", str(iterations + 20),
+                           "--batch-size", "64", "--emb-dim", "8", "--arch-mlp-bot", "13-64-8", "--threads", "1",
+                           "--no-progress"], env=env, capture_output=True, text=True)
+    if done.returncode:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ops, reads = summary.get("ops_per_iteration"), summary.get("host_reads_per_iteration")
+    if isinstance(ops, dict):  # a job of trainers: trainer 0's
+        ops, reads = ops.get("trainer0"), reads.get("trainer0")
+    return {"ops": ops, "host_reads": reads, "ms": sum(summary["time_breakdown_ms"].values())}
+
+
+JOBS = ("reference", "single", "bagpipe")
+
 CASES = {
     "nn 4 tables, batch 64, dim 8": lambda it: case_nn(tables=4, batch=64, dim=8, iterations=it),
     "nn 26 tables, batch 64, dim 8": lambda it: case_nn(tables=26, batch=64, dim=8, iterations=it),
@@ -125,8 +152,10 @@ CASES = {
 }
 
 
-def run_child(case: str, iterations: int, src: Path) -> dict:
+def run_child(case: str, iterations: int, src: Path, work: Path) -> dict:
     """One case in a fresh process on ``src``'s code, one thread."""
+    if case.startswith("job "):
+        return case_job(mode=case.split()[1], data=work / "data", work=work, src=src, iterations=iterations)
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, __file__, "--child", case, "--iterations", str(iterations)],
                           env=env, capture_output=True, text=True)
@@ -140,8 +169,10 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--before", type=Path, help="another checkout: its code is measured too, alternated")
-    parser.add_argument("--case", action="append", choices=sorted(CASES), help="default: every case")
+    parser.add_argument("--case", action="append", choices=[*CASES, *(f"job {mode}" for mode in JOBS)],
+                        help="default: every case")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_step"), help="the jobs' data and runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -152,12 +183,17 @@ def main() -> None:
         return
     here = Path(__file__).resolve().parent.parent / "src"
     checkouts = {"after": here} if args.before is None else {"before": args.before.resolve() / "src", "after": here}
+    cases = args.case or [*CASES, *(f"job {mode}" for mode in JOBS)]
+    if any(case.startswith("job ") for case in cases) and not (args.work_dir / "data").exists():
+        subprocess.run([sys.executable, "-m", "bagpipe.cli", "synth", "--out", str(args.work_dir / "data"), "--rows",
+                        "40000", "--test-rows", "2000", "--seed", "1", "--max-rows-per-table", "100000"],
+                       env={**os.environ, "PYTHONPATH": str(here)}, check=True, capture_output=True)
     results: dict = {}
-    for case in args.case or list(CASES):
+    for case in cases:
         runs = {name: [] for name in checkouts}
         for _ in range(args.repeats):
             for name, src in checkouts.items():  # alternated: the machine's drift falls on both alike
-                runs[name].append(run_child(case, args.iterations, src))
+                runs[name].append(run_child(case, args.iterations, src, args.work_dir))
         results[case] = {name: _summary(found) for name, found in runs.items()}
         print(_line(case, results[case]), flush=True)
     if args.out:
@@ -168,7 +204,7 @@ def main() -> None:
 def _summary(runs: list[dict]) -> dict:
     if any("error" in run for run in runs):
         return {"error": next(run["error"] for run in runs if "error" in run)}
-    summary = {"ops": runs[0]["ops"], "host_reads": runs[0]["host_reads"],
+    summary = {"ops": runs[0]["ops"], "host_reads": runs[0]["host_reads"],  # (None: not recorded by that code)
                "ms": statistics.median(run["ms"] for run in runs)}
     if "samples_per_s" in runs[0]:
         summary["samples_per_s"] = statistics.median(run["samples_per_s"] for run in runs)
@@ -181,13 +217,15 @@ def _line(case: str, result: dict) -> str:
         if "error" in summary:
             parts.append(f"{name}: cannot run ({summary['error']})")
             continue
-        text = f"{name}: {summary['ops']} ops ({summary['host_reads']} host reads), {summary['ms']:.2f} ms"
+        counted = "ops not recorded" if summary["ops"] is None else f"{summary['ops']} ops ({summary['host_reads']} host reads)"
+        text = f"{name}: {counted}, {summary['ms']:.2f} ms"
         if "samples_per_s" in summary:
             text += f", {summary['samples_per_s']:,.0f} samples/s"
         parts.append(text)
     if len(result) == 2 and not any("error" in s for s in result.values()):
         before, after = result["before"], result["after"]
-        parts.append(f"after/before: ops {after['ops'] / before['ops']:.2f}x, ms {after['ms'] / before['ms']:.2f}x")
+        ops = f"ops {after['ops'] / before['ops']:.2f}x, " if before["ops"] and after["ops"] else ""
+        parts.append(f"after/before: {ops}ms {after['ms'] / before['ms']:.2f}x")
     return f"{case}: " + "; ".join(parts)
 
 

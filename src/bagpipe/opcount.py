@@ -34,3 +34,37 @@ class OpCounter(TorchDispatchMode):
     @property
     def host_reads(self) -> int:
         return self.counts[HOST_READ]
+
+
+class StepCount:
+    """The operations of one steady iteration of a training loop, for its summary (``ops_per_iteration``): the
+    loop calls ``begin(n)`` where its ``n``-th iteration starts (before its batch is fetched) and ``end(n)`` where
+    it ends; only iteration ``at`` (the first after the warm-up) is counted. Only the calling thread's operations
+    count: the dispatch mode is thread-local, so background readers and sums are left out. ``close()`` (also on
+    an error) leaves no counter behind."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self._counter: OpCounter | None = None
+        self.counted: OpCounter | None = None
+
+    def begin(self, n: int) -> None:
+        if n == self.at and self._counter is None and self.counted is None:
+            self._counter = OpCounter()
+            self._counter.__enter__()
+
+    def end(self, n: int) -> None:
+        if n == self.at:
+            self.close()
+
+    def close(self) -> None:
+        if self._counter is not None:
+            counter, self._counter = self._counter, None
+            counter.__exit__(None, None, None)
+            self.counted = counter
+
+    def summary(self) -> dict:
+        """``ops_per_iteration`` and ``host_reads_per_iteration`` (none until an iteration was counted)."""
+        if self.counted is None:
+            return {}
+        return {"ops_per_iteration": self.counted.total, "host_reads_per_iteration": self.counted.host_reads}

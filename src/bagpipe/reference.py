@@ -36,6 +36,7 @@ from bagpipe.faults import inject_fault
 from bagpipe.metrics import CounterWindow, share
 from bagpipe.optim import make_row_optimizer
 from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
+from bagpipe.opcount import StepCount
 from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.ranking import NextItemRanking
@@ -262,6 +263,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     # The iterations, each logged; a checkpoint written in the background at each one due.
     timer = Timer(warmup=min(config.warmup_iterations, max(iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
+    step_ops = StepCount(at=start + timer.warmup)  # (counted from its batch's fetch: a plan step's work too)
+    cleanup.callback(step_ops.close)
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)
     cache_figures = _cache_window(tables) if config.mode == "single" else None
@@ -279,10 +282,12 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
                             cleanup_fraction=cleanup_fraction)
     clock.restart()
+    step_ops.begin(start)
     for iteration, batch in enumerate(batches, start=start):
         clock.lap("data")
         loss = train_step(model, tables, dense_optimizer, batch.to(device), clock, slices=config.slices,
                           seed=config.seed, iteration=iteration)
+        step_ops.end(iteration)
         clock.end_iteration()
         for warning in loss_watch.loss(iteration + 1, loss):
             run.warn(warning)
@@ -316,6 +321,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
                                    ranking=ranking)[1]
             tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
+        step_ops.begin(iteration + 1)
     bar.close()
     if writer is not None:
         writer.wait()
@@ -345,6 +351,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         "setup_s": setup_s,
         "startup_s": first_iteration_s,
         "time_breakdown_ms": clock.steady_ms(),
+        **step_ops.summary(),
         "peak_rss_bytes": {config.mode: peak_rss_bytes()},
         "train_s": train_s,
         "eval_s": eval_s,

@@ -14,6 +14,7 @@ from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
 from bagpipe.health import LossWatch
 from bagpipe.metrics import CounterWindow, share
+from bagpipe.opcount import StepCount
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
@@ -92,19 +93,23 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     run = RunDir(config.run_dir, append=True) if leader else None
     timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
+    step_ops = StepCount(at=timer.warmup)  # the first steady iteration's operations, from its plan step on
     stats = runtime.stats
     loss = float("nan")
     tick = window_start = time.perf_counter()
     started = tick
     cache_figures = cache_window(stats)
     clock.restart()
+    trained = 0  # iterations this loop has trained
     while True:
+        step_ops.begin(trained)
         waits = (stats.plan_wait_s, stats.fetch_wait_s, stats.lazy_sync_wait_s)
         message = runtime.advance()
         clock.lap("cache")
         for kind, before in zip(("plan_wait", "fetch_wait", "lazy_sync_wait"), waits):
             clock.carve("cache", kind, getattr(stats, f"{kind}_s") - before)
         if message is None:
+            step_ops.close()
             break
         if message.checkpoint and leader:
             runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
@@ -143,6 +148,8 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         for warning in dense.loss_watch.loss(iteration + 1, loss):
             if leader:
                 run.warn(warning)
+        step_ops.end(trained)
+        trained += 1
         check_loss(loss, iteration, config)
         inject_fault(f"iteration {iteration}")
         now = time.perf_counter()
@@ -165,6 +172,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         clock.lap("other")
         clock.end_iteration()
     stats.extra["time_breakdown_ms"] = clock.steady_ms()
+    stats.extra.update(step_ops.summary())
     stats.extra["peak_rss_bytes"] = peak_rss_bytes()
     stats.extra["cpu_s"] = cpu_seconds()
     # fetched rows' copies to the device (zeros on the CPU): pinned allocations (reused buffers: a few in all)
