@@ -91,6 +91,27 @@ def test_cache_memory_is_bounded_by_its_slots_and_refuses_a_disagreeing_plan():
         cache.evict(np.array([2]), np.array([10**12]))
 
 
+
+def test_a_caches_state_dict_gives_another_the_same_slots_and_refills_check_their_rows():
+    """What a lost trainer's replacement takes (runtime/trainer/recovery.py): the slots, their rows and state."""
+    cache = RowCache(capacity=5, dim=2, optimizer=make_row_optimizer("adagrad", lr=0.1))
+    cache.install(np.array([3, 1]), np.array([40, 7]), torch.arange(4.0).view(2, 2), torch.ones(2, 2))
+    cache.apply(np.array([3]), torch.ones(1, 2))
+    state = cache.state_dict()
+    other = RowCache(capacity=5, dim=2, optimizer=make_row_optimizer("adagrad", lr=0.1))
+    other.load_state_dict(state)
+    assert other.resident_rows == 2 and other.slot_key.tolist() == [-1, 7, -1, 40, -1]
+    assert torch.equal(other.weights, cache.weights) and torch.equal(other.state, cache.state)
+    cache.apply(np.array([1]), torch.ones(1, 2))
+    assert torch.equal(state["weights"][1], other.weights[1])  # copies: the state dict did not follow
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        RowCache(capacity=4, dim=2, optimizer=make_row_optimizer("sgd", lr=1.0)).load_state_dict(state)
+    other.install(np.array([1]), np.array([7]), torch.zeros(1, 2), torch.zeros(1, 2), refill=True)  # read again
+    assert torch.equal(other.weights[1], torch.zeros(2)) and other.resident_rows == 2
+    with pytest.raises(KeyError, match="slot 3 is holding row 40"):
+        other.install(np.array([3]), np.array([41]), torch.zeros(1, 2), torch.zeros(1, 2), refill=True)
+
+
 def test_batch_view_puts_rows_synced_now_first_and_maps_every_id_to_its_row():
     from bagpipe.cache import BatchRows, batch_view
     from bagpipe.planner import PlannerConfig, plan

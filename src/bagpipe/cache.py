@@ -1,9 +1,11 @@
-"""Trainer-side row cache: a fixed number of slots holding rows and their optimizer state.
+"""The embedding cache's slots: a fixed number of them on a device, holding rows and their optimizer state.
 
-Memory is O(cache rows x dim). The planner names the slot of every row it moves, so the cache
-needs no key -> slot map: it carries out a plan step (evict, then install fetched rows by slot)
-and serves lookups through a BatchView (each id's slot), whose gradients the row optimizer
-applies to the cached rows in place.
+Every cache of the project keeps its rows here: a bagpipe trainer's (the planner names every row's slot), the
+single-process cached reference's (cached.py) and bagpipe.nn's ``CachedRows`` (which adds a host table and an
+online policy or a plan). Memory is O(cache rows x dim). It installs fetched rows by slot (through reused pinned
+buffers on a GPU), reads rows out for write-back, evicts, looks a batch up through a BatchView (each id's slot)
+and applies the row optimizer to cached rows in place; every operation checks the slots against the rows it
+names, so a plan and a cache that disagree are an error, not silent corruption.
 """
 
 from __future__ import annotations
@@ -28,20 +30,27 @@ class RowCache:
     (O(capacity)) records which row each slot holds, to refuse a step that disagrees with it.
     """
 
-    def __init__(self, *, capacity: int, dim: int, optimizer: RowOptimizer, device: torch.device | str = "cpu") -> None:
+    def __init__(self, *, capacity: int, dim: int, optimizer: RowOptimizer,
+                 device: torch.device | str | None = "cpu") -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be positive, got {capacity}")
         self.capacity, self.dim, self.optimizer = capacity, dim, optimizer
-        self.weights = torch.zeros(capacity, dim, device=device)
-        self.state = torch.zeros(capacity, optimizer.state_width(dim), device=device)
+        self.bind(torch.zeros(capacity, dim, device=device),
+                  torch.zeros(capacity, optimizer.state_width(dim), device=device))
+        self.slot_key = np.full(capacity, -1, dtype=np.int64)
+        self.resident_rows = 0
+
+    def bind(self, weights: torch.Tensor, state: torch.Tensor) -> None:
+        """Keep the slots' rows and state in ``weights`` and ``state`` (the same slots on another device: a module
+        that owns this cache was moved)."""
+        assert weights.shape == (self.capacity, self.dim) and len(state) == self.capacity
+        self.weights, self.state = weights, state
         # on a GPU, fetched rows go in through reused pinned buffers, copied on a side stream of the cache's own
         # (so that a copy runs beside the kernels still queued on the compute stream); the compute stream waits for
         # the copy's event before it writes the rows into their slots: nothing waits on the host
         on_gpu = self.weights.device.type == "cuda"
         self.staging = HostStaging(self.weights.device) if self.weights.device.type != "cpu" else None
         self.copy_stream = torch.cuda.Stream(device=self.weights.device) if on_gpu else None
-        self.slot_key = np.full(capacity, -1, dtype=np.int64)
-        self.resident_rows = 0
 
     def _check(self, slots: np.ndarray, keys: np.ndarray, *, what: str) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)
@@ -73,20 +82,45 @@ class RowCache:
         self.resident_rows -= len(slots)
         return rows, state
 
-    def install(self, slots: np.ndarray, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor) -> None:
-        """Put fetched ``rows`` (and their state) of ``keys`` into the free ``slots``."""
+    def install(self, slots: np.ndarray, keys: np.ndarray, rows: torch.Tensor, state: torch.Tensor, *,
+                refill: bool = False) -> None:
+        """Put fetched ``rows`` (and their state) of ``keys`` into the free ``slots``; with ``refill``, into the
+        slots that hold those keys already (their rows read again from the host)."""
         keys = np.asarray(keys, dtype=np.int64)
-        slots = self._check(slots, np.full(len(keys), -1, dtype=np.int64), what="install")
-        if len(sorted_distinct(slots)) != len(slots):
-            raise ValueError("install: a slot named twice")
-        self.slot_key[slots] = keys
-        self.resident_rows += len(slots)
+        slots = self._check(slots, keys if refill else np.full(len(keys), -1, dtype=np.int64), what="install")
+        if not refill:
+            if len(sorted_distinct(slots)) != len(slots):
+                raise ValueError("install: a slot named twice")
+            self.slot_key[slots] = keys
+            self.resident_rows += len(slots)
         index = torch.from_numpy(slots).to(self.weights.device)
         if self.staging is not None and rows.device.type == "cpu":
             rows, state = self._copy_in(rows, state)
         self.weights.index_copy_(0, index, rows.to(self.weights.device))
         if state.shape[1]:
             self.state.index_copy_(0, index, state.to(self.state.device))
+
+    def state_dict(self) -> dict:
+        """The slots as they are, in host memory (copies, safe to send): which row each holds, the rows, their
+        optimizer state. What a lost trainer's replacement takes from a survivor."""
+        return {"slot_key": self.slot_key.copy(), "weights": self.weights.to("cpu", copy=True),
+                "state": self.state.to("cpu", copy=True)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The slots of ``state_dict()`` (of a cache of the same capacity and width) in place of these."""
+        slot_key = np.asarray(state["slot_key"], dtype=np.int64)
+        if slot_key.shape != self.slot_key.shape or tuple(state["weights"].shape) != tuple(self.weights.shape):
+            raise ValueError(f"a cache of {len(slot_key)} slots of {tuple(state['weights'].shape)[1:]} cannot be "
+                             f"loaded into one of {self.capacity} of ({self.dim},)")
+        self.slot_key[:] = slot_key
+        self.resident_rows = int(np.count_nonzero(slot_key >= 0))
+        self.weights.copy_(state["weights"])
+        self.state.copy_(state["state"])
+
+    def clear(self) -> None:
+        """Every slot free (their rows written back by the caller first)."""
+        self.slot_key.fill(-1)
+        self.resident_rows = 0
 
     def _copy_in(self, rows: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host ``rows`` and ``state`` on the cache's device: staged, copied on the side stream (on a CUDA device),
@@ -119,6 +153,8 @@ class RowCache:
 
     def apply(self, slots: np.ndarray | torch.Tensor, grads: torch.Tensor) -> None:
         """Row-optimizer step on the rows in ``slots`` with the given (e.g. all-reduced) gradients."""
+        if not len(slots):
+            return
         index = torch.as_tensor(slots, dtype=torch.int64).to(self.weights.device)
         update_rows(self.optimizer, self.weights, self.state, Lookup(index, self.weights.index_select(0, index)),
                     grads.to(self.weights.device))

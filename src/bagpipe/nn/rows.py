@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bagpipe.device import HostStaging
+from bagpipe.cache import RowCache
 from bagpipe.embeddings import Lookup, sparse_row_sums, update_rows
 from bagpipe.nn.host import HostTable
 from bagpipe.nn.slots import CLEANUP_FRACTION, SlotIndex
@@ -27,10 +27,10 @@ from bagpipe.planner.keys import unique_inverse
 
 class CachedRows(nn.Module):
     """``host``: the full table ``[N, D]`` and its optimizer state (a HostTable, in any storage tier); ``cache_rows``
-    of its rows in buffers on the device.
+    of its rows in the slots of a ``RowCache`` on the device (the project's one cache of rows: the trainers' too).
 
-    A submodule, so that ``.to(device)`` moves the cache (buffers, not saved in a state dict) and leaves
-    the host table where it is. The rows are float32 everywhere: a conversion to another dtype is refused.
+    A submodule, so that ``.to(device)`` moves the cache (its slots as buffers, not saved in a state dict) and
+    leaves the host table where it is. The rows are float32 everywhere: a conversion to another dtype is refused.
     """
 
     def __init__(self, host: HostTable, *, cache_rows: int, optimizer: RowOptimizer,
@@ -40,17 +40,15 @@ class CachedRows(nn.Module):
         self.optimizer = optimizer
         self.host = host
         self.index = SlotIndex(min(cache_rows, host.num_rows), policy=policy, cleanup_fraction=cleanup_fraction)
-        capacity = self.index.capacity
-        self.register_buffer("cache_weight", torch.zeros(capacity, host.dim, device=device), persistent=False)
-        self.register_buffer("cache_state", torch.zeros(capacity, optimizer.state_width(host.dim), device=device),
-                             persistent=False)
+        self.slots = RowCache(capacity=self.index.capacity, dim=host.dim, optimizer=optimizer, device=device)
+        self.register_buffer("cache_weight", self.slots.weights, persistent=False)  # (the slots', moved with us)
+        self.register_buffer("cache_state", self.slots.state, persistent=False)
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.dirty = False  # some cached row changed since the last flush
         self._planned: tuple[np.ndarray, np.ndarray] | None = None  # a plan step's batch: its keys and their slots
         self._placed: tuple[np.ndarray, np.ndarray] | None = None  # and the ids it was planned from, each's place
         # inside ``accumulating``: per table (its first key, its rows), its lookups' sparse gradients, in order
         self.pending: dict[tuple[int, int], list[torch.Tensor]] | None = None
-        self._staging: HostStaging | None = None  # for the cache's device, made on the first copy to it
 
     @property
     def planned(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -77,7 +75,7 @@ class CachedRows(nn.Module):
         self._check_range(keys)
         self._planned = self._placed = None  # the policy moves rows from here on
         admission = self.index.admit(keys)
-        self._write_back(admission.evict_keys, admission.evict_slots)
+        self._write_back(admission.evict_keys, admission.evict_slots, evict=True)
         self._install(admission.fetch_keys, admission.fetch_slots)
         return admission.batch_slots
 
@@ -100,7 +98,7 @@ class CachedRows(nn.Module):
         was planned from, if planned with ``inverse=True``: the lookup then takes each id's place from it)."""
         self.index.move(evict_keys=step.evict_keys, evict_slots=step.evict_slots, fetch_keys=step.fetch_keys,
                         fetch_slots=step.fetch_slots)
-        self._write_back(step.evict_keys, step.evict_slots)
+        self._write_back(step.evict_keys, step.evict_slots, evict=True)
         self._install(step.fetch_keys, step.fetch_slots, rows)
         self._planned = (step.batch_keys, step.batch_slots)
         self._placed = (ids, step.batch_inverse) if ids is not None and len(step.batch_inverse) == len(ids) else None
@@ -137,6 +135,7 @@ class CachedRows(nn.Module):
         """Write every cached row back and free its slot (a plan starts from an empty cache)."""
         self.flush()
         self.index.clear()
+        self.slots.clear()
         self._planned = self._placed = None
 
     def reload(self) -> None:
@@ -145,14 +144,14 @@ class CachedRows(nn.Module):
         self.flush()
         keys, slots = self.index.resident()
         if len(keys):
-            self._install(keys, slots, count=False)
+            self._install(keys, slots, count=False, refill=True)
 
     def hit_rate(self) -> float:
         return hit_rate(self.stats)
 
     def apply(self, slots: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor | None) -> None:
         """Row-optimizer step on the cached rows in ``slots`` (a lookup's leaf ``rows``; ``grads``: its own)."""
-        update_rows(self.optimizer, self.cache_weight, self.cache_state, Lookup(slots, rows), grads)
+        update_rows(self.optimizer, self.slots.weights, self.slots.state, Lookup(slots, rows), grads)
         self.dirty = True
 
     def step(self, keys: np.ndarray, grads: torch.Tensor) -> None:
@@ -160,11 +159,11 @@ class CachedRows(nn.Module):
         were evicted since they were looked up."""
         slots = self.index.locate(keys)
         cached = slots >= 0  # (decided on the host: the slots are the index's)
+        self.dirty = True
         if cached.all():
-            self._step_rows(self.cache_weight, self.cache_state, torch.from_numpy(slots).to(grads.device), grads)
+            self.slots.apply(slots, grads)
             return
-        self._step_rows(self.cache_weight, self.cache_state, torch.from_numpy(slots[cached]).to(grads.device),
-                        grads[torch.from_numpy(cached).to(grads.device)])
+        self.slots.apply(slots[cached], grads[torch.from_numpy(cached).to(grads.device)])
         evicted = ~cached
         self.host.step(self.optimizer, keys[evicted], grads[torch.from_numpy(evicted).to(grads.device)].cpu())
 
@@ -206,12 +205,9 @@ class CachedRows(nn.Module):
             raise ValueError(f"bagpipe.nn's cached tables are float32 (the table, its optimizer state and the "
                              f"cache), so this module cannot be converted to {dtype}: convert the other modules "
                              f"alone, or cast this one's output (e.g. bag(ids, offsets).to({dtype}))")
-        return super()._apply(fn, recurse)
-
-    def _step_rows(self, weights: torch.Tensor, state: torch.Tensor, index: torch.Tensor, grads: torch.Tensor) -> None:
-        if len(index):
-            update_rows(self.optimizer, weights, state, Lookup(index, weights.index_select(0, index)), grads)
-            self.dirty = True
+        moved = super()._apply(fn, recurse)
+        self.slots.bind(self.cache_weight, self.cache_state)  # the slots where the buffers now are
+        return moved
 
     def _check_range(self, keys: np.ndarray) -> None:
         """Sorted ``keys`` all rows of the table, or an IndexError naming one that is not."""
@@ -219,40 +215,28 @@ class CachedRows(nn.Module):
             bad = keys[0] if keys[0] < 0 else keys[-1]
             raise IndexError(f"id {int(bad)} out of range for a table of {self.num_rows} rows")
 
-    def _write_back(self, keys: np.ndarray, slots: np.ndarray, *, count: bool = True) -> None:
+    def _write_back(self, keys: np.ndarray, slots: np.ndarray, *, count: bool = True, evict: bool = False) -> None:
+        """Rows ``keys`` (in ``slots``) and their state written into the host table; with ``evict``, their slots
+        freed."""
         if not len(keys):
             return
-        index = torch.from_numpy(slots).to(self.cache_weight.device)
-        self.host.write(keys, self.cache_weight.index_select(0, index).cpu(),
-                        self.cache_state.index_select(0, index).cpu())
+        weights, state = (self.slots.evict if evict else self.slots.read)(slots, keys)
+        self.host.write(keys, weights, state)
         if count:
             self.stats["rows_written_back"] += len(keys)
 
     def _install(self, keys: np.ndarray, slots: np.ndarray, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 *, count: bool = True) -> None:
+                 *, count: bool = True, refill: bool = False) -> None:
         if not len(keys):
             return
         weights, state = self.read_host(keys) if rows is None else rows
-        device = self.cache_weight.device
-        index = torch.from_numpy(slots).to(device)
-        if device.type != "cpu":
-            weights, state = self._copy_to(device, weights, state)
-        self.cache_weight.index_copy_(0, index, weights)
-        if state.shape[1]:
-            self.cache_state.index_copy_(0, index, state)
+        self.slots.install(slots, keys, weights, state, refill=refill)
+        if self.slots.staging is not None:  # (copied to a device through reused pinned buffers)
+            copies = self.slots.copy_stats()
+            self.stats["pinned_allocations"] = copies["pinned_allocations"]
+            self.stats["pinned_bytes"] = copies["pinned_bytes"]
         if count:
             self.stats["rows_fetched"] += len(keys)
-
-    def _copy_to(self, device: torch.device, weights: torch.Tensor, state: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host rows and their state on ``device``, copied asynchronously through reused (pinned) buffers, in
-        the stream order of the ``index_copy_`` that reads them."""
-        if self._staging is None or self._staging.device != device:  # first copy, or the cache was moved
-            self._staging = HostStaging(device)
-        weights, state = self._staging.to_device(weights, state)  # (a state of width 0 stages nothing)
-        self.stats["pinned_allocations"] = self._staging.allocations
-        self.stats["pinned_bytes"] = self._staging.bytes_allocated
-        return weights, state
 
 
 COUNTERS = ("batches", "rows_looked_up", "rows_fetched", "rows_written_back")

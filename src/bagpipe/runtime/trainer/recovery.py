@@ -19,7 +19,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 import torch
 
 from bagpipe.runtime.endpoints import ORACLE, TRAINER
@@ -49,13 +48,11 @@ class DenseState:
 
 @dataclasses.dataclass
 class CacheState:
-    """One embedding space's cache at an iteration boundary: which row each slot holds, the rows, their optimizer
-    state, the count of rows resident, and the updates waiting for their sums ((iteration, slots, grads) each)."""
+    """One embedding space's cache at an iteration boundary: its slots (``RowCache.state_dict()``: which row each
+    holds, the rows, their optimizer state) and the updates waiting for their sums ((iteration, slots, grads)
+    each)."""
 
-    slot_key: np.ndarray
-    weights: torch.Tensor
-    state: torch.Tensor
-    resident_rows: int
+    slots: dict
     pending: list[tuple]
 
 
@@ -220,8 +217,7 @@ class LostTrainers:
                 for i in redo.iterations() if i >= boundary - REDO_DEPTH + 1]
         recovery.state = HandedOver(
             iteration=boundary, kept=kept,
-            caches=[CacheState(slot_key=cache.slot_key.copy(), weights=cache.weights.cpu().clone(),
-                               state=cache.state.cpu().clone(), resident_rows=cache.resident_rows,
+            caches=[CacheState(slots=cache.state_dict(),
                                pending=[(iteration, slots.copy(), grads.clone())
                                         for iteration, slots, grads, _ in pending])
                     for cache, pending in zip(runtime.caches, runtime.grads.pending)],

@@ -371,10 +371,7 @@ class TrainerRuntime:
         n = state.iteration
         self.recent.extend(recent)
         for cache, pending, taken in zip(self.caches, self.grads.pending, state.caches):
-            cache.slot_key[:] = taken.slot_key
-            cache.weights.copy_(taken.weights)
-            cache.state.copy_(taken.state)
-            cache.resident_rows = taken.resident_rows
+            cache.load_state_dict(taken.slots)
             pending.extend((iteration, slots, grads, Mean(None, grads, timeout=self.world.timeout))
                            for iteration, slots, grads in taken.pending)
         self.others_evicted.extend(state.others_evicted)
