@@ -5,7 +5,8 @@ milliseconds per iteration at a tiny batch, where the step's own overhead is all
     .venv/bin/python benchmarks/bench_step.py [--repeats 3] [--out FILE.json]
     .venv/bin/python benchmarks/bench_step.py --before OTHER_CHECKOUT [--repeats 3]   # before/after, alternated
 
-Cases (26 tables of 100,000 rows unless said, the gpu-check's shape of DLRM at a smaller scale):
+Cases (26 tables of 100,000 rows unless said, the gpu-check's shape of DLRM at a smaller scale; ids drawn as
+``bagpipe synth`` draws them, Zipf 1.2):
 - ``nn``: ``bagpipe.nn.CachedEmbeddingBagCollection``, Adagrad, forward + backward with the fused steps (the
   embedding side alone: the backward starts from given output gradients), an LRU cache of 5%, at 4 and 26 tables;
   also its samples/s at batch 2,048, dim 16 (one DLRM-sized lookup per table);
@@ -48,11 +49,17 @@ def OpCounter():
 
 
 def _zipf_ids(generator, *, batch: int, tables: int, rows: int):
+    """``[batch, tables]`` ids drawn as ``bagpipe synth`` draws them (Zipf 1.2: about 1% of the rows take over 90%
+    of the lookups), the same draw in every checkout."""
+    import numpy as np
     import torch
 
-    # a Zipf-like skew (hot rows first), the same draw in every checkout
-    u = torch.rand(batch, tables, generator=generator)
-    return (rows * u.pow(3.0)).long().clamp_(max=rows - 1)
+    from bagpipe.synth import DEFAULT_ZIPF, ZipfSampler
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    rng = np.random.default_rng(seed)
+    samplers = [ZipfSampler(num_rows=rows, exponent=DEFAULT_ZIPF, rng=np.random.default_rng(t)) for t in range(tables)]
+    return torch.from_numpy(np.stack([sampler.sample(batch, rng) for sampler in samplers], axis=1))
 
 
 def case_nn(*, tables: int, batch: int, dim: int, iterations: int) -> dict:
