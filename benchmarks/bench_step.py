@@ -15,7 +15,7 @@ Cases (26 tables of 100,000 rows unless said, the gpu-check's shape of DLRM at a
 - ``single``: the same step over ``--mode single``'s ``CachedTables`` (a 5% cache, planned by ``Lookahead``);
 - ``job reference|single|bagpipe``: whole ``bagpipe train`` jobs (one trainer for bagpipe), batch 64, dim 8, on
   ``bagpipe synth`` data made once in ``--work-dir`` (26 tables of up to 100,000 rows): the steady ms per
-  iteration of the summary's phases, and the operations and host reads of the first steady iteration that the
+  iteration of the summary's phases, and the operations and host reads of the last warm-up iteration that the
   summary records (``ops_per_iteration``; trainer 0's for bagpipe; code from before it records none).
 Counts are of one steady iteration; ms are medians over ``--iterations`` after a warm-up, one thread. With
 ``--before`` every case runs in a child process per checkout, the two alternated ``--repeats`` times, and the
@@ -130,7 +130,7 @@ def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int) 
 def case_job(*, mode: str, data: Path, work: Path, src: Path, iterations: int) -> dict:
     """A whole ``bagpipe train`` job on ``src``'s code (one trainer for ``--mode bagpipe``), batch 64, dim 8, one
     thread: its steady ms per iteration (the phases of its summary added up) and, where that code records them,
-    trainer 0's operations and host reads in its first steady iteration."""
+    trainer 0's operations and host reads in its last warm-up iteration."""
     run_dir = work / f"run-{mode}"
     extra = {"reference": [], "single": ["--cache-rows", "130000"],
              "bagpipe": ["--trainers", "1", "--cache-rows", "130000"]}[mode]

@@ -87,7 +87,7 @@ def test_metrics_carry_the_breakdown_and_cache_counters(demo_runs):
     assert set(summary["server_ms_per_1k_rows"]) == {"server0"} and summary["server_ms_per_1k_rows"]["server0"] > 0
     reference = load_run(demo_runs["reference"]).summary
     assert {"data", "forward", "backward", "optimizer"} <= set(reference["time_breakdown_ms"])
-    # the operations of the first steady iteration (bagpipe.opcount): a trainer's are the reference step's and the
+    # the operations of the last warm-up iteration (bagpipe.opcount): a trainer's are the reference step's and the
     # cache's and sums' around it (the same model: at least as many, but not many times more)
     trainer_ops = summary["ops_per_iteration"]
     assert set(trainer_ops) == {"trainer0", "trainer1"} and set(summary["host_reads_per_iteration"]) == set(trainer_ops)

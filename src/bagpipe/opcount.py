@@ -37,9 +37,10 @@ class OpCounter(TorchDispatchMode):
 
 
 class StepCount:
-    """The operations of one steady iteration of a training loop, for its summary (``ops_per_iteration``): the
-    loop calls ``begin(n)`` where its ``n``-th iteration starts (before its batch is fetched) and ``end(n)`` where
-    it ends; only iteration ``at`` (the first after the warm-up) is counted. Only the calling thread's operations
+    """The operations of one iteration of a training loop, for its summary (``ops_per_iteration``): the loop calls
+    ``begin(n)`` where its ``n``-th iteration starts (before its batch is fetched) and ``end(n)`` where it ends;
+    only iteration ``at`` is counted (the loops count their last warm-up iteration: steady by then, and counting
+    slows it, which the timed iterations after it do not see). Only the calling thread's operations
     count: the dispatch mode is thread-local, so background readers and sums are left out. ``close()`` (also on
     an error) leaves no counter behind."""
 

@@ -263,7 +263,9 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     # The iterations, each logged; a checkpoint written in the background at each one due.
     timer = Timer(warmup=min(config.warmup_iterations, max(iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
-    step_ops = StepCount(at=start + timer.warmup)  # (counted from its batch's fetch: a plan step's work too)
+    # the operations of the last warm-up iteration (steady by then; counting slows it, and the timed ones are not)
+    # from its batch's fetch on: a plan step's work too
+    step_ops = StepCount(at=start + max(timer.warmup - 1, 0))
     cleanup.callback(step_ops.close)
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)

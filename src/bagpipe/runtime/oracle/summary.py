@@ -132,7 +132,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         # from the oracle's start to the end of trainer 0's first iteration
         "startup_s": stats[0].extra.get("first_iteration_at", float("nan")) - started_at,
         "time_breakdown_ms": _mean_breakdown([s.extra.get("time_breakdown_ms", {}) for s in all_stats]),
-        # each trainer's aten operations and host reads in its first steady iteration (bagpipe.opcount)
+        # each trainer's aten operations and host reads in its last warm-up iteration (bagpipe.opcount)
         **{key: {f"trainer{t}": s.extra[key] for t, s in sorted(stats.items()) if key in s.extra}
            for key in ("ops_per_iteration", "host_reads_per_iteration")},
         "peak_rss_bytes": _per_role("peak_rss_bytes", peak_rss_bytes(), shards, stats),

@@ -93,7 +93,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     run = RunDir(config.run_dir, append=True) if leader else None
     timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
-    step_ops = StepCount(at=timer.warmup)  # the first steady iteration's operations, from its plan step on
+    step_ops = StepCount(at=max(timer.warmup - 1, 0))  # the last warm-up iteration's, from its plan step on
     stats = runtime.stats
     loss = float("nan")
     tick = window_start = time.perf_counter()
