@@ -101,25 +101,3 @@ def test_tables_of_several_widths_form_one_space_per_width():
     with pytest.raises(ValueError, match="fewer than feature"):
         EmbeddingLayout([TableConfig(name="small", num_rows=3, dim=2, features=(0,))], schema)
 
-
-@pytest.mark.parametrize("name, plain", [("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad),
-                                         ("adam", torch.optim.Adam)])
-def test_the_dense_optimizer_steps_as_a_plain_torch_optimizer_does_bit_for_bit(name, plain):
-    """Every mode's dense optimizer is the foreach form (fewer operations a step); a user's script steps its dense
-    part with the plain one-tensor-at-a-time form, and must still equal the reference bit for bit."""
-    row_optimizer = make_row_optimizer(name, lr=0.01)
-    start = [torch.randn(64, 13), torch.randn(13), torch.randn(1, 64), torch.randn(1)]
-    ours = [torch.nn.Parameter(p.clone()) for p in start]
-    theirs = [torch.nn.Parameter(p.clone()) for p in start]
-    steppers = [row_optimizer.dense_optimizer(ours),
-                plain(theirs, lr=0.01, **({} if name == "sgd" else {"eps": row_optimizer.eps}))]
-    assert steppers[0].defaults["foreach"] and not steppers[1].defaults["foreach"]
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(30):
-        grads = [torch.randn(p.shape, generator=generator) * 10 ** float(torch.randint(-4, 4, (1,), generator=generator))
-                 for p in start]
-        for params, stepper in zip((ours, theirs), steppers):
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-            stepper.step()
-    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -55,16 +55,14 @@ class RowOptimizer:
         # Writing back through an index (rows = table[ids]) is the caller's job.
 
     def dense_optimizer(self, params) -> torch.optim.Optimizer:
-        """The torch.optim counterpart for dense parameters, in its foreach form (a few operations for all the
-        parameters, where the one-tensor-at-a-time form dispatches ~6 a parameter): on the CPU it steps bit for
-        bit as that form does (tests/test_model_and_optim.py), and on CUDA it is torch's default, so a user's
-        script with a plain ``torch.optim`` optimizer still equals every mode. (The fused kernels would dispatch
-        fewer still, but round Adagrad and Adam otherwise than a plain optimizer does.)"""
+        """The torch.optim counterpart for dense parameters, in torch's default form: foreach on CUDA (a few
+        operations for all the parameters), one tensor at a time on the CPU, where foreach steps bit for bit alike
+        but was slower here (bench_single, docs/benchmarks.md). A user's script with a plain optimizer equals it."""
         if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, foreach=True)
+            return torch.optim.SGD(params, lr=self.lr)
         if self.name == "adagrad":
-            return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps, foreach=True)
-        return torch.optim.Adam(params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, foreach=True)
+            return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps)
+        return torch.optim.Adam(params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps)
 
 
 def make_row_optimizer(name: str, *, lr: float) -> RowOptimizer:
