@@ -156,6 +156,10 @@ CASES = {
     "nn 26 tables, batch 2048, dim 16": lambda it: case_nn(tables=26, batch=2048, dim=16, iterations=it),
     "reference, batch 64, dim 8": lambda it: case_dlrm(mode="reference", tables=26, batch=64, dim=8, iterations=it),
     "single 5%, batch 64, dim 8": lambda it: case_dlrm(mode="single", tables=26, batch=64, dim=8, iterations=it),
+    "reference, batch 2048, dim 16": lambda it: case_dlrm(mode="reference", tables=26, batch=2048, dim=16,
+                                                          iterations=it),
+    "single 5%, batch 2048, dim 16": lambda it: case_dlrm(mode="single", tables=26, batch=2048, dim=16,
+                                                          iterations=it),
 }
 
 
