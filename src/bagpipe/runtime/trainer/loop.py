@@ -137,10 +137,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
             clock.lap("sync")
             clock.carve("sync", "sync_wait", stats.sync_s - sync_before)
             for group, values in ((late_params, flat), (early.params, early_flat)):
-                offset = 0
-                for p in group:
-                    p.grad.copy_(values[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                set_grads(group, values)
             dense_optimizer.step()
             loss = float(flat[-1])
         clock.lap("optimizer")
@@ -184,6 +181,17 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     if run is not None:
         run.close()
     runtime.close(dense_state=cloned_state(model.state_dict()) if leader else None)  # (host copies: sent by RPC)
+
+
+def set_grads(params: list[torch.nn.Parameter], values: torch.Tensor) -> None:
+    """The summed gradients (``values``: flat, in host memory, the parameters' in order, perhaps more after them)
+    as ``params``' ``.grad``: one copy to their device and a view each, where a copy each was a kernel each."""
+    if not params:
+        return
+    sizes = [p.numel() for p in params]
+    values = values.to(params[0].device)
+    for p, part in zip(params, values.split([*sizes, len(values) - sum(sizes)])):
+        p.grad = part.view_as(p)
 
 
 def cache_window(stats: TrainerStats) -> Callable[[], dict]:
