@@ -87,6 +87,35 @@ def test_mixed_inputs_and_per_sample_weights_train_as_one_bag_per_table(optimize
         assert torch.equal(collection.weight(t), reference.weight.detach()), t
 
 
+def test_accumulating_over_mixed_inputs_and_weights_steps_as_one_bag_per_table():
+    """accumulate() holds each table's gradients apart, whichever of the space's poolings (with or without
+    per-sample weights) reached the leaf first."""
+    shapes = [(40, 4), (90, 4), (60, 4)]
+    weights = [torch.randn(*shape, generator=torch.Generator().manual_seed(t)) for t, shape in enumerate(shapes)]
+    references = [nn.EmbeddingBag(*shape, mode="sum", sparse=True, _weight=w.clone()) for shape, w in
+                  zip(shapes, weights)]
+    stepper = RowWise([p for r in references for p in r.parameters()], make_row_optimizer("adagrad", lr=LR))
+    collection = CachedEmbeddingBagCollection(shapes, cache_rows=100, optimizer="adagrad", lr=LR, weights=weights)
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        micro_batches = []
+        for _ in range(3):
+            inputs = [torch.randint(0, rows, (5, 3), generator=generator) for rows, _ in shapes]
+            inputs[1] = torch.randint(0, 90, (9,), generator=generator)
+            offsets = [None, torch.tensor([0, 2, 2, 5, 7]), None]
+            sample_weights = [torch.rand(5, 3, generator=generator), None, torch.rand(5, 3, generator=generator)]
+            micro_batches.append((inputs, offsets, sample_weights, [torch.randn(5, 4, generator=generator)] * 3))
+        with collection.accumulate():
+            for inputs, offsets, sample_weights, targets in micro_batches:
+                _loss(collection(inputs, offsets, sample_weights), targets).backward()
+        stepper.zero_grad()
+        for inputs, offsets, sample_weights, targets in micro_batches:
+            _loss([r(x, o, w) for r, x, o, w in zip(references, inputs, offsets, sample_weights)], targets).backward()
+        stepper.step()
+    for t, reference in enumerate(references):
+        assert torch.equal(collection.weight(t), reference.weight.detach()), t
+
+
 def _embedding_ops(num_tables: int) -> OpCounter:
     """The operations of one steady iteration of a collection (forward, backward, fused steps), Adagrad."""
     shapes = [(1000, 8)] * num_tables

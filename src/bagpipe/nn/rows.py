@@ -167,18 +167,25 @@ class CachedRows(nn.Module):
         evicted = ~cached
         self.host.step(self.optimizer, keys[evicted], grads[torch.from_numpy(evicted).to(grads.device)].cpu())
 
-    def fused_step(self, keys: np.ndarray, grad: torch.Tensor, *, tables: Sequence[tuple[int, int, int]] = ()) -> None:
+    def fused_step(self, keys: np.ndarray, grad: torch.Tensor, *, tables: Sequence[tuple[int, int]] = ()) -> None:
         """The backward reached a lookup of ``keys`` (a hook on its leaf, whose row i is key ``keys[i]``'s): step
-        them with their gradient, or hold it while accumulating. ``tables``: the lookup's tables in the order its
-        ids come (first key, rows, ids looked up in each); default: the whole space, as one table."""
+        them with their gradient, or hold it while accumulating. ``tables``: the first key and the rows of each
+        table the lookup spans, in key order; default: the whole space, as one table."""
         if self.pending is None:
             self.step(keys, dense_rows(grad, len(keys)))
             return
         entry_keys, values = entry_gradients(grad, keys)
-        tables = tables or ((0, self.num_rows, len(entry_keys)),)
-        counts = [count for _, _, count in tables]
-        for (offset, num_rows, _), table_keys, table_values in zip(tables, entry_keys.split(counts),
-                                                                   values.split(counts)):
+        tables = tables or ((0, self.num_rows),)
+        if len(tables) > 1:  # each table's entries together, each's in the order they came (several poolings of
+            # one leaf reach it in any order; a table's entries are all of one pooling)
+            which = torch.searchsorted(torch.tensor([offset for offset, _ in tables], device=entry_keys.device),
+                                       entry_keys, right=True) - 1
+            order = torch.sort(which, stable=True).indices
+            entry_keys, values = entry_keys[order], values[order]
+            counts = torch.bincount(which, minlength=len(tables)).tolist()
+        else:
+            counts = [len(entry_keys)]
+        for (offset, num_rows), table_keys, table_values in zip(tables, entry_keys.split(counts), values.split(counts)):
             self.pending.setdefault((offset, num_rows), []).append(torch.sparse_coo_tensor(
                 (table_keys - offset).unsqueeze(0), table_values, (num_rows, values.shape[1]), check_invariants=False))
 
