@@ -35,6 +35,7 @@ class RowCache:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be positive, got {capacity}")
         self.capacity, self.dim, self.optimizer = capacity, dim, optimizer
+        self.weights: torch.Tensor | None = None
         self.bind(torch.zeros(capacity, dim, device=device),
                   torch.zeros(capacity, optimizer.state_width(dim), device=device))
         self.slot_key = np.full(capacity, -1, dtype=np.int64)
@@ -44,7 +45,10 @@ class RowCache:
         """Keep the slots' rows and state in ``weights`` and ``state`` (the same slots on another device: a module
         that owns this cache was moved)."""
         assert weights.shape == (self.capacity, self.dim) and len(state) == self.capacity
+        moved = self.weights is None or self.weights.device != weights.device
         self.weights, self.state = weights, state
+        if not moved:  # (the same device: its staging buffers and copy stream serve on)
+            return
         # on a GPU, fetched rows go in through reused pinned buffers, copied on a side stream of the cache's own
         # (so that a copy runs beside the kernels still queued on the compute stream); the compute stream waits for
         # the copy's event before it writes the rows into their slots: nothing waits on the host

@@ -45,7 +45,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     One lookup per width (space), not per table: a forward makes every table's rows of a width resident at once
     (one sort, one eviction choice), gathers them in one ``index_select`` and pools every table's bags in one
     ``embedding_bag``; the backward steps them in one fused update. The work dispatched per iteration does not
-    grow with the number of tables (tests/test_nn_pytorch.py counts it).
+    grow with the number of tables (tests/test_nn_collection.py counts it).
     """
 
     def __init__(self, tables: Sequence[tuple[int, int]], *, cache_rows: int | Sequence[int], mode: str = "sum",
@@ -137,16 +137,18 @@ class CachedEmbeddingBagCollection(nn.Module):
     def weight(self, table: int) -> torch.Tensor:
         """Table ``table``'s rows, the cached rows written in: in memory, a view the module keeps updating; on
         disk, a copy read from the file."""
+        return self._table_rows(table)[0]
+
+    def _table_rows(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table ``table``'s rows and their optimizer state, the cached rows written in first."""
         space = self.spaces[self.space_of[table]]
         space.flush()
         offset = self.offset_of[table]
-        return space.host.rows(offset, offset + self.tables[table][0])[0]
+        return space.host.rows(offset, offset + self.tables[table][0])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        for t, (num_rows, _) in enumerate(self.tables):
-            space = self.spaces[self.space_of[t]]
-            space.flush()
-            weights, state = space.host.rows(self.offset_of[t], self.offset_of[t] + num_rows)
+        for t in range(len(self.tables)):
+            weights, state = self._table_rows(t)
             destination[f"{prefix}embedding_bags.{t}.weight"] = weights
             if state.shape[1]:  # as CachedEmbeddingBag's: SGD keeps none
                 destination[f"{prefix}embedding_bags.{t}.{STATE_KEY}"] = state
