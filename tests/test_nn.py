@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from bagpipe.nn import CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead, SlotIndex
+from bagpipe.nn import CLEANUP_FRACTION, CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead, SlotIndex
 from bagpipe.planner.keys import KeyTable
 from bagpipe.optim import RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
@@ -197,7 +197,8 @@ def test_memory_besides_the_host_table_is_of_the_cache_size():
     cached = CachedEmbeddingBag(num_rows, 4, cache_rows=cache_rows, mode="sum", optimizer="adam")
     table_sized = [name for name, buffer in cached.named_buffers() if buffer.shape[0] >= num_rows]
     index = cached.rows.index
-    arrays = [value for part in (index, index.table) for value in vars(part).values() if isinstance(value, np.ndarray)]
+    arrays = [value for part in (index, index.table, index.history) for value in vars(part).values()
+              if isinstance(value, np.ndarray)]
     assert not table_sized and len(arrays) >= 6 and all(len(a) <= 4 * cache_rows for a in arrays)
     rng = np.random.default_rng(0)
     tracemalloc.start()
@@ -207,7 +208,8 @@ def test_memory_besides_the_host_table_is_of_the_cache_size():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1_000_000, f"{peak} bytes of numpy/Python memory at peak: something table-sized was made"
-    assert cached.rows.index.resident_rows == cache_rows
+    # full, but for the share an eviction round frees beyond what its batch needs
+    assert cache_rows - int(CLEANUP_FRACTION * cache_rows) <= cached.rows.index.resident_rows <= cache_rows
 
 
 def test_slot_index_keeps_its_keys_and_evicts_the_least_recent():
@@ -216,7 +218,7 @@ def test_slot_index_keeps_its_keys_and_evicts_the_least_recent():
     index.admit(np.array([3, 4]))
     index.admit(np.array([1]))
     admission = index.admit(np.array([5, 6]))
-    assert admission.evict_keys.tolist() == [2, 3] or admission.evict_keys.tolist() == [2, 4]
+    assert admission.evict_keys.tolist() == [2, 3]  # (3 and 4 were used alike: the lower slot goes)
     rng = np.random.default_rng(1)
     for policy in ("lru", "lfu"):
         index = SlotIndex(50, policy=policy)

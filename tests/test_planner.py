@@ -167,7 +167,7 @@ def test_a_sparse_key_space_of_2_40_rows_is_planned_as_its_dense_image(stream, p
 def test_the_highest_scores_are_a_defined_set_ties_to_the_earlier_position(n, seed, spread, share):
     """``highest`` (the planner's eviction choice) is the stable order's first ``count``: the scores alone decide,
     many equal scores included (the common case: rows not used within the window), whatever path it takes."""
-    from bagpipe.planner.plan import highest
+    from bagpipe.planner.evict import highest
 
     rng = np.random.default_rng(seed)
     score = rng.integers(0, spread, n)
@@ -264,8 +264,7 @@ def test_idle_evictions_are_the_highest_scores_by_either_path(capacity, seed, lo
     free = np.flatnonzero(slot_row < 0)
     slot_next[free] = plan_module._FREED
     count = max(1, int(share * (capacity - len(free) - len(in_batch))))
-    score = plan_module._scores("lookahead", slot_next=slot_next, slot_last=None, slot_freq=slot_freq,
-                                slot_far=(1 << 50) - slot_freq, i=i, lookahead=lookahead)
+    score = plan_module._scores(slot_next=slot_next, slot_far=(1 << 50) - slot_freq, i=i, lookahead=lookahead)
     score[in_batch] = np.iinfo(np.int64).min
     score[free] = np.iinfo(np.int64).min
     expected = plan_module.highest(score, count)
@@ -573,3 +572,41 @@ def test_plan_stats_with_trainers_compares_a_replicated_and_a_partitioned_cache(
     assert "traffic" not in json.loads(capsys.readouterr().out)
     assert main(["plan-stats", "--data", str(small_binary), "--batch-size", "64", "--cache-rows", "600",
                  "--trainers", "2", "--emb-dim", "0"]) == 2  # a width the bytes cannot be counted in
+
+
+@settings(max_examples=100, deadline=None)
+@given(streams(), st.sampled_from([0.0, 0.1, 0.3]))
+def test_the_planners_lru_and_bagpipe_nns_are_one_engine(stream, cleanup_fraction):
+    """The online policies are written once (planner/evict.py): the oracle's LRU plan and bagpipe.nn's SlotIndex,
+    given the same batches, evict the same rows and put every row in the same slot, step by step."""
+    from bagpipe.nn import SlotIndex
+
+    num_rows, batches, cache_rows = stream
+    index = SlotIndex(cache_rows, policy="lru", cleanup_fraction=cleanup_fraction)
+    config = PlannerConfig(num_rows=num_rows, cache_rows=cache_rows, policy="lru", cleanup_fraction=cleanup_fraction)
+    for step, batch in zip(plan(batches, config), batches):
+        admission = index.admit(np.unique(batch))
+        assert step.evict_keys.tolist() == admission.evict_keys.tolist()
+        assert step.evict_slots.tolist() == admission.evict_slots.tolist()
+        assert step.fetch_keys.tolist() == admission.fetch_keys.tolist()
+        assert step.fetch_slots.tolist() == admission.fetch_slots.tolist()
+        assert step.batch_slots.tolist() == admission.batch_slots.tolist()
+
+
+def test_online_victims_are_the_highest_scores_ties_to_the_lower_slot():
+    from bagpipe.planner.evict import OnlineHistory, evictions_needed
+
+    history = OnlineHistory(6, "lfu")
+    history.used(np.arange(6), 0)
+    history.used(np.array([0, 1, 2]), 1)  # slots 3-5 used once, at tick 0; 0-2 twice
+    history.used(np.array([4]), 2, uses=np.array([1]))  # slot 4 used once too, but lately
+    assert history.victims(2, tick=3, keep=[]).tolist() == [3, 5]
+    assert history.victims(2, tick=3, keep=[np.array([3])]).tolist() == [4, 5]
+    history.freed(np.array([5]))
+    lru = OnlineHistory(6, "lru")
+    lru.last_use[:] = history.last_use
+    assert lru.victims(3, tick=3, keep=[np.array([5])]).tolist() == [0, 1, 3]  # 3 oldest, then two of 0-2
+    assert evictions_needed(3, candidates=10, capacity=100, cleanup_fraction=0.05) == 8
+    assert evictions_needed(3, candidates=6, capacity=100, cleanup_fraction=0.05) == 6
+    with pytest.raises(ValueError, match="policy must be one of lru, lfu"):
+        OnlineHistory(4, "lookahead")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bagpipe.planner.evict import ONLINE_POLICIES
 from bagpipe.planner.plan import POLICIES
 
 STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the servers', --mode single's
@@ -24,7 +25,7 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 MODES = ("reference", "bagpipe", "single")
 DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device  # single: one process, tables in host memory behind a cache
 CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
-SINGLE_POLICIES = ("lookahead", "lru", "lfu")  # --mode single: the planner, or an online policy
+SINGLE_POLICIES = ("lookahead", *ONLINE_POLICIES)  # --mode single: the planner, or an online policy (nn.SlotIndex)
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
 CROSS_KINDS = ("vector", "matrix")

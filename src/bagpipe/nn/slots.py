@@ -2,9 +2,10 @@
 
 O(cache rows) throughout, and O(batch rows) per batch: a slot -> key array, a key -> slot hash table (open
 addressing in numpy arrays of twice the cache's size; never a table-sized array), a stack of free slots,
-and per slot the last use and the use count that the LRU and LFU policies score by. When the cache is full,
-it frees ``cleanup_fraction`` of it at once, so that choosing victims (a pass over every slot) is paid once
-every many batches. Pure numpy, no torch and no device.
+and the slots' use history, in the online policies' one engine (planner/evict.py's ``OnlineHistory``, which the
+planner's LRU and LFU use too; here a use count counts the uses since the row came in). When a batch does not fit,
+it evicts ``cleanup_fraction`` of the cache more than the batch needs, so that choosing victims (a pass over
+every slot) is paid once every many batches. Pure numpy, no torch and no device.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bagpipe.planner.evict import ONLINE_POLICIES, OnlineHistory, evictions_needed
 from bagpipe.planner.keys import KeyTable
-from bagpipe.planner.plan import ONLINE_POLICIES, online_scores
 
-CLEANUP_FRACTION = 0.05  # the default share of the cache freed when a batch does not fit
+CLEANUP_FRACTION = 0.05  # the default share of the cache freed beyond what a batch that does not fit needs
 
 @dataclass(frozen=True)
 class Admission:
@@ -35,14 +36,11 @@ class SlotIndex:
     def __init__(self, capacity: int, *, policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION) -> None:
         if capacity <= 0:
             raise ValueError(f"cache_rows must be positive, got {capacity}")
-        if policy not in ONLINE_POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(ONLINE_POLICIES)}, got {policy!r}")
         if not 0.0 <= cleanup_fraction < 1.0:
             raise ValueError(f"cleanup_fraction must be in [0, 1), got {cleanup_fraction}")
         self.capacity, self.policy, self.cleanup_fraction = capacity, policy, cleanup_fraction
         self.slot_key = np.full(capacity, -1, dtype=np.int64)
-        self.last_use = np.full(capacity, -1, dtype=np.int64)
-        self.uses = np.zeros(capacity, dtype=np.int64)
+        self.history = OnlineHistory(capacity, policy)
         self.table = KeyTable(capacity)
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: free[:num_free], lowest on top
         self.num_free = capacity
@@ -79,19 +77,16 @@ class SlotIndex:
         overflow = len(fetch_keys) - self.num_free
         evict_keys = evict_slots = np.zeros(0, dtype=np.int64)
         if overflow > 0:
-            candidates = self.slot_key >= 0
-            candidates[slots[~missing]] = False
-            candidates = np.flatnonzero(candidates)
-            count = min(len(candidates), max(overflow, int(self.cleanup_fraction * self.capacity)))
-            chosen = candidates[np.argpartition(-self._scores(candidates), count - 1)[:count]]
+            count = evictions_needed(overflow, candidates=self.resident_rows - int((~missing).sum()),
+                                     capacity=self.capacity, cleanup_fraction=self.cleanup_fraction)
+            chosen = self.history.victims(count, tick=self.tick, keep=[self.slot_key < 0, slots[~missing]])
             evict_slots = chosen[np.argsort(self.slot_key[chosen])]
             evict_keys = self.slot_key[evict_slots]
             self._forget(evict_keys, evict_slots)
         fetch_slots = self._take(len(fetch_keys))
         self._place(fetch_keys, fetch_slots)
         slots[missing] = fetch_slots
-        self.last_use[slots] = self.tick
-        self.uses[slots] += 1
+        self.history.used(slots, self.tick)
         self.tick += 1
         return Admission(evict_keys, evict_slots, fetch_keys, fetch_slots, slots)
 
@@ -103,7 +98,7 @@ class SlotIndex:
             raise ValueError(f"preloading {len(keys)} rows into {self.num_free} free slots")
         slots = self._take(len(keys))
         self._place(keys, slots)
-        self.uses[slots] = uses
+        self.history.uses[slots] = uses  # (no use yet: LRU takes them first, LFU by these counts)
         return slots
 
     def move(self, *, evict_keys: np.ndarray, evict_slots: np.ndarray, fetch_keys: np.ndarray,
@@ -126,10 +121,6 @@ class SlotIndex:
         """Every slot free (the rows' owner has written them back or dropped them)."""
         self._forget(*self.resident())
 
-    def _scores(self, slots: np.ndarray) -> np.ndarray:
-        """Eviction priority, highest first: least recently used, or least used and then least recently."""
-        return online_scores(self.policy, self.tick - self.last_use[slots], self.uses[slots])
-
     def _restack(self) -> None:
         if self._free_stale:
             free = np.flatnonzero(self.slot_key < 0)
@@ -145,10 +136,10 @@ class SlotIndex:
     def _forget(self, keys: np.ndarray, slots: np.ndarray) -> None:
         self.table.remove(keys)
         self.slot_key[slots] = -1
-        self.last_use[slots] = -1
-        self.uses[slots] = 0
+        self.history.freed(slots)
         if not self._free_stale:
-            self.free[self.num_free:self.num_free + len(slots)] = slots[::-1]
+            # pushed as the planner pushes them (a plan's online policy and this index fill slots alike)
+            self.free[self.num_free:self.num_free + len(slots)] = slots
             self.num_free += len(slots)
 
     def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:

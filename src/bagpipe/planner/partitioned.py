@@ -43,7 +43,8 @@ import numpy as np
 
 from bagpipe.planner.keys import KeyIndex, grown
 from bagpipe.planner.keys import unique_inverse
-from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, Numbered, PlannerConfig, _Stream, distinct, highest, per_space
+from bagpipe.planner.evict import highest
+from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, Numbered, PlannerConfig, _Stream, distinct, per_space
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,12 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
+from bagpipe.planner.evict import LOWEST, ONLINE_POLICIES, OnlineHistory, evictions_needed, highest
 from bagpipe.planner.keys import KeyIndex, grown, in_key_order, sorted_distinct, unique_inverse
 
-POLICIES = ("lookahead", "lru", "lfu", "none")
-ONLINE_POLICIES = ("lru", "lfu")  # scored by online_scores: bagpipe.nn's slot caches use these alone
+POLICIES = ("lookahead", *ONLINE_POLICIES, "none")  # the online ones chosen by evict.OnlineHistory, as bagpipe.nn's
 NEVER = np.iinfo(np.int64).max // 4  # "no known next use"
 _NOT_IN_WINDOW = 1 << 50
-_LOWEST = np.iinfo(np.int64).min  # the score of a slot that may not be evicted
 _INT32_KEYS = np.iinfo(np.int32).max  # a key space this small sorts its batches as int32
 _FREED = -1  # a free slot's next use: below every iteration, so never idle (never evicted by _idle_evictions)
 _INT32_LIMIT = 2**31 - 1  # per-row slots, use counts and versions below this are kept as int32
@@ -262,8 +261,10 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
     slot_key = np.full(capacity, -1, dtype=np.int64)  # the key of the slot's row
     # next use of the slot's row, as known (exact within the window); _FREED where the slot is free
     slot_next = np.full(capacity, _FREED, dtype=np.int64)
-    slot_last = np.full(capacity, -1, dtype=np.int64)
-    slot_freq = np.zeros(capacity, dtype=np.int64)  # the uses so far of the slot's row (as ``freq``, by slot)
+    # the slot's row's last use and its uses so far (as ``freq``, by slot): what the online policies choose by, in
+    # the engine they share with bagpipe.nn's caches; the lookahead policy reads the uses too
+    history = OnlineHistory(capacity, config.policy if config.policy in ONLINE_POLICIES else "lru")
+    slot_freq = history.uses
     slot_far = np.full(capacity, _NOT_IN_WINDOW, dtype=np.int64)  # its lookahead score with no use in the window
     freq = np.zeros(0, dtype=np.int32)  # by row number: its uses so far (int64 from iteration _INT32_LIMIT on)
     version = np.zeros(0, dtype=np.int32)  # by row number: the iteration after which it was last written back
@@ -282,6 +283,7 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         num_free += len(slots)
         slot_row[slots] = -1
         slot_next[slots] = _FREED
+        history.freed(slots)
         slot_of[rows] = -1
         version[rows] = after
         writers = (writes + np.arange(len(rows))) % config.num_trainers
@@ -316,17 +318,19 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
             # rows, which may not go, score lowest
             resident = held[held >= 0]
             candidates = capacity - num_free - len(resident)
-            overflow = min(candidates, overflow + int(config.cleanup_fraction * capacity))
+            overflow = evictions_needed(overflow, candidates=candidates, capacity=capacity,
+                                        cleanup_fraction=config.cleanup_fraction)
             chosen = None
-            if config.policy == "lookahead":
+            if config.policy in ONLINE_POLICIES:
+                chosen = history.victims(overflow, tick=i, keep=[resident, free[:num_free]])
+            elif config.policy == "lookahead":
                 chosen = _idle_evictions(overflow, slot_next=slot_next, slot_freq=slot_freq, i=i,
                                          lookahead=config.lookahead, scan=scanned, once=once)
                 scanned = chosen is not None and bool((slot_freq[chosen] == 1).all())  # (so the scan finds them)
             if chosen is None:
-                score = _scores(config.policy, slot_next=slot_next, slot_last=slot_last, slot_freq=slot_freq,
-                                slot_far=slot_far, i=i, lookahead=config.lookahead)
-                score[resident] = _LOWEST
-                score[free[:num_free]] = _LOWEST
+                score = _scores(slot_next=slot_next, slot_far=slot_far, i=i, lookahead=config.lookahead)
+                score[resident] = LOWEST
+                score[free[:num_free]] = LOWEST
                 chosen = highest(score, overflow)  # slots, in increasing order
             evict_keys, evicted = in_key_order(slot_key[chosen], slot_row[chosen])
             writers, evict_slots = evict(evicted, after=i - 1)
@@ -341,11 +345,10 @@ def plan_numbered(numbered: Iterable[Numbered], config: PlannerConfig) -> Iterat
         batch_slots = held  # (evictions took none of batch i's rows: its resident rows' slots held, the rest new)
         batch_slots[absent] = slots
         slot_next[batch_slots] = next_use
-        slot_last[batch_slots] = i
         uses = freq[rows] + 1
         freq[rows] = uses
         uses = uses.astype(np.int64)
-        slot_freq[batch_slots] = uses
+        history.used(batch_slots, i, uses=uses)
         slot_far[batch_slots] = _NOT_IN_WINDOW - uses
         previous_keys, previous_rows = keys, rows
         inverse = stream.inverse(i)
@@ -408,37 +411,6 @@ def per_space(items: Iterable[list], count: int) -> list[Iterator]:
             yield part
 
     return [stream(space) for space in range(count)]
-
-
-_SAMPLE = 4096  # scores sampled to find a threshold above which the highest lie
-
-
-def highest(score: np.ndarray, count: int) -> np.ndarray:
-    """The positions (increasing) of the ``count`` highest of ``score``, equal scores going to the earlier position.
-
-    The set is defined by the scores alone (a partial sort's choice among equal scores is not), so plans do not
-    depend on the sorting algorithm. The partial sort runs over the few scores above a threshold: the value that
-    about 2 ``count`` of them exceed, taken from a strided sample, and lowered to all of them where fewer than
-    ``count`` reach it; one pass over the scores besides."""
-    n = len(score)
-    if count >= n:
-        return np.arange(n)
-    if count <= 0:
-        return np.zeros(0, dtype=np.int64)
-    keep = None
-    sample = score[::max(1, n // _SAMPLE)]
-    above = int(np.ceil(2 * count * len(sample) / n))
-    if above < len(sample):
-        threshold = np.partition(sample, len(sample) - above)[len(sample) - above]
-        keep = np.flatnonzero(score >= threshold)
-        if len(keep) < count:
-            keep = None
-    if keep is None:
-        keep = np.arange(n)
-    kept = score[keep]
-    value = np.partition(kept, len(kept) - count)[len(kept) - count]  # the count-th highest score
-    over = keep[kept > value]
-    return np.sort(np.concatenate([over, keep[kept == value][:count - len(over)]]))
 
 
 _SCAN_CHUNK = 1 << 14  # slots looked at first by _lowest_hits (then twice as many, and so on)
@@ -535,22 +507,9 @@ def _lowest_hits(count: int, length: int, hits_in) -> np.ndarray:
     return np.concatenate(found)
 
 
-def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
-    """Eviction priority under an online policy, highest first: ``lru`` the longest unused (``age``: iterations
-    since the last use); ``lfu`` the least used (``uses``), and among equals the longest unused. The planner's
-    baselines and bagpipe.nn's online caches (nn/slots.py) both score by this."""
-    if policy == "lru":
-        return age
-    if policy == "lfu":
-        return -uses * (1 << 32) + age
-    raise ValueError(f"{policy!r} is not an online policy ({', '.join(ONLINE_POLICIES)})")
-
-
-def _scores(policy: str, *, slot_next, slot_last, slot_freq, slot_far, i: int, lookahead: int) -> np.ndarray:
-    """Eviction priority of every slot (meaningful for those holding a row; ``slot_freq``: their rows' use
-    counts, ``slot_far``: _NOT_IN_WINDOW less those): highest goes first."""
-    if policy in ONLINE_POLICIES:
-        return online_scores(policy, i - slot_last, slot_freq)
-    # lookahead: rows with no use in the window first (least frequent of those first), then the
-    # row whose next use is furthest away.
+def _scores(*, slot_next, slot_far, i: int, lookahead: int) -> np.ndarray:
+    """The lookahead policy's eviction priority of every slot (meaningful for those holding a row; ``slot_far``:
+    _NOT_IN_WINDOW less their rows' use counts), highest first: rows with no use in the window first (the least
+    used of those first), then the row whose next use is furthest away. (Policy "none" never scores: it evicts
+    the last batch's rows.)"""
     return np.where(slot_next >= i + lookahead, slot_far, slot_next)
