@@ -12,7 +12,9 @@ own try block and reported as it ended: finding what breaks is the point of a fi
    tests/test_nn_pytorch.py; pass / fail / skip counts, and each failure's last lines;
 3. `bagpipe train` on CUDA: --mode reference (every table in GPU memory) against --mode single with caches of
    1% and 5% of the rows (the tables in host memory), alternated, median samples/s of --repeats runs each and
-   the ratio to the reference; the same runs on the CPU for scale;
+   the ratio to the reference; the same runs on the CPU for scale; and every CUDA run's waits of the host for the
+   GPU in one steady iteration (summary.json's device_syncs_per_iteration, by torch's sync debug mode, with the
+   lines that asked for them: device_sync_sites in report.json);
 4. `bagpipe train --mode bagpipe --device cuda` (the oracle and a server on the CPU cores, a 5% cache) with one
    trainer on the GPU and with two trainers sharing it, against --mode reference on the GPU (alternated, medians):
    samples/s, the rows each trainer copied to the GPU per iteration (its H2D traffic) and the share of its loop it
@@ -158,7 +160,11 @@ def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cac
             "stall_fraction": summary.get("embedding_stall_fraction"),
             # each trainer's pinned allocations for those copies (reused buffers: a few, not one per batch)
             "copies_to_device": summary.get("copies_to_device"),
-            "fetch_wait_fraction": summary.get("fetch_wait_fraction")}
+            "fetch_wait_fraction": summary.get("fetch_wait_fraction"),
+            # the host's waits for the GPU in one steady iteration (torch's sync debug mode; per trainer in a bagpipe
+            # job) and the lines that asked for them: a step that never waits on the host has none
+            "device_syncs_per_iteration": summary.get("device_syncs_per_iteration"),
+            "device_sync_sites": summary.get("device_sync_sites")}
 
 
 def synth_data(args) -> tuple[Path, int]:
@@ -184,15 +190,18 @@ def compare(args, cases: list[tuple], *, base: str) -> dict:
                                          args=args, trainers=trainers))
     medians = {name: statistics.median(r["samples_per_s"] for r in results) for name, results in runs.items()}
     lines = [f"| case | ran on | median samples/s | vs {base} | rows to the device / trainer / iteration | stall "
-             "| pinned allocations / trainer |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| pinned allocations / trainer | device syncs / iteration |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, value in medians.items():
         last = runs[name][-1]
         moved = last["rows_to_device_per_trainer_iteration"]
         stall = last["stall_fraction"]
         pinned = [figures.get("pinned_allocations", 0) for figures in (last["copies_to_device"] or {}).values()]
+        syncs = last["device_syncs_per_iteration"]
+        syncs = ", ".join(map(str, syncs.values())) if isinstance(syncs, dict) else "" if syncs is None else str(syncs)
         lines.append(f"| {name} | {last['device']} | {value:,.0f} | {value / medians[base]:.2f}x | "
                      f"{'' if moved is None else f'{moved:,.0f}'} | {'' if stall is None else f'{stall:.1%}'} | "
-                     f"{', '.join(map(str, pinned))} |")
+                     f"{', '.join(map(str, pinned))} | {syncs} |")
     return {"rows": total, "batch_size": args.batch_size, "dim": args.dim, "iterations": args.iterations,
             "medians": medians, "table": "\n".join(lines), "runs": runs}
 

@@ -265,7 +265,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     clock = PhaseClock(warmup=timer.warmup)
     # the operations of the last warm-up iteration (steady by then; counting slows it, and the timed ones are not)
     # from its batch's fetch on: a plan step's work too
-    step_ops = StepCount(at=start + max(timer.warmup - 1, 0))
+    step_ops = StepCount(at=start + max(timer.warmup - 1, 0), device=device)
     cleanup.callback(step_ops.close)
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)

@@ -132,9 +132,11 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         # from the oracle's start to the end of trainer 0's first iteration
         "startup_s": stats[0].extra.get("first_iteration_at", float("nan")) - started_at,
         "time_breakdown_ms": _mean_breakdown([s.extra.get("time_breakdown_ms", {}) for s in all_stats]),
-        # each trainer's aten operations and host reads in its last warm-up iteration (bagpipe.opcount)
+        # each trainer's aten operations and host reads in its last warm-up iteration (bagpipe.opcount), and on a
+        # GPU its waits for the device there and the lines that asked for them
         **{key: {f"trainer{t}": s.extra[key] for t, s in sorted(stats.items()) if key in s.extra}
-           for key in ("ops_per_iteration", "host_reads_per_iteration")},
+           for key in ("ops_per_iteration", "host_reads_per_iteration", "device_syncs_per_iteration",
+                       "device_sync_sites") if any(key in s.extra for s in stats.values())},
         "peak_rss_bytes": _per_role("peak_rss_bytes", peak_rss_bytes(), shards, stats),
         # CPU seconds per role up to the end of training (the oracle's: before evaluation)
         "cpu_s": _per_role("cpu_s", train_cpu_s, shards, stats),

@@ -93,7 +93,8 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     run = RunDir(config.run_dir, append=True) if leader else None
     timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
-    step_ops = StepCount(at=max(timer.warmup - 1, 0))  # the last warm-up iteration's, from its plan step on
+    # the last warm-up iteration's operations (and, on a GPU, waits for it), from its plan step on
+    step_ops = StepCount(at=max(timer.warmup - 1, 0), device=dense.device)
     stats = runtime.stats
     loss = float("nan")
     tick = window_start = time.perf_counter()
