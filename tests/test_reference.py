@@ -97,3 +97,40 @@ def test_sliced_gradients_differ_from_one_pass_only_by_rounding(small_binary, tm
 def test_slices_must_divide_the_batch(small_binary, tmp_path):
     with pytest.raises(ValueError, match="multiple of slices"):
         small_config(small_binary, tmp_path / "run", batch_size=256, slices=3)
+
+
+def test_a_run_reads_its_losses_at_each_log_not_every_iteration(small_binary, tmp_path, monkeypatch):
+    """The step leaves its loss on the device (on a GPU, reading it every iteration is a wait every iteration):
+    with SGD nothing in a steady iteration reads a value back, and the losses read at the logs are the losses of
+    the iterations, in order (the same log as the step's own float loss gives: train_step)."""
+    from bagpipe import reference
+
+    summary = train_reference(small_config(small_binary, tmp_path / "run", iterations=20, optimizer="sgd",
+                                           log_every=5), show_progress=False)
+    assert summary["host_reads_per_iteration"] == 0
+    settled = []
+    original = reference.PendingLosses.settle
+    monkeypatch.setattr(reference.PendingLosses, "settle", lambda self: settled.append(original(self)) or settled[-1])
+    again = train_reference(small_config(small_binary, tmp_path / "again", iterations=20, optimizer="sgd",
+                                         log_every=5), show_progress=False)
+    settled = [part for part in settled if part]
+    assert [[i for i, _ in part] for part in settled] == [[0], [1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14],
+                                                          [15, 16, 17, 18, 19]]
+    assert again["final_train_loss"] == summary["final_train_loss"] == settled[-1][-1][1]
+
+
+def test_a_loss_that_is_not_finite_inside_a_log_window_stops_the_run_naming_its_iteration(small_binary, tmp_path,
+                                                                                          monkeypatch):
+    from bagpipe import reference
+
+    step = reference.step_loss
+
+    def poisoned(*args, iteration, **kwargs):
+        loss = step(*args, iteration=iteration, **kwargs)
+        return loss * float("nan") if iteration == 6 else loss
+
+    monkeypatch.setattr(reference, "step_loss", poisoned)
+    with pytest.raises(RuntimeError, match="the training loss of iteration 7 is nan"):
+        train_reference(small_config(small_binary, tmp_path / "run", iterations=20, log_every=10,
+                                     checkpoint_every=8), show_progress=False)
+    assert not list((tmp_path / "run").rglob("step-*"))  # settled before the checkpoint at 8: never kept

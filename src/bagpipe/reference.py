@@ -137,6 +137,14 @@ def train_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch
     sums depend on their order, so this, not the one-pass gradient, is what a distributed run
     equals bit for bit. (``seed`` and ``iteration`` key the model's dropout, slice by slice.)
     """
+    return step_loss(model, tables, dense_optimizer, batch, clock, slices=slices, seed=seed,
+                     iteration=iteration).item()
+
+
+def step_loss(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
+              clock: PhaseClock | None = None, *, slices: int = 1, seed: int = 0, iteration: int = 0) -> torch.Tensor:
+    """``train_step``, its loss left where it was computed (a scalar tensor on the model's device): a loop that
+    reads it later (``PendingLosses``) does not make the host wait for the device every iteration."""
     clock = clock or _NO_CLOCK
     if slices > 1:
         return _sliced_step(model, tables, dense_optimizer, batch, clock, slices, seed=seed, iteration=iteration)
@@ -144,9 +152,33 @@ def train_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch
     loss, lookup = _forward_backward(model, tables, dense_optimizer, batch, clock)
     dense_optimizer.step()
     tables.apply_gradients(lookup)
-    value = loss.item()
     clock.lap("optimizer")
-    return value
+    return loss.detach()
+
+
+class PendingLosses:
+    """Iterations' losses not yet read on the host: kept as they were computed (scalars on the model's device)
+    and read all at once (``settle``: one wait for the device where reading each was one every iteration), at
+    each log, checkpoint and evaluation and at the end. What is judged of them (divergence, a non-finite loss)
+    is judged then, in iteration order, so a run that diverges stops at most a log interval later, before any
+    checkpoint or evaluation of the diverged state."""
+
+    def __init__(self) -> None:
+        self.iterations: list[int] = []
+        self.losses: list[torch.Tensor] = []
+
+    def add(self, iteration: int, loss: torch.Tensor) -> None:
+        self.iterations.append(iteration)
+        self.losses.append(loss)
+
+    def settle(self) -> list[tuple[int, float]]:
+        """Each pending iteration (counting from 0) with its loss read, in order; none pending after."""
+        if not self.losses:
+            return []
+        values = torch.stack(self.losses).tolist()
+        settled = list(zip(self.iterations, values))
+        self.iterations, self.losses = [], []
+        return settled
 
 
 def _sliced_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
@@ -170,7 +202,7 @@ def _sliced_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: tor
     dense_optimizer.step()
     tables.apply_gradients(lookups, sums[:spaces])
     clock.lap("optimizer")
-    return float(sums[-1])
+    return sums[-1]
 
 
 def _row_grads(lookup: Lookup) -> torch.Tensor:
@@ -283,24 +315,32 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     if config.mode == "single" and config.policy == "lookahead":
         batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
                             cleanup_fraction=cleanup_fraction)
+    pending = PendingLosses()  # the losses are read at each log, checkpoint and evaluation, not every iteration
+
+    def settle() -> None:
+        nonlocal loss
+        for done, loss in pending.settle():
+            for warning in loss_watch.loss(done + 1, loss):
+                run.warn(warning)
+            check_loss(loss, done, config)
+            recent_losses.append(loss)
+
     clock.restart()
     step_ops.begin(start)
     for iteration, batch in enumerate(batches, start=start):
         clock.lap("data")
-        loss = train_step(model, tables, dense_optimizer, batch.to(device), clock, slices=config.slices,
-                          seed=config.seed, iteration=iteration)
+        pending.add(iteration, step_loss(model, tables, dense_optimizer, batch.to(device), clock,
+                                         slices=config.slices, seed=config.seed, iteration=iteration))
         step_ops.end(iteration)
         clock.end_iteration()
-        for warning in loss_watch.loss(iteration + 1, loss):
-            run.warn(warning)
-        check_loss(loss, iteration, config)
         inject_fault(f"iteration {iteration}")
         now = time.perf_counter()
         if iteration == start:
             first_iteration_s = now - started
         timer.record(iteration - start, len(batch), now - tick)
         tick = now
-        recent_losses.append(loss)
+        if iteration == start or (iteration + 1) % config.log_every == 0 or iteration + 1 == iterations:
+            settle()  # (the first at once: a loss that is not finite from the start stops the run there)
         if (iteration + 1) % config.log_every == 0 or iteration + 1 == iterations:
             mean_loss = float(np.mean(recent_losses))
             run.log_metrics(iteration=iteration + 1, samples=(iteration + 1) * config.batch_size,
@@ -313,17 +353,20 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
             recent_losses.clear()
             window_start = now
         if writer is not None and iteration + 1 < iterations and schedule.due(iteration + 1):
+            settle()  # (a checkpoint keeps the window's losses, and never a diverged state)
             writer.wait()  # one write at a time; its outcome decides whether this one is a full base
             full = writer.wants_full()
             writer.save(capture(iteration + 1, model, dense_optimizer, tables, full=full,
                                 extra={"recent_losses": list(recent_losses), "loss_watch": loss_watch.state(),
                                        "torch_threads": torch.get_num_threads()}), full=full)
         if config.eval_every and testable and iteration + 1 < iterations and (iteration + 1) % config.eval_every == 0:
+            settle()
             eval_s += _evaluate_at(iteration + 1, model, tables, dataset.test, run, config, watch,
                                    ranking=ranking)[1]
             tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
         step_ops.begin(iteration + 1)
+    settle()  # (a run cut short by its data: what is left)
     bar.close()
     if writer is not None:
         writer.wait()
