@@ -110,21 +110,17 @@ class GradientSync:
 
     def apply_alone(self, message: StepMessage, lookups: list[Lookup]) -> None:
         """``sync`` for a job of one trainer: nothing to sum, so the rows' gradients stay where the backward left
-        them (a GPU's memory: no copies to the host and back, no waiting for the device) and update the cached rows
-        as ``sync`` would, those not used next iteration still at ``apply_pending`` (the same steps, the same
-        order: the same values)."""
+        them (a GPU's memory: no copies to the host and back, no waiting for the device) and update every cached
+        row of the batch at once, one row-optimizer step per space, as the reference does. (``sync`` splits a
+        space's rows to overlap the sums of those not used next iteration; a row's update depends on its own
+        gradient and state alone, so the same values, in half the steps.)"""
         if self.group is not None:
             raise RuntimeError("apply_alone is for a trainer with no others to sum with")
         if all(lookup.rows.grad is None for lookup in lookups):
             raise RuntimeError("backward() did not reach the embeddings of this batch")
         for space, (lookup, step) in enumerate(zip(lookups, message.spaces)):
-            cache, now = self.caches[space], step.num_now
             grads = lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)
-            cache.apply(step.batch_slots[:now], grads[:now])
-            if now < len(step.batch_slots):
-                later = grads[now:]
-                self.pending[space].append((message.iteration, step.batch_slots[now:].numpy(), later,
-                                            self.start(later, what=("later", message.iteration, space))))
+            self.caches[space].apply(step.batch_slots, grads)
 
     def apply_pending(self, space: int, *, upto: int, evicting: np.ndarray) -> None:
         """Apply a space's lazily synced updates from iterations <= upto, and any whose rows are evicted now."""
