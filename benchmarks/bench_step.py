@@ -90,7 +90,7 @@ def case_nn(*, tables: int, batch: int, dim: int, iterations: int) -> dict:
     return {"ops": ops.total, "host_reads": ops.host_reads, "ms": ms, "samples_per_s": batch / ms * 1e3}
 
 
-def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int) -> dict:
+def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int, compiled: bool = False) -> dict:
     import torch
 
     from bagpipe.config import ModelConfig, TrainConfig
@@ -101,7 +101,8 @@ def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int) 
 
     schema = Schema.one_hot([ROWS] * tables, num_dense=13)
     config = TrainConfig(data="-", run_dir="-", optimizer="adagrad", lr=0.01, seed=1,
-                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-64-{dim}", arch_mlp_top="128-64-1"))
+                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-64-{dim}", arch_mlp_top="128-64-1"),
+                         **({"compile": True} if compiled else {}))
     model, embedding_tables = build_model(config, schema), build_tables(config, schema)
     dense_optimizer = embedding_tables.optimizer.dense_optimizer(model.parameters())
     generator = torch.Generator().manual_seed(0)
@@ -117,14 +118,15 @@ def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int) 
     times, ops = [], None
     for i, item in enumerate(loop):
         start = time.perf_counter()
-        if i == WARMUP - 1:
+        if i == WARMUP - 1 and not compiled:  # (under a dispatch mode a compiled graph runs otherwise: not counted)
             with OpCounter() as ops:
                 train_step(model, embedding_tables, dense_optimizer, item)
             continue
         train_step(model, embedding_tables, dense_optimizer, item)
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
-    return {"ops": ops.total, "host_reads": ops.host_reads, "ms": statistics.median(times) * 1e3}
+    return {"ops": ops.total if ops else None, "host_reads": ops.host_reads if ops else None,
+            "ms": statistics.median(times) * 1e3}
 
 
 def case_job(*, mode: str, data: Path, work: Path, src: Path, iterations: int) -> dict:
@@ -160,6 +162,11 @@ CASES = {
                                                           iterations=it),
     "single 5%, batch 2048, dim 16": lambda it: case_dlrm(mode="single", tables=26, batch=2048, dim=16,
                                                           iterations=it),
+    # --compile (the dense model's loss and its backward through torch.compile; its first iteration compiles)
+    "reference compiled, batch 64, dim 8": lambda it: case_dlrm(mode="reference", tables=26, batch=64, dim=8,
+                                                                iterations=it, compiled=True),
+    "reference compiled, batch 2048, dim 16": lambda it: case_dlrm(mode="reference", tables=26, batch=2048, dim=16,
+                                                                   iterations=it, compiled=True),
 }
 
 

@@ -131,7 +131,7 @@ def train_partitioned_batches(model: nn.Module, dense_optimizer: torch.optim.Opt
                 views.append(rows_of[t][s].at(keys[iteration][t][s]))
             set_dropout_step(model, seed=seed, iteration=iteration, part=t)  # as trainer t draws it
             embeddings, lookups = StepTables(caches[t], views, layout).lookup(parts[iteration][t].ids)
-            loss = model.loss(model(parts[iteration][t].dense_x, embeddings), parts[iteration][t].target)
+            loss = model.training_loss(parts[iteration][t].dense_x, embeddings, parts[iteration][t].target)
             dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
             with torch.no_grad():

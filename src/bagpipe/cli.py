@@ -142,6 +142,10 @@ def _add_train(sub) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where --mode reference keeps its model and "
                    "tables, --mode single its model and cache (the full tables stay in host memory or on disk); "
                    "without CUDA the CPU, with a warning" + _default("device"))
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the dense model's forward and backward through torch.compile, in every mode and "
+                   "trainer alike (compiled runs equal each other bit for bit, not an uncompiled one; the first "
+                   "iteration compiles, seconds; not with --dropout)" + _default("compile"))
     p.add_argument("--iterations", type=int, default=None, help="global batches to train; 0: --epochs passes "
                    "over the training split" + _default("iterations"))
     p.add_argument("--epochs", type=int, default=None, help="passes over the training split when --iterations "

@@ -178,6 +178,10 @@ class TrainConfig:
     # where --mode reference keeps its model and tables, --mode single its model and cache (the full tables in host
     # memory or on disk): "cpu", "cuda" or "cuda:N"; without CUDA a GPU asked for falls back to the CPU, warned
     device: str = "cpu"
+    # the dense model's forward and backward through torch.compile (models.compile_training), in every mode alike
+    # (compiled runs equal each other bit for bit, not an eager run); off by default: on the CPU it measured no
+    # faster (docs/benchmarks.md), on a GPU make gpu-check measures it
+    compile: bool = False
     iterations: int = 0  # 0: `epochs` passes over the training split
     epochs: int = 1  # passes over the training split, when iterations is 0
     batch_size: int = 512  # 256 steps a pass over 131k rows; at 2,048 the CTR models end short of the data's best
@@ -279,6 +283,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
         if not DEVICE_SPEC.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.compile and self.model.dropout:
+            raise ValueError("compile with dropout: a compiled graph draws its own random numbers, not the dropout "
+                             "masks every mode and trainer draw alike from (seed, iteration, slice); use --dropout 0 "
+                             "or leave out --compile")
         if self.keep_best and not self.eval_every:
             raise ValueError("keep_best keeps the best of the evaluations during training: it needs eval_every "
                              "(--eval-every N); without it the only evaluation is the last, whose model is kept anyway")
@@ -410,7 +418,7 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
-RESUMABLE_CHANGES = ("device", "iterations", "epochs", "log_every", "warmup_iterations", "timeout", "liveness_s",
+RESUMABLE_CHANGES = ("device", "compile", "iterations", "epochs", "log_every", "warmup_iterations", "timeout", "liveness_s",
                      "planner_processes",
                      "rpc_transports", "rpc_channels", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
                      "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every", "eval_protocol", "master_port",

@@ -89,8 +89,12 @@ class StepCount:
     count: the dispatch mode is thread-local, so background readers and sums are left out. ``close()`` (also on
     an error) leaves no counter behind."""
 
-    def __init__(self, at: int, *, device: torch.device | str = "cpu", debug_mode: tuple | None = None) -> None:
+    def __init__(self, at: int, *, device: torch.device | str = "cpu", ops: bool = True,
+                 debug_mode: tuple | None = None) -> None:
         self.at = at
+        # ``ops=False``: the operations are not counted (--compile: under a dispatch mode a compiled graph runs
+        # otherwise, and rounds otherwise, than it does in every other iteration); the waits still are
+        self.ops = ops
         self._counter: OpCounter | None = None
         self.counted: OpCounter | None = None
         # on a CUDA device, the host's waits for it in the same iteration
@@ -100,7 +104,8 @@ class StepCount:
         if n == self.at and self._counter is None and self.counted is None:
             self.syncs.__enter__()
             self._counter = OpCounter()
-            self._counter.__enter__()
+            if self.ops:
+                self._counter.__enter__()
 
     def end(self, n: int) -> None:
         if n == self.at:
@@ -109,7 +114,8 @@ class StepCount:
     def close(self) -> None:
         if self._counter is not None:
             counter, self._counter = self._counter, None
-            counter.__exit__(None, None, None)
+            if self.ops:
+                counter.__exit__(None, None, None)
             self.syncs.__exit__(None, None, None)
             self.counted = counter
 
@@ -118,7 +124,8 @@ class StepCount:
         device ``device_syncs_per_iteration`` and where they were asked for (``device_sync_sites``, most first)."""
         if self.counted is None:
             return {}
-        figures = {"ops_per_iteration": self.counted.total, "host_reads_per_iteration": self.counted.host_reads}
+        figures = ({"ops_per_iteration": self.counted.total, "host_reads_per_iteration": self.counted.host_reads}
+                   if self.ops else {})
         if self.syncs.enabled:
             figures["device_syncs_per_iteration"] = self.syncs.total
             figures["device_sync_sites"] = dict(self.syncs.sites.most_common(20))

@@ -83,8 +83,11 @@ def deterministic() -> None:
 
 
 def build_model(config: TrainConfig, schema: Schema) -> nn.Module:
-    """The configured model's dense part, from the run's seed."""
-    return models.build_model(config.model, schema, seed=config.seed)
+    """The configured model's dense part, from the run's seed (its training loss compiled with ``compile``)."""
+    model = models.build_model(config.model, schema, seed=config.seed)
+    if config.compile:
+        model.compile_training()
+    return model
 
 
 def build_run_tables(config: TrainConfig, schema: Schema, *,
@@ -215,7 +218,7 @@ def _forward_backward(model: nn.Module, tables: EmbeddingTables, dense_optimizer
     """The loss of ``batch`` (its mean), with every gradient of it in place: dense ``.grad`` and the leaf's."""
     embeddings, lookup = tables.lookup(batch.ids, **lookup_options)
     clock.lap("lookup")
-    loss = model.loss(model(batch.dense_x, embeddings), batch.target)
+    loss = model.training_loss(batch.dense_x, embeddings, batch.target)
     clock.lap("forward")
     dense_optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -297,7 +300,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     clock = PhaseClock(warmup=timer.warmup)
     # the operations of the last warm-up iteration (steady by then; counting slows it, and the timed ones are not)
     # from its batch's fetch on: a plan step's work too
-    step_ops = StepCount(at=start + max(timer.warmup - 1, 0), device=device)
+    step_ops = StepCount(at=start + max(timer.warmup - 1, 0), device=device, ops=not config.compile)
     cleanup.callback(step_ops.close)
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)

@@ -24,6 +24,23 @@ class RecModel(nn.Module):
         """Parameters whose gradients the backward completes first (their all-reduce starts early)."""
         return []
 
+    def training_loss(self, dense_x: torch.Tensor, embeddings: torch.Tensor | Embeddings,
+                      target: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a training batch (or a trainer's slice of one), ``loss(self(dense_x, embeddings),
+        target)``: through the compiled graph where ``compile_training`` made one. Every mode's training step
+        computes its loss here (reference.py, runtime/redo.py, cached.py), so that every mode computes it alike."""
+        compiled = self.__dict__.get("_compiled_loss")
+        if compiled is not None:
+            return compiled(dense_x, embeddings, target)
+        return self.loss(self(dense_x, embeddings), target)
+
+    def compile_training(self) -> None:
+        """``training_loss`` through ``torch.compile`` from now on: forward, loss and their backward as one graph
+        of fused kernels (fewer launches on a GPU), shapes static (a batch of another shape compiles again). The
+        same graph gives the same values in every mode and process; evaluation stays uncompiled (its batches are
+        of other shapes)."""
+        self.__dict__["_compiled_loss"] = torch.compile(lambda x, e, y: self.loss(self(x, e), y), dynamic=False)
+
 
 def fields(embeddings: Embeddings, lookups: range) -> torch.Tensor:
     """``[B, len(lookups), D]``: those lookups, each pooled by sum if it is multi-valued."""

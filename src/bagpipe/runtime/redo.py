@@ -65,7 +65,7 @@ def backward_slice(model: nn.Module, message: StepMessage, embeddings: Embedding
     lookup's leaf); returns the slice's loss (detached). ``lap(phase)`` is called after each (the loop's clock)."""
     set_dropout_step(model, seed=seed, iteration=message.iteration, part=part)
     device = model_device(model)  # (the plan message arrives in host memory)
-    loss = model.loss(model(message.dense_x.to(device), embeddings), message.target.to(device))
+    loss = model.training_loss(message.dense_x.to(device), embeddings, message.target.to(device))
     if lap is not None:
         lap("forward")
     for p in model.parameters():

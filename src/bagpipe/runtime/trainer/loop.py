@@ -94,7 +94,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     timer = Timer(warmup=min(config.warmup_iterations, max(job.iterations - start - 1, 0)))
     clock = PhaseClock(warmup=timer.warmup)
     # the last warm-up iteration's operations (and, on a GPU, waits for it), from its plan step on
-    step_ops = StepCount(at=max(timer.warmup - 1, 0), device=dense.device)
+    step_ops = StepCount(at=max(timer.warmup - 1, 0), device=dense.device, ops=not config.compile)
     stats = runtime.stats
     loss = float("nan")
     tick = window_start = time.perf_counter()

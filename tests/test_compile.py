@@ -1,0 +1,51 @@
+"""--compile: the dense model's forward, loss and backward through torch.compile, alike in every mode, so that
+compiled runs equal each other bit for bit (an uncompiled run is not theirs to equal: fused kernels round
+differently)."""
+
+import pytest
+import torch
+
+from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.rundir import export
+from bagpipe.reference import train_reference
+from test_reference import small_config
+from test_single import _same
+
+
+def test_single_mode_compiled_equals_the_compiled_reference_bit_for_bit(small_binary, tmp_path):
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    counters.clear()
+    for name, mode, compiled in (("eager", "reference", False), ("reference", "reference", True),
+                                 ("single", "single", True)):
+        config = small_config(small_binary, tmp_path / name, mode=mode, iterations=30, batch_size=64,
+                              optimizer="adam", cache_rows=600, lookahead=16, slices=2, compile=compiled)
+        summary = train_reference(config, show_progress=False)
+        # the compiled runs' loss went through a graph dynamo made (once: the second model, of the same structure,
+        # is an input of the same graph), the eager run's through none
+        assert counters["frames"]["ok"] == (0 if name == "eager" else 1), dict(counters)
+        runs[name] = (summary, export(tmp_path / name, tmp_path / f"{name}.pt"))
+    assert _same(runs["reference"][1], runs["single"][1])
+    assert runs["single"][0]["final_train_loss"] == runs["reference"][0]["final_train_loss"]
+    assert not _same(runs["reference"][1], runs["eager"][1])  # (compiled: other kernels, other roundings)
+    # a dispatch mode changes what a compiled graph runs: a compiled run counts no operations (it would not equal)
+    assert "ops_per_iteration" not in runs["single"][0] and runs["eager"][0]["ops_per_iteration"] > 0
+
+
+def test_compile_with_dropout_is_refused():
+    with pytest.raises(ValueError, match="compile with dropout"):
+        TrainConfig(data="-", run_dir="-", compile=True, model=ModelConfig(name="dcn", dropout=0.1))
+
+
+def test_bagpipe_trainers_compiled_equal_the_compiled_reference_bit_for_bit(small_binary, tmp_path):
+    """Each trainer compiles its own graph of its slice (in its own process); the same graph as the sliced
+    reference's, so the same values."""
+    from bagpipe.runtime.launch import launch_local
+    from test_runtime import assert_same_parameters, job_config, reference_of
+
+    config = job_config(small_binary, tmp_path / "bagpipe", optimizer="adam", iterations=40, compile=True)
+    summary = launch_local(config, show_progress=False)
+    assert summary["iterations"] == 40 and "ops_per_iteration" not in summary
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
