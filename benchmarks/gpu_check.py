@@ -23,7 +23,10 @@ own try block and reported as it ended: finding what breaks is the point of a fi
    single at 5% and a one-trainer bagpipe job on the GPU (a `.to(device)` or `.cpu()` high on the list is the
    host waiting for the device);
 6. `bagpipe.nn` against `nn.EmbeddingBag` on the GPU (benchmarks/gpu_check_nn.py), with the cache's pinned
-   allocations (reused staging buffers: a small number whatever the batches).
+   allocations (reused staging buffers: a small number whatever the batches);
+7. `--compile` (the dense model's loss and backward through torch.compile): the reference, --mode single at 5%
+   and one bagpipe trainer compiled, against the reference uncompiled (the exactness of compiled runs on CUDA:
+   step 2's tests/test_compile.py; `--skip tests,train,bagpipe,profile,nn` runs this step alone).
 
 Not here: NCCL among the trainers (refused: they sum in host memory over gloo; NCCL needs a GPU per trainer, and
 this machine has one). A trainer's fetched rows go to its GPU on a side stream of each cache's own, through reused
@@ -50,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # (files, -k expression): whole files that take a device, and the CUDA cases of the bagpipe jobs' equality tests
 TESTS = [(["tests/test_device.py", "tests/test_device_modes.py", "tests/test_single.py", "tests/test_nn.py",
-           "tests/test_nn_pytorch.py"], ""),
+           "tests/test_nn_pytorch.py"], ""), (["tests/test_compile.py"], "cuda"),
          (["tests/test_runtime.py"], "cuda")]
 DEPENDENCIES = ["numpy", "tqdm", "matplotlib", "pyarrow", "orjson", "xxhash", "pytest", "xdist"]
 
@@ -129,11 +132,11 @@ def tests(timeout: float) -> dict:
 
 
 def train_command(run_dir: Path, data: Path, *, device: str, mode: str, cache_rows: int, args,
-                  trainers: int = 1) -> list[str]:
+                  trainers: int = 1, compiled: bool = False) -> list[str]:
     command = [sys.executable, "-m", "bagpipe.cli", "train", "--data", str(data), "--run-dir", str(run_dir),
                "--overwrite", "--no-progress", "--mode", mode, "--device", device, "--batch-size",
                str(args.batch_size), "--iterations", str(args.iterations), "--emb-dim", str(args.dim),
-               "--max-eval-rows", "1"]
+               "--max-eval-rows", "1", *(["--compile"] if compiled else [])]
     if mode != "reference":
         command += ["--cache-rows", str(cache_rows)]
     if mode == "bagpipe":
@@ -142,10 +145,10 @@ def train_command(run_dir: Path, data: Path, *, device: str, mode: str, cache_ro
 
 
 def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cache_rows: int, args,
-               trainers: int = 1) -> dict:
+               trainers: int = 1, compiled: bool = False) -> dict:
     run_dir = work / name
     command = train_command(run_dir, data, device=device, mode=mode, cache_rows=cache_rows, args=args,
-                            trainers=trainers)
+                            trainers=trainers, compiled=compiled)
     done = run(command, timeout=args.step_timeout)
     if done.returncode:
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-2000:]}")
@@ -179,15 +182,15 @@ def synth_data(args) -> tuple[Path, int]:
 
 
 def compare(args, cases: list[tuple], *, base: str) -> dict:
-    """Each case (name, device, mode, cache rows, trainers) run --repeats times, alternated (a slow moment of the
-    machine falls on every case alike); median samples/s against ``base``'s."""
+    """Each case (name, device, mode, cache rows, trainers[, compiled]) run --repeats times, alternated (a slow
+    moment of the machine falls on every case alike); median samples/s against ``base``'s."""
     data, total = synth_data(args)
     work = Path(args.work)
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cases}
     for _ in range(args.repeats):
-        for name, device, mode, cache_rows, trainers in cases:
+        for name, device, mode, cache_rows, trainers, *compiled in cases:
             runs[name].append(train_once(work, data, name, device=device, mode=mode, cache_rows=cache_rows,
-                                         args=args, trainers=trainers))
+                                         args=args, trainers=trainers, compiled=bool(compiled and compiled[0])))
     medians = {name: statistics.median(r["samples_per_s"] for r in results) for name, results in runs.items()}
     lines = [f"| case | ran on | median samples/s | vs {base} | rows to the device / trainer / iteration | stall "
              "| pinned allocations / trainer | device syncs / iteration |",
@@ -226,6 +229,21 @@ def bagpipe_against_reference(args) -> dict:
     return {**result, "one_trainer_vs_reference": round(medians["bagpipe-1-trainer-cuda"]
                                                         / medians["reference-cuda"], 3),
             "target": "bagpipe with one GPU trainer within 15% of the reference on the GPU (>= 0.85x)"}
+
+
+def compiled_against_eager(args) -> dict:
+    """--compile on the GPU: the reference, --mode single at 5% and one bagpipe trainer with the dense model's loss
+    and backward compiled, against the reference uncompiled (alternated; each compiled run's first iteration
+    compiles, and the warm-up iterations leave it out of samples/s)."""
+    _, total = synth_data(args)
+    result = compare(args, [("reference-cuda", "cuda", "reference", 0, 1),
+                            ("reference-cuda-compiled", "cuda", "reference", 0, 1, True),
+                            ("single-5%-cuda-compiled", "cuda", "single", total // 20, 1, True),
+                            ("bagpipe-1-trainer-cuda-compiled", "cuda", "bagpipe", total // 20, 1, True)],
+                     base="reference-cuda")
+    medians = result["medians"]
+    return {**result, "compiled_vs_eager": round(medians["reference-cuda-compiled"] / medians["reference-cuda"], 3),
+            "target": "--compile on by default on a GPU where it pays (config.TrainConfig.compile)"}
 
 
 # each mode's training loop as py-spy names its frame, and the first and last source lines of its iterations (the
@@ -323,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--step-timeout", type=float, default=240.0, help="seconds any one command may take")
     p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, train, bagpipe, profile, "
-                   "nn")
+                   "nn, compile")
     p.add_argument("--py-spy", default="", help="py-spy's path (default: on PATH or beside this Python)")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (to try the script itself)")
     args = p.parse_args(argv)
@@ -347,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         report.step("where the training loop's time goes on the host (py-spy)", host_profile, args)
     if "nn" not in skip and torch.cuda.is_available():
         report.step("bagpipe.nn against nn.EmbeddingBag", nn_check, args)
+    if "compile" not in skip:
+        report.step("--compile against the reference uncompiled", compiled_against_eager, args)
     return 0 if all(result["ok"] for result in report.steps.values()) else 1
 
 

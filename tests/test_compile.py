@@ -12,7 +12,11 @@ from test_reference import small_config
 from test_single import _same
 
 
-def test_single_mode_compiled_equals_the_compiled_reference_bit_for_bit(small_binary, tmp_path):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_single_mode_compiled_equals_the_compiled_reference_bit_for_bit(small_binary, tmp_path, device):
     from torch._dynamo.utils import counters
 
     runs = {}
@@ -20,7 +24,8 @@ def test_single_mode_compiled_equals_the_compiled_reference_bit_for_bit(small_bi
     for name, mode, compiled in (("eager", "reference", False), ("reference", "reference", True),
                                  ("single", "single", True)):
         config = small_config(small_binary, tmp_path / name, mode=mode, iterations=30, batch_size=64,
-                              optimizer="adam", cache_rows=600, lookahead=16, slices=2, compile=compiled)
+                              optimizer="adam", cache_rows=600, lookahead=16, slices=2, compile=compiled,
+                              device=device)
         summary = train_reference(config, show_progress=False)
         # the compiled runs' loss went through a graph dynamo made (once: the second model, of the same structure,
         # is an input of the same graph), the eager run's through none

@@ -259,20 +259,12 @@ def sparse_row_sums(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def update_rows(optimizer: RowOptimizer, weights: torch.Tensor, state: torch.Tensor, lookup: Lookup,
                 grads: torch.Tensor | None = None) -> None:
-    """Row-optimizer step on the looked-up rows, in place (``grads``: default, the leaf's own)."""
+    """Row-optimizer step on the looked-up rows, in place (``grads``: default, the leaf's own): the one call every
+    path makes, so that they step alike (``RowOptimizer.update``)."""
     grads = lookup.rows.grad if grads is None else grads
     if grads is None:  # no lookup of this space reached the loss (e.g. all its ids were PAD)
         grads = torch.zeros_like(lookup.rows)
-    if optimizer.name == "sgd":  # fused: one scatter-add into the weights (the rows are distinct)
-        # grads * -lr first: index_add_ with alpha= takes a slow path (2.3 ms against 0.28 ms for
-        # 12k rows of 16 into 130k, 1 thread).
-        weights.index_add_(0, lookup.index, grads.mul(-optimizer.lr))
-        return
-    rows, row_state = lookup.rows.detach().clone(), state.index_select(0, lookup.index)
-    optimizer.step(rows, row_state, grads)
-    weights.index_copy_(0, lookup.index, rows)
-    if row_state.shape[1]:
-        state.index_copy_(0, lookup.index, row_state)
+    optimizer.update(weights, state, lookup.index, lookup.rows, grads)
 
 
 def valid_keys(keys: np.ndarray) -> np.ndarray:

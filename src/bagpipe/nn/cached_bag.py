@@ -208,9 +208,10 @@ def row_optimizer(name: str | None, *, lr: float | None, eps: float | None,
                       f"({', '.join(map(repr, defaults))}) and lr= to choose", UserWarning, stacklevel=3)
     if name not in defaults:
         raise ValueError(f"optimizer must be one of {', '.join(defaults)}, got {name!r}")
-    optimizer = make_row_optimizer(name, lr=defaults[name] if lr is None else lr)
-    return RowOptimizer(name=name, lr=optimizer.lr, eps=optimizer.eps if eps is None else eps,
-                        beta1=betas[0], beta2=betas[1])
+    hyper = {} if eps is None else {"eps": eps}
+    if name == "adam":
+        hyper.update(beta1=betas[0], beta2=betas[1])
+    return make_row_optimizer(name, lr=defaults[name] if lr is None else lr, **hyper)
 
 
 def refuse_unsupported(*, sparse: bool, scale_grad_by_freq: bool, padding_idx: int | None, max_norm: float | None,
