@@ -4,6 +4,7 @@ milliseconds per iteration at a tiny batch, where the step's own overhead is all
 
     .venv/bin/python benchmarks/bench_step.py [--repeats 3] [--out FILE.json]
     .venv/bin/python benchmarks/bench_step.py --before OTHER_CHECKOUT [--repeats 3]   # before/after, alternated
+    .venv/bin/python benchmarks/bench_step.py --phases [--iterations 300]   # where a batch-64 step's time goes
 
 Cases (26 tables of 100,000 rows unless said, the gpu-check's shape of DLRM at a smaller scale; ids drawn as
 ``bagpipe synth`` draws them, Zipf 1.2):
@@ -129,6 +130,64 @@ def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int, 
             "ms": statistics.median(times) * 1e3}
 
 
+def case_phases(*, mode: str, iterations: int) -> dict:
+    """Where a tiny-batch step's time goes, phase by phase, at the jobs' shape (DLRM 13-64-8 / 512-256-1, dim 8,
+    26 tables, batch 64, Adam as `bagpipe train` defaults DLRM to, one thread): ms (medians) and operations of
+    each phase. ``single``: a 5% cache planned by ``Lookahead`` (its planning is the ``data`` phase)."""
+    import torch
+
+    from bagpipe.config import ModelConfig, TrainConfig
+    from bagpipe.data.batches import Batch
+    from bagpipe.data.schema import Schema
+    from bagpipe.nn import CachedTables, Lookahead
+    from bagpipe.reference import build_model, build_tables
+
+    tables, batch, dim = 26, 64, 8
+    schema = Schema.one_hot([ROWS] * tables, num_dense=13)
+    config = TrainConfig(data="-", run_dir="-", optimizer="adam", lr=0.001, seed=1,
+                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-64-{dim}", arch_mlp_top="512-256-1"))
+    model, embedding_tables = build_model(config, schema), build_tables(config, schema)
+    dense_optimizer = embedding_tables.optimizer.dense_optimizer(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    batches = [Batch(dense_x=torch.rand(batch, 13, generator=generator),
+                     ids=_zipf_ids(generator, batch=batch, tables=tables, rows=ROWS),
+                     target=torch.randint(0, 2, (batch,), generator=generator).float())
+               for _ in range(iterations + WARMUP)]
+    loop = batches
+    if mode == "single":
+        cache_rows = embedding_tables.layout.split_cache(ROWS * tables // 20, batch_size=batch)
+        embedding_tables = CachedTables.over(embedding_tables, cache_rows=cache_rows, policy="lru")
+        loop = Lookahead(batches, embedding_tables, ids=lambda b: b.ids, lookahead=200)
+    times: dict[str, list[float]] = {}
+    ops: dict[str, int] = {}
+    items = iter(loop)
+    for i in range(iterations + WARMUP):
+        counting = i == WARMUP - 1
+        mark = time.perf_counter()
+
+        def phase(name: str, work):
+            nonlocal mark
+            if counting:
+                with OpCounter() as counter:
+                    value = work()
+                ops[name] = counter.total
+            else:
+                value = work()
+            now = time.perf_counter()
+            if i >= WARMUP:
+                times.setdefault(name, []).append(now - mark)
+            mark = now
+            return value
+
+        item = phase("data", lambda: next(items))
+        embeddings, lookups = phase("lookup", lambda: embedding_tables.lookup(item.ids))
+        loss = phase("forward", lambda: model.loss(model(item.dense_x, embeddings), item.target))
+        phase("backward", lambda: (dense_optimizer.zero_grad(set_to_none=True), loss.backward()))
+        phase("dense optimizer", dense_optimizer.step)
+        phase("row optimizer", lambda: embedding_tables.apply_gradients(lookups))
+    return {"ms": {name: statistics.median(found) * 1e3 for name, found in times.items()}, "ops": ops}
+
+
 def case_job(*, mode: str, data: Path, work: Path, src: Path, iterations: int) -> dict:
     """A whole ``bagpipe train`` job on ``src``'s code (one trainer for ``--mode bagpipe``), batch 64, dim 8, one
     thread: its steady ms per iteration (the phases of its summary added up) and, where that code records them,
@@ -191,8 +250,26 @@ def main() -> None:
                         help="default: every case")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_step"), help="the jobs' data and runs")
+    parser.add_argument("--phases", action="store_true", help="instead: where a batch-64 step's time goes, phase by "
+                        "phase, for the reference and --mode single at the jobs' shape (this checkout, one thread)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.phases:
+        import torch
+
+        torch.set_num_threads(1)
+        found = {mode: case_phases(mode=mode, iterations=max(args.iterations, 100)) for mode in ("reference", "single")}
+        print("| phase | " + " | ".join(f"{mode} ms (ops)" for mode in found) + " |")
+        print("| --- | " + " | ".join("---:" for _ in found) + " |")
+        for name in found["single"]["ms"]:
+            print(f"| {name} | " + " | ".join(f"{r['ms'][name]:.2f} ({r['ops'].get(name, 0)})" for r in found.values())
+                  + " |")
+        print("| step | " + " | ".join(f"{sum(r['ms'].values()):.2f} ({sum(r['ops'].values())})"
+                                       for r in found.values()) + " |")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(found, indent=2))
+        return
     if args.child:
         import torch
 
