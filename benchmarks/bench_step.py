@@ -91,19 +91,16 @@ def case_nn(*, tables: int, batch: int, dim: int, iterations: int) -> dict:
     return {"ops": ops.total, "host_reads": ops.host_reads, "ms": ms, "samples_per_s": batch / ms * 1e3}
 
 
-def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int, compiled: bool = False) -> dict:
+def _dlrm_step_parts(config, schema, *, mode: str, batch: int, iterations: int, lookahead: int):
+    """The model, its tables (``single``: behind a 5% cache planned by ``Lookahead``), dense optimizer and the
+    loop of ``iterations`` + warm-up batches (ids drawn as ``bagpipe synth`` draws them) of the DLRM cases."""
     import torch
 
-    from bagpipe.config import ModelConfig, TrainConfig
     from bagpipe.data.batches import Batch
-    from bagpipe.data.schema import Schema
     from bagpipe.nn import CachedTables, Lookahead
-    from bagpipe.reference import build_model, build_tables, train_step
+    from bagpipe.reference import build_model, build_tables
 
-    schema = Schema.one_hot([ROWS] * tables, num_dense=13)
-    config = TrainConfig(data="-", run_dir="-", optimizer="adagrad", lr=0.01, seed=1,
-                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-64-{dim}", arch_mlp_top="128-64-1"),
-                         **({"compile": True} if compiled else {}))
+    tables = len(schema.features)
     model, embedding_tables = build_model(config, schema), build_tables(config, schema)
     dense_optimizer = embedding_tables.optimizer.dense_optimizer(model.parameters())
     generator = torch.Generator().manual_seed(0)
@@ -115,7 +112,21 @@ def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int, 
     if mode == "single":
         cache_rows = embedding_tables.layout.split_cache(ROWS * tables // 20, batch_size=batch)
         embedding_tables = CachedTables.over(embedding_tables, cache_rows=cache_rows, policy="lru")
-        loop = Lookahead(batches, embedding_tables, ids=lambda b: b.ids, lookahead=16)
+        loop = Lookahead(batches, embedding_tables, ids=lambda b: b.ids, lookahead=lookahead)
+    return model, embedding_tables, dense_optimizer, loop
+
+
+def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int, compiled: bool = False) -> dict:
+    from bagpipe.config import ModelConfig, TrainConfig
+    from bagpipe.data.schema import Schema
+    from bagpipe.reference import train_step
+
+    schema = Schema.one_hot([ROWS] * tables, num_dense=13)
+    config = TrainConfig(data="-", run_dir="-", optimizer="adagrad", lr=0.01, seed=1,
+                         model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-64-{dim}", arch_mlp_top="128-64-1"),
+                         **({"compile": True} if compiled else {}))
+    model, embedding_tables, dense_optimizer, loop = _dlrm_step_parts(config, schema, mode=mode, batch=batch,
+                                                                      iterations=iterations, lookahead=16)
     times, ops = [], None
     for i, item in enumerate(loop):
         start = time.perf_counter()
@@ -134,30 +145,15 @@ def case_phases(*, mode: str, iterations: int) -> dict:
     """Where a tiny-batch step's time goes, phase by phase, at the jobs' shape (DLRM 13-64-8 / 512-256-1, dim 8,
     26 tables, batch 64, Adam as `bagpipe train` defaults DLRM to, one thread): ms (medians) and operations of
     each phase. ``single``: a 5% cache planned by ``Lookahead`` (its planning is the ``data`` phase)."""
-    import torch
-
     from bagpipe.config import ModelConfig, TrainConfig
-    from bagpipe.data.batches import Batch
     from bagpipe.data.schema import Schema
-    from bagpipe.nn import CachedTables, Lookahead
-    from bagpipe.reference import build_model, build_tables
 
     tables, batch, dim = 26, 64, 8
     schema = Schema.one_hot([ROWS] * tables, num_dense=13)
     config = TrainConfig(data="-", run_dir="-", optimizer="adam", lr=0.001, seed=1,
                          model=ModelConfig(emb_dim=dim, arch_mlp_bot=f"13-64-{dim}", arch_mlp_top="512-256-1"))
-    model, embedding_tables = build_model(config, schema), build_tables(config, schema)
-    dense_optimizer = embedding_tables.optimizer.dense_optimizer(model.parameters())
-    generator = torch.Generator().manual_seed(0)
-    batches = [Batch(dense_x=torch.rand(batch, 13, generator=generator),
-                     ids=_zipf_ids(generator, batch=batch, tables=tables, rows=ROWS),
-                     target=torch.randint(0, 2, (batch,), generator=generator).float())
-               for _ in range(iterations + WARMUP)]
-    loop = batches
-    if mode == "single":
-        cache_rows = embedding_tables.layout.split_cache(ROWS * tables // 20, batch_size=batch)
-        embedding_tables = CachedTables.over(embedding_tables, cache_rows=cache_rows, policy="lru")
-        loop = Lookahead(batches, embedding_tables, ids=lambda b: b.ids, lookahead=200)
+    model, embedding_tables, dense_optimizer, loop = _dlrm_step_parts(config, schema, mode=mode, batch=batch,
+                                                                      iterations=iterations, lookahead=200)
     times: dict[str, list[float]] = {}
     ops: dict[str, int] = {}
     items = iter(loop)
