@@ -123,7 +123,8 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         clock.lap("lookup")
         early.reset()
         local_loss = backward_slice(model, message, embeddings, seed=config.seed, part=runtime.index, lap=clock.lap)
-        dense.redo.keep(message.iteration, lookups)  # before the step: a replacement may need this slice again
+        if job.replace_trainers:  # before the step: a lost trainer's replacement may need this slice again (in a
+            dense.redo.keep(message.iteration, lookups)  # job that replaces none, a lone or partitioned trainer's)
         inject_fault(f"backward {message.iteration}")
         if alone:  # nothing to sum: every gradient stays where the backward left it
             runtime.grads.apply_alone(message, lookups)
