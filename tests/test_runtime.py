@@ -425,3 +425,19 @@ def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, t
     assert summary["rows_written_back"] > 10 * CACHE and summary["rows_fetched"] > 10 * CACHE
     assert 0.0 < summary["cache_hit_rate"] < 1.0
     assert summary["rows_exchanged_per_iteration"] > 0
+
+
+def test_a_trainer_reads_its_loss_at_each_log_and_a_diverging_job_stops_naming_the_iteration(small_binary, tmp_path):
+    """A trainer leaves its loss on its device (on a GPU a read every iteration is a wait every iteration) and
+    reads the pending ones at each log, checkpoint and hand-over: with SGD a lone trainer's counted iteration reads
+    no value back; a loss that is not finite still stops the job, naming its own iteration, at the next log."""
+
+    config = job_config(small_binary, tmp_path / "sgd", optimizer="sgd", trainers=1, servers=1, iterations=20)
+    summary = launch_local(config, show_progress=False)
+    assert summary["host_reads_per_iteration"] == {"trainer0": 0}
+    logged = [json.loads(line) for line in (tmp_path / "sgd" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in logged if "train_loss" in r] == [10, 20]
+    diverging = job_config(small_binary, tmp_path / "diverging", optimizer="sgd", lr=1e30, trainers=1, servers=1,
+                           iterations=30)
+    with pytest.raises(JobFailed, match=r"the training loss of iteration 2 is nan: training diverged"):
+        launch_local(diverging, show_progress=False)

@@ -16,7 +16,7 @@ from bagpipe.health import LossWatch
 from bagpipe.metrics import CounterWindow, share
 from bagpipe.opcount import StepCount
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import Timer, build_model, check_loss, deterministic
+from bagpipe.reference import PendingLosses, Timer, build_model, check_loss, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.keys import RESUMED
 from bagpipe.runtime.protocol import TrainerStats
@@ -42,6 +42,10 @@ class DenseModel:
         self.redo = RedoLog(list(self.model.parameters()))
         self.losses: list[float] = []
         self.loss_watch = LossWatch()
+        # the iterations' losses not read yet (on a GPU, reading each at once is a wait every iteration): read and
+        # judged by ``settle`` (the loop's) at each log, checkpoint and hand-over
+        self.pending = PendingLosses()
+        self.settle: Callable[[], None] = lambda: None
 
     def make(self) -> torch.nn.Module:
         """A fresh copy of the model, from the run's seed, on the trainer's device."""
@@ -54,6 +58,7 @@ class DenseModel:
     def state(self, boundary: int) -> DenseState:
         """What a lost trainer's replacement takes at ``boundary``: the model, its optimizer, the losses logged
         with the next log."""
+        self.settle()
         since_log = boundary % self.config.log_every
         return DenseState(model=cloned_state(self.model.state_dict()),
                           optimizer=cloned_state(self.optimizer.state_dict()),
@@ -100,6 +105,19 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     tick = window_start = time.perf_counter()
     started = tick
     cache_figures = cache_window(stats)
+
+    def settle() -> None:
+        """The pending losses read (one wait for the device), each judged in order: divergence (said by trainer
+        0) and a non-finite loss (which stops the run, naming its iteration)."""
+        nonlocal loss
+        for done, loss in dense.pending.settle():
+            for warning in dense.loss_watch.loss(done + 1, loss):
+                if leader:
+                    run.warn(warning)
+            check_loss(loss, done, config)
+            losses.append(loss)
+
+    dense.settle = settle
     clock.restart()
     trained = 0  # iterations this loop has trained
     while True:
@@ -113,6 +131,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
             step_ops.close()
             break
         if message.checkpoint and leader:
+            settle()  # (the checkpoint keeps the log window's losses, and never a diverged state)
             runtime.send_checkpoint(message.iteration, dense=cloned_state(model.state_dict()),
                                     dense_optimizer=cloned_state(dense_optimizer.state_dict()),
                                     extra={"recent_losses": list(losses), "loss_watch": dense.loss_watch.state()})
@@ -130,7 +149,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
             runtime.grads.apply_alone(message, lookups)
             clock.lap("sync")
             dense_optimizer.step()
-            loss = float(local_loss)
+            dense.pending.add(message.iteration, local_loss)
         else:
             flat = dense_share(late_params, local_loss)
             sync_before = stats.sync_s
@@ -141,15 +160,13 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
             for group, values in ((late_params, flat), (early.params, early_flat)):
                 set_grads(group, values)
             dense_optimizer.step()
-            loss = float(flat[-1])
+            dense.pending.add(message.iteration, flat[-1].clone())  # (the summed loss, in host memory already)
         clock.lap("optimizer")
         iteration = message.iteration
-        for warning in dense.loss_watch.loss(iteration + 1, loss):
-            if leader:
-                run.warn(warning)
         step_ops.end(trained)
         trained += 1
-        check_loss(loss, iteration, config)
+        if iteration == start or (iteration + 1) % config.log_every == 0 or iteration + 1 == job.iterations:
+            settle()  # (the first at once: a loss that is not finite from the start stops the run there)
         inject_fault(f"iteration {iteration}")
         now = time.perf_counter()
         if iteration == start:
@@ -158,7 +175,6 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
                 run.log_metrics(event=RESUMED, iteration=iteration + 1)
         timer.record(iteration - start, config.batch_size, now - tick)
         tick = now
-        losses.append(loss)
         if leader and ((iteration + 1) % config.log_every == 0 or iteration + 1 == job.iterations):
             run.log_metrics(iteration=iteration + 1, samples=(iteration + 1) * config.batch_size,
                             train_loss=float(np.mean(losses)), elapsed_s=now - started,
@@ -170,6 +186,7 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
             window_start = now
         clock.lap("other")
         clock.end_iteration()
+    settle()  # (what is left of a run that ended between logs)
     stats.extra["time_breakdown_ms"] = clock.steady_ms()
     stats.extra.update(step_ops.summary())
     stats.extra["peak_rss_bytes"] = peak_rss_bytes()

@@ -295,10 +295,11 @@ class TrainerRuntime:
         if len(evict_slots):
             rows, state = cache.evict(evict_slots, step.evict_keys.numpy())
             mine = step.write_mask
-            if mine.any():
+            writes = mine.numpy()  # (asked of the host array: a tensor's .any() is a value read back, counted)
+            if writes.any():
                 self._send_write_backs(space, step.evict_keys[mine], rows[mine], state[mine], version=iteration - 1)
             others = ~mine
-            if self.grads.group is not None and others.any():
+            if self.grads.group is not None and not writes.all():
                 self.others_evicted.append((iteration - 1, space, step.evict_keys[others], rows[others], state[others]))
         self._install_fetched(space, iteration, step, requests)
 
