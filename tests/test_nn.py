@@ -157,6 +157,23 @@ def test_a_row_evicted_between_forward_and_backward_is_updated_on_the_host():
     assert torch.allclose(reference.weight, cached.weight, atol=1e-6)
 
 
+def test_a_backward_right_after_its_forward_steps_the_slots_the_lookup_found(monkeypatch):
+    """No row came or went between them (the index's version is the lookup's): the rows are not looked for in
+    the index again; after an eviction they are (the test above)."""
+    cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=8, mode="sum", optimizer="adagrad", lr=0.1)
+    output = cached(torch.tensor([[0, 1, 2, 3]]))
+    located = []
+    locate = cached.rows.index.locate
+    monkeypatch.setattr(cached.rows.index, "locate", lambda keys: located.append(len(keys)) or locate(keys))
+    output.sum().backward()
+    assert located == []
+    first = cached(torch.tensor([[0, 1, 2, 3]]))
+    cached(torch.tensor([[4, 5, 6, 7, 8]]))  # (evicts some of the first's rows: their slots changed hands)
+    located.clear()
+    first.sum().backward()
+    assert located == [4]
+
+
 def test_a_batch_larger_than_the_cache_is_a_clear_error():
     cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=10, optimizer="sgd")
     with pytest.raises(ValueError, match="touches 11 distinct rows, more than the cache's 10"):

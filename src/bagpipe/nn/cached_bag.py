@@ -48,8 +48,8 @@ class CachedEmbeddingBag(nn.Module):
     with SGD at lr 1e-3 and a UserWarning says so.
 
     ``policy`` ("lru" or "lfu") picks the rows to evict when a batch's rows do not fit beside the resident ones,
-    ``cleanup_fraction`` of the cache at least (choosing them is a pass over the cache: paid once every many
-    batches). A batch with more distinct rows than the cache is refused with a ValueError naming both counts.
+    ``cleanup_fraction`` of the cache more than the batch needs (choosing them is a pass over the cache: paid
+    once every many batches). A batch with more distinct rows than the cache is refused with a ValueError naming both counts.
 
     ``storage``: where the full table and its optimizer state live: "memory" (host tensors; ``_weight`` is
     shared, as ``nn.EmbeddingBag`` shares it), "disk" (a file in the system's temporary directory behind 64 MiB
@@ -121,7 +121,8 @@ class CachedEmbeddingBag(nn.Module):
         rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
         if torch.is_grad_enabled() and self.requires_grad:
             rows.requires_grad_(True)
-            rows.register_hook(functools.partial(self.rows.fused_step, keys))
+            rows.register_hook(functools.partial(self.rows.fused_step, keys, slots=slots,
+                                                 as_of=self.rows.index.version))
         positions = torch.from_numpy(positions.reshape(input.shape)).to(device).long()  # (int32 while copied)
         # sparse: the gradient nn.EmbeddingBag(sparse=True) gives, summed per row in the same order
         return F.embedding_bag(positions, rows, offsets, mode=self.mode, sparse=True,

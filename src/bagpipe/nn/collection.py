@@ -109,7 +109,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             if torch.is_grad_enabled():
                 leaf.requires_grad_(True)
                 leaf.register_hook(functools.partial(  # one step for the space
-                    rows.fused_step, keys, tables=[(self.offset_of[t], self.tables[t][0]) for t in members]))
+                    rows.fused_step, keys, tables=[(self.offset_of[t], self.tables[t][0]) for t in members],
+                    slots=slots, as_of=rows.index.version))
             positions = torch.from_numpy(positions).to(device).long()  # (int32 while copied)
             # the tables pooled in one embedding_bag (one per kind, with or without per-sample weights): their
             # bags one after the other, each's starts moved past the ids of the tables before it

@@ -154,10 +154,14 @@ class CachedRows(nn.Module):
         update_rows(self.optimizer, self.slots.weights, self.slots.state, Lookup(slots, rows), grads)
         self.dirty = True
 
-    def step(self, keys: np.ndarray, grads: torch.Tensor) -> None:
+    def step(self, keys: np.ndarray, grads: torch.Tensor, *, slots: np.ndarray | None = None,
+             as_of: int = -1) -> None:
         """Row-optimizer step on rows ``keys``, wherever they are now: in the cache, or on the host if they
-        were evicted since they were looked up."""
-        slots = self.index.locate(keys)
+        were evicted since they were looked up. ``slots``: theirs as the lookup found them, at the index's
+        ``version`` ``as_of``: still theirs if no row came or went since (the common case, a backward right
+        after its forward), so not looked for again."""
+        if slots is None or as_of != self.index.version:
+            slots = self.index.locate(keys)
         cached = slots >= 0  # (decided on the host: the slots are the index's)
         self.dirty = True
         if cached.all():
@@ -167,12 +171,14 @@ class CachedRows(nn.Module):
         evicted = ~cached
         self.host.step(self.optimizer, keys[evicted], grads[torch.from_numpy(evicted).to(grads.device)].cpu())
 
-    def fused_step(self, keys: np.ndarray, grad: torch.Tensor, *, tables: Sequence[tuple[int, int]] = ()) -> None:
+    def fused_step(self, keys: np.ndarray, grad: torch.Tensor, *, tables: Sequence[tuple[int, int]] = (),
+                   slots: np.ndarray | None = None, as_of: int = -1) -> None:
         """The backward reached a lookup of ``keys`` (a hook on its leaf, whose row i is key ``keys[i]``'s): step
         them with their gradient, or hold it while accumulating. ``tables``: the first key and the rows of each
-        table the lookup spans, in key order; default: the whole space, as one table."""
+        table the lookup spans, in key order; default: the whole space, as one table. ``slots``, ``as_of``: where
+        the lookup found them, and when (``step``)."""
         if self.pending is None:
-            self.step(keys, dense_rows(grad, len(keys)))
+            self.step(keys, dense_rows(grad, len(keys)), slots=slots, as_of=as_of)
             return
         entry_keys, values = entry_gradients(grad, keys)
         tables = tables or ((0, self.num_rows),)

@@ -46,6 +46,7 @@ class SlotIndex:
         self.num_free = capacity
         self._free_stale = False  # rows were moved by a plan: the stack no longer lists the free slots
         self.tick = 0  # batches admitted
+        self.version = 0  # changes of which row a slot holds: slots found at one version hold their rows while it lasts
 
     @property
     def resident_rows(self) -> int:
@@ -134,6 +135,7 @@ class SlotIndex:
         return slots
 
     def _forget(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        self.version += bool(len(keys))
         self.table.remove(keys)
         self.slot_key[slots] = -1
         self.history.freed(slots)
@@ -143,5 +145,6 @@ class SlotIndex:
             self.num_free += len(slots)
 
     def _place(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        self.version += bool(len(keys))
         self.table.insert(keys, slots)
         self.slot_key[slots] = keys
