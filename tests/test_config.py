@@ -149,3 +149,20 @@ def test_every_role_takes_the_jobs_rpc_transports_and_refuses_others():
         job_world(World(rank=1, world_size=4, num_trainers=2, rpc_transports="uv"), job)
     with pytest.raises(ValueError, match=r"--rpc-transports must be a comma-separated list"):
         World(rank=1, world_size=4, num_trainers=2, rpc_transports="tcp")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "dlrmx"], "model must be one of dlrm"), (["--mode", "foo"], "mode must be one of"),
+    ([], "--data: no such file or directory"), (["--lr", "-1"], "lr must be a positive")])
+def test_a_refused_train_command_answers_before_torch_is_imported(tmp_path, flags, message):
+    """Importing torch takes seconds on a busy machine: the settings and the data's path are checked first, so a
+    mistyped one is refused at once (exit 2, the reason on stderr) with torch never loaded."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from bagpipe.cli import main; "
+              f"code = main(['train', '--data', {str(tmp_path / 'missing')!r}, '--run-dir', "
+              f"{str(tmp_path / 'run')!r}, *{flags!r}]); print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr[-2000:])
+    assert message in done.stderr

@@ -562,12 +562,9 @@ def run_preprocess(args) -> None:
 
 
 def run_train(args) -> None:
-    import torch
-
+    # The settings are checked before torch is imported (seconds on a busy machine): a mistyped flag, model, mode
+    # or path is refused at once.
     from bagpipe.config import ModelConfig, TrainConfig, load_train_config, resumed_config
-    from bagpipe.reference import train_reference
-    from bagpipe.faults import set_role
-    from bagpipe.rundir import is_finished
 
     if args.threads < 0:
         raise ValueError(f"--threads must not be negative, got {args.threads}")
@@ -578,11 +575,20 @@ def run_train(args) -> None:
             raise ValueError("--resume continues the run in --run-dir, --overwrite replaces it: give one of them")
         if not args.run_dir:
             raise ValueError("--resume needs --run-dir: the run to continue")
+        from bagpipe.rundir import is_finished
+
         if is_finished(args.run_dir):
             raise ValueError(f"--resume: the run in {args.run_dir} has finished (it has a summary.json)")
         config = resumed_config(args.run_dir, args.config, overrides)
     else:
         config = load_train_config(args.config, overrides)
+        if not Path(config.data).exists():  # (as data.preprocess refuses it, before anything is loaded)
+            raise ValueError(f"--data: no such file or directory {config.data}")
+    import torch
+
+    from bagpipe.faults import set_role
+    from bagpipe.reference import train_reference
+
     # A role runs one thread unless told otherwise, and a reference that computes as trainers do
     # (--slices) runs as many as each of them: some kernels' sums depend on the thread count.
     threads = args.threads or (SLICED_THREADS if config.mode == "bagpipe" or config.slices > 1 else 0)
