@@ -166,7 +166,7 @@ def test_a_killed_reference_run_resumes_to_the_same_export_bit_for_bit(small_bin
         assert list(checkpoints_dir(broken).glob("*.tmp"))  # the torn write, never read
         return
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming" in resumed.stderr
+    assert "resuming" in resumed.stderr and "resumed at iteration" in resumed.stdout  # (and in its summary line)
     same_export(export(whole, tmp_path / "a.pt"), export(broken, tmp_path / "b.pt"))
     summaries = [json.loads((d / "summary.json").read_text()) for d in (whole, broken)]
     assert summaries[0]["eval_auc"] == summaries[1]["eval_auc"]
@@ -233,7 +233,9 @@ def sparse_binary(tmp_path_factory):
     ("adagrad", "trainer1@iteration 33:kill"),  # mid-run: resumes from 30 (deltas on 10's base)
     ("adam", "server1@checkpoint 20 written:kill"),  # a server killed writing its part of 20: resumes from 10
 ])
-def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_binary, tmp_path, optimizer, fault):
+def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_binary, tmp_path, optimizer, fault,
+                                                                     caplog):
+    import logging
     from dataclasses import replace
 
     from bagpipe.runtime.launch import JobFailed, launch_local
@@ -247,8 +249,10 @@ def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_bina
     with pytest.raises(JobFailed):
         launch_local(broken, show_progress=False, env={"BAGPIPE_FAULTS": fault})
     assert not (tmp_path / "broken" / "summary.json").exists()
-    summary = launch_local(broken, show_progress=False, resume=True)
+    with caplog.at_level(logging.INFO, logger="bagpipe.runtime.launch"):
+        summary = launch_local(broken, show_progress=False, resume=True)
     assert summary["resumed_at"] in (10, 20, 30) and summary["iterations"] == 50
+    assert f"at iteration {summary['resumed_at']} (checkpoint step-" in caplog.text  # said before any role starts
     same_export(export(config.run_dir, tmp_path / "a.pt"), export(broken.run_dir, tmp_path / "b.pt"))
     kinds = [json.loads((d / "manifest.json").read_text())["kind"]
              for d in sorted(checkpoints_dir(broken.run_dir).iterdir())]
@@ -320,3 +324,14 @@ def test_mapped_rows_read_in_chunks_are_the_rows_asked_for(tmp_path, dim):
         assert np.array_equal(mapped.take(local), rows[local])
     mapped.release()
     assert np.array_equal(mapped.take(np.array([3, 1])), rows[[3, 1]])  # (read again after a release)
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_refused_saying_when_that_was_due(tmp_path):
+    from bagpipe.checkpoint import resumable_checkpoint
+
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ValueError, match=r"it wrote none: it stopped before its first checkpoint, due at iteration "
+                                         r"20 or after 30 s; start the run again with --overwrite"):
+        resumable_checkpoint(tmp_path / "run", iterations=100, every=20, every_s=30.0)
+    with pytest.raises(ValueError, match=r"it wrote none \(a run checkpoints with --checkpoint-every N"):
+        resumable_checkpoint(tmp_path / "run", iterations=100)

@@ -368,16 +368,19 @@ def valid_checkpoints(run_dir: str | Path, *, newest_only: bool = False) -> list
     return found
 
 
-def resumable_checkpoint(run_dir: str | Path, *, iterations: int) -> tuple[Path, list[dict]]:
+def resumable_checkpoint(run_dir: str | Path, *, iterations: int, every: int = 0,
+                         every_s: float = 0.0) -> tuple[Path, list[dict]]:
     """The checkpoint ``--resume`` continues ``run_dir`` from (its newest intact one) to train up to
-    ``iterations``, and its chain; a ValueError saying why the run cannot be resumed, before anything starts."""
+    ``iterations``, and its chain; a ValueError saying why the run cannot be resumed, before anything starts.
+    ``every``/``every_s``: the run's --checkpoint-every and --checkpoint-every-s, to say when its first was due."""
     root = checkpoints_dir(run_dir)
     found = valid_checkpoints(run_dir, newest_only=True)
     if not found:
         broken = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        due = " or ".join(([f"at iteration {every}"] if every else []) + ([f"after {every_s:g} s"] if every_s else []))
         why = (f"{', '.join(broken)} {'is' if len(broken) == 1 else 'are'} not whole (interrupted while written, or "
-               f"damaged)" if broken else "it wrote none (a run checkpoints with --checkpoint-every N or "
-               "--checkpoint-every-s S)")
+               f"damaged)" if broken else f"it wrote none: it stopped before its first checkpoint, due {due}"
+               if due else "it wrote none (a run checkpoints with --checkpoint-every N or --checkpoint-every-s S)")
         raise ValueError(f"--resume: {run_dir} has no valid checkpoint to resume from: {why}; start the run again "
                          f"with --overwrite")
     directory, chain = found[0]

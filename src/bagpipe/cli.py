@@ -611,7 +611,8 @@ def human_summary(summary: dict) -> str:
 
     lines = [
         f"mode {summary['mode']} ({summary.get('model', 'dlrm')}): {summary['iterations']} iterations, "
-        f"{summary['samples']} samples",
+        f"{summary['samples']} samples"
+        + (f", resumed at iteration {summary['resumed_at']}" if summary.get("resumed_at") is not None else ""),
         f"  throughput  {figure(summary['samples_per_s'], ',.0f')} samples/s (steady state; "
         f"wall {summary['wall_s']:.1f} s)",
         f"  train loss  {figure(summary['final_train_loss'], '.4f')}",

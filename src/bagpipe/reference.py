@@ -252,7 +252,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     if resume:
         dataset = prepare_data(config, show_progress=show_progress)
         iterations = planned_iterations(config, dataset.train)
-        checkpoint = resumable_checkpoint(config.run_dir, iterations=iterations)
+        checkpoint = resumable_checkpoint(config.run_dir, iterations=iterations, every=config.checkpoint_every,
+                                          every_s=config.checkpoint_every_s)
         for warning in check_job(config, dataset, show_progress=show_progress):
             log.warning("%s", warning)
         run = RunDir(config.run_dir, append=True)

@@ -142,7 +142,10 @@ def _prepare(config: TrainConfig, *, overwrite: bool, resume: bool, show_progres
         return planned_iterations(config, dataset.train)
     dataset = prepare_data(config, show_progress=show_progress)
     iterations = planned_iterations(config, dataset.train)
-    resumable_checkpoint(config.run_dir, iterations=iterations)
+    directory, chain = resumable_checkpoint(config.run_dir, iterations=iterations, every=config.checkpoint_every,
+                                            every_s=config.checkpoint_every_s)
+    log.info("resuming %s at iteration %d (checkpoint %s) of %d", config.run_dir, chain[-1]["iteration"],
+             directory.name, iterations)
     for warning in check_job(config, dataset, show_progress=show_progress):
         log.warning("%s", warning)
     return iterations
