@@ -121,10 +121,12 @@ class ForkServer:
         return ForkedProcess(int(answer), ours, argv)
 
     def close(self) -> None:
-        """End the server at once (its children, if any are left, die with it)."""
-        self._control.close()
+        """End the server at once (its children, if any are left, die with it): killed before its control channel
+        closes, since a server that saw the channel close first would end by itself, racing the kill (the way it
+        ended, and what its children saw of it, then depended on which came first)."""
         self.process.kill()
         self.process.wait()
+        self._control.close()
 
     def __enter__(self) -> "ForkServer":
         return self
