@@ -418,7 +418,8 @@ def config_from_dict(values: dict) -> TrainConfig:
 
 
 # Settings a resumed run may change: they shape how it runs and reports, not what it computes.
-RESUMABLE_CHANGES = ("device", "compile", "iterations", "epochs", "log_every", "warmup_iterations", "timeout", "liveness_s",
+RESUMABLE_CHANGES = ("device", "compile", "iterations", "epochs", "log_every", "warmup_iterations", "timeout",
+                     "liveness_s",
                      "planner_processes",
                      "rpc_transports", "rpc_channels", "checkpoint_every", "checkpoint_every_s", "keep_checkpoints",
                      "max_restarts", "max_eval_rows", "eval_batch_size", "eval_every", "eval_protocol", "master_port",

@@ -29,7 +29,7 @@ from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
 from bagpipe.evaluation import METRICS, evaluate, no_evaluation, ranking_for
-from bagpipe.health import Best, EvaluationWatch, LossWatch
+from bagpipe.health import Best, EvaluationWatch, LossWatch, RunWarning
 from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.faults import inject_fault
@@ -183,6 +183,19 @@ class PendingLosses:
         self.iterations, self.losses = [], []
         return settled
 
+    def judge(self, watch: LossWatch, config: TrainConfig, losses: list[float],
+              warn: Callable[[RunWarning], None]) -> float | None:
+        """``settle``, each loss then judged in order as every mode's loop judges it: its divergence warning
+        (``warn``), a non-finite loss stopping the run (``check_loss``), and appended to ``losses`` (the log
+        window's); the last one read, None if none was pending."""
+        last = None
+        for done, last in self.settle():
+            for warning in watch.loss(done + 1, last):
+                warn(warning)
+            check_loss(last, done, config)
+            losses.append(last)
+        return last
+
 
 def _sliced_step(model: nn.Module, tables: EmbeddingTables, dense_optimizer: torch.optim.Optimizer, batch: Batch,
                  clock: PhaseClock | _NoClock, slices: int, *, seed: int, iteration: int) -> float:
@@ -323,11 +336,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
 
     def settle() -> None:
         nonlocal loss
-        for done, loss in pending.settle():
-            for warning in loss_watch.loss(done + 1, loss):
-                run.warn(warning)
-            check_loss(loss, done, config)
-            recent_losses.append(loss)
+        last = pending.judge(loss_watch, config, recent_losses, run.warn)
+        loss = loss if last is None else last
 
     clock.restart()
     step_ops.begin(start)

@@ -49,7 +49,8 @@ class CachedEmbeddingBag(nn.Module):
 
     ``policy`` ("lru" or "lfu") picks the rows to evict when a batch's rows do not fit beside the resident ones,
     ``cleanup_fraction`` of the cache more than the batch needs (choosing them is a pass over the cache: paid
-    once every many batches). A batch with more distinct rows than the cache is refused with a ValueError naming both counts.
+    once every many batches). A batch with more distinct rows than the cache is refused with a ValueError naming
+    both counts.
 
     ``storage``: where the full table and its optimizer state live: "memory" (host tensors; ``_weight`` is
     shared, as ``nn.EmbeddingBag`` shares it), "disk" (a file in the system's temporary directory behind 64 MiB

@@ -16,7 +16,7 @@ from bagpipe.health import LossWatch
 from bagpipe.metrics import CounterWindow, share
 from bagpipe.opcount import StepCount
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import PendingLosses, Timer, build_model, check_loss, deterministic
+from bagpipe.reference import PendingLosses, Timer, build_model, deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.keys import RESUMED
 from bagpipe.runtime.protocol import TrainerStats
@@ -107,15 +107,10 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
     cache_figures = cache_window(stats)
 
     def settle() -> None:
-        """The pending losses read (one wait for the device), each judged in order: divergence (said by trainer
-        0) and a non-finite loss (which stops the run, naming its iteration)."""
+        """The pending losses read (one wait for the device), each judged in order (divergence said by trainer 0)."""
         nonlocal loss
-        for done, loss in dense.pending.settle():
-            for warning in dense.loss_watch.loss(done + 1, loss):
-                if leader:
-                    run.warn(warning)
-            check_loss(loss, done, config)
-            losses.append(loss)
+        last = dense.pending.judge(dense.loss_watch, config, losses, run.warn if leader else lambda warning: None)
+        loss = loss if last is None else last
 
     dense.settle = settle
     clock.restart()
