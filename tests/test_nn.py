@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from bagpipe.nn import CLEANUP_FRACTION, CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead, SlotIndex
+from bagpipe.nn import (CLEANUP_FRACTION, CachedEmbeddingBag, CachedEmbeddingBagCollection, CachedTables, Lookahead,
+                        SlotIndex)
 from bagpipe.planner.keys import KeyTable
 from bagpipe.optim import RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
@@ -118,8 +119,9 @@ def test_lookahead_hits_more_than_lru_and_lfu():
 def test_row_wise_sgd_and_adagrad_match_torch_optim_on_sparse_gradients():
     """RowWise is the torch.optim update for sparse gradients (up to rounding), with per-row state."""
     batches = _batches(20)
+    generator = torch.Generator().manual_seed(0)  # (the weights, as the batches, whatever ran before in the process)
     for name, torch_optimizer in (("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad)):
-        weight = torch.randn(NUM_ROWS, DIM)
+        weight = torch.randn(NUM_ROWS, DIM, generator=generator)
         ours, theirs = (nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", sparse=True, _weight=weight.clone())
                         for _ in range(2))
         row_optimizer = make_row_optimizer(name, lr=0.05)
