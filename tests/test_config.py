@@ -166,3 +166,20 @@ def test_a_refused_train_command_answers_before_torch_is_imported(tmp_path, flag
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr[-2000:])
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("given, seen", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_makes_openmp_wait_passively_before_torch_loads_unless_the_user_chose(tmp_path, given, seen):
+    """OpenMP reads OMP_WAIT_POLICY once, as torch loads: the command sets it first (spinning workers collapse a
+    run beside other busy processes, docs/performance.md), and a user's own choice stands."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import os, sys; from bagpipe.cli import main; "
+              f"main(['train', '--data', {str(tmp_path / 'missing')!r}]); "
+              "import torch; print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads() >= 1)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given
+                                                                             else {})
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout.split() == [seen, "True"], (done.stdout, done.stderr[-2000:])

@@ -837,7 +837,17 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def _wait_passively() -> None:
+    """Idle OpenMP threads sleep instead of spinning, unless the user chose otherwise: set before torch loads (the
+    OpenMP runtime reads it once, as it starts), and inherited by every role a job starts. Spinning workers take
+    the cores that other processes on the machine need, and wait on each other when those processes run:
+    docs/performance.md ("Threads on a busy machine")."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _wait_passively()
     args = build_parser().parse_args(argv)
     setup_logging(role=args.command)
     if args.command in ROLES:
