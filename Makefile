@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check gpu-wheels bench-network clean
+.PHONY: demo test docs-cli bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check gpu-wheels bench-network clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -82,3 +82,7 @@ gpu-wheels: $(BIN)/bagpipe
 
 clean:
 	rm -rf $(VENV) .venv-torchrec runs
+
+# docs/cli.md: every command's --help, generated from the parser (tests/test_clidoc.py says when it is stale)
+docs-cli: $(BIN)/bagpipe
+	$(BIN)/python -m bagpipe.clidoc docs/cli.md
