@@ -317,7 +317,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     step_ops = StepCount(at=start + max(timer.warmup - 1, 0), device=device, ops=not config.compile)
     cleanup.callback(step_ops.close)
     setup_s = time.perf_counter() - started
-    bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress)
+    bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress,
+                   samples_per_unit=config.batch_size)
     cache_figures = _cache_window(tables) if config.mode == "single" else None
     loss = float("nan")
     recent_losses = progress_state.recent_losses

@@ -139,7 +139,11 @@ def _prepare(config: TrainConfig, *, overwrite: bool, resume: bool, show_progres
     and a resumed run's checkpoint against its iterations. The iterations to train."""
     if not resume:
         dataset = prepare_job(config, overwrite=overwrite, show_progress=show_progress)
-        return planned_iterations(config, dataset.train)
+        iterations = planned_iterations(config, dataset.train)
+        log.info("bagpipe job: %s, %d iterations of %d samples, %d trainers, %d servers (each role's log in %s)",
+                 config.model.name, iterations, config.batch_size, config.trainers, config.servers,
+                 Path(config.run_dir) / "logs")
+        return iterations
     dataset = prepare_data(config, show_progress=show_progress)
     iterations = planned_iterations(config, dataset.train)
     directory, chain = resumable_checkpoint(config.run_dir, iterations=iterations, every=config.checkpoint_every,
@@ -217,6 +221,7 @@ def _run_once(config: TrainConfig, job_file: Path, *, total: int, resume: bool, 
         state = _JobState(job_store.store)
         succession = _Succession(job_world, job_store, replace=replace, enabled=config.replace_oracle)
         _supervise(children, metrics, state, total=total, show_progress=show_progress, covered=covered,
+                   batch_size=config.batch_size,
                    grace_s=job_world.takeover_s, tell=_Teller(job_store), restart=restart, replace=replace,
                    succession=succession)
     except BaseException:
@@ -384,7 +389,7 @@ class _Succession:
 
 
 def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *, total: int, show_progress: bool,
-               covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None,
+               batch_size: int = 0, covered: set[int] = frozenset(), grace_s: float = 0.0, tell: _Teller | None = None,
                restart: dict | None = None, replace=None, succession: _Succession | None = None) -> None:
     """Until every role has exited (``state``: what the oracle decided, ``metrics``: the progress trainer 0 logs):
     fail on the first that fails, except a non-oracle role lost after training ended or a trainer lost after its
@@ -392,7 +397,8 @@ def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *
     has taken care of within ``grace_s`` of its exit (training goes on): a replacement it awaits, which
     ``replace(child)`` starts, or a data server whose shard its parity server serves from now on. ``restart``:
     the record of the restart this run is, given when it trained again and when it got back to where it failed."""
-    bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress, initial=metrics.iteration)
+    bar = progress(total=total, desc="train (bagpipe)", unit="it", enabled=show_progress, initial=metrics.iteration,
+                   samples_per_unit=batch_size)
     excused: set[int] = set()
     takeover_due: dict[int, float] = {}  # rank of a covered role that ended -> until when the oracle may take over
     started: dict[int, int] = {}  # rank -> the epoch of the last replacement started for it
@@ -408,6 +414,7 @@ def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *
             if metrics.iteration > bar.n:
                 bar.update(metrics.iteration - bar.n)
                 bar.set_postfix(loss=f"{metrics.loss:.4f}")
+            bar.refresh()  # (off a terminal, a line every few seconds while the count stands still too)
             if restart is not None:
                 _timed(restart, metrics)
             for child in children:  # declared lost (no heartbeat: stopped, hung) and awaited again: its process
