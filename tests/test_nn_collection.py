@@ -188,3 +188,20 @@ def test_bad_offsets_name_their_table():
         collection([torch.tensor([[1]]), torch.tensor([1, 2, 3])], [None, torch.tensor([1, 2])])
     with pytest.raises(IndexError, match="table 0: an id outside"):
         collection([torch.tensor([[10]]), torch.tensor([[1]])])
+
+
+@pytest.mark.parametrize("inputs, error, message", [
+    (torch.tensor([[1, 2], [3, 4], [5, 6]]), ValueError, "3 inputs for 2 tables: give one tensor of ids per table"),
+    ([torch.tensor([[1]])] * 3, ValueError, "3 inputs for 2 tables"),
+    ([torch.tensor([[-1]]), torch.tensor([[1]])], IndexError, r"table 0: an id outside \[0, 50\)"),
+    ([torch.tensor([[1]]), torch.tensor([[60]])], IndexError, r"table 1: an id outside \[0, 60\)"),
+    ([torch.tensor([[1.0]]), torch.tensor([[1]])], ValueError, "table 0: ids must be integers"),
+])
+def test_lookahead_refuses_inputs_the_collection_could_not_look_up_as_the_collection_does(inputs, error, message):
+    """The planner reads a batch's ids before the module sees them: ids of the wrong shape, type or range are
+    refused there in the module's own words, not as an IndexError from inside the planner."""
+    tables = CachedEmbeddingBagCollection([(50, 4), (60, 4)], cache_rows=20, optimizer="sgd", lr=0.1)
+    with pytest.raises(error, match=message):
+        next(iter(Lookahead([(inputs,)], tables)))
+    with pytest.raises(error, match=message):
+        tables(inputs)

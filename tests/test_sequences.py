@@ -279,3 +279,18 @@ def test_fresh_negatives_are_drawn_per_pass_outside_the_users_items(sequence_dat
     assert np.array_equal(batch.ids[:, :9].numpy(), ids[rows, :9])
     assert np.array_equal(read_batch(split, slice(10, 20), epoch=1, negatives=negatives).ids[:, 9:12].numpy(),
                           first[10:20])
+
+
+@pytest.mark.parametrize("model", ["dlrm", "dcn", "wide-deep", "deepfm", "fgcnn"])
+def test_a_click_model_on_sequence_data_is_pointed_at_caser(model):
+    """Not "arch_mlp_bot starts with 13 inputs, but the data has 0 dense features": what the data is, and the
+    model that reads it."""
+    from bagpipe.data.sequences import schema_of
+    from bagpipe.models import check_model, model_tables
+
+    schema = schema_of(num_users=10, num_items=20, settings=SequenceSettings())
+    for call in (check_model, model_tables):
+        with pytest.raises(ValueError, match=f"next-item sequences.*--model {model} cannot read: train --model "
+                                             "caser"):
+            call(ModelConfig(name=model), schema)
+    check_model(ModelConfig(name="caser"), schema)  # (and the model that reads it takes it)

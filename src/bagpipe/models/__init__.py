@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bagpipe.config import EXTERNAL, MODEL_NAMES, ModelConfig
-from bagpipe.data.schema import Schema
+from bagpipe.data.schema import Schema, is_next_item
 from bagpipe.embeddings import TableConfig, one_per_feature
 from bagpipe.models import caser, dcn, deepfm, dlrm, fgcnn, wide_deep
 
@@ -57,11 +57,26 @@ MODELS[EXTERNAL] = ModelSpec(lambda config, schema: one_per_feature(schema, conf
                              ("emb_dim",))
 
 
+SEQUENCE_MODELS = ("caser", EXTERNAL)  # the models that read next-item samples (data.sequences)
+
+
+def _readable(config: ModelConfig, schema: Schema) -> None:
+    """Sequence data given to a click model (or the reverse) refused by what the data is, before any model's own
+    check meets a symptom of it (no dense features, a missing column)."""
+    if is_next_item(schema) and config.name not in SEQUENCE_MODELS:
+        raise ValueError(f"the data holds next-item sequences (a user's last items, the next ones, negatives), which "
+                         f"--model {config.name} cannot read: train --model caser on it (the click models, "
+                         f"{', '.join(n for n in MODEL_NAMES if n not in SEQUENCE_MODELS)}, read click logs such as "
+                         f"`bagpipe synth --kind ctr`, Criteo or Avazu)")
+
+
 def model_tables(config: ModelConfig, schema: Schema) -> list[TableConfig]:
+    _readable(config, schema)
     return MODELS[config.name].tables(config, schema)
 
 
 def check_model(config: ModelConfig, schema: Schema) -> None:
+    _readable(config, schema)
     MODELS[config.name].check(config, schema)
 
 

@@ -88,16 +88,11 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def forward(self, inputs: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor | None] | None = None,
                 per_sample_weights: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
-        if len(inputs) != len(self.tables):
-            raise ValueError(f"{len(inputs)} inputs for {len(self.tables)} tables")
+        ids = self._checked_ids(inputs)
         offsets = [None] * len(inputs) if offsets is None else list(offsets)
         weights = [None] * len(inputs) if per_sample_weights is None else list(per_sample_weights)
-        ids = _host_ids(inputs)
         bags = [_bag_starts(i, x, o, num_ids=len(ids[t]), table=t)
                 for t, (i, x, o) in enumerate(zip(ids, inputs, offsets))]
-        for t, table_ids in enumerate(ids):
-            if len(table_ids) and (table_ids.min() < 0 or table_ids.max() >= self.tables[t][0]):
-                raise IndexError(f"table {t}: an id outside [0, {self.tables[t][0]})")
         outputs: list[torch.Tensor | None] = [None] * len(inputs)
         for space, rows in enumerate(self.spaces):
             members = self.members[space]
@@ -195,11 +190,24 @@ class CachedEmbeddingBagCollection(nn.Module):
     def cached_spaces(self) -> list[CachedRows]:
         return list(self.spaces)
 
+    def _checked_ids(self, inputs: Sequence[torch.Tensor]) -> list[np.ndarray]:
+        """Each table's ids, flat int64 on the host, refused where ``forward`` could not look them up: a count of
+        inputs other than the tables', ids that are not integers or an id outside its table."""
+        if len(inputs) != len(self.tables):
+            raise ValueError(f"{len(inputs)} inputs for {len(self.tables)} tables: give one tensor of ids per table, "
+                             f"in the tables' order")
+        ids = _host_ids(inputs)
+        for t, table_ids in enumerate(ids):
+            if len(table_ids) and (table_ids.min() < 0 or table_ids.max() >= self.tables[t][0]):
+                raise IndexError(f"table {t}: an id outside [0, {self.tables[t][0]})")
+        return ids
+
     def plan_keys(self, inputs: Sequence[torch.Tensor]) -> list[np.ndarray]:
-        """The keys each width's space looks up for ``inputs`` (one entry per table, as ``forward`` takes them)."""
+        """The keys each width's space looks up for ``inputs`` (one entry per table, as ``forward`` takes them),
+        refused as ``forward`` would refuse them."""
         keys = [[] for _ in self.spaces]
-        for t, ids in enumerate(inputs):
-            keys[self.space_of[t]].append(ids.detach().cpu().numpy().reshape(-1).astype(np.int64) + self.offset_of[t])
+        for t, ids in enumerate(self._checked_ids(inputs)):
+            keys[self.space_of[t]].append(ids + self.offset_of[t])
         return [np.concatenate(k) if k else np.zeros(0, dtype=np.int64) for k in keys]
 
     def hit_rate(self) -> float:
