@@ -461,3 +461,47 @@ def test_cached_tables_look_up_an_unplanned_batch_as_the_reference_does(small_bi
         (want, want_lookups), (got, got_lookups) = reference.lookup(ids), tables.lookup(ids)
         assert all(torch.equal(a, b) for a, b in zip(want.spaces, got.spaces))
         assert [len(lookup.index) for lookup in want_lookups] == [len(lookup.index) for lookup in got_lookups]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_an_lr_scheduler_drives_the_fused_optimizer_as_it_drives_rowwise_bit_for_bit(optimizer):
+    """The table's learning rate is a param group: a StepLR over FusedOptimizer changes the rate the rows step
+    with from the next backward on, as the same StepLR over the reference's RowWise does, so both end equal."""
+    from bagpipe.nn import FusedOptimizer
+
+    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=40)
+    fused = FusedOptimizer(nn.Sequential(nn.Identity(), cached))  # (found inside a model)
+    assert [(g["name"], g["lr"]) for g in fused.param_groups] == [(optimizer, 0.05)]
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.1) for o in (reference_optimizer, fused)]
+    for ids, offsets, target in _batches(10):
+        _loss(reference(ids, offsets), target).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        _loss(cached(ids, offsets), target).backward()
+        fused.step()
+        for schedule in schedules:
+            schedule.step()
+    assert fused.param_groups[0]["lr"] == pytest.approx(0.05 * 0.1 ** 3)
+    assert torch.equal(reference.weight.detach(), cached.weight)
+    unscheduled, unscheduled_optimizer, _ = _pair(optimizer, cache_rows=40)  # (and the rate did change the end)
+    for ids, offsets, target in _batches(10):
+        _loss(unscheduled(ids, offsets), target).backward()
+        unscheduled_optimizer.step()
+        unscheduled_optimizer.zero_grad()
+    assert not torch.equal(unscheduled.weight.detach(), cached.weight)
+
+
+def test_the_fused_optimizer_saves_and_loads_its_rate_and_refuses_a_model_without_tables():
+    from bagpipe.nn import FusedOptimizer
+
+    _, _, cached = _pair("adam", cache_rows=40)
+    fused = FusedOptimizer(cached)
+    fused.param_groups[0]["lr"] = 0.01
+    again = FusedOptimizer(cached)  # (takes the module's rate over from now on)
+    again.load_state_dict(fused.state_dict())
+    assert again.param_groups[0]["lr"] == 0.01 and cached.rows.lr_of() == 0.01
+    ids, offsets, target = _batches(1)[0]
+    _loss(cached(ids, offsets), target).backward()
+    assert cached.rows.optimizer.lr == 0.01
+    with pytest.raises(ValueError, match="no cached tables"):
+        FusedOptimizer(nn.Linear(2, 2))

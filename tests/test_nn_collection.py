@@ -205,3 +205,15 @@ def test_lookahead_refuses_inputs_the_collection_could_not_look_up_as_the_collec
         next(iter(Lookahead([(inputs,)], tables)))
     with pytest.raises(error, match=message):
         tables(inputs)
+
+
+def test_a_collections_spaces_all_step_at_its_param_groups_rate():
+    from bagpipe.nn import FusedOptimizer
+
+    tables = CachedEmbeddingBagCollection([(50, 4), (60, 8)], cache_rows=20, optimizer="adagrad", lr=0.1)
+    fused = FusedOptimizer([tables])
+    assert len(fused.param_groups) == 1 and len(fused.param_groups[0]["params"]) == 2  # two widths, two spaces
+    fused.param_groups[0]["lr"] = 0.025
+    outputs = tables([torch.tensor([[1, 2]]), torch.tensor([[3]])])
+    sum(o.sum() for o in outputs).backward()
+    assert [space.optimizer.lr for space in tables.cached_spaces()] == [0.025, 0.025]

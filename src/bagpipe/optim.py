@@ -9,7 +9,7 @@ each (``RowSGD``, ``RowAdagrad``, ``RowAdam``), found by name in ``ROW_OPTIMIZER
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -134,19 +134,25 @@ def make_row_optimizer(name: str, *, lr: float, **hyper) -> RowOptimizer:
     return ROW_OPTIMIZERS[name](lr=lr, **hyper)
 
 
+def with_lr(optimizer: RowOptimizer, lr: float) -> RowOptimizer:
+    """``optimizer`` with learning rate ``lr`` (itself if it has it already; a row optimizer is a value)."""
+    return optimizer if optimizer.lr == lr else replace(optimizer, lr=float(lr))
+
+
 class RowWise(torch.optim.Optimizer):
     """A RowOptimizer as a ``torch.optim`` optimizer for sparse gradients (``nn.EmbeddingBag(sparse=True)``):
     each step updates only the rows the gradient names, with per-row state (Adam counts each row's own
     steps). The reference that ``bagpipe.nn.CachedEmbeddingBag``'s fused optimizer equals."""
 
     def __init__(self, params, optimizer: RowOptimizer) -> None:
-        super().__init__(params, {})
+        super().__init__(params, {"lr": optimizer.lr})  # (a group's "lr" is live: LR schedulers set it)
         self.row_optimizer = optimizer
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else closure()
         for group in self.param_groups:
+            row_optimizer = with_lr(self.row_optimizer, group["lr"])
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -157,6 +163,6 @@ class RowWise(torch.optim.Optimizer):
                 if "rows" not in state:
                     state["rows"] = param.new_zeros(param.shape[0], self.row_optimizer.state_width(param.shape[1]))
                 index, grads = sparse_row_sums(param.grad)  # (each row's contributions in the order they came)
-                update_rows(self.row_optimizer, param.data, state["rows"],
+                update_rows(row_optimizer, param.data, state["rows"],
                             Lookup(index, param.data.index_select(0, index)), grads)
         return loss

@@ -3,9 +3,10 @@
 from bagpipe.nn.cached_bag import CachedEmbeddingBag
 from bagpipe.nn.collection import CachedEmbeddingBagCollection
 from bagpipe.nn.lookahead import Lookahead
+from bagpipe.nn.optimizer import FusedOptimizer
 from bagpipe.nn.rows import CachedRows
 from bagpipe.nn.slots import CLEANUP_FRACTION, ONLINE_POLICIES, SlotIndex
 from bagpipe.nn.tables import CachedTables
 
 __all__ = ["CLEANUP_FRACTION", "ONLINE_POLICIES", "CachedEmbeddingBag", "CachedEmbeddingBagCollection", "CachedRows", "CachedTables",
-           "Lookahead", "SlotIndex"]
+           "FusedOptimizer", "Lookahead", "SlotIndex"]

@@ -45,7 +45,8 @@ class CachedEmbeddingBag(nn.Module):
     under ``torch.no_grad()`` record nothing, so no backward steps them; ``bag.requires_grad_(False)`` freezes
     the table (as ``weight.requires_grad_(False)`` freezes ``nn.EmbeddingBag``'s; a parent module's
     ``requires_grad_`` does not reach it, for the table is no parameter). Without ``optimizer`` the rows train
-    with SGD at lr 1e-3 and a UserWarning says so.
+    with SGD at lr 1e-3 and a UserWarning says so. ``bagpipe.nn.FusedOptimizer(model)`` gives the tables' learning
+    rates as an optimizer's param groups, for LR schedulers.
 
     ``policy`` ("lru" or "lfu") picks the rows to evict when a batch's rows do not fit beside the resident ones,
     ``cleanup_fraction`` of the cache more than the batch needs (choosing them is a pass over the cache: paid

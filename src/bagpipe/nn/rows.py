@@ -20,7 +20,7 @@ from bagpipe.cache import RowCache
 from bagpipe.embeddings import Lookup, sparse_row_sums, update_rows
 from bagpipe.nn.host import HostTable
 from bagpipe.nn.slots import CLEANUP_FRACTION, SlotIndex
-from bagpipe.optim import RowOptimizer
+from bagpipe.optim import RowOptimizer, with_lr
 from bagpipe.planner import PlanStep
 from bagpipe.planner.keys import unique_inverse
 
@@ -38,6 +38,7 @@ class CachedRows(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.optimizer = optimizer
+        self.lr_of: Callable[[], float] | None = None  # the live learning rate (a FusedOptimizer's group), if any
         self.host = host
         self.index = SlotIndex(min(cache_rows, host.num_rows), policy=policy, cleanup_fraction=cleanup_fraction)
         self.slots = RowCache(capacity=self.index.capacity, dim=host.dim, optimizer=optimizer, device=device)
@@ -160,6 +161,8 @@ class CachedRows(nn.Module):
         were evicted since they were looked up. ``slots``: theirs as the lookup found them, at the index's
         ``version`` ``as_of``: still theirs if no row came or went since (the common case, a backward right
         after its forward), so not looked for again."""
+        if self.lr_of is not None and (lr := self.lr_of()) != self.optimizer.lr:  # (an LR scheduler moved it)
+            self.optimizer = self.slots.optimizer = with_lr(self.optimizer, lr)
         if slots is None or as_of != self.index.version:
             slots = self.index.locate(keys)
         cached = slots >= 0  # (decided on the host: the slots are the index's)
