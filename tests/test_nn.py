@@ -505,3 +505,60 @@ def test_the_fused_optimizer_saves_and_loads_its_rate_and_refuses_a_model_withou
     assert cached.rows.optimizer.lr == 0.01
     with pytest.raises(ValueError, match="no cached tables"):
         FusedOptimizer(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_cached_embedding_equals_nn_embedding_stepped_by_rowwise(optimizer):
+    """nn.Embedding's counterpart: ids of any shape (repeats, across evictions) give the same rows, and the rows
+    stepped in backward end equal to nn.Embedding(sparse=True) + RowWise."""
+    from bagpipe.nn import CachedEmbedding
+
+    weight = torch.randn(NUM_ROWS, DIM, generator=torch.Generator().manual_seed(4))
+    reference = nn.Embedding(NUM_ROWS, DIM, sparse=True, _weight=weight.clone())
+    reference_optimizer = RowWise(reference.parameters(), make_row_optimizer(optimizer, lr=0.05))
+    cached = CachedEmbedding(NUM_ROWS, DIM, cache_rows=60, optimizer=optimizer, lr=0.05, _weight=weight.clone())
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(12):
+        ids = torch.randint(0, NUM_ROWS, (8, 3, 2), generator=generator)
+        target = torch.randn(8, 3, 2, DIM, generator=generator)
+        expected, got = reference(ids), cached(ids)
+        assert got.shape == (8, 3, 2, DIM) and torch.equal(expected, got)
+        _loss(expected, target).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        _loss(got, target).backward()
+    assert cached.rows.stats["rows_written_back"] > 0  # (rows were evicted and fetched again)
+    assert torch.equal(reference.weight.detach(), cached.weight)
+    with pytest.raises(ValueError, match="padding_idx"):
+        CachedEmbedding(NUM_ROWS, DIM, cache_rows=60, optimizer="sgd", padding_idx=0)
+
+
+def test_a_model_with_cached_tables_reloads_strictly_into_its_plain_twin():
+    """The export-and-reload recipe (docs/nn.md): a model trained with cached tables, saved, loads with
+    strict=True into the same model with nn.EmbeddingBag/nn.Embedding in their places once the tables'
+    optimizer state is left out, and computes the same outputs."""
+    import io
+
+    from bagpipe.nn import CachedEmbedding, without_optimizer_state
+
+    def model(bag, emb):
+        return nn.ModuleDict({"bag": bag, "emb": emb, "head": nn.Linear(DIM, 1)})
+
+    cached = model(CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=40, mode="sum", optimizer="adam", lr=0.05),
+                   CachedEmbedding(NUM_ROWS, DIM, cache_rows=40, optimizer="adagrad", lr=0.05))
+    for ids, offsets, target in _batches(6):
+        out = cached["head"](cached["bag"](ids, offsets) + cached["emb"](ids[offsets]))
+        ((out.squeeze(1) - target.sum(1)) ** 2).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(cached.state_dict(), buffer)  # as a user saves a model
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    assert {k for k in saved if k.endswith("optimizer_state")} == {"bag.optimizer_state", "emb.optimizer_state"}
+    plain = model(nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum"), nn.Embedding(NUM_ROWS, DIM))
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        plain.load_state_dict(saved)
+    plain.load_state_dict(without_optimizer_state(saved), strict=True)
+    ids, offsets, _ = _batches(1, seed=9)[0]
+    with torch.no_grad():
+        assert torch.equal(plain["head"](plain["bag"](ids, offsets) + plain["emb"](ids[offsets])),
+                           cached["head"](cached["bag"](ids, offsets) + cached["emb"](ids[offsets])))

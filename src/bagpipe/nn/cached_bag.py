@@ -32,7 +32,118 @@ MODES = ("sum", "mean")  # "max" has no sparse gradient, so no row-wise step to 
 STATE_KEY = "optimizer_state"  # the rows' optimizer state in state_dict(), beside "weight"
 
 
-class CachedEmbeddingBag(nn.Module):
+class CachedTableModule(nn.Module):
+    """What ``CachedEmbeddingBag`` and ``CachedEmbedding`` share: a ``num_embeddings x embedding_dim`` table in
+    host memory (or on disk) behind a cache of ``cache_rows`` rows on the module's device, its rows stepped in
+    backward by the row optimizer; the table's ``weight``, state dict, freezing, gradient accumulation,
+    warm-up and what ``Lookahead`` plans for. (CachedEmbeddingBag's docstring says how each behaves.)"""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, cache_rows: int, optimizer: str | None = None,
+                 lr: float | None = None, eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999),
+                 policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
+                 storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
+                 sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
+                 max_norm: float | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        refuse_unsupported(sparse=sparse, scale_grad_by_freq=scale_grad_by_freq, padding_idx=padding_idx,
+                           max_norm=max_norm, dtype=dtype)
+        if num_embeddings <= 0 or embedding_dim <= 0:
+            raise ValueError(f"num_embeddings and embedding_dim must be positive, got {num_embeddings} x "
+                             f"{embedding_dim}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.requires_grad = True  # False: frozen (requires_grad_), lookups record no gradient
+        optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
+        storage = storage_spec(storage)
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected ({num_embeddings}, {embedding_dim})")
+        host = host_table(storage, num_rows=num_embeddings, dim=embedding_dim,
+                          state_width=optimizer.state_width(embedding_dim),
+                          blocks=initial_blocks(num_embeddings, embedding_dim, _weight, storage=storage))
+        weakref.finalize(self, host.close)  # a table on disk is this module's working copy
+        self.rows = CachedRows(host, cache_rows=cache_rows, optimizer=optimizer, policy=policy,
+                               cleanup_fraction=cleanup_fraction, device=device)
+
+    def _looked_up(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``ids`` made resident: the cached rows they use (a leaf whose gradient steps them in
+        backward, unless no gradient is recorded) and each id's row in it, shaped as ``ids``."""
+        if ids.dtype not in (torch.int64, torch.int32):  # (a float id would be truncated silently)
+            raise ValueError(f"input must hold integer ids (torch.int64 or torch.int32), got {ids.dtype}")
+        keys, slots, positions = self.rows.resident_positions(ids.cpu().numpy().reshape(-1))
+        device = self.rows.cache_weight.device
+        rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
+        if torch.is_grad_enabled() and self.requires_grad:
+            rows.requires_grad_(True)
+            rows.register_hook(functools.partial(self.rows.fused_step, keys, slots=slots,
+                                                 as_of=self.rows.index.version))
+        return rows, torch.from_numpy(positions.reshape(ids.shape)).to(device).long()  # (int32 while copied)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The full table, with the cached rows written into it: in memory, a host tensor the module keeps
+        updating; on disk, a copy read from the file."""
+        self.rows.flush()
+        return self.rows.host.rows(0, self.num_embeddings)[0]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self.rows.flush()
+        weights, state = self.rows.host.rows(0, self.num_embeddings)
+        destination[prefix + "weight"] = weights
+        if state.shape[1]:  # SGD keeps none: the state dict is then nn.EmbeddingBag's
+            destination[prefix + STATE_KEY] = state
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        weight_key, state_key = prefix + "weight", prefix + STATE_KEY
+        shapes = {weight_key: (self.num_embeddings, self.embedding_dim)}
+        if self.rows.host.state_width:
+            shapes[state_key] = (self.num_embeddings, self.rows.host.state_width)
+        if weight_key not in state_dict:
+            missing_keys.append(weight_key)  # the optimizer state may be missing: it then starts afresh
+        given = {key: state_dict[key] for key in shapes if key in state_dict}
+        mismatched = [key for key, value in given.items() if tuple(value.shape) != shapes[key]]
+        for key in mismatched:
+            why = f" (the {self.rows.optimizer.name} optimizer's state)" if key == state_key else ""
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(given[key].shape)}, the "
+                              f"shape in current model is {shapes[key]}{why}")
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in shapes
+                               and k[len(prefix):].split(".")[0] not in self._modules)
+        if not given or mismatched:
+            return
+        weights = given[weight_key] if weight_key in given else self.weight.clone()
+        self.rows.flush()
+        self.rows.host.load(weights, given.get(state_key))  # no state given: zeros, a fresh optimizer's
+        self.rows.reload()
+
+    def requires_grad_(self, requires_grad: bool = True) -> "CachedTableModule":
+        """Freeze (False) or unfreeze the table, as ``weight.requires_grad_`` does ``nn.EmbeddingBag``'s: the
+        lookups of a frozen table record no gradient, so no backward steps its rows."""
+        self.requires_grad = requires_grad
+        return super().requires_grad_(requires_grad)
+
+    def accumulate(self) -> ContextManager[None]:
+        """``with bag.accumulate(): ...``: the backward passes inside hold their row gradients, and the rows take
+        one step on their sum when the block ends (what one ``optimizer.step()`` after accumulating
+        ``nn.EmbeddingBag(sparse=True)``'s gradients does); nothing is stepped if the block raises. Blocks do not
+        nest."""
+        return accumulating([self.rows])
+
+    def warm_up(self, sample: torch.Tensor, *, fraction: float = 0.7) -> int:
+        """Preload the rows ``sample`` (ids from some of the data) names most often, up to ``fraction`` of the
+        cache (as CachedEmbedding preloads the hottest 70%); the number preloaded."""
+        return self.rows.warm_up(sample.detach().cpu().numpy(), fraction=fraction)
+
+    # -- what bagpipe.nn.Lookahead plans for --------------------------------------------------------------
+
+    def cached_spaces(self) -> list[CachedRows]:
+        return [self.rows]
+
+    def plan_keys(self, ids: torch.Tensor) -> list[np.ndarray]:
+        """The rows a lookup of ``ids`` touches (repeats allowed), as the planner reads them."""
+        return [np.asarray(ids.detach().cpu().numpy(), dtype=np.int64).reshape(-1)]
+
+
+
+class CachedEmbeddingBag(CachedTableModule):
     """``nn.EmbeddingBag``'s interface (``forward(input, offsets=None, per_sample_weights=None)``, the same
     results) over a ``num_embeddings x embedding_dim`` table in host memory behind a cache of ``cache_rows`` rows
     on the module's device, whose rows are trained inside ``backward()``.
@@ -84,27 +195,13 @@ class CachedEmbeddingBag(nn.Module):
                  storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
                  sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        refuse_unsupported(sparse=sparse, scale_grad_by_freq=scale_grad_by_freq, padding_idx=padding_idx,
-                           max_norm=max_norm, dtype=dtype)
-        if num_embeddings <= 0 or embedding_dim <= 0:
-            raise ValueError(f"num_embeddings and embedding_dim must be positive, got {num_embeddings} x "
-                             f"{embedding_dim}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.num_embeddings, self.embedding_dim, self.mode = num_embeddings, embedding_dim, mode
-        self.include_last_offset = include_last_offset
-        self.requires_grad = True  # False: frozen (requires_grad_), lookups record no gradient
-        optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
-        storage = storage_spec(storage)
-        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
-            raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected ({num_embeddings}, {embedding_dim})")
-        host = host_table(storage, num_rows=num_embeddings, dim=embedding_dim,
-                          state_width=optimizer.state_width(embedding_dim),
-                          blocks=initial_blocks(num_embeddings, embedding_dim, _weight, storage=storage))
-        weakref.finalize(self, host.close)  # a table on disk is this module's working copy
-        self.rows = CachedRows(host, cache_rows=cache_rows, optimizer=optimizer, policy=policy,
-                               cleanup_fraction=cleanup_fraction, device=device)
+        super().__init__(num_embeddings, embedding_dim, cache_rows=cache_rows, optimizer=optimizer, lr=lr, eps=eps,
+                         betas=betas, policy=policy, cleanup_fraction=cleanup_fraction, _weight=_weight,
+                         storage=storage, device=device, sparse=sparse, scale_grad_by_freq=scale_grad_by_freq,
+                         padding_idx=padding_idx, max_norm=max_norm, dtype=dtype)
+        self.mode, self.include_last_offset = mode, include_last_offset
 
     # -- the nn.EmbeddingBag interface ----------------------------------------------------------------------
 
@@ -116,87 +213,50 @@ class CachedEmbeddingBag(nn.Module):
             raise ValueError("offsets is required when input is 1-D")
         if input.dim() not in (1, 2):
             raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D")
-        if input.dtype not in (torch.int64, torch.int32):  # (a float id would be truncated silently)
-            raise ValueError(f"input must hold integer ids (torch.int64 or torch.int32), got {input.dtype}")
-        keys, slots, positions = self.rows.resident_positions(input.cpu().numpy().reshape(-1))
-        device = self.rows.cache_weight.device
-        rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
-        if torch.is_grad_enabled() and self.requires_grad:
-            rows.requires_grad_(True)
-            rows.register_hook(functools.partial(self.rows.fused_step, keys, slots=slots,
-                                                 as_of=self.rows.index.version))
-        positions = torch.from_numpy(positions.reshape(input.shape)).to(device).long()  # (int32 while copied)
+        rows, positions = self._looked_up(input)
         # sparse: the gradient nn.EmbeddingBag(sparse=True) gives, summed per row in the same order
         return F.embedding_bag(positions, rows, offsets, mode=self.mode, sparse=True,
                                per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The full table, with the cached rows written into it: in memory, a host tensor the module keeps
-        updating; on disk, a copy read from the file."""
-        self.rows.flush()
-        return self.rows.host.rows(0, self.num_embeddings)[0]
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        self.rows.flush()
-        weights, state = self.rows.host.rows(0, self.num_embeddings)
-        destination[prefix + "weight"] = weights
-        if state.shape[1]:  # SGD keeps none: the state dict is then nn.EmbeddingBag's
-            destination[prefix + STATE_KEY] = state
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        weight_key, state_key = prefix + "weight", prefix + STATE_KEY
-        shapes = {weight_key: (self.num_embeddings, self.embedding_dim)}
-        if self.rows.host.state_width:
-            shapes[state_key] = (self.num_embeddings, self.rows.host.state_width)
-        if weight_key not in state_dict:
-            missing_keys.append(weight_key)  # the optimizer state may be missing: it then starts afresh
-        given = {key: state_dict[key] for key in shapes if key in state_dict}
-        mismatched = [key for key, value in given.items() if tuple(value.shape) != shapes[key]]
-        for key in mismatched:
-            why = f" (the {self.rows.optimizer.name} optimizer's state)" if key == state_key else ""
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(given[key].shape)}, the "
-                              f"shape in current model is {shapes[key]}{why}")
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in shapes
-                               and k[len(prefix):].split(".")[0] not in self._modules)
-        if not given or mismatched:
-            return
-        weights = given[weight_key] if weight_key in given else self.weight.clone()
-        self.rows.flush()
-        self.rows.host.load(weights, given.get(state_key))  # no state given: zeros, a fresh optimizer's
-        self.rows.reload()
-
-    def requires_grad_(self, requires_grad: bool = True) -> "CachedEmbeddingBag":
-        """Freeze (False) or unfreeze the table, as ``weight.requires_grad_`` does ``nn.EmbeddingBag``'s: the
-        lookups of a frozen table record no gradient, so no backward steps its rows."""
-        self.requires_grad = requires_grad
-        return super().requires_grad_(requires_grad)
-
-    def accumulate(self) -> ContextManager[None]:
-        """``with bag.accumulate(): ...``: the backward passes inside hold their row gradients, and the rows take
-        one step on their sum when the block ends (what one ``optimizer.step()`` after accumulating
-        ``nn.EmbeddingBag(sparse=True)``'s gradients does); nothing is stepped if the block raises. Blocks do not
-        nest."""
-        return accumulating([self.rows])
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, cache_rows={self.rows.index.capacity}, "
                 f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, lr={self.rows.optimizer.lr}")
 
-    def warm_up(self, sample: torch.Tensor, *, fraction: float = 0.7) -> int:
-        """Preload the rows ``sample`` (ids from some of the data) names most often, up to ``fraction`` of the
-        cache (as CachedEmbedding preloads the hottest 70%); the number preloaded."""
-        return self.rows.warm_up(sample.detach().cpu().numpy(), fraction=fraction)
 
-    # -- what bagpipe.nn.Lookahead plans for --------------------------------------------------------------
+class CachedEmbedding(CachedTableModule):
+    """``nn.Embedding``'s interface (``forward(input)``: ids of any shape, their rows ``[*input.shape, dim]``)
+    over a table behind a cache, as ``CachedEmbeddingBag`` is ``nn.EmbeddingBag``'s: the rows step in
+    backward (``optimizer``, ``lr``; ``bagpipe.nn.FusedOptimizer`` for schedulers), equal to
+    ``nn.Embedding(sparse=True)`` stepped by ``bagpipe.optim.RowWise``; the same state dict (``weight``, and
+    Adagrad's or Adam's ``optimizer_state``), storage tiers and refusals (``padding_idx``, ``max_norm``,
+    ``scale_grad_by_freq``, ``sparse=False``, dtypes other than float32) as CachedEmbeddingBag."""
 
-    def cached_spaces(self) -> list[CachedRows]:
-        return [self.rows]
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, cache_rows: int, optimizer: str | None = None,
+                 lr: float | None = None, eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999),
+                 policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
+                 storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
+                 sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, cache_rows=cache_rows, optimizer=optimizer, lr=lr, eps=eps,
+                         betas=betas, policy=policy, cleanup_fraction=cleanup_fraction, _weight=_weight,
+                         storage=storage, device=device, sparse=sparse, scale_grad_by_freq=scale_grad_by_freq,
+                         padding_idx=padding_idx, max_norm=max_norm, dtype=dtype)
 
-    def plan_keys(self, ids: torch.Tensor) -> list[np.ndarray]:
-        """The rows a lookup of ``ids`` touches (repeats allowed), as the planner reads them."""
-        return [np.asarray(ids.detach().cpu().numpy(), dtype=np.int64).reshape(-1)]
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows, positions = self._looked_up(input)
+        return F.embedding(positions, rows, sparse=True)  # (the sparse gradient nn.Embedding(sparse=True) gives)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, cache_rows={self.rows.index.capacity}, "
+                f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, lr={self.rows.optimizer.lr}")
+
+
+def without_optimizer_state(state_dict: dict) -> dict:
+    """A state dict of a model with cached tables, less the tables' optimizer state (Adagrad's or Adam's
+    ``*.optimizer_state``): what a model with ``nn.EmbeddingBag``/``nn.Embedding`` in their places loads with
+    ``strict=True``; the tables' weights are under the same keys (``*.weight``)."""
+    return {key: value for key, value in state_dict.items()
+            if key != STATE_KEY and not key.endswith("." + STATE_KEY)}
 
 
 def row_optimizer(name: str | None, *, lr: float | None, eps: float | None,

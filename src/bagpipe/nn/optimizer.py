@@ -14,18 +14,18 @@ __all__ = ["FusedOptimizer"]
 
 
 def _cached_modules(modules: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
-    from bagpipe.nn.cached_bag import CachedEmbeddingBag
+    from bagpipe.nn.cached_bag import CachedTableModule
     from bagpipe.nn.collection import CachedEmbeddingBagCollection
 
-    kinds = (CachedEmbeddingBag, CachedEmbeddingBagCollection)
+    kinds = (CachedTableModule, CachedEmbeddingBagCollection)
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     found = [m for root in roots for m in root.modules() if isinstance(m, kinds)]
     return list(dict.fromkeys(found))  # (each once, in the order the model lists them)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
-    """The cached tables of ``modules`` (a model, or modules; every ``CachedEmbeddingBag`` and
-    ``CachedEmbeddingBagCollection`` in them) as an optimizer: one param group per cached module, whose ``"lr"``
+    """The cached tables of ``modules`` (a model, or modules; every ``CachedEmbeddingBag``, ``CachedEmbedding``
+    and ``CachedEmbeddingBagCollection`` in them) as an optimizer: one param group per cached module, whose ``"lr"``
     the module's rows are stepped with from the next backward on. An LR scheduler drives it as any optimizer::
 
         tables = bagpipe.nn.FusedOptimizer(model)
