@@ -104,3 +104,19 @@ def test_the_readme_opens_with_the_help_quick_start_and_its_commands_parse():
     assert commands == [line.strip() for line in QUICK_START.splitlines()[1:]]
     for command in commands:
         build_parser().parse_args(shlex.split(command)[1:])
+
+
+def test_the_readme_is_short_and_every_relative_link_of_the_docs_resolves():
+    """A newcomer reads the README first: at most 200 lines, install and quick start before the rest; the topic
+    pages it sends them to (and theirs to each other) exist."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    assert readme.index("## Install") < readme.index("## Quick start") < readme.index("## Which `--mode` when")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"
