@@ -172,3 +172,19 @@ def test_keep_best_without_evaluations_during_training_is_refused(small_binary, 
     assert main(["train", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"), "--keep-best"]) == 2
     assert "keep_best keeps the best of the evaluations during training: it needs eval_every" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_final_next_item_evaluation_not_above_a_baseline_is_warned_once_naming_it():
+    from bagpipe.health import NOT_ABOVE_BASELINES
+
+    watch = EvaluationWatch(metric="eval_hr10", batches_per_epoch=100)
+    above = {"eval_hr10": 0.30, "eval_popular_hr10": 0.10, "eval_cooccurrence_hr10": 0.25}
+    assert watch.final(200, above) == []
+    level = {"eval_hr10": 0.25, "eval_popular_hr10": 0.10, "eval_cooccurrence_hr10": 0.25}  # level is not above
+    (warning,) = watch.final(300, level)
+    assert warning.kind == NOT_ABOVE_BASELINES and warning.iteration == 300
+    assert "eval_hr10 0.2500 is not above the co-occurrence baseline's 0.2500" in warning.message
+    assert "most-popular" not in warning.message
+    assert watch.final(300, level) == []  # said once per run
+    clicks = EvaluationWatch(metric="eval_auc", batches_per_epoch=100)  # no baselines beside a click model's AUC
+    assert clicks.final(100, {"eval_auc": 0.5}) == []

@@ -28,12 +28,14 @@ COLLAPSE_STD = 1e-4
 # Criteo, so a drop twice that is more than rounding of the metric).
 FALL_TOLERANCE = 0.002
 
-DIVERGED, COLLAPSED, OVERFITTING = "diverged", "collapsed", "overfitting"  # the kinds of warning
+DIVERGED, COLLAPSED, OVERFITTING, NOT_ABOVE_BASELINES = "diverged", "collapsed", "overfitting", "not-above-baselines"
+# the baselines a next-item model is ranked beside (ranking.BASELINES), as summary.json names their metrics
+BASELINE_PREFIXES = {"eval_popular_": "most-popular", "eval_cooccurrence_": "co-occurrence"}
 
 
 @dataclass(frozen=True)
 class RunWarning:
-    kind: str  # DIVERGED, COLLAPSED or OVERFITTING
+    kind: str  # DIVERGED, COLLAPSED, OVERFITTING or NOT_ABOVE_BASELINES
     iteration: int  # iterations done when it was seen
     message: str
 
@@ -119,6 +121,23 @@ class EvaluationWatch:
         if improved:
             self.best = Best(iteration, {name: v for name, v in metrics.items() if name.startswith("eval_")})
         return warnings, improved
+
+    def final(self, iteration: int, metrics: dict) -> list[RunWarning]:
+        """The final evaluation against the baselines ranked beside it (a next-item model's most-popular and
+        co-occurrence): a warning when the metric is not above one of them, for then the model has learnt nothing
+        that counting does not."""
+        value = metrics.get(self.metric, math.nan)
+        measure = self.metric.removeprefix("eval_")
+        baselines = [(name, metrics[prefix + measure]) for prefix, name in BASELINE_PREFIXES.items()
+                     if math.isfinite(metrics.get(prefix + measure, math.nan))]
+        beaten_by = [(name, baseline) for name, baseline in baselines if not value > baseline]
+        if not math.isfinite(value) or not beaten_by:
+            return []
+        return self._warn(NOT_ABOVE_BASELINES, iteration, (
+            f"the final {self.metric} {value:.4f} is not above the " + " and the ".join(
+                f"{name} baseline's {baseline:.4f}" for name, baseline in beaten_by)
+            + ": the model has learnt nothing that counting items does not (train longer, or another learning "
+              "rate; docs/models.md)"))
 
     def keep(self, best: Best) -> None:
         """The model kept so far (by an interrupted run, ``--keep-best``) was evaluated as ``best``."""

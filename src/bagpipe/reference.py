@@ -479,6 +479,8 @@ def record_evaluation(config: TrainConfig, run: RunDir, watch: EvaluationWatch, 
     but the final state written to model/ (``keep``) first, then its warnings and its metrics point logged; an
     interrupted run's model/ never holds a better model than the log says (a resumed run reads both)."""
     warnings, best = watch.evaluation(iteration, metrics)
+    if final:
+        warnings += watch.final(iteration, metrics)
     if best and config.keep_best and not final:
         keep()
     for warning in warnings:
