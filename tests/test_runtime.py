@@ -271,6 +271,25 @@ def test_a_partitioned_cache_smaller_than_a_slice_is_refused_naming_the_trainer(
         check_cache(dataclasses.replace(fits, cache_mode="replicated"), open_dataset(small_binary))
 
 
+@pytest.mark.parametrize("cache_mode", ["replicated", "partitioned"])
+def test_a_refused_cache_names_the_smallest_cache_rows_that_every_batch_fits(small_binary, tmp_path, cache_mode):
+    """Not only "raise cache_rows": by how much. The value named fits every batch, and one row fewer does not."""
+    import re
+
+    from bagpipe.data.binary import open_dataset
+    from bagpipe.preflight import check_cache
+
+    dataset = open_dataset(small_binary)
+    config = job_config(small_binary, tmp_path / "run", cache_mode=cache_mode, cache_rows=300, iterations=40)
+    with pytest.raises(ValueError, match="the smallest --cache-rows that every batch fits is") as refused:
+        check_cache(config, dataset)
+    smallest = int(re.search(r"fits is ([\d,]+)", str(refused.value)).group(1).replace(",", ""))
+    assert smallest > 300
+    check_cache(dataclasses.replace(config, cache_rows=smallest), dataset)
+    with pytest.raises(ValueError, match="more than the cache's"):
+        check_cache(dataclasses.replace(config, cache_rows=smallest - 1), dataset)
+
+
 def test_a_cache_that_holds_every_row_gets_a_warning(small_binary):
     from bagpipe.data.binary import open_dataset
     from bagpipe.preflight import cache_warnings

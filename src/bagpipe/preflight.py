@@ -198,7 +198,8 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
     before the oracle's planner meets it.
 
     A batch touches at most its columns x batch_size rows of a space, so only a share smaller than
-    that needs the batches scanned; the scan stops at the first batch that does not fit.
+    that needs the batches scanned. A cache that some batch overflows is refused naming the first such batch and
+    the smallest --cache-rows that every batch fits (the scan then goes on to the end, to find it).
     """
     split, layout = dataset.train, job_layout(config, dataset)
     shares, cached = cache_rows_of(config, layout), cached_batch(config)
@@ -207,6 +208,8 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
         return
     iterations = planned_iterations(config, split)
     stamps = {s: np.zeros(layout.spaces[s].num_rows, dtype=np.int64) for s in tight}
+    need = dict.fromkeys(tight, 0)  # the most distinct rows of a space a batch (or slice) touches
+    first: str | None = None  # the first batch that did not fit, said as the refusal says it
     bar = progress(total=iterations, desc="check cache", unit="batch", enabled=show_progress)
     rows = epoch_rows(split, batch_size=config.batch_size, iterations=iterations, shuffle=config.shuffle,
                       shuffle_seed=config.shuffle_seed)
@@ -217,6 +220,7 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
         if negatives is not None:
             negatives.apply(ids, selector, epoch)
         if ((ids < lowest) | (ids >= cardinalities)).any():
+            bar.close()
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table
         for part in range(len(ids) // cached):
             keys = layout.keys(ids[part * cached:(part + 1) * cached])
@@ -226,15 +230,31 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
                 # Each distinct key keeps exactly one of its positions in the stamps: count those.
                 stamps[s][flat] = positions
                 distinct = int(np.count_nonzero(stamps[s][flat] == positions))
-                if distinct > shares[s]:
-                    bar.close()
+                need[s] = max(need[s], distinct)
+                if distinct > shares[s] and first is None:
                     where = "" if len(layout.spaces) == 1 else f" of the {layout.spaces[s].dim}-wide tables"
                     what = f"trainer {part}'s slice of batch" if cached < len(ids) else "batch"
-                    raise ValueError(f"{what} {iteration} touches {distinct} distinct rows{where}, more than the "
-                                     f"cache's {shares[s]} for them (--cache-rows): raise cache_rows or lower the "
-                                     f"batch size")
+                    first = (f"{what} {iteration} touches {distinct} distinct rows{where}, more than the cache's "
+                             f"{shares[s]} for them (--cache-rows {config.cache_rows or 'default'})")
         bar.update(1)
     bar.close()
+    if first is not None:
+        smallest = smallest_cache_rows(config, layout, need)
+        raise ValueError(f"{first}: the smallest --cache-rows that every batch fits is {smallest:,} (of "
+                         f"{layout.num_rows:,} rows); or lower the batch size")
+
+
+def smallest_cache_rows(config: TrainConfig, layout: EmbeddingLayout, need: dict[int, int]) -> int:
+    """The smallest --cache-rows whose share of each space ``s`` holds ``need[s]`` rows (the shares grow with it)."""
+    def fits(cache_rows: int) -> bool:
+        shares = layout.split_cache(cache_rows, batch_size=cached_batch(config))
+        return all(shares[s] >= rows for s, rows in need.items())
+
+    low, high = 1, layout.num_rows  # (every row cached fits any batch)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle + 1, high)
+    return low
 
 
 def ignored_settings(config: TrainConfig) -> list[str]:
