@@ -112,6 +112,24 @@ def test_report_writes_every_plot_for_one_and_several_runs(demo_runs, tmp_path, 
     assert all(size > 5000 for size in sizes.values()), sizes
 
 
+def test_runs_of_one_name_get_labels_of_their_own_and_lines_that_stay_visible(demo_runs, tmp_path):
+    """Identical runs (as the exactness claims make them) drawn over one another: each has its own legend entry
+    and a line style of its own, so the later is seen on top of the earlier."""
+    import shutil
+
+    from bagpipe.report import _styles, load_run, report
+
+    copies = [tmp_path / where / "run" for where in ("a", "b")]
+    for copy in copies:
+        shutil.copytree(demo_runs["reference"], copy)
+    text, files = report(copies, out=tmp_path / "plots")
+    first, second = (block.splitlines()[0].split(":")[0] for block in text.split("\n\n"))
+    assert first == "run (reference)" and second == "run (reference) [b/run #2]"
+    styles = _styles([load_run(copy) for copy in copies[:1]] + [load_run(copies[1], second)])
+    assert len({style["linestyle"] for style in styles.values()}) == 2
+    assert (tmp_path / "plots" / "loss_auc.png").stat().st_size > 5000
+
+
 def test_report_refuses_what_is_not_a_run_dir(tmp_path, demo_runs):
     assert main(["report", str(tmp_path)]) == 2  # a clear error, exit status 2
     broken = tmp_path / "broken"

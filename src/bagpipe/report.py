@@ -3,7 +3,8 @@
 Reads each run dir's ``metrics.jsonl`` and ``summary.json`` (both modes) and writes, with every
 run drawn in the same axes so that runs compare at a glance:
 
-    loss_auc.png         train loss over samples; eval AUC points (one per evaluation: --eval-every N)
+    loss_auc.png         train loss over samples; eval AUC and HR@10, each on axes of its own (one point per
+                         evaluation: --eval-every N), with the planted best and a next-item run's baselines
     throughput.png       samples/s over time (per log window)
     time_breakdown.png   steady-state milliseconds per iteration by phase, one bar per run
     time_per_window.png  the same breakdown over the iterations of each run
@@ -62,7 +63,8 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
 def _default_label(path: Path, summary: dict) -> str:
     mode = summary.get("mode")
     if mode == "bagpipe":
-        return f"{path.name} (bagpipe, {summary.get('trainers')} trainers, {summary.get('policy')})"
+        return (f"{path.name} (bagpipe, {summary.get('trainers')} trainers, {summary.get('policy')}"
+                + (", partitioned" if summary.get("cache_mode") == "partitioned" else "") + ")")
     if mode == "single":
         return f"{path.name} (single, {summary.get('policy')})"
     return f"{path.name} ({mode})" if mode else path.name
@@ -156,23 +158,38 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(out / name)
 
-    # Loss and AUC.
-    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(11, 4))
+    # Loss, and each evaluation metric on axes of its own (AUC for click models, HR@10 for next-item ones).
+    metrics = [(m, n) for m, n in (("auc", "AUC"), ("hr10", "HR@10"))
+               if any(f"eval_{m}" in r for run in runs for r in run.evals)]
+    fig, axes = plt.subplots(1, 1 + max(len(metrics), 1), figsize=(5.5 * (1 + max(len(metrics), 1)), 4),
+                             squeeze=False)
+    ax_loss, eval_axes = axes[0, 0], list(axes[0, 1:])
+    styles = _styles(runs)
     for run in runs:
-        ax_loss.plot([r["samples"] for r in run.train], [r["train_loss"] for r in run.train], label=run.label)
-        if run.evals:
-            metric, name = headline(run.evals[0])
-            samples = [run.eval_samples(r) for r in run.evals]
-            ax_auc.plot(samples, [r[f"eval_{metric}"] for r in run.evals], "o-", label=f"{run.label} ({name})")
-            best = run.summary.get(f"best_{metric}")
-            if best is not None:
-                ax_auc.axhline(best, linestyle=":", color="gray")
+        ax_loss.plot([r["samples"] for r in run.train], [r["train_loss"] for r in run.train], label=run.label,
+                     **styles[run.label])
     ax_loss.set(title="train loss (mean per log window)", xlabel="samples", ylabel="loss")
-    ax_auc.set(title="eval AUC or HR@10 (dotted: best achievable, synthetic data)", xlabel="samples",
-               ylabel="AUC / HR@10")
     ax_loss.legend(fontsize="small")
-    if any(run.evals for run in runs):
-        ax_auc.legend(fontsize="small")
+    for ax, (metric, name) in zip(eval_axes, metrics):
+        for run in runs:
+            points = [(run.eval_samples(r), r[f"eval_{metric}"]) for r in run.evals if f"eval_{metric}" in r]
+            if not points:
+                continue
+            line, = ax.plot(*zip(*points), marker="o", label=run.label, **styles[run.label])
+            lines = [("best", "best achievable (planted model)", ":")] + [
+                (f"eval_{key}_", f"{what} baseline", "--") for key, what in (("popular", "most-popular"),
+                                                                              ("cooccurrence", "co-occurrence"))]
+            for key, what, dash in lines:
+                value = run.summary.get(f"{key}_{metric}" if key == "best" else f"{key}{metric}")
+                if _finite(value):
+                    ax.axhline(value, linestyle=dash, color=line.get_color(), linewidth=1,
+                               label=f"{what}: {run.label}")
+        single = all(len(run.evals) <= 1 for run in runs)
+        ax.set(title=f"eval {name}" + (" (the final evaluation only: --eval-every N draws a curve)" if single
+                                       else ""), xlabel="samples", ylabel=name)
+        ax.legend(fontsize="x-small")
+    if not metrics:
+        eval_axes[0].text(0.5, 0.5, "no evaluation in these runs", ha="center", transform=eval_axes[0].transAxes)
     save(fig, "loss_auc.png")
 
     # Throughput over time.
@@ -237,6 +254,14 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
     return written
 
 
+def _styles(runs: list[Run]) -> dict[str, dict]:
+    """Each run's line style: runs drawn over one another (identical runs, as the exactness claims make them)
+    stay visible, the later ones dashed, dotted and thinner on top of the earlier."""
+    dashes = ["-", "--", ":", "-."]
+    return {run.label: {"linestyle": dashes[i % len(dashes)], "linewidth": max(2.5 - 0.5 * i, 1.0)}
+            for i, run in enumerate(runs)}
+
+
 def _color(plt, phase: str):
     """One fixed colour per phase in every figure (tab20 has enough for all of them)."""
     index = PHASES.index(phase) if phase in PHASES else len(PHASES) + hash(phase) % 8
@@ -257,6 +282,11 @@ def report(run_dirs: list[str | Path], *, out: str | Path | None = None, labels:
     if labels and len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} run dirs")
     runs = [load_run(path, labels[i] if labels else None) for i, path in enumerate(run_dirs)]
+    seen: dict[str, int] = {}
+    for run in runs:  # one label per run in every legend: runs of one name in other folders told apart
+        seen[run.label] = seen.get(run.label, 0) + 1
+        if seen[run.label] > 1:
+            run.label = f"{run.label} [{run.path.parent.name}/{run.path.name} #{seen[run.label]}]"
     out = Path(out) if out else Path(run_dirs[0]) / "report"
     files = write_plots(runs, out)
     return "\n\n".join(summarize(run) for run in runs), files
