@@ -19,7 +19,7 @@ demo: $(BIN)/bagpipe
 	$(BIN)/bagpipe train --config configs/demo.toml --data $(DEMO_DIR)/data --run-dir $(DEMO_DIR)/run --overwrite
 
 # Two workers (pytest-xdist), each with its own fork server: jobs wait on each other's processes far more than they
-# compute, so two at once keep both cores busy (docs/benchmarks.md, "The test suite").
+# compute, so two at once keep both cores busy (docs/history/benchmarks.md, "The test suite").
 # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep rather than spin while others need the cores (tests/conftest.py)
 test: $(BIN)/bagpipe
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --durations=15

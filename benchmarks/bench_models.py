@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--caser-cache-fraction", type=float, default=0.5, help="the same for caser")
     parser.add_argument("--reference-threads", type=int, default=1,
                         help="torch threads of the reference (each bagpipe role has 1); on a shared 2-core machine "
-                             "2 threads collapse when other processes run (docs/benchmarks.md)")
+                             "2 threads collapse when other processes run (docs/history/benchmarks.md)")
     args = parser.parse_args()
     models = args.models.split(",")
     unknown = sorted(set(models) - set(MODELS))

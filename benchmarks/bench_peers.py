@@ -23,7 +23,7 @@ in every repeat so that machine noise hits all of them alike:
 
 Samples/s is steady state (the first --warmup iterations excluded), start-up is reported apart,
 and peak RSS is per process. Medians over --repeats and the ratios between the medians are
-printed as a markdown table for docs/benchmarks.md; raw runs go to WORK_DIR/peers.jsonl.
+printed as a markdown table for docs/history/benchmarks.md; raw runs go to WORK_DIR/peers.jsonl.
 """
 
 from __future__ import annotations

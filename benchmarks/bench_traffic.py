@@ -7,7 +7,7 @@ Synthetic data over the Criteo Kaggle cardinalities (26 tables, 33.8M rows), Zip
 SGD; ``--keep-within N``: the partitioned plan's keepers and joins (``bagpipe train --keep-within``, default 4 there;
 0 here, the first published table). For each exponent, ``plan-stats``' traffic (planner/stats.traffic): rows fetched, written back and
 synchronised and bytes per trainer per iteration in both designs, and their ratios, printed as the markdown table
-of docs/benchmarks.md; the raw figures go to WORK_DIR/traffic.json.
+of docs/history/benchmarks.md; the raw figures go to WORK_DIR/traffic.json.
 """
 
 from __future__ import annotations

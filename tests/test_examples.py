@@ -114,7 +114,7 @@ def test_the_readme_is_short_and_every_relative_link_of_the_docs_resolves():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     assert readme.index("## Install") < readme.index("## Quick start") < readme.index("## Which `--mode` when")
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     for page in pages:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" in target:

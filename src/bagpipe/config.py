@@ -180,7 +180,7 @@ class TrainConfig:
     device: str = "cpu"
     # the dense model's forward and backward through torch.compile (models.compile_training), in every mode alike
     # (compiled runs equal each other bit for bit, not an eager run); off by default: on the CPU it measured no
-    # faster (docs/benchmarks.md), on a GPU make gpu-check measures it
+    # faster (docs/history/benchmarks.md), on a GPU make gpu-check measures it
     compile: bool = False
     iterations: int = 0  # 0: `epochs` passes over the training split
     epochs: int = 1  # passes over the training split, when iterations is 0
@@ -365,7 +365,7 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 
 # What `bagpipe train --model M` takes for the settings it is not given, where the dataclasses' defaults (Adagrad
 # at 0.01, batch 512: wide-deep's, deepfm's and dcn's) do not train M well: each model learns at its defaults with no
-# flag (docs/benchmarks.md, "Every model at its defaults"). Caser's are its paper's (Tang & Wang 2018: d 50, Adam at
+# flag (docs/history/benchmarks.md, "Every model at its defaults"). Caser's are its paper's (Tang & Wang 2018: d 50, Adam at
 # 1e-3, batch 512, dropout 0.5) with the passes it needs. DLRM and FGCNN feed many pairwise products to a wide MLP:
 # Adagrad's first step moves every weight by lr, and at 0.01 DLRM's loss jumps (0.69 to 3.8) and FGCNN's swings and
 # ends near a constant prediction's; lower Adagrad rates learn too slowly, Adam at 1e-3 does neither.

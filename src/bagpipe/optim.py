@@ -52,7 +52,7 @@ class RowOptimizer:
     def dense_optimizer(self, params) -> torch.optim.Optimizer:
         """The torch.optim counterpart for dense parameters, in torch's default form: foreach on CUDA (a few
         operations for all the parameters), one tensor at a time on the CPU, where foreach steps bit for bit alike
-        but gained nothing here (docs/benchmarks.md). A user's script with a plain optimizer equals it."""
+        but gained nothing here (docs/history/benchmarks.md). A user's script with a plain optimizer equals it."""
         raise NotImplementedError
 
 
