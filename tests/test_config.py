@@ -168,6 +168,22 @@ def test_a_refused_train_command_answers_before_torch_is_imported(tmp_path, flag
     assert message in done.stderr
 
 
+def test_a_refused_export_answers_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "unfinished" / "config.json").write_text("{}")
+    for run_dir, message in ((tmp_path / "missing", "is not a bagpipe run dir"),
+                             (tmp_path / "unfinished", "not a finished run")):
+        script = ("import sys; from bagpipe.cli import main; "
+                  f"code = main(['export', '--run-dir', {str(run_dir)!r}, '--out', {str(tmp_path / 'm.pt')!r}]); "
+                  "print(code, 'torch' in sys.modules)")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr[-2000:])
+        assert message in done.stderr
+
+
 @pytest.mark.parametrize("given, seen", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
 def test_the_command_makes_openmp_wait_passively_before_torch_loads_unless_the_user_chose(tmp_path, given, seen):
     """OpenMP reads OMP_WAIT_POLICY once, as torch loads: the command sets it first (spinning workers collapse a

@@ -17,11 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-from bagpipe.checkpoint import checkpoints_dir
 from bagpipe.files import save_torch, writing
 from bagpipe.health import RunWarning
-from bagpipe.model_dir import MODEL_DIR, ModelDir
-from bagpipe.runlock import LOCK
+from bagpipe.runlock import LOCK  # (torch: imported where needed, so that a refused export answers at once)
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +153,8 @@ def sweep_working_files(run_dir: str | Path, storage: Path) -> list[Path]:
     (``storage``: RUN_DIR/storage, or the run's directory in --storage-dir) and files and checkpoints it was
     writing (``*.tmp``). Called with the run dir locked: at the start of a run or a resume (what a killed run
     left: SIGKILL cannot be caught), and when a run ends or is interrupted."""
+    from bagpipe.checkpoint import checkpoints_dir
+
     run_dir = Path(run_dir)
     found = [storage] if storage.exists() else []
     found += [*run_dir.glob("*.tmp"), *checkpoints_dir(run_dir).glob("*.tmp")]
@@ -193,6 +193,8 @@ def export(run_dir: str | Path, out: str | Path) -> dict:
                          f"still running")
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory: name the .pt file to write")
+    from bagpipe.model_dir import MODEL_DIR, ModelDir  # (torch: loaded once the arguments are checked)
+
     model = ModelDir.open(run_dir / MODEL_DIR)
 
     def unwritable(err: OSError) -> ValueError:
