@@ -584,14 +584,20 @@ def run_train(args) -> None:
         config = load_train_config(args.config, overrides)
         if not Path(config.data).exists():  # (as data.preprocess refuses it, before anything is loaded)
             raise ValueError(f"--data: no such file or directory {config.data}")
+    # A role runs one thread unless told otherwise, and a reference that computes as trainers do
+    # (--slices) runs as many as each of them: some kernels' sums depend on the thread count.
+    threads = args.threads or (SLICED_THREADS if config.mode == "bagpipe" or config.slices > 1 else 0)
+    if threads != 1 and "torch" not in sys.modules:  # (OpenMP's workers: how they wait, read as torch loads)
+        from bagpipe.openmp import choose_wait_policy
+
+        if choose_wait_policy():
+            log.info("other processes are keeping this machine's cores busy: torch's threads wait passively "
+                     "(OMP_WAIT_POLICY=PASSIVE; set it yourself to choose)")
     import torch
 
     from bagpipe.faults import set_role
     from bagpipe.reference import train_reference
 
-    # A role runs one thread unless told otherwise, and a reference that computes as trainers do
-    # (--slices) runs as many as each of them: some kernels' sums depend on the thread count.
-    threads = args.threads or (SLICED_THREADS if config.mode == "bagpipe" or config.slices > 1 else 0)
     if config.mode == "bagpipe":
         from bagpipe.runtime.launch import launch_local
 
@@ -837,17 +843,7 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
-def _wait_passively() -> None:
-    """Idle OpenMP threads sleep instead of spinning, unless the user chose otherwise: set before torch loads (the
-    OpenMP runtime reads it once, as it starts), and inherited by every role a job starts. Spinning workers take
-    the cores that other processes on the machine need, and wait on each other when those processes run:
-    docs/performance.md ("Threads on a busy machine")."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def main(argv: list[str] | None = None) -> int:
-    _wait_passively()
     args = build_parser().parse_args(argv)
     setup_logging(role=args.command)
     if args.command in ROLES:
