@@ -190,8 +190,11 @@ def _add_train(sub) -> None:
                    "checkpoint; its config.json supplies every setting (flags given again must agree)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (default 0: 1 per role in --mode bagpipe and with --slices, "
-                        "else torch's default); bit-for-bit equality needs the same on both sides")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none off a terminal)")
+                        "else torch's default, whose idle workers wait passively when other processes keep the cores "
+                        "busy as the run starts: OMP_WAIT_POLICY, docs/performance.md); bit-for-bit equality needs "
+                        "the same on both sides")
+    p.add_argument("--no-progress", action="store_true", help="no progress: neither the bar on a terminal nor, "
+                   "elsewhere, the line logged every 10 s (iteration of total, samples/s, ETA)")
     _add_model_flags(p, emb_flags=("--emb-dim", "--emb-size"))
     _add_job_flags(p)
 
