@@ -43,7 +43,7 @@ def _amount(value: float, unit: str) -> str:
 
 
 class LogProgress:
-    """tqdm's calls (``update``, ``set_postfix``, ``refresh``, ``close``, ``n``) as a log line on stderr at most
+    """tqdm's calls (``update``, ``set_postfix``, ``refresh``, ``close``, ``n``, ``with``) as a log line on stderr at most
     every ``every_s``: ``train: 1,200 of 5,000 it (24%), 3,456 samples/s, loss 0.4567, ETA 2m05s``. The rate is
     taken after the first update (what came before or with it, start-up, a first iteration's warm-up or the
     iterations of a resumed run, is not this run's pace); ``refresh`` lets a caller that waits on others (the launcher) keep the lines coming while
@@ -80,6 +80,12 @@ class LogProgress:
         if not self.closed and self._printed_at_n is not None and self._printed_at_n != self.n:
             self._write(self._clock())
         self.closed = True
+
+    def __enter__(self) -> "LogProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def rate(self, now: float) -> float | None:
         """Units a second since the first update; None before there is a pace to tell."""
