@@ -2,8 +2,8 @@
 
 OpenMP's idle workers spin by default, which is the fastest on an idle machine and collapses beside any other busy
 process (the spinning workers take the cores it needs and wait on each other): measured on 2 cores, the default
-spin ran ``--mode reference`` at 0.27x of its idle speed beside one busy process, ``OMP_WAIT_POLICY=PASSIVE`` at
-0.74x of the spin's idle speed when idle and 2.1x the spin's speed beside the busy process; short spins
+spin ran ``--mode reference`` at 0.24x of its idle speed beside one busy process, ``OMP_WAIT_POLICY=PASSIVE`` at
+0.73x of the spin's idle speed when idle and 2.1x the spin's speed beside the busy process; short spins
 (``GOMP_SPINCOUNT`` 10,000 to 200,000) collapsed as the default did (docs/performance.md, "Threads on a busy
 machine"). So a run that starts beside busy processes waits passively, and one on an idle machine keeps the spin.
 The choice is made once (OpenMP reads it as torch loads): a machine that becomes busy later keeps the spin, and a
