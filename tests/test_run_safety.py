@@ -108,7 +108,7 @@ def test_a_run_dir_held_by_a_run_is_refused_to_every_other_command(small_binary,
 
 def test_a_run_refused_at_start_leaves_no_directory_behind(small_binary, tmp_path, capsys):
     assert train(small_binary, tmp_path / "new", "--mode", "single", "--cache-rows", "10") == 2
-    assert "raise cache_rows" in capsys.readouterr().err
+    assert "the smallest --cache-rows that every batch fits is" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
 
 

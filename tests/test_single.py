@@ -136,5 +136,6 @@ def test_storage_flags_warn_in_reference_mode(small_tsv, tmp_path, capsys):
 
 def test_single_mode_refuses_a_cache_smaller_than_a_batch(small_binary, tmp_path):
     config = small_config(small_binary, tmp_path / "run", mode="single", iterations=5, batch_size=64, cache_rows=30)
-    with pytest.raises(ValueError, match="raise cache_rows or lower the batch size"):
+    with pytest.raises(ValueError, match="the smallest --cache-rows that every batch fits is .*; or lower the batch "
+                                         "size"):
         train_reference(config, show_progress=False)

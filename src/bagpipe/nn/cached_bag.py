@@ -52,7 +52,8 @@ class CachedTableModule(nn.Module):
                              f"{embedding_dim}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.requires_grad = True  # False: frozen (requires_grad_), lookups record no gradient
-        optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
+        # (the warning points at the user's call: through a subclass's __init__, one frame further)
+        optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas, stacklevel=4)
         storage = storage_spec(storage)
         if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected ({num_embeddings}, {embedding_dim})")
@@ -259,8 +260,8 @@ def without_optimizer_state(state_dict: dict) -> dict:
             if key != STATE_KEY and not key.endswith("." + STATE_KEY)}
 
 
-def row_optimizer(name: str | None, *, lr: float | None, eps: float | None,
-                  betas: tuple[float, float]) -> RowOptimizer:
+def row_optimizer(name: str | None, *, lr: float | None, eps: float | None, betas: tuple[float, float],
+                  stacklevel: int = 3) -> RowOptimizer:
     """The fused optimizer, its hyper-parameters defaulted as torch.optim's SGD, Adagrad and Adam default them;
     no ``name``: SGD, with a UserWarning naming it (pointing at the module's constructor call)."""
     defaults = {"sgd": 1e-3, "adagrad": 1e-2, "adam": 1e-3}
@@ -268,7 +269,7 @@ def row_optimizer(name: str | None, *, lr: float | None, eps: float | None,
         name = "sgd"
         warnings.warn(f"no optimizer given: the table's rows are trained with optimizer='sgd', "
                       f"lr={defaults['sgd'] if lr is None else lr} inside backward(); pass optimizer= "
-                      f"({', '.join(map(repr, defaults))}) and lr= to choose", UserWarning, stacklevel=3)
+                      f"({', '.join(map(repr, defaults))}) and lr= to choose", UserWarning, stacklevel=stacklevel)
     if name not in defaults:
         raise ValueError(f"optimizer must be one of {', '.join(defaults)}, got {name!r}")
     hyper = {} if eps is None else {"eps": eps}
