@@ -216,3 +216,21 @@ def test_busy_cores_counts_what_other_processes_use_of_the_cores():
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_a_resume_that_changes_how_a_step_computes_says_it_will_not_end_bit_for_bit(tmp_path, caplog):
+    """--compile and --device may change on --resume (a run moved to another machine), but the steps from there
+    round otherwise: said, not left to be found in the last bits."""
+    import json
+    import logging
+
+    from bagpipe.config import config_to_dict, resumed_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config_to_dict(TrainConfig(data="d", run_dir=str(tmp_path)))))
+    caplog.set_level(logging.WARNING, logger="bagpipe")
+    assert resumed_config(str(tmp_path), None, {"iterations": 30}).iterations == 30
+    assert caplog.records == []  # (a change that computes alike says nothing)
+    assert resumed_config(str(tmp_path), None, {"compile": True}).compile
+    (warning,) = caplog.records
+    assert "--resume with compile=True, where the run started with False" in warning.getMessage()
+    assert "will not end bit for bit" in warning.getMessage()

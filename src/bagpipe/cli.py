@@ -140,8 +140,9 @@ def _add_train(sub) -> None:
                    "(oracle, servers and trainers started on this machine) or single (one process, the tables in "
                    "host memory behind a cache of --cache-rows rows, bagpipe.nn's)" + _default("mode"))
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where --mode reference keeps its model and "
-                   "tables, --mode single its model and cache (the full tables stay in host memory or on disk); "
-                   "without CUDA the CPU, with a warning" + _default("device"))
+                   "tables, --mode single its model and cache (the full tables stay in host memory or on disk), "
+                   "--mode bagpipe its trainers' models and caches (all on that device); without CUDA the CPU, with "
+                   "a warning" + _default("device"))
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the dense model's forward and backward through torch.compile, in every mode and "
                    "trainer alike (compiled runs equal each other bit for bit, not an uncompiled one; the first "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import re
 import tomllib
@@ -426,6 +427,8 @@ RESUMABLE_CHANGES = ("device", "compile", "iterations", "epochs", "log_every", "
                      "replace_trainers", "replace_oracle", "replace_data_servers", "storage", "storage_dir",
                      "storage_budget_mb")
 
+ARITHMETIC_CHANGES = ("device", "compile")  # resumable, but a step computes otherwise with another value
+
 
 def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     """The config of the run in ``run_dir`` (its config.json), for ``--resume``: settings given again
@@ -446,6 +449,11 @@ def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) ->
                            name.removeprefix("model."), value) != have:
             raise ValueError(f"--resume: the run in {run_dir} was started with {name.removeprefix('model.')}="
                              f"{have!r}, not {value!r}; a resumed run keeps its settings (leave the flag out)")
+    for name in ARITHMETIC_CHANGES:
+        if name in changes and changes[name] != getattr(saved, name):
+            logging.getLogger("bagpipe").warning(
+                "--resume with %s=%r, where the run started with %r: the steps from here round otherwise, so the run "
+                "will not end bit for bit as an uninterrupted one would", name, changes[name], getattr(saved, name))
     return dataclasses.replace(saved, run_dir=str(run_dir), **changes)
 
 
