@@ -43,11 +43,12 @@ def _amount(value: float, unit: str) -> str:
 
 
 class LogProgress:
-    """tqdm's calls (``update``, ``set_postfix``, ``refresh``, ``close``, ``n``, ``with``) as a log line on stderr at most
-    every ``every_s``: ``train: 1,200 of 5,000 it (24%), 3,456 samples/s, loss 0.4567, ETA 2m05s``. The rate is
-    taken after the first update (what came before or with it, start-up, a first iteration's warm-up or the
-    iterations of a resumed run, is not this run's pace); ``refresh`` lets a caller that waits on others (the launcher) keep the lines coming while
-    the count stands still. The last line is written at ``close`` when the work ended after the one before."""
+    """tqdm's calls (``update``, ``set_postfix``, ``refresh``, ``close``, ``n``, ``with``) as a log line on stderr
+    at most every ``every_s``: ``train: 1,200 of 5,000 it (24%), 3,456 samples/s, loss 0.4567, ETA 2m05s``. The
+    rate is taken after the first update (what came before or with it, start-up, a first iteration's warm-up or the
+    iterations of a resumed run, is not this run's pace); ``refresh`` lets a caller that waits on others (the
+    launcher) keep the lines coming while the count stands still. The last line is written at ``close`` when the
+    work ended after the one before."""
 
     def __init__(self, *, total: int, desc: str, unit: str = "it", initial: int = 0, samples_per_unit: int = 0,
                  every_s: float = EVERY_S, first_s: float = FIRST_S,

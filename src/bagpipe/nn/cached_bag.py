@@ -249,7 +249,8 @@ class CachedEmbedding(CachedTableModule):
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, cache_rows={self.rows.index.capacity}, "
-                f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, lr={self.rows.optimizer.lr}")
+                f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, "
+                f"lr={self.rows.optimizer.lr}")
 
 
 def without_optimizer_state(state_dict: dict) -> dict:
