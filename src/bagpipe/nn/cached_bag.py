@@ -13,6 +13,7 @@ TorchRec's fused optimizers work): the table takes no part in the caller's own o
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 import weakref
 from typing import ContextManager
@@ -43,7 +44,7 @@ class CachedTableModule(nn.Module):
                  policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
                  storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
                  sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
-                 max_norm: float | None = None, dtype: torch.dtype | None = None) -> None:
+                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         refuse_unsupported(sparse=sparse, scale_grad_by_freq=scale_grad_by_freq, padding_idx=padding_idx,
                            max_norm=max_norm, dtype=dtype)
@@ -52,8 +53,7 @@ class CachedTableModule(nn.Module):
                              f"{embedding_dim}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.requires_grad = True  # False: frozen (requires_grad_), lookups record no gradient
-        # (the warning points at the user's call: through a subclass's __init__, one frame further)
-        optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas, stacklevel=4)
+        optimizer = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
         storage = storage_spec(storage)
         if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected ({num_embeddings}, {embedding_dim})")
@@ -128,6 +128,14 @@ class CachedTableModule(nn.Module):
         nest."""
         return accumulating([self.rows])
 
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, {self._pooling_repr()}"
+                f"cache_rows={self.rows.index.capacity}, policy={self.rows.index.policy!r}, "
+                f"optimizer={self.rows.optimizer.name!r}, lr={self.rows.optimizer.lr}")
+
+    def _pooling_repr(self) -> str:
+        return ""  # (a bag's mode)
+
     def warm_up(self, sample: torch.Tensor, *, fraction: float = 0.7) -> int:
         """Preload the rows ``sample`` (ids from some of the data) names most often, up to ``fraction`` of the
         cache (as CachedEmbedding preloads the hottest 70%); the number preloaded."""
@@ -141,7 +149,6 @@ class CachedTableModule(nn.Module):
     def plan_keys(self, ids: torch.Tensor) -> list[np.ndarray]:
         """The rows a lookup of ``ids`` touches (repeats allowed), as the planner reads them."""
         return [np.asarray(ids.detach().cpu().numpy(), dtype=np.int64).reshape(-1)]
-
 
 
 class CachedEmbeddingBag(CachedTableModule):
@@ -177,8 +184,8 @@ class CachedEmbeddingBag(CachedTableModule):
       optimizer runs in backward (above). ``weight`` is a property: the full table, read-only in effect;
     - ``state_dict()`` holds ``weight`` and, for Adagrad and Adam, ``optimizer_state`` (``[num_embeddings, S]``:
       Adagrad's sums of squares; Adam's two moments and each row's step count), so that a reloaded module
-      trains on as the saved one would have, bit for bit. ``nn.EmbeddingBag`` loads it with ``strict=False``
-      (or from ``{"weight": ...}``). A state dict with ``weight`` alone (an ``nn.EmbeddingBag``'s) loads with
+      trains on as the saved one would have, bit for bit. ``nn.EmbeddingBag`` loads it with ``strict=True`` once
+      ``bagpipe.nn.without_optimizer_state`` has left that state out. A state dict with ``weight`` alone (an ``nn.EmbeddingBag``'s) loads with
       ``strict=True`` and resets the optimizer state to zeros: a fresh optimizer on those weights;
     - float32 only (host tables, optimizer state and cache all are): ``dtype`` other than float32, ``.double()``,
       ``.half()`` and ``.to(dtype)`` are a ValueError; cast the output instead;
@@ -219,9 +226,8 @@ class CachedEmbeddingBag(CachedTableModule):
         return F.embedding_bag(positions, rows, offsets, mode=self.mode, sparse=True,
                                per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset)
 
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, cache_rows={self.rows.index.capacity}, "
-                f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, lr={self.rows.optimizer.lr}")
+    def _pooling_repr(self) -> str:
+        return f"mode={self.mode!r}, "
 
 
 class CachedEmbedding(CachedTableModule):
@@ -232,25 +238,9 @@ class CachedEmbedding(CachedTableModule):
     Adagrad's or Adam's ``optimizer_state``), storage tiers and refusals (``padding_idx``, ``max_norm``,
     ``scale_grad_by_freq``, ``sparse=False``, dtypes other than float32) as CachedEmbeddingBag."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, cache_rows: int, optimizer: str | None = None,
-                 lr: float | None = None, eps: float | None = None, betas: tuple[float, float] = (0.9, 0.999),
-                 policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
-                 storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
-                 sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_embeddings, embedding_dim, cache_rows=cache_rows, optimizer=optimizer, lr=lr, eps=eps,
-                         betas=betas, policy=policy, cleanup_fraction=cleanup_fraction, _weight=_weight,
-                         storage=storage, device=device, sparse=sparse, scale_grad_by_freq=scale_grad_by_freq,
-                         padding_idx=padding_idx, max_norm=max_norm, dtype=dtype)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows, positions = self._looked_up(input)
         return F.embedding(positions, rows, sparse=True)  # (the sparse gradient nn.Embedding(sparse=True) gives)
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, cache_rows={self.rows.index.capacity}, "
-                f"policy={self.rows.index.policy!r}, optimizer={self.rows.optimizer.name!r}, "
-                f"lr={self.rows.optimizer.lr}")
 
 
 def without_optimizer_state(state_dict: dict) -> dict:
@@ -261,8 +251,8 @@ def without_optimizer_state(state_dict: dict) -> dict:
             if key != STATE_KEY and not key.endswith("." + STATE_KEY)}
 
 
-def row_optimizer(name: str | None, *, lr: float | None, eps: float | None, betas: tuple[float, float],
-                  stacklevel: int = 3) -> RowOptimizer:
+def row_optimizer(name: str | None, *, lr: float | None, eps: float | None,
+                  betas: tuple[float, float]) -> RowOptimizer:
     """The fused optimizer, its hyper-parameters defaulted as torch.optim's SGD, Adagrad and Adam default them;
     no ``name``: SGD, with a UserWarning naming it (pointing at the module's constructor call)."""
     defaults = {"sgd": 1e-3, "adagrad": 1e-2, "adam": 1e-3}
@@ -270,13 +260,22 @@ def row_optimizer(name: str | None, *, lr: float | None, eps: float | None, beta
         name = "sgd"
         warnings.warn(f"no optimizer given: the table's rows are trained with optimizer='sgd', "
                       f"lr={defaults['sgd'] if lr is None else lr} inside backward(); pass optimizer= "
-                      f"({', '.join(map(repr, defaults))}) and lr= to choose", UserWarning, stacklevel=stacklevel)
+                      f"({', '.join(map(repr, defaults))}) and lr= to choose", UserWarning, stacklevel=_outside_nn())
     if name not in defaults:
         raise ValueError(f"optimizer must be one of {', '.join(defaults)}, got {name!r}")
     hyper = {} if eps is None else {"eps": eps}
     if name == "adam":
         hyper.update(beta1=betas[0], beta2=betas[1])
     return make_row_optimizer(name, lr=defaults[name] if lr is None else lr, **hyper)
+
+
+def _outside_nn() -> int:
+    """``warnings.warn``'s stacklevel, for its caller, of the first frame outside bagpipe.nn: the user's call, through
+    however many of the package's constructors (a subclass's ``__init__``, a collection's)."""
+    frame, level = sys._getframe(2), 2  # (1: row_optimizer, which warns; 2: its caller)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("bagpipe.nn"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def refuse_unsupported(*, sparse: bool, scale_grad_by_freq: bool, padding_idx: int | None, max_norm: float | None,
