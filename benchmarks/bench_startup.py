@@ -13,16 +13,15 @@ joined and to training going on (summary.json's failure record). Each repeat run
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from before_after import parse, synth_once  # (benchmarks/, beside this file)
+
 JOB = ["--mode", "bagpipe", "--batch-size", "128", "--cache-rows", "700", "--emb-dim", "8", "--arch-mlp-bot",
        "13-16-8", "--arch-mlp-top", "16-1", "--trainers", "2", "--servers", "2", "--log-every", "10", "--no-progress"]
 KILL = "trainer1@iteration 100:kill"
@@ -44,19 +43,9 @@ def run(src: Path, data: Path, run_dir: Path, *, iterations: int, faults: str = 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before-src", required=True, help="the src/ folder of the code to compare with")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--work-dir", default=None, help="data and run dirs (default: a new temporary dir)")
-    parser.add_argument("--out", default="runs/bench_startup/result.json")
-    args = parser.parse_args()
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_startup_"))
-    data = work / "data"
-    if not (data / "meta.json").exists():
-        subprocess.run([sys.executable, "-m", "bagpipe.cli", "synth", "--out", str(data), "--rows", "40000",
-                        "--test-rows", "2000", "--seed", "3", "--max-rows-per-table", "40"], check=True,
-                       capture_output=True)
-    sources = {"before": Path(args.before_src).resolve(), "after": ROOT / "src"}
+    args, work, sources = parse(__doc__, name="bench_startup", repeats=3)
+    data = synth_once(work / "data", "--rows", "40000", "--test-rows", "2000", "--seed", "3", "--max-rows-per-table",
+                      "40")
     results: dict[str, list[dict]] = {name: [] for name in sources}
     for repeat in range(args.repeats):
         for name, src in sources.items():

@@ -16,16 +16,15 @@ The children get this process's environment less OMP_WAIT_POLICY and OMP_NUM_THR
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from before_after import parse, synth_once  # (benchmarks/, beside this file)
+
 MODES = ("reference", "single")
 VARIANTS = ("before", "after", "after --threads 1")
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -57,20 +56,9 @@ def measure(sources: dict[str, Path], data: Path, work: Path, *, repeats: int, i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before-src", required=True, help="the src/ folder of the code to compare with")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--iterations", type=int, default=150)
-    parser.add_argument("--work-dir", default=None, help="data and run dirs (default: a new temporary dir)")
-    parser.add_argument("--out", default="runs/bench_threads/result.json")
-    args = parser.parse_args()
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_threads_"))
-    data = work / "data"
-    if not (data / "meta.json").exists():
-        subprocess.run([sys.executable, "-m", "bagpipe.cli", "synth", "--out", str(data), "--rows", "50000",
-                        "--seed", "1", "--max-rows-per-table", "20000"], check=True, capture_output=True,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
-    sources = {"before": Path(args.before_src).resolve(), "after": ROOT / "src"}
+    args, work, sources = parse(__doc__, name="bench_threads", repeats=5, more=lambda parser: parser.add_argument(
+        "--iterations", type=int, default=150))
+    data = synth_once(work / "data", "--rows", "50000", "--seed", "1", "--max-rows-per-table", "20000")
     result = {"cores": os.cpu_count(), "iterations": args.iterations, "repeats": args.repeats}
     print("idle machine:", flush=True)
     result["idle"] = measure(sources, data, work, repeats=args.repeats, iterations=args.iterations)
