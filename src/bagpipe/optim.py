@@ -15,6 +15,7 @@ import torch
 
 from bagpipe.embeddings.tables import Lookup, sparse_row_sums, update_rows
 
+
 @dataclass(frozen=True, kw_only=True)
 class RowOptimizer:
     """A row optimizer: its per-row state's width, its step on a batch's gathered rows, and its one update of a
