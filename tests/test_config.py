@@ -234,3 +234,19 @@ def test_a_resume_that_changes_how_a_step_computes_says_it_will_not_end_bit_for_
     (warning,) = caplog.records
     assert "--resume with compile=True, where the run started with False" in warning.getMessage()
     assert "will not end bit for bit" in warning.getMessage()
+
+
+def test_caser_keeps_its_best_evaluated_model_by_default_and_either_half_can_be_turned_off():
+    """Caser's own defaults evaluate every 250 iterations and keep the best (its 20 passes overfit small data);
+    --eval-every 0 leaves only the final evaluation (so nothing to choose from: the last is kept, not refused),
+    --no-keep-best keeps the last while still evaluating."""
+    from bagpipe.cli import build_parser
+    from bagpipe.config import default_config
+
+    caser, dlrm = default_config("caser"), default_config("dlrm")
+    assert (caser.eval_every, caser.keep_best) == (250, True) and (dlrm.eval_every, dlrm.keep_best) == (0, False)
+    assert not load_train_config(None, {"name": "caser", "data": "-", "run_dir": "-", "eval_every": 0}).keep_best
+    args = build_parser().parse_args(["train", "--data", "-", "--run-dir", "-", "--model", "caser", "--no-keep-best"])
+    assert args.keep_best is False
+    assert build_parser().parse_args(["train", "--data", "-", "--run-dir", "-", "--keep-best"]).keep_best is True
+    assert build_parser().parse_args(["train", "--data", "-", "--run-dir", "-"]).keep_best is None  # model's own

@@ -188,3 +188,24 @@ def test_a_final_next_item_evaluation_not_above_a_baseline_is_warned_once_naming
     assert watch.final(300, level) == []  # said once per run
     clicks = EvaluationWatch(metric="eval_auc", batches_per_epoch=100)  # no baselines beside a click model's AUC
     assert clicks.final(100, {"eval_auc": 0.5}) == []
+
+
+def test_with_a_validation_split_the_watch_judges_and_keeps_by_it_and_never_by_the_test_split():
+    """Evaluations cover both splits (eval_*: test, valid_*: validation); falls, collapse and the best kept are
+    judged on the validation split alone, the model delivered is then judged against the test split's baselines."""
+    def point(valid: float, test: float, spread: float = 0.1) -> dict:
+        return {"valid_hr10": valid, "valid_pred_std": spread, "valid_popular_hr10": 0.10,
+                "eval_hr10": test, "eval_pred_std": 0.1, "eval_popular_hr10": 0.10, "eval_cooccurrence_hr10": 0.30}
+
+    watch = EvaluationWatch(metric="valid_hr10", batches_per_epoch=10)
+    assert watch.prefix == "valid_"
+    assert watch.evaluation(10, point(0.30, 0.50)) == ([], True)
+    assert watch.evaluation(20, point(0.40, 0.20)) == ([], True)  # better on validation, worse on test: kept
+    warnings, best = watch.evaluation(30, point(0.35, 0.60))  # the test split rises; validation fell past pass 1
+    assert not best and [w.kind for w in warnings] == ["overfitting"] and "valid_hr10 fell" in warnings[0].message
+    assert watch.best.iteration == 20 and watch.best.metrics == point(0.40, 0.20)  # both splits' figures kept
+    # a collapse is read from the watched split's spread
+    assert [w.kind for w in watch.evaluation(40, point(0.1, 0.1, spread=0.0))[0]] == ["collapsed"]
+    # the model delivered (iteration 20's) is judged on the test split: 0.20 is below co-occurrence's 0.30
+    (warning,) = watch.final(40, watch.best.metrics)
+    assert "the final eval_hr10 0.2000 is not above the co-occurrence baseline's 0.3000" in warning.message

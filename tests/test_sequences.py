@@ -23,8 +23,9 @@ from bagpipe.embeddings import EmbeddingLayout
 from bagpipe.metrics import ranking_metrics
 from bagpipe.evaluation import evaluate
 from bagpipe.health import COLLAPSED, EvaluationWatch
-from bagpipe.model_dir import TableRows
+from bagpipe.model_dir import MODEL_DIR, TableRows, evaluation_of
 from bagpipe.ranking import NextItemRanking
+from bagpipe.report import load_run
 from bagpipe.reference import build_model, build_tables, train_reference, train_step
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
@@ -105,20 +106,24 @@ def test_ids_are_numbered_by_descending_frequency():
     assert raw.tolist() == [50, 7, 9] and new.tolist() == [0, 1, 0, 2, 0, 1]
 
 
-def test_samples_hold_the_history_before_their_targets_and_the_last_item_for_testing():
-    # user 0's items in time order: 3 1 4 1 5 9 2 6; user 1 has one interaction too few to test
-    users = np.array([0] * 8 + [1])
-    items = np.array([3, 1, 4, 1, 5, 9, 2, 6, 8])
-    times = np.array([0, 1, 2, 3, 4, 5, 6, 7, 0])
-    train, test, num_users, num_items = build_samples(users, items, times, SequenceSettings(history=3, targets=2,
-                                                                                          negatives=2))
-    assert (num_users, num_items) == (2, 10)
+def test_samples_hold_the_history_before_their_targets_and_the_last_two_items_for_validation_and_testing():
+    # user 0's items in time order: 3 1 4 1 5 9 2 6; user 1 has one interaction too few to test; user 2 has two:
+    # a test sample and no validation one
+    users = np.array([0] * 8 + [1] + [2] * 2)
+    items = np.array([3, 1, 4, 1, 5, 9, 2, 6, 8, 7, 0])
+    times = np.array([0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 1])
+    samples, num_users, num_items = build_samples(users, items, times, SequenceSettings(history=3, targets=2,
+                                                                                       negatives=2))
+    train, valid, test = samples["train"], samples["valid"], samples["test"]
+    assert (num_users, num_items) == (3, 10)
     user, history, targets, negatives = train[:, 0], train[:, 1:4], train[:, 4:6], train[:, 6:]
-    assert history.tolist() == [[PAD, PAD, 3], [PAD, 3, 1], [3, 1, 4], [1, 4, 1], [4, 1, 5]]
-    assert targets.tolist() == [[1, 4], [4, 1], [1, 5], [5, 9], [9, 2]]  # never the held-out 6
+    assert history.tolist() == [[PAD, PAD, 3], [PAD, 3, 1], [3, 1, 4], [1, 4, 1]]
+    assert targets.tolist() == [[1, 4], [4, 1], [1, 5], [5, 9]]  # never the held-out 2 (validation) or 6 (test)
     assert (user == 0).all() and not np.isin(negatives, [3, 1, 4, 5, 9, 2, 6]).any()
+    assert valid.tolist()[0][:6] == [0, 1, 5, 9, 2, PAD] and len(valid) == 1  # users 1 and 2: too short
+    # the test history holds the validation item: known at test time, though never trained on
     assert test[0, :4].tolist() == [0, 5, 9, 2] and test[0, 4:6].tolist() == [6, PAD]
-    assert len(test) == 1  # user 1: a single interaction
+    assert test[1, :6].tolist() == [2, PAD, PAD, 7, 0, PAD] and len(test) == 2  # user 1: a single interaction
 
 
 def test_the_generator_is_deterministic_and_states_its_best(tmp_path):
@@ -198,10 +203,17 @@ def test_baselines_count_each_training_pair_once():
     assert collapsed.tolist() == [1, 2]
 
 
-def test_caser_learns_the_planted_sequences(sequence_data, tmp_path):
+def test_caser_learns_the_planted_sequences_and_keeps_the_model_best_on_the_validation_split(sequence_data, tmp_path):
     config = TrainConfig(data=str(sequence_data), run_dir=str(tmp_path / "run"), batch_size=256, iterations=0,
-                         optimizer="adagrad", lr=0.05, log_every=100, model=CASER)
+                         optimizer="adagrad", lr=0.05, log_every=100, eval_every=100, keep_best=True, model=CASER)
     summary = train_reference(config, show_progress=False)
+    # every evaluation covers both splits; the one kept is the best on validation, whatever the test split says
+    evals = load_run(config.run_dir).evals
+    assert len(evals) == summary["iterations"] // 100 + 1 and all("valid_hr10" in r and "eval_hr10" in r for r in evals)
+    best = max(evals, key=lambda r: (r["valid_hr10"], -r["iteration"]))
+    assert summary["best_iteration"] == best["iteration"]
+    assert summary["best_metrics"]["eval_hr10"] == best["eval_hr10"] and summary["valid_rows"] == 8000
+    assert evaluation_of(tmp_path / "run" / MODEL_DIR)[0] == best["iteration"]
     assert summary["best_hr10"] - summary["eval_hr10"] < 0.08, summary  # measured: 0.063 (one pass)
     assert summary["eval_ndcg10"] > 0.25
     for baseline in ("popular", "cooccurrence"):  # measured HR@10 0.454 against 0.236 and 0.411
@@ -241,7 +253,9 @@ def test_bagpipe_caser_equals_the_sliced_reference(tmp_path):
     summary = launch_local(config, show_progress=False)
     assert summary["model"] == "caser" and "eval_hr10" in summary and summary["rows_fetched"] > 0
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "reference"))
-    assert json.loads((tmp_path / "reference" / "summary.json").read_text())["eval_hr10"] == summary["eval_hr10"]
+    reference = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    for metric in ("eval_hr10", "valid_hr10", "valid_ndcg10", "valid_cooccurrence_hr10"):  # both splits evaluated
+        assert reference[metric] == summary[metric], metric
 
 
 def test_dlrm_refuses_sequences_and_caser_refuses_click_logs(sequence_data, small_binary, tmp_path):

@@ -172,15 +172,18 @@ def _add_train(sub) -> None:
                    help="evaluate on at most this many test rows; 0: all" + _default("max_eval_rows"))
     p.add_argument("--eval-every", type=int, default=None, help="evaluate also every N iterations (as DLRM's "
                    "--test-freq; --mode bagpipe: from a checkpoint, in the background); 0: only at the end"
-                   + _default("eval_every"))
+                   + _default("eval_every", models=True))
     p.add_argument("--eval-protocol", choices=("unseen", "history"), default=None,
                    help="next-item models: rank each test target among every item the user did not interact with "
                    "in training (unseen: the standard protocol) or among all items but the sample's history "
                    "(history: this project's before 2026-11)" + _default("eval_protocol"))
     p.add_argument("--keep-best", action="store_true", default=None, help="RUN_DIR/model holds the best evaluated "
-                   "model (by AUC, or HR@10 for next-item models; each written there when evaluated) instead of "
+                   "model (by AUC, or HR@10 for next-item models, on the validation split where the data has one, "
+                   "as next-item data does, else on the test split; each written there when evaluated) instead of "
                    "the last, and summary.json its best_iteration and best_metrics; needs --eval-every (default: "
-                   "the last)")
+                   "the last; caser: the best)")
+    p.add_argument("--no-keep-best", dest="keep_best", action="store_false", default=None,
+                   help="RUN_DIR/model holds the last model, whatever a model's own default")
     p.add_argument("--slices", type=int, default=None,
                    help="--mode reference: compute each batch's gradient as this many trainers do, so that "
                         "--mode bagpipe with that many trainers gives the same result bit for bit"
@@ -454,7 +457,9 @@ def _add_oracle_flags(p) -> None:
                        ("eval-every", "evaluate also every N iterations (from a checkpoint); 0: only at the end")):
         p.add_argument(f"--{name}", type=int, default=None, help=text + _default(name.replace("-", "_")))
     p.add_argument("--keep-best", action="store_true", default=None, help="RUN_DIR/model holds the best evaluated "
-                   "model instead of the last (needs --eval-every; default: the last)")
+                   "model instead of the last (needs --eval-every; default: the last; caser: the best)")
+    p.add_argument("--no-keep-best", dest="keep_best", action="store_false", default=None,
+                   help="RUN_DIR/model holds the last model, whatever a model's own default")
     p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, agreed with the trainers'"
                    + _default("optimizer"))
     p.add_argument("--lr", type=float, default=None, help="learning rate, agreed with the trainers'" + _default("lr"))
@@ -627,12 +632,17 @@ def human_summary(summary: dict) -> str:
         f"wall {summary['wall_s']:.1f} s)",
         f"  train loss  {figure(summary['final_train_loss'], '.4f')}",
     ]
-    if "eval_auc" in summary:
-        lines.append(f"  eval AUC    {figure(summary['eval_auc'], '.4f')}   "
-                     f"log-loss {figure(summary['eval_logloss'], '.4f')}")
+    # with --keep-best the model delivered may be an earlier one: its figures follow (report.health_lines)
+    last = (" (the last state; model/ holds an earlier one)" if summary.get("keep_best")
+            and summary.get("best_iteration") not in (None, summary["iterations"]) else "")
+    for prefix, split in (("valid_", "valid"), ("eval_", "eval")):  # the validation split's, if any, then the test's
+        if prefix + "auc" in summary:
+            lines.append(f"  {split} AUC{' ' * (8 - len(split))}{figure(summary[prefix + 'auc'], '.4f')}   "
+                         f"log-loss {figure(summary[prefix + 'logloss'], '.4f')}{last}")
+        if prefix + "hr10" in summary:
+            lines.append(f"  {split} HR@10{' ' * (6 - len(split))}{figure(summary[prefix + 'hr10'], '.4f')}   "
+                         f"NDCG@10 {figure(summary[prefix + 'ndcg10'], '.4f')}{last}")
     if "eval_hr10" in summary:
-        lines.append(f"  eval HR@10  {figure(summary['eval_hr10'], '.4f')}   "
-                     f"NDCG@10 {figure(summary['eval_ndcg10'], '.4f')}")
         lines += [f"  {name:<11} {figure(summary[prefix + 'hr10'], '.4f')}   NDCG@10 "
                   f"{figure(summary[prefix + 'ndcg10'], '.4f')}" for name, prefix in
                   (("popular", "eval_popular_"), ("co-occur.", "eval_cooccurrence_")) if prefix + "hr10" in summary]

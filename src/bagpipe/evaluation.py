@@ -1,8 +1,11 @@
 """Evaluation of a model whose rows come from a ``RowSource``: each test batch reads only its own rows, so
 no process needs every table (a checkpoint is read lazily); and evaluations in the background.
 
-Every mode evaluates through ``evaluate``: the reference from its tables in memory, ``--mode bagpipe``
-from the checkpoint its servers wrote, so equal states give bit-for-bit equal metrics.
+Every mode evaluates through ``evaluate_splits``: the reference from its tables in memory, ``--mode bagpipe``
+from the checkpoint its servers wrote, so equal states give bit-for-bit equal metrics. An evaluation covers the
+test split (metrics ``eval_*``, summary.json's headline) and, where the data has one, the validation split
+(``valid_*``): the evaluations during training are judged, and ``--keep-best`` chooses, by the validation
+split's metric then, so the test split never chooses the model it measures (``watched_metric``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -28,10 +32,55 @@ from bagpipe.ranking import NextItemRanking, metrics_at
 log = logging.getLogger(__name__)
 
 METRICS = {"ctr": ("eval_auc", "eval_logloss"), "next-item": ("eval_hr10", "eval_ndcg10")}  # by model.task
+# the prefix of each evaluated split's metrics: the test split's are eval_* (as before validation splits were made)
+SPLIT_PREFIXES = {"valid": "valid_", "test": "eval_"}
 
 
 def no_evaluation(model: nn.Module) -> dict:
     return {"eval_rows": 0, **{name: float("nan") for name in METRICS[model.task]}}
+
+
+@dataclass(frozen=True)
+class EvaluatedSplit:
+    """A split every evaluation of a run covers: its name ("valid" or "test"), its rows and, for a next-item
+    model, what its targets are ranked among."""
+
+    name: str
+    split: BinarySplit
+    ranking: NextItemRanking | None = None
+
+    @property
+    def prefix(self) -> str:
+        return SPLIT_PREFIXES[self.name]
+
+
+def evaluated_splits(model: nn.Module, dataset, *, protocol: str) -> list[EvaluatedSplit]:
+    """What a run's evaluations cover: the validation split, if the data has one, then the test split (none for
+    data with no test split)."""
+    if dataset.test is None or dataset.test.rows == 0:
+        return []
+    names = [name for name in SPLIT_PREFIXES if (split := getattr(dataset, name)) is not None and split.rows > 0]
+    next_item = model.task == "next-item"
+    return [EvaluatedSplit(name, getattr(dataset, name), NextItemRanking.of_dataset(dataset, protocol=protocol,
+                                                                                    split=name) if next_item else None)
+            for name in names]
+
+
+def watched_metric(task: str, splits: list[EvaluatedSplit]) -> str:
+    """The metric that judges a run's evaluations (health.EvaluationWatch) and by which --keep-best chooses: the
+    task's headline metric (AUC, HR@10) on the validation split if there is one, else on the test split."""
+    prefix = splits[0].prefix if splits else SPLIT_PREFIXES["test"]
+    return prefix + METRICS[task][0].removeprefix("eval_")
+
+
+def evaluate_splits(model: nn.Module, layout: EmbeddingLayout, source: RowSource, splits: list[EvaluatedSplit], *,
+                    batch_size: int, max_rows: int = 0) -> dict:
+    """Every split's metrics (``evaluate``), each under its prefix, in one dict."""
+    metrics = {}
+    for evaluated in splits:
+        metrics.update(evaluate(model, layout, source, evaluated.split, batch_size=batch_size, max_rows=max_rows,
+                                ranking=evaluated.ranking, prefix=evaluated.prefix))
+    return metrics
 
 
 def batch_embeddings(layout: EmbeddingLayout, source: RowSource, ids: torch.Tensor, *,
@@ -49,13 +98,13 @@ def batch_embeddings(layout: EmbeddingLayout, source: RowSource, ids: torch.Tens
 
 @torch.no_grad()
 def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split: BinarySplit, *, batch_size: int,
-             max_rows: int = 0, ranking: NextItemRanking | None = None) -> dict:
+             max_rows: int = 0, ranking: NextItemRanking | None = None, prefix: str = "eval_") -> dict:
     """AUC and log-loss of a CTR model; HR@K and NDCG@K (K in ranking.CUTOFFS) of a next-item model, its
     target ranked among the candidates ``ranking``'s protocol names, beside the simple baselines ranked
-    the same way (bagpipe.ranking)."""
+    the same way (bagpipe.ranking); each named ``{prefix}auc`` and so on."""
     if model.task == "next-item" and ranking is None:
         raise ValueError("a next-item evaluation needs its NextItemRanking (the users' training items and the "
-                         "baselines): see evaluation.ranking_for")
+                         "baselines): see evaluation.evaluated_splits")
     model.eval()
     device = model_device(model)
     rows = min(split.rows, max_rows) if max_rows else split.rows
@@ -76,14 +125,14 @@ def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split
         # the spread of each sample's scores over the items, averaged: about 0 when the model scores every item
         # alike (health.COLLAPSE_STD)
         spread = float(np.concatenate(outputs).mean()) if outputs else float("nan")
-        return {"eval_rows": rows, **metrics_at(np.concatenate(ranks) if ranks else np.zeros(0)),
-                **ranking.baselines(split.ids[:rows]), "eval_pred_std": spread}
+        return {f"{prefix}rows": rows, **metrics_at(np.concatenate(ranks) if ranks else np.zeros(0), prefix=prefix),
+                **ranking.baselines(split.ids[:rows], prefix=prefix), f"{prefix}pred_std": spread}
     labels = np.asarray(split.labels[:rows])
     scores = np.concatenate(outputs) if outputs else np.zeros(0)
     # the predictions' spread: about 0 when the model predicts one value for every sample (health.COLLAPSE_STD)
     spread = float(np.std(scores, dtype=np.float64)) if len(scores) else float("nan")
-    return {"eval_rows": rows, "eval_auc": roc_auc(labels, scores), "eval_logloss": log_loss(labels, scores),
-            "eval_pred_std": spread}
+    return {f"{prefix}rows": rows, f"{prefix}auc": roc_auc(labels, scores),
+            f"{prefix}logloss": log_loss(labels, scores), f"{prefix}pred_std": spread}
 
 
 def _item_tables(layout: EmbeddingLayout, source: RowSource, *,
@@ -111,22 +160,14 @@ def _next_item_ranks(model: nn.Module, layout: EmbeddingLayout, items: tuple[tor
     return ranking.ranks(scores, ids[:, 0], history, target), scores.double().std(dim=1).numpy()
 
 
-def ranking_for(model: nn.Module, dataset, *, protocol: str) -> NextItemRanking | None:
-    """What a next-item model's evaluations rank against (None for a CTR model or data with no test split)."""
-    if model.task != "next-item" or dataset.test is None or dataset.test.rows == 0:
-        return None
-    return NextItemRanking.of_dataset(dataset, protocol=protocol)
-
-
 class BackgroundEvaluations:
     """Evaluations of saved states, one at a time, in order, on a thread of lower priority, while training
     goes on; each result is handed to ``on_result(iteration, metrics, dense, source)`` with the state evaluated
     (e.g. logged as a metrics point, and the state kept if it is the best so far)."""
 
-    def __init__(self, model: nn.Module, layout: EmbeddingLayout, split: BinarySplit, *, batch_size: int,
-                 max_rows: int, on_result: Callable[[int, dict, dict, RowSource], None],
-                 ranking: NextItemRanking | None = None) -> None:
-        self.model, self.layout, self.split, self.ranking = model, layout, split, ranking
+    def __init__(self, model: nn.Module, layout: EmbeddingLayout, splits: list[EvaluatedSplit], *, batch_size: int,
+                 max_rows: int, on_result: Callable[[int, dict, dict, RowSource], None]) -> None:
+        self.model, self.layout, self.splits = model, layout, splits
         self.batch_size, self.max_rows, self.on_result = batch_size, max_rows, on_result
         self.results: dict[int, dict] = {}
         self._jobs: queue.Queue = queue.Queue()
@@ -154,8 +195,8 @@ class BackgroundEvaluations:
             iteration, dense, source = job
             try:
                 self.model.load_state_dict(dense)
-                metrics = evaluate(self.model, self.layout, source, self.split, batch_size=self.batch_size,
-                                   max_rows=self.max_rows, ranking=self.ranking)
+                metrics = evaluate_splits(self.model, self.layout, source, self.splits, batch_size=self.batch_size,
+                                          max_rows=self.max_rows)
                 self.results[iteration] = metrics
                 self.on_result(iteration, metrics, dense, source)
             except BaseException as err:  # noqa: BLE001 - raised on the caller's thread by submit() / close()

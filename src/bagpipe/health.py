@@ -29,8 +29,11 @@ COLLAPSE_STD = 1e-4
 FALL_TOLERANCE = 0.002
 
 DIVERGED, COLLAPSED, OVERFITTING, NOT_ABOVE_BASELINES = "diverged", "collapsed", "overfitting", "not-above-baselines"
-# the baselines a next-item model is ranked beside (ranking.BASELINES), as summary.json names their metrics
-BASELINE_PREFIXES = {"eval_popular_": "most-popular", "eval_cooccurrence_": "co-occurrence"}
+# the baselines a next-item model is ranked beside (ranking.BASELINES), as its metrics name them after the split's
+# prefix, and as a warning names them
+BASELINE_NAMES = {"popular_": "most-popular", "cooccurrence_": "co-occurrence"}
+# an evaluation's metrics, by split: the test split's (eval_auc, ...), the validation split's (valid_auc, ...)
+TEST_PREFIX, SPLIT_PREFIXES = "eval_", ("eval_", "valid_")
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,12 @@ class LossWatch:
 @dataclass
 class EvaluationWatch:
     """Collapsed predictions and falls, from each evaluation, and the best one by ``metric`` (higher is better:
-    ``eval_auc``, ``eval_hr10``). ``batches_per_epoch``: iterations in a pass over the training split."""
+    ``eval_auc``, ``eval_hr10``, or the validation split's ``valid_auc``, ``valid_hr10``: evaluation.watched_metric).
+    ``batches_per_epoch``: iterations in a pass over the training split."""
 
     metric: str
     batches_per_epoch: int
+    keep_best: bool = False  # the run keeps its best evaluated model (--keep-best): a fall costs it nothing
     best: Best | None = None
     values: dict[int, float] = field(default_factory=dict)  # each evaluation's metric, by iteration
     warned: set[str] = field(default_factory=set)
@@ -99,7 +104,7 @@ class EvaluationWatch:
         """Take the evaluation after ``iteration`` iterations; the warnings it raises, and whether it is the best so
         far (strictly better than every one before, and than the model kept: ``keep``)."""
         warnings = []
-        spread = metrics.get("eval_pred_std")
+        spread = metrics.get(self.prefix + "pred_std")
         if spread is not None and math.isfinite(spread) and spread < COLLAPSE_STD:
             warnings += self._warn(COLLAPSED, iteration, (
                 f"predictions collapsed at iteration {iteration}: their standard deviation over the evaluation is "
@@ -115,26 +120,32 @@ class EvaluationWatch:
                 warnings += self._warn(OVERFITTING, iteration, (
                     f"{self.metric} fell at iteration {iteration}, in pass {passes} over the training data: "
                     f"{value:.4f}, below its best so far ({best_value:.4f} at iteration {best_at}); the run may be "
-                    f"overfitting (--keep-best keeps the best evaluated model)"))
+                    + ("overfitting (model/ will hold the best evaluated model: --keep-best)" if self.keep_best
+                       else "overfitting (--keep-best keeps the best evaluated model)")))
         self.values[iteration] = value
         improved = self.best is None or value > self.best.metrics[self.metric]
         if improved:
-            self.best = Best(iteration, {name: v for name, v in metrics.items() if name.startswith("eval_")})
+            self.best = Best(iteration, {name: v for name, v in metrics.items() if name.startswith(SPLIT_PREFIXES)})
         return warnings, improved
 
+    @property
+    def prefix(self) -> str:
+        """The prefix of the watched split's metrics: ``eval_`` (test) or ``valid_``."""
+        return self.metric[:self.metric.index("_") + 1]
+
     def final(self, iteration: int, metrics: dict) -> list[RunWarning]:
-        """The final evaluation against the baselines ranked beside it (a next-item model's most-popular and
-        co-occurrence): a warning when the metric is not above one of them, for then the model has learnt nothing
-        that counting does not."""
-        value = metrics.get(self.metric, math.nan)
-        measure = self.metric.removeprefix("eval_")
-        baselines = [(name, metrics[prefix + measure]) for prefix, name in BASELINE_PREFIXES.items()
-                     if math.isfinite(metrics.get(prefix + measure, math.nan))]
+        """The test metrics of the model a run delivers (its final state's, or with --keep-best the kept one's)
+        against the baselines ranked beside them (a next-item model's most-popular and co-occurrence): a warning
+        when the metric is not above one of them, for then the model has learnt nothing that counting does not."""
+        measure = self.metric.removeprefix(self.prefix)
+        value = metrics.get(TEST_PREFIX + measure, math.nan)
+        baselines = [(name, metrics[key]) for baseline, name in BASELINE_NAMES.items()
+                     if math.isfinite(metrics.get(key := TEST_PREFIX + baseline + measure, math.nan))]
         beaten_by = [(name, baseline) for name, baseline in baselines if not value > baseline]
         if not math.isfinite(value) or not beaten_by:
             return []
         return self._warn(NOT_ABOVE_BASELINES, iteration, (
-            f"the final {self.metric} {value:.4f} is not above the " + " and the ".join(
+            f"the final {TEST_PREFIX + measure} {value:.4f} is not above the " + " and the ".join(
                 f"{name} baseline's {baseline:.4f}" for name, baseline in beaten_by)
             + ": the model has learnt nothing that counting items does not (train longer, or another learning "
               "rate; docs/models.md)"))

@@ -1,8 +1,9 @@
 """Next-item evaluation: which items a test sample's target is ranked among, and the simple baselines.
 
 A next-item test sample is a user's last ``history`` items and the item that followed (``bagpipe
-preprocess`` holds each user's last interaction out). Two protocols say which items compete with the
-target:
+preprocess`` holds each user's last interaction out, and the one before it as the validation split's;
+each split is ranked the same way, by a ranking of its own). Two protocols say which items compete with
+the target:
 
 - ``unseen`` (the default; the standard full-ranking protocol of the literature): every item the user did
   not interact with in training. A model is not credited for recommending what the user already has.
@@ -11,7 +12,8 @@ target:
   published ones (on MovieLens-100k most-popular scores HR@10 0.050 this way, 0.086 the standard way).
 
 The user's training items are read from the splits themselves (each training sample's history and targets,
-and the test sample's history): no extra file, so data preprocessed before this module works as it is.
+and the evaluated sample's history: for a test sample it holds the validation item, known by then): no extra
+file, so data preprocessed before this module works as it is.
 
 Two baselines are ranked the same way, so a figure can be read at once against them: ``popular`` (items by
 the number of users who had them in training) and ``cooccurrence`` (the sum, over the sample's history
@@ -97,10 +99,11 @@ class NextItemRanking:
         self._baselines: dict[int, dict[str, float]] = {}
 
     @classmethod
-    def of_dataset(cls, dataset, *, protocol: str = "unseen") -> "NextItemRanking":
-        """From a BinaryDataset with both splits (a next-item schema: user, history, targets, negatives)."""
+    def of_dataset(cls, dataset, *, protocol: str = "unseen", split: str = "test") -> "NextItemRanking":
+        """The ranking of a BinaryDataset's ``split`` ("test" or "valid"; a next-item schema: user, history,
+        targets, negatives)."""
         features = dataset.schema.features
-        return cls(dataset.train.ids, dataset.test.ids, num_users=features[0].cardinality,
+        return cls(dataset.train.ids, getattr(dataset, split).ids, num_users=features[0].cardinality,
                    num_items=features[1].cardinality, history=features[1].width, targets=features[2].width,
                    protocol=protocol)
 
@@ -141,9 +144,9 @@ class NextItemRanking:
         # popularity only breaks ties between equal counts: it is below 1 after scaling
         return torch.from_numpy(counts) + popularity / (self.popularity.max() + 1.0)
 
-    def baselines(self, test_ids: np.ndarray, *, batch_size: int = 4096) -> dict[str, float]:
-        """``eval_{baseline}_hr{K}`` / ``_ndcg{K}`` of each baseline on these test samples (the first
-        ``len(test_ids)`` of the test split: cached by that count)."""
+    def baselines(self, test_ids: np.ndarray, *, batch_size: int = 4096, prefix: str = "eval_") -> dict[str, float]:
+        """``{prefix}{baseline}_hr{K}`` / ``_ndcg{K}`` of each baseline on these samples (the first
+        ``len(test_ids)`` of the split ranked: cached by that count)."""
         if len(test_ids) not in self._baselines:
             ranks = {name: [] for name in BASELINES}
             for start in range(0, len(test_ids), batch_size):
@@ -155,9 +158,9 @@ class NextItemRanking:
             figures = {}
             for name in BASELINES:
                 figures.update(metrics_at(np.concatenate(ranks[name]) if ranks[name] else np.zeros(0),
-                                          prefix=f"eval_{name}_"))
+                                          prefix=f"{name}_"))
             self._baselines[len(test_ids)] = figures
-        return self._baselines[len(test_ids)]
+        return {prefix + name: value for name, value in self._baselines[len(test_ids)].items()}
 
 
 def _known(history: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.evaluation import METRICS, evaluate, no_evaluation, ranking_for
+from bagpipe.evaluation import EvaluatedSplit, evaluate_splits, evaluated_splits, no_evaluation, watched_metric
 from bagpipe.health import Best, EvaluationWatch, LossWatch, RunWarning
 from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
 from bagpipe.models.layers import set_dropout_step
@@ -39,7 +39,6 @@ from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.opcount import StepCount
 from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
 from bagpipe.progress import progress
-from bagpipe.ranking import NextItemRanking
 from bagpipe.rundir import RunDir, sweep_working_files
 from bagpipe.runlock import lock_run_dir
 from bagpipe.storage import StorageSpec
@@ -295,8 +294,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     start = progress_state.iteration
     # Its health (health.py), as far as an interrupted run had judged it, and its best evaluation.
     loss_watch = LossWatch(**progress_state.loss_watch)
-    watch = evaluation_watch(config, run, task=model.task, train=dataset.train)
-    ranking = ranking_for(model, dataset, protocol=config.eval_protocol)
+    evaluated = evaluated_splits(model, dataset, protocol=config.eval_protocol)
+    watch = evaluation_watch(config, run, task=model.task, train=dataset.train, splits=evaluated)
     writer = None
     if config.checkpoints:
         tables.track_changes()
@@ -325,7 +324,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     train_started = time.perf_counter()
     tick = window_start = train_started
     first_iteration_s = float("nan")
-    testable = dataset.test is not None and dataset.test.rows > 0
+    testable = bool(evaluated)
     eval_s = 0.0
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
                               shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start,
@@ -376,8 +375,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
                                        "torch_threads": torch.get_num_threads()}), full=full)
         if config.eval_every and testable and iteration + 1 < iterations and (iteration + 1) % config.eval_every == 0:
             settle()
-            eval_s += _evaluate_at(iteration + 1, model, tables, dataset.test, run, config, watch,
-                                   ranking=ranking)[1]
+            eval_s += _evaluate_at(iteration + 1, model, tables, evaluated, run, config, watch)[1]
             tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
         step_ops.begin(iteration + 1)
@@ -389,8 +387,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
 
     metrics = no_evaluation(model)
     if testable:
-        metrics, seconds = _evaluate_at(iterations, model, tables, dataset.test, run, config, watch, final=True,
-                                        ranking=ranking)
+        metrics, seconds = _evaluate_at(iterations, model, tables, evaluated, run, config, watch, final=True)
         eval_s += seconds
     else:
         log.warning("%s has no test split: skipping evaluation", dataset.directory)
@@ -449,24 +446,30 @@ def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dic
             "cache": stats, "storage": tables.storage_stats()}
 
 
-def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, split: BinarySplit, run: RunDir,
-                 config: TrainConfig, watch: EvaluationWatch, *, final: bool = False,
-                 ranking: NextItemRanking | None = None) -> tuple[dict, float]:
+def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, splits: list[EvaluatedSplit],
+                 run: RunDir, config: TrainConfig, watch: EvaluationWatch, *, final: bool = False) -> tuple[dict, float]:
     """Evaluate the state after ``iteration`` iterations, logged as a metrics point, judged by ``watch`` and, with
     --keep-best, kept in model/ if it is the best so far (the ``final`` state: by the caller); its metrics and
     seconds."""
     started = time.perf_counter()
-    metrics = evaluate(model, tables.layout, TableRows(tables), split, batch_size=config.eval_batch_size,
-                       max_rows=config.max_eval_rows, ranking=ranking)
+    metrics = evaluate_splits(model, tables.layout, TableRows(tables), splits, batch_size=config.eval_batch_size,
+                              max_rows=config.max_eval_rows)
     record_evaluation(config, run, watch, iteration, metrics, final=final, keep=lambda: write_model(
         run, config, iteration, metrics, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables)))
     return metrics, time.perf_counter() - started
 
 
-def evaluation_watch(config: TrainConfig, run: RunDir, *, task: str, train: BinarySplit) -> EvaluationWatch:
-    """What judges a run's evaluations (health.py), with what the run logged so far (a resumed run, a lost oracle's
-    replacement) and, with --keep-best, the model it kept in model/."""
-    watch = EvaluationWatch(metric=METRICS[task][0], batches_per_epoch=batches_per_epoch(train, config.batch_size))
+def evaluation_watch(config: TrainConfig, run: RunDir, *, task: str, train: BinarySplit,
+                     splits: list[EvaluatedSplit]) -> EvaluationWatch:
+    """What judges a run's evaluations (health.py; of ``splits``: by the validation split's metric if they include
+    it), with what the run logged so far (a resumed run, a lost oracle's replacement) and, with --keep-best, the
+    model it kept in model/."""
+    watch = EvaluationWatch(metric=watched_metric(task, splits), keep_best=config.keep_best,
+                            batches_per_epoch=batches_per_epoch(train, config.batch_size))
+    if config.keep_best and task == "next-item" and splits and splits[0].name != "valid":
+        log.warning("--keep-best chooses among the evaluations by the test split's %s: %s has no validation split "
+                    "(converted by an older bagpipe; convert it again for one), so the kept model's test figures "
+                    "flatter it", watch.metric, train.directory.parent)
     watch.replay(run.records())
     if config.keep_best and (kept := evaluation_of(run.path / MODEL_DIR)) is not None:
         watch.keep(Best(*kept))
@@ -479,8 +482,8 @@ def record_evaluation(config: TrainConfig, run: RunDir, watch: EvaluationWatch, 
     but the final state written to model/ (``keep``) first, then its warnings and its metrics point logged; an
     interrupted run's model/ never holds a better model than the log says (a resumed run reads both)."""
     warnings, best = watch.evaluation(iteration, metrics)
-    if final:
-        warnings += watch.final(iteration, metrics)
+    if final:  # judged: the model the run delivers
+        warnings += watch.final(iteration, watch.best.metrics if config.keep_best and watch.best else metrics)
     if best and config.keep_best and not final:
         keep()
     for warning in warnings:

@@ -131,7 +131,9 @@ def health_lines(summary: dict) -> list[str]:
     if best and summary.get("best_iteration") != summary.get("iterations"):
         metric, name = headline(best)
         kept = "model/ holds it (--keep-best)" if summary.get("keep_best") else "model/ holds the last"
-        lines.append(f"  best eval    {name} {figure(best.get('eval_' + metric), '.4f')} at iteration "
+        chosen = (f" (test; chosen by its validation {name} {figure(best['valid_' + metric], '.4f')})"
+                  if "valid_" + metric in best else "")
+        lines.append(f"  best eval    {name} {figure(best.get('eval_' + metric), '.4f')}{chosen} at iteration "
                      f"{summary['best_iteration']}: {kept}")
     lines += [f"  WARNING      {warning['message']}" for warning in summary.get("warnings") or []]
     return lines
@@ -176,6 +178,10 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
             if not points:
                 continue
             line, = ax.plot(*zip(*points), marker="o", label=run.label, **styles[run.label])
+            chosen_by = [(run.eval_samples(r), r[f"valid_{metric}"]) for r in run.evals if f"valid_{metric}" in r]
+            if chosen_by:  # the validation split's curve: what the warnings and --keep-best judge
+                ax.plot(*zip(*chosen_by), marker="o", markerfacecolor="none", linewidth=0.8, alpha=0.7,
+                        color=line.get_color(), label=f"validation split: {run.label}")
             lines = [("best", "best achievable (planted model)", ":")] + [
                 (f"eval_{key}_", f"{what} baseline", "--") for key, what in (("popular", "most-popular"),
                                                                               ("cooccurrence", "co-occurrence"))]

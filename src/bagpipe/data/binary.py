@@ -9,6 +9,8 @@ Layout of a data set directory::
     train/ids.<dtype>          int32 or int64 [rows, columns], row-major: each sparse feature's
                                columns (data.schema), -1 where a multi-valued one is empty
     test/...                   the same
+    valid/...                  the same, if the data has a validation split (next-item data: each user's
+                               second-to-last item); --eval-every judges it and --keep-best chooses by it
 
 ``features`` lists each sparse feature's name, cardinality and width; a header without it (the
 first version) has one one-hot feature per entry of ``table_sizes``.
@@ -37,7 +39,7 @@ from bagpipe.data.schema import PAD, Feature, Schema
 from bagpipe.files import read_json
 
 FORMAT_VERSIONS = (1, 2)  # read; 2 is written
-SPLITS = ("train", "test")
+SPLITS = ("train", "valid", "test")  # valid: optional (next-item data has one)
 # Non-cryptographic: it detects corruption (a flipped bit, a torn or truncated write), not tampering; at about
 # 10 GB/s here, verifying costs a read of the data and little more.
 CHECKSUM = "xxh3_128"
@@ -246,6 +248,7 @@ class BinaryDataset:
     meta: dict
     train: BinarySplit
     test: BinarySplit | None
+    valid: BinarySplit | None = None  # what evaluations during training are judged by, if the data has one
 
     @property
     def table_sizes(self) -> list[int]:
@@ -258,15 +261,19 @@ class BinaryDataset:
     @property
     def checksummed(self) -> bool:
         """Whether every split records its arrays' checksums (not so in data written by an older bagpipe)."""
-        return all(split.checksums is not None for split in (self.train, self.test) if split is not None)
+        return all(split.checksums is not None for split in self.splits().values())
+
+    def splits(self) -> dict[str, BinarySplit]:
+        """The splits it has, by name, in SPLITS' order."""
+        return {name: split for name in SPLITS if (split := getattr(self, name)) is not None}
 
     def with_schema(self, schema: Schema) -> "BinaryDataset":
         """The same rows under ``schema`` (e.g. larger table sizes a job agreed on): its features must
         have the same widths, and the data's ids must fit its cardinalities."""
         assert [f.width for f in schema.features] == [f.width for f in self.schema.features]
         assert all(a.cardinality >= b.cardinality for a, b in zip(schema.features, self.schema.features))
-        splits = [None if s is None else dataclasses.replace(s, schema=schema) for s in (self.train, self.test)]
-        return dataclasses.replace(self, train=splits[0], test=splits[1])
+        return dataclasses.replace(self, **{name: dataclasses.replace(split, schema=schema)
+                                            for name, split in self.splits().items()})
 
 
 def is_preprocessed(directory: str | Path) -> bool:
@@ -280,15 +287,17 @@ def open_dataset(directory: str | Path, *, verify: bool = False) -> BinaryDatase
     directory = Path(directory)
     meta_path = directory / "meta.json"
     meta = read_record(meta_path) if meta_path.is_file() else {}
-    train = BinarySplit.open(directory / "train", verify=verify)
-    has_test = (directory / "test" / "header.json").is_file()
-    test = BinarySplit.open(directory / "test", verify=verify) if has_test else None
+    splits = {name: BinarySplit.open(directory / name, verify=verify) for name in SPLITS
+              if name == "train" or (directory / name / "header.json").is_file()}
     recorded = meta.get("rows")
-    for name, split in (("train", train), ("test", test)):
+    for name in SPLITS:
+        split = splits.get(name)
         if isinstance(recorded, dict) and name in recorded and (split is None or split.rows != recorded[name]):
             found = "is missing" if split is None else f"holds {split.rows} rows"
             raise CorruptData(directory / name / "header.json", f"{found}, where {meta_path} records "
                                                                  f"{recorded[name]} rows")
-    if test is not None and test.schema != train.schema:
-        raise ValueError(f"{directory}: train and test splits disagree on their features")
-    return BinaryDataset(directory=directory, meta=meta, train=train, test=test)
+    for name, split in splits.items():
+        if split.schema != splits["train"].schema:
+            raise ValueError(f"{directory}: the train and {name} splits disagree on their features")
+    return BinaryDataset(directory=directory, meta=meta, train=splits["train"], test=splits.get("test"),
+                         valid=splits.get("valid"))

@@ -52,6 +52,10 @@ DEFAULT_HOLDOUT = 1 / 7
 # Bump when the same input and settings would convert to different output: older conversions
 # then no longer count as current.
 CONVERTER_VERSION = 2
+# A format's own, where its conversion changed since: an interaction log's 3 holds out a validation split (each
+# user's second-to-last item).
+CONVERTER_VERSIONS = {"movielens": 3}
+TEXT_SPLITS = ("train", "test")  # the splits a directory of text files may hold (train.tsv, test.tsv, ...)
 
 
 def find_splits(path: Path) -> dict[str, Path]:
@@ -61,7 +65,7 @@ def find_splits(path: Path) -> dict[str, Path]:
     if not path.is_dir():
         raise ValueError(f"--input: no such file or directory: {path}")
     splits = {}
-    for split in SPLITS:
+    for split in TEXT_SPLITS:
         matches = sorted(p for p in path.glob(f"{split}.*") if _text_suffix(p) in SUFFIX_FORMATS)
         if len(matches) > 1:
             raise ValueError(f"{path}: several {split} files ({', '.join(m.name for m in matches)}); keep one")
@@ -549,7 +553,7 @@ def _measure(splits: dict[str, Path], *, sizes: list[int] | None, on_bad_row: st
 def _settings(*, fmt: str, on_bad_row: str, table_sizes_from: str, holdout: float | None,
               vocab_min_count: int) -> dict:
     """The settings besides the sources that shape a conversion's output (``holdout``: the one that applies)."""
-    return {"converter_version": CONVERTER_VERSION, "format": fmt, "on_bad_row": on_bad_row,
+    return {"converter_version": CONVERTER_VERSIONS.get(fmt, CONVERTER_VERSION), "format": fmt, "on_bad_row": on_bad_row,
             "table_sizes_from": table_sizes_from, "holdout": holdout, "vocab_min_count": vocab_min_count}
 
 

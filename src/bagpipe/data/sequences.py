@@ -1,12 +1,16 @@
 """Interaction logs (MovieLens and the like) into next-item samples: a user's last items, the items
-that follow, and sampled negatives; each user's last item is held out for the test split.
+that follow, and sampled negatives; each user's last item is held out for the test split and the one
+before it for the validation split (leave-one-out, as SASRec and RecBole's ``LS`` split do).
 
 A log is one line per interaction, ``user item rating timestamp``, as MovieLens ships it:
 ``u.data`` (tab-separated), ``ratings.dat`` (``::``-separated), ``ratings.csv`` (a header, then
 comma-separated). Users and items are numbered densely by descending interaction count (hot rows
 get small ids) and the raw ids are kept in ``vocab/``. Each user's interactions are ordered by
 time; a training sample is ``history`` items (left-padded with PAD) and the ``targets`` items
-after them, the test sample the last ``history`` items and the last one. Training samples are
+after them, all before the user's last two; the validation sample the ``history`` items before the
+second-to-last one and it; the test sample the last ``history`` items before the last one and it (its
+history holds the validation item: it is known by then, though never trained on). A user with two
+interactions has no validation sample (the first is its only training item). Training samples are
 ordered by the time of their first target (the log's time order), each with ``negatives`` items
 drawn from those the user never touched.
 
@@ -183,8 +187,9 @@ def schema_of(*, num_users: int, num_items: int, settings: SequenceSettings) -> 
 
 
 def build_samples(users: np.ndarray, items: np.ndarray, times: np.ndarray,
-                  settings: SequenceSettings) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Train and test id matrices ``[n, 1 + L + T + N]`` of dense ids, and the user and item counts."""
+                  settings: SequenceSettings) -> tuple[dict[str, np.ndarray], int, int]:
+    """Train, valid and test id matrices ``[n, 1 + L + T + N]`` of dense ids, by split name; and the user and item
+    counts."""
     num_users, num_items = int(users.max()) + 1, int(items.max()) + 1
     L, T, N = settings.history, settings.targets, settings.negatives
     order = np.lexsort((np.arange(len(users)), times, users))  # by user, then time, then file order
@@ -192,14 +197,21 @@ def build_samples(users: np.ndarray, items: np.ndarray, times: np.ndarray,
     starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
     ends = np.r_[starts[1:], len(users)]
     rng = np.random.default_rng([settings.seed, 7])
-    train, train_times, test = [], [], []
+    train, train_times, valid, test = [], [], [], []
+
+    def held_out(user: int, padded: np.ndarray, at: int, touched: np.ndarray) -> np.ndarray:
+        """The sample whose one target is the item at position ``at`` of the user's sequence."""
+        target = np.r_[padded[at + L], np.full(T - 1, PAD, dtype=np.int64)]
+        return np.concatenate([[user], padded[at:at + L], target, _negatives(rng, touched, num_items, (1, N))[0]])
+
     for start, end in zip(starts.tolist(), ends.tolist()):
         user, sequence = int(users[start]), items[start:end]
         if len(sequence) < 2:
             continue  # nothing to learn from and nothing to test on
         padded = np.r_[np.full(L, PAD, dtype=np.int64), sequence]
         touched = np.unique(sequence)
-        prefix = len(sequence) - 1  # the last item is the test target
+        # the last item is the test target, the one before it (with three or more) the validation target
+        prefix = len(sequence) - (2 if len(sequence) >= 3 else 1)
         positions = np.arange(1, prefix - T + 1)  # a window's first target
         if len(positions):
             history = np.stack([padded[p:p + L] for p in positions])  # items before p (padded index p + L)
@@ -207,14 +219,16 @@ def build_samples(users: np.ndarray, items: np.ndarray, times: np.ndarray,
             negatives = _negatives(rng, touched, num_items, (len(positions), N))
             train.append(np.concatenate([np.full((len(positions), 1), user), history, targets, negatives], axis=1))
             train_times.append(times[start + positions])
-        history = padded[prefix:prefix + L]
-        target = np.r_[sequence[-1], np.full(T - 1, PAD, dtype=np.int64)]
-        test.append(np.concatenate([[user], history, target, _negatives(rng, touched, num_items, (1, N))[0]]))
+        if len(sequence) >= 3:
+            valid.append(held_out(user, padded, len(sequence) - 2, touched))
+        test.append(held_out(user, padded, len(sequence) - 1, touched))
     width = 1 + L + T + N
     train_ids = np.concatenate(train) if train else np.zeros((0, width), dtype=np.int64)
     if train:
         train_ids = train_ids[np.argsort(np.concatenate(train_times), kind="stable")]
-    return train_ids, np.asarray(test, dtype=np.int64).reshape(-1, width), num_users, num_items
+    samples = {"train": train_ids, "valid": np.asarray(valid, dtype=np.int64).reshape(-1, width),
+               "test": np.asarray(test, dtype=np.int64).reshape(-1, width)}
+    return samples, num_users, num_items
 
 
 def _negatives(rng: np.random.Generator, touched: np.ndarray, num_items: int, shape: tuple[int, int]) -> np.ndarray:
@@ -231,14 +245,15 @@ def _negatives(rng: np.random.Generator, touched: np.ndarray, num_items: int, sh
 
 
 def convert_interactions(path: Path, out: Path, settings: SequenceSettings) -> dict:
-    """Write ``out/train``, ``out/test`` and ``out/vocab`` from a log; return what the meta records."""
+    """Write ``out/train``, ``out/valid``, ``out/test`` and ``out/vocab`` from a log; return what the meta
+    records."""
     raw_users, raw_items, times = read_interactions(path)
     users, user_vocab = dense_ids(raw_users)
     items, item_vocab = dense_ids(raw_items)
-    train, test, num_users, num_items = build_samples(users, items, times, settings)
+    samples, num_users, num_items = build_samples(users, items, times, settings)
     schema = schema_of(num_users=num_users, num_items=num_items, settings=settings)
     id_dtype = id_dtype_for([num_users, num_items])
-    for split, ids in (("train", train), ("test", test)):
+    for split, ids in samples.items():
         writer = SplitWriter(out / split, id_dtype=id_dtype)
         writer.append(Chunk(labels=np.ones(len(ids), dtype=np.float32), dense=np.zeros((len(ids), 0), np.float32),
                             ids=ids))
@@ -246,7 +261,7 @@ def convert_interactions(path: Path, out: Path, settings: SequenceSettings) -> d
     (out / "vocab").mkdir(parents=True, exist_ok=True)
     np.save(out / "vocab" / "user.npy", user_vocab)
     np.save(out / "vocab" / "item.npy", item_vocab)
-    log.info("%s: %d interactions of %d users and %d items -> %d train and %d test samples", path,
-             len(raw_users), num_users, num_items, len(train), len(test))
-    return {"rows": {"train": len(train), "test": len(test)}, "table_sizes": schema.cardinalities,
+    log.info("%s: %d interactions of %d users and %d items -> %d train, %d validation and %d test samples", path,
+             len(raw_users), num_users, num_items, *(len(samples[split]) for split in ("train", "valid", "test")))
+    return {"rows": {split: len(ids) for split, ids in samples.items()}, "table_sizes": schema.cardinalities,
             "users": num_users, "items": num_items, "interactions": len(raw_users), "sequence": settings.to_dict()}

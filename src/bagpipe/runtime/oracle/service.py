@@ -15,7 +15,7 @@ import time
 
 from bagpipe.config import EXTERNAL, TrainConfig
 from bagpipe.data.binary import BinaryDataset
-from bagpipe.evaluation import BackgroundEvaluations, ranking_for
+from bagpipe.evaluation import BackgroundEvaluations, evaluated_splits
 from bagpipe.checkpoint import ChainRows
 from bagpipe.model_dir import RowSource
 from bagpipe.reference import build_model, evaluation_watch, record_evaluation, write_model
@@ -55,13 +55,11 @@ class Oracle:
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the background,
         # each judged (health.py: collapse, falls, the best kept with --keep-best) with what the run logged so far.
         self.evaluations = self.watch = None
-        if config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0:
-            model = build_model(config, dataset.schema)
-            self.watch = evaluation_watch(config, run, task=model.task, train=dataset.train)
-            self.evaluations = BackgroundEvaluations(model, self.layout, dataset.test,
-                                                     batch_size=config.eval_batch_size, max_rows=config.max_eval_rows,
-                                                     on_result=self._evaluated,
-                                                     ranking=ranking_for(model, dataset, protocol=config.eval_protocol))
+        model = build_model(config, dataset.schema) if config.model.name != EXTERNAL else None
+        if model is not None and (evaluated := evaluated_splits(model, dataset, protocol=config.eval_protocol)):
+            self.watch = evaluation_watch(config, run, task=model.task, train=dataset.train, splits=evaluated)
+            self.evaluations = BackgroundEvaluations(model, self.layout, evaluated, batch_size=config.eval_batch_size,
+                                                     max_rows=config.max_eval_rows, on_result=self._evaluated)
         self.checkpoints = JobCheckpoints(config, world, num_spaces=len(self.layout.spaces),
                                           resumed_at=job.start if job.resume else None, routes=self.routes,
                                           on_evaluable=self._evaluable if self.evaluations is not None else None,
