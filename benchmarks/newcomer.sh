@@ -56,6 +56,14 @@ grep -q "eval AUC" "$WORK/logs/quick-start-2.log"
 step synth-sequences bagpipe synth --kind sequences --out seq
 step caser bagpipe train --data seq --model caser --run-dir runs/caser
 grep -q "eval HR@10" "$WORK/logs/caser.log"
+python3 - "$WORK/bagpipe/runs/caser/summary.json" <<'PY'
+import json, sys  # the model a default Caser run delivers (model/: the one best on validation) beats both baselines
+summary = json.load(open(sys.argv[1]))
+delivered = summary["best_metrics"] if summary.get("keep_best") and summary.get("best_metrics") else summary
+hr, baselines = delivered["eval_hr10"], {name: summary[f"eval_{name}_hr10"] for name in ("popular", "cooccurrence")}
+print(f"Caser's delivered model: HR@10 {hr:.4f}; baselines {baselines}")
+sys.exit(0 if all(hr > value for value in baselines.values()) else "Caser at its defaults does not beat the baselines")
+PY
 step report bagpipe report runs/caser runs/dlrm
 step export bagpipe export --run-dir runs/dlrm --out dlrm.pt
 step killed killed_at_60  # (its checkpoint of iteration 60 may still be being written when it dies)
