@@ -197,6 +197,14 @@ def test_resume_refuses_what_it_cannot_continue(small_binary, tmp_path, capsys):
     assert main(["train", "--run-dir", str(run_dir), "--resume"]) == 2
     assert "has finished" in capsys.readouterr().err
     (run_dir / "summary.json").unlink()
+    # data other than the run's (converted again since): the run would not go on as it was
+    recorded = (run_dir / "data.json").read_text()
+    changed = json.loads(recorded)
+    changed["train"]["checksums"]["labels.f32"] = "xxh3_128:0"
+    (run_dir / "data.json").write_text(json.dumps(changed))
+    assert main(["train", "--run-dir", str(run_dir), "--resume"]) == 2
+    assert "is not what the run in" in (err := capsys.readouterr().err) and "its train split changed" in err
+    (run_dir / "data.json").write_text(recorded)
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--lr", "0.5"]) == 2
     assert "started with lr=0.05, not 0.5" in capsys.readouterr().err
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--overwrite"]) == 2

@@ -1,6 +1,9 @@
+import dataclasses
+
 import pytest
 
-from bagpipe.config import ModelConfig, TrainConfig, load_train_config
+from bagpipe.config import (MODE_SECTIONS, MODES, SECTION_OF, SECTIONS, ModelConfig, TrainConfig, default_config,
+                            load_train_config)
 
 
 def test_toml_then_flags(tmp_path):
@@ -99,6 +102,35 @@ def test_settings_the_mode_does_not_read_get_a_warning():
         "--slices does nothing in --mode bagpipe")
     assert ignored_settings(TrainConfig(data="d", run_dir="r", mode="bagpipe", trainers=4, lookahead=50)) == []
     assert ignored_settings(TrainConfig(data="d", run_dir="r")) == []
+    # settings the hand-kept lists before the sections missed (issue 45)
+    missed = TrainConfig(data="d", run_dir="r", planner_processes=2, cache_mode="partitioned", replace_trainers=False,
+                         liveness_s=5.0, rpc_transports="shm,uv")
+    assert {w.split()[0] for w in ignored_settings(missed)} == {
+        "--planner-processes", "--cache-mode", "--replace-trainers", "--liveness-s", "--rpc-transports"}
+    single = TrainConfig(data="d", run_dir="r", mode="single", lookahead=50, storage="disk", trainers=4, check_parity=True)
+    assert {w.split()[0] for w in ignored_settings(single)} == {"--trainers", "--check-parity"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_setting_is_warned_in_exactly_the_modes_whose_sections_leave_it_out(mode):
+    """Each setting changed alone: warned as doing nothing in ``mode`` if and only if its section (config.SECTIONS)
+    is not one the mode reads; every setting is in exactly one section."""
+    from types import SimpleNamespace
+
+    from bagpipe.preflight import ignored_settings
+
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+    assert sorted(fields) == sorted(SECTION_OF) and sum(map(len, SECTIONS.values())) == len(SECTION_OF)
+    defaults = default_config()
+    for name in fields:
+        if name in ("data", "run_dir", "mode"):
+            continue
+        config = SimpleNamespace(**{f: getattr(defaults, f) for f in fields}, model=defaults.model)
+        config.mode = mode
+        setattr(config, name, object())  # different from any default
+        flag = "--" + name.replace("_", "-")
+        warned = [w for w in ignored_settings(config) if w.startswith(f"{flag} does nothing in --mode {mode}")]
+        assert bool(warned) == (not MODE_SECTIONS[mode].reads(name)), (mode, name, warned)
 
 
 def test_every_flag_has_a_help_line_with_its_default():
@@ -250,3 +282,33 @@ def test_caser_keeps_its_best_evaluated_model_by_default_and_either_half_can_be_
     assert args.keep_best is False
     assert build_parser().parse_args(["train", "--data", "-", "--run-dir", "-", "--keep-best"]).keep_best is True
     assert build_parser().parse_args(["train", "--data", "-", "--run-dir", "-"]).keep_best is None  # model's own
+
+
+def test_a_toml_file_in_sections_equals_its_flat_form_which_is_still_read_with_a_warning(tmp_path, caplog):
+    from bagpipe.config import dump_toml
+
+    sectioned, flat = tmp_path / "sections.toml", tmp_path / "flat.toml"
+    sectioned.write_text('[data]\ndata = "d"\nshuffle = true\n[run]\nrun_dir = "r"\nmode = "single"\n'
+                         '[optimizer]\noptimizer = "sgd"\nlr = 0.5\n[cache]\nlookahead = 50\n[model]\nemb_dim = 4\n')
+    flat.write_text('data = "d"\nshuffle = true\nrun_dir = "r"\nmode = "single"\noptimizer = "sgd"\nlr = 0.5\n'
+                    'lookahead = 50\n[model]\nemb_dim = 4\n')
+    with caplog.at_level("WARNING"):
+        a = load_train_config(str(sectioned), {})
+        assert not caplog.records
+        b = load_train_config(str(flat), {})
+    assert a == b and a.lookahead == 50 and a.optimizer == "sgd" and a.model.emb_dim == 4
+    assert "settings outside their sections (data, shuffle, run_dir, mode, optimizer, lr, lookahead)" in caplog.text
+    # a setting in another section's table, a model setting outside [model], one given twice: refused
+    for text, message in (('[cache]\nlr = 0.5\n', r"\[cache\] lr: lr is a setting of \[optimizer\]"),
+                          ('[run]\nemb_dim = 4\n', r"\[run\] emb_dim: a model setting"),
+                          ('lr = 0.1\n[optimizer]\nlr = 0.5\n', "lr is given twice")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_train_config(str(bad), {"data": "d", "run_dir": "r"})
+    # what the launcher hands its roles: sections, read back equal
+    written = tmp_path / "job.toml"
+    written.write_text(dump_toml(a))
+    with caplog.at_level("WARNING"):
+        caplog.clear()
+        assert load_train_config(str(written), {}) == a and not caplog.records

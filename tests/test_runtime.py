@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bagpipe.config import ModelConfig, TrainConfig
+from bagpipe.config import MODE_SECTIONS, SECTION_OF, SECTIONS, ModelConfig, TrainConfig
 from bagpipe.reference import train_reference
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import JobFailed, launch_local
@@ -34,13 +34,11 @@ def job_config(data, run_dir, **overrides) -> TrainConfig:
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
 
-# What the reference run does not depend on: where and how a bagpipe job runs (the reference trains the full tables in
-# one process). Two configurations that differ only in these have one reference.
-_NOT_IN_THE_REFERENCE = ("run_dir", "mode", "servers", "parity", "check_parity", "timeout", "liveness_s",
-                         "rpc_transports", "rpc_channels",
-                         "master_port", "max_restarts", "storage", "storage_dir", "storage_budget_mb", "cache_rows", "lookahead",
-                         "policy", "cache_mode", "keep_within", "cleanup_fraction", "prefetch_depth", "checkpoint_every", "checkpoint_every_s",
-                         "keep_checkpoints", "planner_processes")
+# What the reference run does not depend on: the settings --mode reference does not read (config.SECTIONS), but the
+# trainers (the reference's --slices), and where it writes and checkpoints. Two configurations that differ only in
+# these have one reference.
+_NOT_IN_THE_REFERENCE = ("run_dir", "mode", *SECTIONS["checkpoint"],
+                         *(name for name in SECTION_OF if not MODE_SECTIONS["reference"].reads(name) and name != "trainers"))
 _REFERENCES: dict[str, tuple[Path, dict]] = {}  # a configuration's reference, trained once per test session
 
 

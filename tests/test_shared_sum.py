@@ -5,26 +5,30 @@ makes, bit for bit, on every holder (its users, and the trainers that keep it wi
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from bagpipe.runtime.reduce import SharedSum
+from bagpipe.runtime.reduce import Mean, SharedSum, TrainerGroup
 from bagpipe.runtime.transport import gloo_group
 
 
-def on_trainers(trainers: int, body) -> dict:
-    """``body(rank, group)`` on a thread per trainer, in a gloo group of them all; each one's result by rank (any
-    thread's error raised)."""
-    store, results, errors = dist.HashStore(), {}, []
+def on_trainers(trainers: int, body, *, store=None, prefix: str = "sums") -> dict:
+    """``body(rank, group)`` on a thread per trainer, in a TrainerGroup of them all (closed after); each one's
+    result by rank (any thread's error raised)."""
+    store, results, errors = store or dist.HashStore(), {}, []
 
     def trainer(rank: int) -> None:
+        group = TrainerGroup(gloo_group(store, prefix, rank, trainers, timeout=20.0, loopback=True), timeout=20.0)
         try:
-            results[rank] = body(rank, gloo_group(store, "sums", rank, trainers, timeout=20.0, loopback=True))
+            results[rank] = body(rank, group)
         except BaseException as err:  # noqa: BLE001 - the test's thread: reported below
             errors.append(err)
+        finally:
+            group.close()
 
     threads = [threading.Thread(target=trainer, args=(rank,)) for rank in range(trainers)]
     for thread in threads:
@@ -111,3 +115,33 @@ def test_an_iteration_with_no_shared_rows_still_takes_its_turn_beside_the_dense_
         assert empty.shape == (0, 4)
         assert torch.equal(dense, torch.full((3,), sum(range(1, trainers + 1)) / trainers))
         assert torch.equal(row, torch.full((1, 4), sum(range(trainers)) / trainers))
+
+
+def test_a_re_formed_group_leaves_no_thread_behind():
+    """Each group of three or more trainers has a thread that orders its sums; closing the group (as a trainer does
+    with its old group when the world re-forms around a replacement) ends it: 20 re-formations, the threads bounded."""
+    store = dist.HashStore()
+
+    def sum_once(rank: int, group) -> torch.Tensor:
+        return Mean(group, torch.full((4,), float(rank + 1)), timeout=20.0).wait()
+
+    before = threading.active_count()
+    for epoch in range(20):
+        totals = on_trainers(3, sum_once, store=store, prefix=f"sums/{epoch}")
+        assert all(torch.equal(total, torch.full((4,), 2.0)) for total in totals.values())  # (1 + 2 + 3) / 3
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)  # (a closed group's thread ends once it takes the close)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    closed = TrainerGroup(_FakeGroup(3), timeout=1.0)
+    closed.close()
+    with pytest.raises(RuntimeError, match="was closed"):  # a sum started after: refused, as on a broken group
+        Mean(closed, torch.ones(3), timeout=1.0).wait()
+
+
+class _FakeGroup:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size

@@ -20,11 +20,12 @@ from typing import Any
 from bagpipe.planner.evict import ONLINE_POLICIES
 from bagpipe.planner.plan import POLICIES
 
+log = logging.getLogger(__name__)
+
 STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the servers', --mode single's
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
-MODES = ("reference", "bagpipe", "single")
-DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device  # single: one process, tables in host memory behind a cache
+DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device
 CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
 SINGLE_POLICIES = ("lookahead", *ONLINE_POLICIES)  # --mode single: the planner, or an online policy (nn.SlotIndex)
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
@@ -364,6 +365,51 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
     return TrainConfig(model=ModelConfig(**complete_model(model_values)), **values)
 
 
+# A run's settings by section: a TOML file's tables ([cache], [job], ...; the model's are [model]), and what each
+# mode reads (MODE_SECTIONS): a setting changed from its default in a section its mode does not read is warned
+# (preflight.ignored_settings). Every TrainConfig field but ``model`` is in exactly one (tests/test_config.py).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "run": ("run_dir", "mode", "device", "compile", "iterations", "epochs", "batch_size", "seed", "warmup_iterations",
+            "log_every"),
+    "data": ("data", "data_format", "holdout", "vocab_min_count", "shuffle", "shuffle_seed", "fresh_negatives"),
+    "optimizer": ("optimizer", "lr"),
+    "evaluation": ("eval_batch_size", "max_eval_rows", "eval_every", "eval_protocol", "keep_best"),
+    "checkpoint": ("checkpoint_every", "checkpoint_every_s", "keep_checkpoints"),
+    "reference": ("slices",),  # --mode reference's gradients as T trainers compute them
+    "cache": ("cache_rows", "lookahead", "policy", "cleanup_fraction"),  # the trainers' (or --mode single's) cache
+    "storage": ("storage", "storage_dir", "storage_budget_mb"),  # where the full tables live: servers, or host
+    "job": ("trainers", "servers", "cache_mode", "keep_within", "prefetch_depth", "planner_processes", "master_port",
+            "max_restarts"),  # --mode bagpipe's processes and plan
+    "fault_tolerance": ("parity", "check_parity", "replace_trainers", "replace_oracle", "replace_data_servers",
+                        "liveness_s"),
+    "rpc": ("timeout", "rpc_transports", "rpc_channels"),
+}
+SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A way to train (``--mode``): the sections of settings it reads, and what it is."""
+
+    name: str
+    sections: frozenset[str]
+    summary: str
+
+    def reads(self, setting: str) -> bool:
+        return SECTION_OF[setting] in self.sections
+
+
+_EVERY_MODE = {"run", "data", "optimizer", "evaluation", "checkpoint"}
+MODE_SECTIONS: dict[str, Mode] = {mode.name: mode for mode in (
+    Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth"),
+    Mode("bagpipe", frozenset(_EVERY_MODE | {"cache", "storage", "job", "fault_tolerance", "rpc"}),
+         "an oracle, embedding servers and trainers as processes, each trainer training from its planned cache"),
+    Mode("single", frozenset(_EVERY_MODE | {"cache", "storage"}),
+         "one process, the tables in host memory or on disk behind a planned cache"),
+)}
+MODES = tuple(MODE_SECTIONS)  # their names
+
+
 # What `bagpipe train --model M` takes for the settings it is not given, where the dataclasses' defaults (Adagrad
 # at 0.01, batch 512: wide-deep's, deepfm's and dcn's) do not train M well: each model learns at its defaults with no
 # flag (docs/history/benchmarks.md, "Every model at its defaults"). Caser's are its paper's (Tang & Wang 2018: d 50, Adam at
@@ -477,7 +523,9 @@ def complete_model(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_toml(path: Path, *, train_names: set[str], model_names: set[str]) -> tuple[dict, dict]:
-    """The train and ``[model]`` settings of a TOML file, each of the type its field holds."""
+    """The train and ``[model]`` settings of a TOML file, each of the type its field holds. The train settings are
+    read from their sections' tables (``[optimizer]`` lr = ..., SECTIONS); settings at the top level (the form
+    before sections) are read too, with a warning."""
     if not path.is_file():
         raise ValueError(f"--config: no such file {path}")
     try:
@@ -487,8 +535,28 @@ def _read_toml(path: Path, *, train_names: set[str], model_names: set[str]) -> t
     model = raw.pop("model", {})
     if not isinstance(model, dict):
         raise ValueError(f"{path}: model must be a table ([model]), got {model!r}")
+    # (a section and a setting may share a name, data, optimizer, storage: a table is the section)
+    flat = {key: value for key, value in raw.items() if not (key in SECTIONS and isinstance(value, dict))}
+    if flat:
+        log.warning("%s: settings outside their sections (%s): put each under its own, e.g. [%s] %s = ...; the flat "
+                    "form is still read", path, ", ".join(flat), SECTION_OF.get(next(iter(flat)), "run"),
+                    next(iter(flat)))
+    values = dict(flat)
+    for section in SECTIONS:
+        table = raw.get(section, {})
+        if not isinstance(table, dict):
+            continue  # the setting of that name, given flat
+        for key, value in table.items():
+            if key in model_names and key not in train_names:
+                raise ValueError(f"{path}: [{section}] {key}: a model setting, read from [model]")
+            if key in train_names and SECTION_OF[key] != section:
+                raise ValueError(f"{path}: [{section}] {key}: {key} is a setting of [{SECTION_OF[key]}]")
+            if key in values:
+                raise ValueError(f"{path}: {key} is given twice (at the top level and in [{section}])")
+            values[key] = value
     checked = []
-    for cls, table, names, prefix in ((TrainConfig, raw, train_names, ""), (ModelConfig, model, model_names, "model.")):
+    for cls, table, names, prefix in ((TrainConfig, values, train_names, ""), (ModelConfig, model, model_names,
+                                                                                "model.")):
         for key, value in table.items():
             if key in names:
                 try:
@@ -515,6 +583,8 @@ def dump_toml(config: TrainConfig) -> str:
 
     values = config_to_dict(config)
     model = values.pop("model")
-    lines = [f"{k} = {value(v)}" for k, v in values.items()]
-    lines += ["", "[model]"] + [f"{k} = {value(v)}" for k, v in model.items()]
+    lines = []
+    for section, names in SECTIONS.items():
+        lines += [f"[{section}]"] + [f"{name} = {value(values[name])}" for name in names] + [""]
+    lines += ["[model]"] + [f"{k} = {value(v)}" for k, v in model.items()]
     return "\n".join(lines) + "\n"

@@ -4,12 +4,14 @@ ValueError naming the setting, what would do nothing gets a warning."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
+from pathlib import Path
 
 import numpy as np
 
-from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig, default_config
+from bagpipe.config import EXTERNAL, MODE_SECTIONS, SECTION_OF, ModelConfig, TrainConfig, default_config
 from bagpipe.data.batches import batches_per_epoch, epoch_rows, fresh_negatives, planned_iterations, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed, physical_memory_bytes
@@ -26,14 +28,6 @@ from bagpipe.storage.disk import record_bytes, storage_path
 log = logging.getLogger(__name__)
 
 # Settings that only the distributed job reads, and the one only the reference reads.
-JOB_SETTINGS = ("trainers", "servers", "cache_rows", "lookahead", "policy", "cache_mode", "keep_within",
-                "cleanup_fraction", "prefetch_depth", "timeout", "master_port", "parity", "check_parity", "max_restarts", "storage",
-                "storage_dir", "storage_budget_mb")
-REFERENCE_SETTINGS = ("slices",)
-# --mode single reads these of the job's settings
-SINGLE_SETTINGS = ("cache_rows", "lookahead", "policy", "cleanup_fraction", "storage", "storage_dir", "storage_budget_mb")
-
-
 def default_cache_rows(table_sizes: list[int]) -> int:
     return max(1, int(0.05 * sum(table_sizes)))
 
@@ -65,6 +59,32 @@ def claim(config: TrainConfig, dataset: BinaryDataset, *, overwrite: bool, show_
     for warning in check_job(config, dataset, show_progress=show_progress):
         log.warning("%s", warning)
     prepare_run_dir(config.run_dir, overwrite=overwrite)
+    (Path(config.run_dir) / DATA_RECORD).write_text(json.dumps(data_identity(dataset), indent=2) + "\n")
+
+
+DATA_RECORD = "data.json"  # in a run dir: what its data was (data_identity), checked when the run resumes
+
+
+def data_identity(dataset: BinaryDataset) -> dict:
+    """What a run's data is, whatever its path: each split's rows and its arrays' checksums (as their conversion
+    recorded them; None in data converted before checksums were kept)."""
+    return {name: {"rows": split.rows, "checksums": split.checksums} for name, split in dataset.splits().items()}
+
+
+def check_same_data(run_dir: str | Path, dataset: BinaryDataset) -> None:
+    """Refuse to resume the run in ``run_dir`` on data other than what it trained on (converted again since, from
+    changed sources or by a bagpipe that converts otherwise): it would not continue the same run. A run dir from
+    before runs recorded their data is not checked."""
+    path = Path(run_dir) / DATA_RECORD
+    if not path.is_file():
+        return
+    recorded, now = json.loads(path.read_text()), data_identity(dataset)
+    if recorded != now:
+        changed = sorted(name for name in recorded.keys() | now.keys() if recorded.get(name) != now.get(name))
+        raise ValueError(f"--resume: the data in {dataset.directory} is not what the run in {run_dir} trained on "
+                         f"(its {', '.join(changed)} split{'s' if len(changed) > 1 else ''} changed since: converted "
+                         f"again from changed sources, or by a bagpipe that converts them otherwise); resuming would "
+                         f"not continue the same run: start a new one (--overwrite), or give the data it trained on")
 
 
 def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: bool = False) -> list[str]:
@@ -263,10 +283,9 @@ def ignored_settings(config: TrainConfig) -> list[str]:
     defaults = default_config(config.model.name)
     changed = [f.name for f in dataclasses.fields(TrainConfig)
                if f.name != "model" and getattr(config, f.name) != getattr(defaults, f.name)]
-    unread = {"bagpipe": REFERENCE_SETTINGS, "reference": JOB_SETTINGS,
-              "single": tuple(name for name in JOB_SETTINGS if name not in SINGLE_SETTINGS)}[config.mode]
-    warnings = [f"{_flag(name)} does nothing in --mode {config.mode}" + _hint(name, config.mode)
-                for name in changed if name in unread]
+    mode = MODE_SECTIONS[config.mode]  # the sections of settings it reads (config.SECTIONS)
+    warnings = [f"{_flag(name)} does nothing in --mode {config.mode} (a {SECTION_OF[name]} setting)"
+                + _hint(name, config.mode) for name in changed if not mode.reads(name)]
     if "shuffle_seed" in changed and not config.shuffle:
         warnings.append("--shuffle-seed does nothing without --shuffle (batches are consecutive rows)")
     read = MODELS[config.model.name].settings

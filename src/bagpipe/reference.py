@@ -37,7 +37,7 @@ from bagpipe.metrics import CounterWindow, share
 from bagpipe.optim import make_row_optimizer
 from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.opcount import StepCount
-from bagpipe.preflight import cache_rows_of, check_job, prepare_data, prepare_job
+from bagpipe.preflight import cache_rows_of, check_job, check_same_data, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir, sweep_working_files
 from bagpipe.runlock import lock_run_dir
@@ -263,6 +263,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     checkpoint = None
     if resume:
         dataset = prepare_data(config, show_progress=show_progress)
+        check_same_data(config.run_dir, dataset)
         iterations = planned_iterations(config, dataset.train)
         checkpoint = resumable_checkpoint(config.run_dir, iterations=iterations, every=config.checkpoint_every,
                                           every_s=config.checkpoint_every_s)

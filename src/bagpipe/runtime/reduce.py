@@ -8,7 +8,8 @@ chunk of every buffer (all-to-all), adds them in rank order and shares the sum (
 same bytes per trainer as a ring. Those two steps run on a thread of the group's own, one sum after
 the other in the order they were started, so the group's collectives come in the same order on every
 trainer whatever order the sums are waited for in (a lost trainer's replacement starts the sums it
-joins in the order they were started, not waited for).
+joins in the order they were started, not waited for). The thread lives as long as its group: a
+``TrainerGroup`` holds both, and closing it (a re-formed world's old group) ends the thread.
 """
 
 from __future__ import annotations
@@ -23,18 +24,43 @@ import torch
 import torch.distributed as dist
 
 
+class TrainerGroup:
+    """The trainers' gloo ``group`` and, with three trainers or more, the thread that carries out its sums in the
+    order they were started (``_Sequencer``), made and closed together. Its collectives, ``size()`` and ``rank()``
+    are the group's."""
+
+    def __init__(self, group: dist.ProcessGroup, *, timeout: float) -> None:
+        self.group = group
+        self._sequencer = _Sequencer(group, timedelta(seconds=timeout)) if group.size() > 2 else None
+
+    def __getattr__(self, name: str):  # (only for what the instance lacks: the group's own methods)
+        return getattr(self.group, name)
+
+    def ordered(self) -> "_Sequencer":
+        """The thread its sums over three or more trainers go through, in order."""
+        if self._sequencer is None:
+            raise RuntimeError(f"a group of {self.group.size()} trainers sums without an order of its own")
+        return self._sequencer
+
+    def close(self) -> None:
+        """End its sums' thread once the sums submitted are done; a sum started after is refused (raised by its
+        ``wait``, as on a broken group). The group itself is left as it is (work on it may hang)."""
+        if self._sequencer is not None:
+            self._sequencer.close()
+
+
 class Mean:
     """A started reduction of ``buffer`` (contiguous, float32); ``wait`` leaves the mean in it.
 
     A reduction that fails (a trainer was lost) raises from ``wait``; ``restart`` starts it again on another group
     (the trainers' group re-formed around a replacement), from what ``buffer`` holds then."""
 
-    def __init__(self, group: dist.ProcessGroup | None, buffer: torch.Tensor, *, timeout: float, what=None) -> None:
+    def __init__(self, group: TrainerGroup | None, buffer: torch.Tensor, *, timeout: float, what=None) -> None:
         self.buffer, self.what = buffer, what  # ``what``: the sum's name, for its owner (TrainerRuntime)
         self.timeout = timedelta(seconds=timeout)
         self._start(group)
 
-    def _start(self, group: dist.ProcessGroup | None) -> None:
+    def _start(self, group: TrainerGroup | None) -> None:
         self.group = group
         self.size = 1 if group is None else group.size()
         self._work = self._failed = None
@@ -45,11 +71,11 @@ class Mean:
             if self.size == 2:
                 self._work = group.allreduce([self.buffer])
                 return
-            self._ordered = _sequencer(group, self.timeout).submit(self.buffer)
+            self._ordered = group.ordered().submit(self.buffer)
         except RuntimeError as err:  # the group is broken already: raised by ``wait``
             self._failed = err
 
-    def restart(self, group: dist.ProcessGroup) -> None:
+    def restart(self, group: TrainerGroup) -> None:
         self._start(group)
 
     def wait(self) -> torch.Tensor:
@@ -83,7 +109,7 @@ class SharedSum:
     Every trainer of the group starts one for every iteration, even one with no shared rows (the all-to-all needs
     every rank), from the thread that starts its ``Mean``s, in the same order relative to them on every trainer."""
 
-    def __init__(self, group: dist.ProcessGroup, grads: torch.Tensor, users: np.ndarray,
+    def __init__(self, group: TrainerGroup, grads: torch.Tensor, users: np.ndarray,
                  holders: np.ndarray | None = None, *, trainers: int, timeout: float) -> None:
         self.grads, self.trainers = grads, trainers
         self.rank, self.size = group.rank(), group.size()
@@ -116,7 +142,7 @@ class SharedSum:
             self._work = group.alltoall_base(self.received, send.contiguous(), splits_in, splits_out,
                                              dist.AllToAllOptions())
         elif self.size > 2:
-            self._ordered = _sequencer(group, self.timeout).submit_job(exchange)
+            self._ordered = group.ordered().submit_job(exchange)
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -168,25 +194,34 @@ class _Sequencer:
         self.group, self.size, self.timeout = group, group.size(), timeout
         self._queue: queue.Queue = queue.Queue()
         self._broken: BaseException | None = None
-        threading.Thread(target=self._run, name="ordered-sum", daemon=True).start()
+        self._closed = False
+        self.thread = threading.Thread(target=self._run, name="ordered-sum", daemon=True)
+        self.thread.start()
 
     def submit(self, buffer: torch.Tensor) -> _Ordered:
         chunk = math.ceil(buffer.numel() / self.size)
         padded = torch.zeros(self.size * chunk)
         padded[:buffer.numel()] = buffer.view(-1)
-        ordered = _Ordered(padded)
-        self._queue.put(ordered)
-        return ordered
+        return self._put(_Ordered(padded))
 
     def submit_job(self, job) -> _Ordered:
         """Run ``job()`` (a collective of the group's) in its turn; its result is the _Ordered's."""
-        ordered = _Ordered(None, job)
+        return self._put(_Ordered(None, job))
+
+    def _put(self, ordered: _Ordered) -> _Ordered:
+        if self._closed:
+            raise RuntimeError("a sum started on a trainers' group that was closed (the world re-formed since)")
         self._queue.put(ordered)
         return ordered
 
+    def close(self) -> None:
+        """End the thread once what was submitted is done."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+
     def _run(self) -> None:
-        while True:
-            ordered = self._queue.get()
+        while (ordered := self._queue.get()) is not None:
             try:
                 if self._broken is not None:  # a later sum on a group a trainer was lost from cannot complete
                     raise self._broken
@@ -206,14 +241,3 @@ class _Sequencer:
         gathered = [torch.empty_like(total) for _ in range(self.size)]
         self.group.allgather([gathered], [total]).wait(timeout=self.timeout)
         return torch.cat(gathered)
-
-
-_SEQUENCERS: dict = {}  # group -> its sequencer (groups are few: one per RPC world the trainers re-form)
-_LOCK = threading.Lock()
-
-
-def _sequencer(group: dist.ProcessGroup, timeout: timedelta) -> _Sequencer:
-    with _LOCK:
-        if group not in _SEQUENCERS:
-            _SEQUENCERS[group] = _Sequencer(group, timeout)
-        return _SEQUENCERS[group]

@@ -36,6 +36,7 @@ from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime import transport
 from bagpipe.runtime.keys import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
                                   ROUTE_PREFIX, SHAPE_KEY, STATUS_KEY, STOP_KEY)
+from bagpipe.runtime.reduce import TrainerGroup
 from bagpipe.runtime.transport import AgentAnswers, Endpoint
 from bagpipe.threads import Background
 
@@ -461,13 +462,15 @@ def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
                        loopback=world.is_loopback, epoch=epoch, transports=transports, channels=channels)
 
 
-def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0) -> dist.ProcessGroup | None:
-    """A gloo group of the trainers alone, apart from any default process group (None for one trainer); a later
-    ``epoch``'s (re-formed around a lost trainer's replacement) rendezvouses under a store prefix of its own."""
+def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0) -> TrainerGroup | None:
+    """A gloo group of the trainers alone, apart from any default process group, with its sums' thread (None for one
+    trainer); a later ``epoch``'s (re-formed around a lost trainer's replacement) rendezvouses under a store prefix
+    of its own."""
     if world.num_trainers == 1:
         return None
-    return transport.gloo_group(store, "bagpipe/trainers" if not epoch else f"bagpipe/trainers/{epoch}", index,
-                                world.num_trainers, timeout=world.timeout, loopback=world.is_loopback)
+    group = transport.gloo_group(store, "bagpipe/trainers" if not epoch else f"bagpipe/trainers/{epoch}", index,
+                                 world.num_trainers, timeout=world.timeout, loopback=world.is_loopback)
+    return TrainerGroup(group, timeout=world.timeout)
 
 
 class Epochs:

@@ -46,8 +46,10 @@ class GradientSync:
         self.pending: list[deque] = [deque() for _ in caches]
 
     def regroup(self, group) -> None:
-        """Sum in ``group`` from now on (re-formed with a lost trainer's replacement); the old one is kept."""
+        """Sum in ``group`` from now on (re-formed with a lost trainer's replacement); the old one is kept, its sums'
+        thread closed (ending once the sums it was given fail or finish)."""
         if self.group is not None:
+            self.group.close()
             self.old_groups.append(self.group)
         self.group = group
 
