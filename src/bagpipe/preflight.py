@@ -23,7 +23,7 @@ from bagpipe.planner.plan import (PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER, PL
                                   planner_window_bytes)
 from bagpipe.progress import progress
 from bagpipe.rundir import prepare_run_dir
-from bagpipe.storage.disk import record_bytes, storage_path
+from bagpipe.storage.tiers import storage_path, tier_class
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
     On disk (--storage disk: the servers', or --mode single's process's) only the DRAM budgets count.
     """
     layout = job_layout(config, dataset)
-    on_disk = config.mode in ("bagpipe", "single") and config.storage == "disk"
+    on_disk = config.mode in ("bagpipe", "single") and tier_class(config.storage).files
     if on_disk:  # the servers (or the one process) hold their budgets; the tables go to their files
         check_disk(config, layout)
         holders = config.servers if config.mode == "bagpipe" else 1
@@ -175,7 +175,8 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     job's servers all write there; so does --mode single), counting the model directory the run writes at its end
     where the run directory is on the same disk (``check_model_space`` otherwise)."""
     optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
-    files = sum(space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
+    tier = tier_class(config.storage)
+    files = sum(tier.stored_bytes(space.num_rows, space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
     where = storage_path(config.storage_dir, config.run_dir).absolute()
     check_writable(where, what="--storage-dir")
     free = shutil.disk_usage(where if where.exists() else mount_point(where)).free
@@ -184,7 +185,7 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     if need > free:
         model = (f" (and the model the run writes at its end into {config.run_dir}, on the same disk: "
                  f"{human_bytes(need)} in all)" if shared else "")
-        raise ValueError(f"--storage disk: the tables' files need {human_bytes(files)} in {where}{model}, which has "
+        raise ValueError(f"--storage {config.storage}: the tables' files need {human_bytes(files)} in {where}{model}, which has "
                          f"{human_bytes(free)} free; give --storage-dir on a larger disk")
     if not shared:
         check_model_space(config, layout)

@@ -42,7 +42,7 @@ from bagpipe.progress import progress
 from bagpipe.rundir import RunDir, sweep_working_files
 from bagpipe.runlock import lock_run_dir
 from bagpipe.storage import StorageSpec
-from bagpipe.storage.disk import storage_path
+from bagpipe.storage.tiers import storage_path
 from bagpipe.timing import PhaseClock, peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -99,9 +99,9 @@ def build_run_tables(config: TrainConfig, schema: Schema, *,
     layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
     options = {"cache_rows": cache_rows_of(config, layout), "cleanup_fraction": single_cleanup_fraction(config),
                "policy": "lru" if config.policy == "lookahead" else config.policy, "device": device}
-    if config.storage == "disk":
-        storage = StorageSpec("disk", storage_path(config.storage_dir, config.run_dir),
-                              int(config.storage_budget_mb * 2**20))
+    storage = StorageSpec.of(config.storage, storage_path(config.storage_dir, config.run_dir),
+                             config.storage_budget_mb * 2**20)
+    if storage.files:
         return CachedTables.on_disk(layout, make_row_optimizer(config.optimizer, lr=config.lr), seed=config.seed,
                                     storage=storage, **options)
     return CachedTables.over(build_tables(config, schema), **options)

@@ -102,16 +102,14 @@ def storage_spec(storage: str | StorageSpec) -> StorageSpec:
     DISK_BUDGET_BYTES of DRAM), or a StorageSpec naming the directory and the budget."""
     if isinstance(storage, StorageSpec):
         return storage
-    if storage == "disk":
-        return StorageSpec("disk", Path(tempfile.gettempdir()), DISK_BUDGET_BYTES)
-    return StorageSpec(storage)  # "memory", or a ValueError naming the kinds
+    return StorageSpec.of(storage, Path(tempfile.gettempdir()), DISK_BUDGET_BYTES)  # (a ValueError naming the kinds)
 
 
 def host_table(storage: StorageSpec, *, num_rows: int, dim: int, state_width: int, blocks: Iterable[torch.Tensor],
                state: torch.Tensor | None = None) -> HostTable:
     """A table of the initial rows ``blocks`` (concatenated) and zero optimizer state (or ``state``, shared, in
     memory), where ``storage`` says (a file on disk gets a name of its own in its directory)."""
-    if storage.kind != "disk":
+    if not storage.files:
         return HostTable(open_tier(storage, name="table", num_rows=num_rows, dim=dim, state_width=state_width,
                                    blocks=blocks, versioned=False, state=state))
     Path(storage.directory).mkdir(parents=True, exist_ok=True)
@@ -128,7 +126,7 @@ def host_table(storage: StorageSpec, *, num_rows: int, dim: int, state_width: in
 def initial_blocks(num_rows: int, dim: int, weight: torch.Tensor | None, *, storage: StorageSpec) -> Iterable[torch.Tensor]:
     """A table's initial rows for ``host_table``: the given ``weight`` (in memory shared, as ``nn.EmbeddingBag``
     shares its ``_weight``), or N(0, 1) as ``nn.EmbeddingBag`` draws them; on disk a block at a time."""
-    on_disk = storage.kind == "disk"
+    on_disk = storage.files
     if weight is not None:
         return blocks_of(weight.detach()) if on_disk else [weight.detach().to("cpu", torch.float32)]
     return normal_blocks(num_rows, dim) if on_disk else [torch.nn.init.normal_(torch.empty(num_rows, dim))]

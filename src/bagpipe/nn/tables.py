@@ -25,7 +25,6 @@ from bagpipe.optim import RowOptimizer
 from bagpipe.planner.keys import unique_inverse
 from bagpipe.storage import StorageSpec
 from bagpipe.storage.memory import MemoryRows
-from bagpipe.storage.disk import record_bytes
 
 
 LOAD_BLOCK_ROWS = 65_536  # rows written at once when a space is restored
@@ -62,13 +61,13 @@ class CachedTables:
                 **options) -> "CachedTables":
         """Tables initialised as the reference's from ``seed``, each space in a file in ``storage.directory``,
         ``storage.budget_bytes`` of DRAM shared among the spaces in proportion to their files."""
-        sizes = [space.num_rows * record_bytes(space.dim, optimizer.state_width(space.dim)) for space in layout.spaces]
+        shares = storage.split([storage.stored_bytes(space.num_rows, space.dim, optimizer.state_width(space.dim))
+                                for space in layout.spaces])
         hosts = []
         try:
-            for space, size in zip(layout.spaces, sizes):
+            for space, share in zip(layout.spaces, shares):
                 blocks = itertools.chain.from_iterable(init_row_blocks(t, layout.tables[t], seed=seed)
                                                        for t in space.tables)
-                share = StorageSpec("disk", storage.directory, storage.budget_bytes * size // max(sum(sizes), 1))
                 hosts.append(host_table(share, num_rows=space.num_rows, dim=space.dim,
                                         state_width=optimizer.state_width(space.dim), blocks=blocks))
         except BaseException:

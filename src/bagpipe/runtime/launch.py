@@ -38,7 +38,7 @@ from bagpipe.runtime.liveness import LOST_EXIT_CODE
 from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, JobRecord, OracleWatch,
                                         declare_oracle_lost, load_record)
 from bagpipe.runtime.world import LOOPBACK, STORE_SERVED, JobStore, World, free_port
-from bagpipe.storage.disk import storage_path
+from bagpipe.storage.tiers import storage_path
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ cache is the kernel's, reclaimable under pressure.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Iterable
@@ -46,23 +45,18 @@ def record_bytes(dim: int, state_width: int) -> int:
     return 4 * (dim + state_width + 1)
 
 
-def storage_path(storage_dir: str, run_dir: str) -> Path:
-    """Where a run's tables' files go: ``RUN_DIR/storage``, or a directory of ``--storage-dir`` named after the run
-    (its run dir's name and absolute path), so that runs sharing a --storage-dir never touch each other's files
-    and a later run in the same run dir finds, and removes, what a killed one left."""
-    if not storage_dir:
-        return Path(run_dir) / "storage"
-    where = os.path.abspath(run_dir)
-    tag = hashlib.blake2b(where.encode(), digest_size=6).hexdigest()
-    return Path(storage_dir) / f"bagpipe-{Path(where).name}-{tag}"
-
-
 @tier("disk")
 class DiskRows:
     """``num_rows`` rows in ``path``, with at most ``budget_bytes`` of them in this process."""
 
+    files = True  # a file of records in StorageSpec.directory, StorageSpec.budget_bytes of them in DRAM
     views = False  # ``rows`` reads copies
     needs_lock = True  # a read changes the DRAM cache
+
+    @staticmethod
+    def stored_bytes(num_rows: int, dim: int, state_width: int) -> int:
+        """What the file of ``num_rows`` records takes."""
+        return num_rows * record_bytes(dim, state_width)
 
     def __init__(self, path: Path, *, num_rows: int, dim: int, state_width: int, budget_bytes: int) -> None:
         self.path = Path(path)

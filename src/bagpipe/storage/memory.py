@@ -17,9 +17,15 @@ class MemoryRows:
     """Rows ``weights`` ``[num_rows, dim]`` (shared with the caller), optimizer state ``[num_rows, state_width]``
     (``state``, shared, or zeros) and, if ``versioned``, each row's version, in memory."""
 
+    files = False  # whole, in memory
     max_chunk_rows = 1 << 30  # a snapshot's chunk as its writer asks
     views = True  # ``rows`` gives views: the table itself
     needs_lock = False  # a read changes nothing
+
+    @staticmethod
+    def stored_bytes(num_rows: int, dim: int, state_width: int) -> int:
+        """What ``num_rows`` rows and their state take (no versions: a table, not a shard)."""
+        return num_rows * (dim + state_width) * 4
 
     def __init__(self, weights: torch.Tensor, *, state_width: int, state: torch.Tensor | None = None,
                  versioned: bool = True) -> None:

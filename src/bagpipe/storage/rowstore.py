@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,14 +25,15 @@ from bagpipe.config import STORAGE_KINDS
 from bagpipe.embeddings import EmbeddingLayout, init_row_blocks
 from bagpipe.optim import RowOptimizer
 from bagpipe.storage.bits import row_bits
-from bagpipe.storage.tiers import open_tier
+from bagpipe.storage.tiers import open_tier, tier_class
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class StorageSpec:
-    """Where a store keeps its rows: in memory, or in ``directory`` on disk with ``budget_bytes`` of DRAM."""
+    """Where a store keeps its rows: the tier ``kind`` (storage.tiers), and for a tier that keeps files, the
+    ``directory`` they go to and the ``budget_bytes`` of DRAM it may hold of them."""
 
     kind: str = "memory"
     directory: Path | None = None
@@ -40,8 +42,27 @@ class StorageSpec:
     def __post_init__(self) -> None:
         if self.kind not in STORAGE_KINDS:
             raise ValueError(f"storage must be one of {', '.join(STORAGE_KINDS)}, got {self.kind!r}")
-        if self.kind == "disk" and self.directory is None:
-            raise ValueError("the disk tier needs a directory")
+        if self.files and self.directory is None:
+            raise ValueError(f"the {self.kind} tier keeps files: it needs a directory")
+
+    @classmethod
+    def of(cls, kind: str, directory: str | Path, budget_bytes: float) -> "StorageSpec":
+        """The storage ``kind`` names: in ``directory`` with ``budget_bytes`` of DRAM if its tier keeps files."""
+        return cls(kind, Path(directory), int(budget_bytes)) if tier_class(kind).files else cls(kind)
+
+    @property
+    def files(self) -> bool:
+        """Whether its tier keeps the rows in files (a block at a time, never whole in memory)."""
+        return tier_class(self.kind).files
+
+    def stored_bytes(self, num_rows: int, dim: int, state_width: int) -> int:
+        """What ``num_rows`` rows of ``dim`` floats and their state take in this tier."""
+        return tier_class(self.kind).stored_bytes(num_rows, dim, state_width)
+
+    def split(self, weights: list[int]) -> list["StorageSpec"]:
+        """One storage per part, the DRAM budget shared among them in proportion to ``weights`` (their bytes)."""
+        total = max(sum(weights), 1)
+        return [dataclasses.replace(self, budget_bytes=self.budget_bytes * weight // total) for weight in weights]
 
 
 def shard_tables(layout: EmbeddingLayout, space: int, shard: int, num_shards: int) -> list[tuple[int, int]]:

@@ -14,13 +14,18 @@ versioned) the version of the write-back that wrote it, and answers:
 - ``set_versions(version)``, ``stats()`` (its counters), ``close()`` (a file is a working copy: deleted).
 
 ``open_tier(spec, ...)`` makes the tier ``spec.kind`` names, filled with the initial rows given block by block
-(a table on disk is never whole in memory). Adding a tier: a class with this interface and a classmethod
-``open`` (``MemoryRows``, ``DiskRows``), registered with ``@tier("kind")``, and its kind in
-``config.STORAGE_KINDS`` (the flags' list; storage/__init__.py checks the two agree).
+(a table on disk is never whole in memory). Adding a tier: a class with this interface, its ``files``
+attribute and a classmethod ``open`` (``MemoryRows``, ``DiskRows``) in a module of its own, registered with
+``@tier("kind")`` and imported by storage/__init__.py, and its kind in ``config.STORAGE_KINDS`` (the flags' list;
+storage/__init__.py checks the two agree). Nothing else branches on a tier's kind: what differs between tiers is
+asked of the class (``files``; StorageSpec.files, StorageSpec.of, StorageSpec.split).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 import numpy as np
@@ -32,6 +37,9 @@ if TYPE_CHECKING:
 
 
 class RowTier(Protocol):
+    # keeps its rows in files of StorageSpec.directory, StorageSpec.budget_bytes of them in DRAM, and makes them a
+    # block at a time (a table in files is never whole in memory); else in memory, whole
+    files: bool
     num_rows: int
     dim: int
     state_width: int
@@ -55,6 +63,25 @@ class RowTier(Protocol):
 TIERS: dict[str, type] = {}
 
 
+def tier_class(kind: str) -> type:
+    """The tier registered as ``kind``; a ValueError naming the kinds if none is."""
+    if kind not in TIERS:
+        raise ValueError(f"storage must be one of {', '.join(TIERS)}, got {kind!r}")
+    return TIERS[kind]
+
+
+def storage_path(storage_dir: str, run_dir: str) -> Path:
+    """Where a run's tables' files go (a tier with ``files``): ``RUN_DIR/storage``, or a directory of
+    ``--storage-dir`` named after the run (its run dir's name and absolute path), so that runs sharing a
+    --storage-dir never touch each other's files and a later run in the same run dir finds, and removes, what a
+    killed one left."""
+    if not storage_dir:
+        return Path(run_dir) / "storage"
+    where = os.path.abspath(run_dir)
+    tag = hashlib.blake2b(where.encode(), digest_size=6).hexdigest()
+    return Path(storage_dir) / f"bagpipe-{Path(where).name}-{tag}"
+
+
 def tier(kind: str):
     """Register a tier class under ``kind`` (what ``StorageSpec.kind`` and ``--storage`` name)."""
     def register(cls: type) -> type:
@@ -69,7 +96,5 @@ def open_tier(spec: StorageSpec, *, name: str, num_rows: int, dim: int, state_wi
     zero optimizer state (or ``state``, which a tier in memory shares, as it shares a single block), named
     ``name`` where it needs a name (a file in ``spec.directory``). ``versioned``: it keeps each row's version
     (a server's shard does; a single process's table need not)."""
-    if spec.kind not in TIERS:
-        raise ValueError(f"storage must be one of {', '.join(TIERS)}, got {spec.kind!r}")
-    return TIERS[spec.kind].open(spec, name=name, num_rows=num_rows, dim=dim, state_width=state_width,
+    return tier_class(spec.kind).open(spec, name=name, num_rows=num_rows, dim=dim, state_width=state_width,
                                  blocks=blocks, versioned=versioned, state=state)

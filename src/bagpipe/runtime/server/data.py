@@ -25,7 +25,7 @@ from bagpipe.runtime.server.deltas import DeltaSender
 from bagpipe.runtime.world import Epochs, World
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore, StorageSpec
-from bagpipe.storage.disk import record_bytes, storage_path
+from bagpipe.storage.tiers import storage_path
 
 
 CHUNK_ROWS = 1 << 14  # rows a replacement reads at a time from the members of its group or from a stand-in
@@ -144,14 +144,13 @@ class Server:
 def storage_specs(config: TrainConfig, layout, *, num_shards: int, state_width) -> list[StorageSpec]:
     """Each space's storage on this server: the budget of ``--storage-budget-mb`` split among the spaces
     in proportion to the bytes of their shards."""
-    if config.storage == "memory":
-        return [StorageSpec() for _ in layout.spaces]
+    spec = StorageSpec.of(config.storage, storage_path(config.storage_dir, config.run_dir),
+                          config.storage_budget_mb * 2**20)
+    if not spec.files:
+        return [spec for _ in layout.spaces]
     bounded_heap()  # transient buffers go back to the system: the budget holds
-    directory = storage_path(config.storage_dir, config.run_dir)
-    shard_bytes = [(space.num_rows // num_shards + 1) * record_bytes(space.dim, state_width(space.dim))
-                   for space in layout.spaces]
-    budget = int(config.storage_budget_mb * 2**20)
-    return [StorageSpec("disk", directory, budget * part // max(sum(shard_bytes), 1)) for part in shard_bytes]
+    return spec.split([spec.stored_bytes(space.num_rows // num_shards + 1, space.dim, state_width(space.dim))
+                       for space in layout.spaces])
 
 
 def shard_stores(world: World, job: JobInfo, row_optimizer, specs: list[StorageSpec]) -> list[RowStore]:

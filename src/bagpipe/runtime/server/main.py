@@ -68,7 +68,7 @@ def _start_data_server(handlers: ServerHandlers, store, liveness: Liveness, row_
         send_deltas(server, world, epochs)
     handlers.server = server
     transport.serve("server", handlers)
-    where = "in memory" if specs[0].kind == "memory" else (f"on disk in {specs[0].directory}, "
+    where = "in memory" if not specs[0].files else (f"on disk in {specs[0].directory}, "
                                                            f"{config.storage_budget_mb:g} MiB of it in memory")
     log.info("server %d holds %d rows (of %d) %s; ready in %.1f s", index, sum(st.num_rows for st in server.stores),
              layout.num_rows, where, time.perf_counter() - started)
