@@ -48,6 +48,13 @@ def _default(name: str, *, models: bool = False) -> str:
     return f" (default {'; '.join([str(value), *own])})"
 
 
+def _policies() -> str:
+    """The cache policies, as a help text lists them (planner.plan.POLICIES)."""
+    from bagpipe.config import POLICIES
+
+    return ", ".join(POLICIES)
+
+
 @functools.cache
 def _defaults():
     """The default config, made once: every flag's help names its default (validating one takes a few ms)."""
@@ -302,7 +309,7 @@ def _add_job_flags(p) -> None:
                    help="rows each trainer (--mode single: the process) caches (default 0: 5%% of all rows)")
     g.add_argument("--lookahead", "--lookahead-value", dest="lookahead", type=int, default=None,
                    help="batches the oracle plans ahead" + _default("lookahead"))
-    g.add_argument("--policy", default=None, help="lookahead, lru, lfu or none (no cache; not in --mode single)"
+    g.add_argument("--policy", default=None, help=f"{_policies()} (none: no cache; not in --mode single)"
                    + _default("policy"))
     g.add_argument("--cache-mode", default=None, choices=("replicated", "partitioned"), help="replicated: every "
                    "trainer caches every row the plan keeps, gradients summed over all trainers; partitioned: each "
@@ -469,7 +476,7 @@ def _add_oracle_flags(p) -> None:
                    help="rows each trainer caches (default 0: 5%% of all rows)")
     g.add_argument("--lookahead-value", "--lookahead", dest="lookahead", type=int, default=None,
                    help="batches planned ahead" + _default("lookahead"))
-    g.add_argument("--policy", default=None, help="lookahead, lru, lfu or none" + _default("policy"))
+    g.add_argument("--policy", default=None, help=_policies() + _default("policy"))
     g.add_argument("--cleanup-batch-proportion", "--cleanup-fraction", dest="cleanup_fraction", type=float,
                    default=None, help="when evicting, also free this share of the cache" + _default("cleanup_fraction"))
     g.add_argument("--prefetch-depth", type=int, default=None,
@@ -503,7 +510,7 @@ def _add_plan_stats(sub) -> None:
     p.add_argument("--batch-size", type=int, required=True, help="the global batch")
     p.add_argument("--cache-rows", type=int, required=True, help="rows the cache holds")
     p.add_argument("--lookahead", type=int, default=200, help="batches planned ahead (default 200)")
-    p.add_argument("--policy", default="lookahead", help="lookahead, lru, lfu, none or belady (default lookahead)")
+    p.add_argument("--policy", default="lookahead", help=f"{_policies()} or belady (default lookahead)")
     p.add_argument("--iterations", type=int, default=0, help="batches planned (default 0: one pass over the split)")
     p.add_argument("--trainers", type=int, default=1, help="trainers sharing the write-backs (default 1); with 2 or "
                    "more, also what each trainer moves per iteration with a replicated and with a partitioned cache "

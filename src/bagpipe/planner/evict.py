@@ -2,7 +2,7 @@
 scored slots that every policy's evictions share.
 
 Pure numpy over per-slot arrays, O(cache rows): no keys, no device. Two users drive ``OnlineHistory``: the
-oracle's planner (plan.py) for its online baselines (``--policy lru|lfu``), and bagpipe.nn's single-process caches
+oracle's planner (plan.py) for its online baselines (``--policy lru``, ``lfu``: ONLINE_SCORES), and bagpipe.nn's single-process caches
 (nn/slots.py's ``SlotIndex``: ``--mode single --policy lru``, a ``CachedEmbeddingBag``). Both ask it for the same
 thing, the ``count`` slots to free for a batch, so a policy is written once and means the same in every mode.
 (The lookahead policy needs the future, which only the planner has: plan.py scores it, and partitioned.py for the
@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import numpy as np
 
-ONLINE_POLICIES = ("lru", "lfu")  # the policies that need no future: scored by ``online_scores``
+# The policies that need no future, by name: each slot's eviction priority (the highest go first) from its row's
+# ``age`` (iterations, or batches admitted, since its last use) and ``uses`` (OnlineHistory). A policy is one entry
+# here: the planner, --mode single, bagpipe.nn, the flags and plan-stats all take their names from it.
+ONLINE_SCORES = {
+    "lru": lambda age, uses: age,  # the longest unused
+    "lfu": lambda age, uses: -uses * (1 << 32) + age,  # the least used, and among equals the longest unused
+}
+ONLINE_POLICIES = tuple(ONLINE_SCORES)
 LOWEST = np.iinfo(np.int64).min  # the score of a slot that may not go (free, or holding a row of the batch)
 _SAMPLE = 4096  # scores sampled to find a threshold above which the highest lie
 
 
 def online_scores(policy: str, age: np.ndarray, uses: np.ndarray) -> np.ndarray:
-    """Eviction priority under an online policy, highest first: ``lru`` the longest unused (``age``: iterations
-    since the last use); ``lfu`` the least used (``uses``), and among equals the longest unused."""
-    if policy == "lru":
-        return age
-    if policy == "lfu":
-        return -uses * (1 << 32) + age
-    raise ValueError(f"{policy!r} is not an online policy ({', '.join(ONLINE_POLICIES)})")
+    """Eviction priority under an online policy (ONLINE_SCORES), highest first."""
+    if policy not in ONLINE_SCORES:
+        raise ValueError(f"{policy!r} is not an online policy ({', '.join(ONLINE_POLICIES)})")
+    return ONLINE_SCORES[policy](age, uses)
 
 
 def evictions_needed(overflow: int, *, candidates: int, capacity: int, cleanup_fraction: float) -> int:

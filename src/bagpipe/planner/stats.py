@@ -15,10 +15,10 @@ from bagpipe.heap import kept_heap
 from bagpipe.timing import peak_rss_bytes
 from bagpipe.planner.ahead import numbered_ahead
 from bagpipe.planner.partitioned import plan_partitioned
-from bagpipe.planner.plan import PlannerConfig, number_batches, plan, plan_numbered
+from bagpipe.planner.plan import POLICIES, PlannerConfig, number_batches, plan, plan_numbered
 from bagpipe.planner.reference import belady
 
-STATS_POLICIES = ("lookahead", "lru", "lfu", "none", "belady")
+STATS_POLICIES = (*POLICIES, "belady")  # the planner's, and Belady's MIN (planner/reference.py) beside them
 
 
 def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list[np.ndarray]:
