@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from bagpipe.config import (MODE_SECTIONS, MODES, SECTION_OF, SECTIONS, ModelConfig, TrainConfig, default_config,
+from bagpipe.config import (RUN_MODES, MODES, SECTION_OF, SECTIONS, ModelConfig, TrainConfig, default_config,
                             load_train_config)
 
 
@@ -130,7 +130,7 @@ def test_every_setting_is_warned_in_exactly_the_modes_whose_sections_leave_it_ou
         setattr(config, name, object())  # different from any default
         flag = "--" + name.replace("_", "-")
         warned = [w for w in ignored_settings(config) if w.startswith(f"{flag} does nothing in --mode {mode}")]
-        assert bool(warned) == (not MODE_SECTIONS[mode].reads(name)), (mode, name, warned)
+        assert bool(warned) == (not RUN_MODES[mode].reads(name)), (mode, name, warned)
 
 
 def test_every_flag_has_a_help_line_with_its_default():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bagpipe.config import MODE_SECTIONS, SECTION_OF, SECTIONS, ModelConfig, TrainConfig
+from bagpipe.config import RUN_MODES, SECTION_OF, SECTIONS, ModelConfig, TrainConfig
 from bagpipe.reference import train_reference
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import JobFailed, launch_local
@@ -38,7 +38,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 # trainers (the reference's --slices), and where it writes and checkpoints. Two configurations that differ only in
 # these have one reference.
 _NOT_IN_THE_REFERENCE = ("run_dir", "mode", *SECTIONS["checkpoint"],
-                         *(name for name in SECTION_OF if not MODE_SECTIONS["reference"].reads(name) and name != "trainers"))
+                         *(name for name in SECTION_OF if not RUN_MODES["reference"].reads(name) and name != "trainers"))
 _REFERENCES: dict[str, tuple[Path, dict]] = {}  # a configuration's reference, trained once per test session
 
 

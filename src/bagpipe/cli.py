@@ -602,7 +602,7 @@ def run_train(args) -> None:
             raise ValueError(f"--data: no such file or directory {config.data}")
     # A role runs one thread unless told otherwise, and a reference that computes as trainers do
     # (--slices) runs as many as each of them: some kernels' sums depend on the thread count.
-    threads = args.threads or (SLICED_THREADS if config.mode == "bagpipe" or config.slices > 1 else 0)
+    threads = args.threads or (SLICED_THREADS if config.run_mode.processes or config.slices > 1 else 0)
     if threads != 1 and "torch" not in sys.modules:  # (OpenMP's workers: how they wait, read as torch loads)
         from bagpipe.openmp import choose_wait_policy
 
@@ -614,7 +614,7 @@ def run_train(args) -> None:
     from bagpipe.faults import set_role
     from bagpipe.reference import train_reference
 
-    if config.mode == "bagpipe":
+    if config.run_mode.processes:
         from bagpipe.runtime.launch import launch_local
 
         summary = launch_local(config, show_progress=not args.no_progress, threads=threads, overwrite=args.overwrite,
@@ -629,7 +629,7 @@ def run_train(args) -> None:
 
 
 def human_summary(summary: dict) -> str:
-    from bagpipe.report import figure, health_lines
+    from bagpipe.report import figure, health_lines, summary_mode
 
     lines = [
         f"mode {summary['mode']} ({summary.get('model', 'dlrm')}): {summary['iterations']} iterations, "
@@ -653,7 +653,7 @@ def human_summary(summary: dict) -> str:
         lines += [f"  {name:<11} {figure(summary[prefix + 'hr10'], '.4f')}   NDCG@10 "
                   f"{figure(summary[prefix + 'ndcg10'], '.4f')}" for name, prefix in
                   (("popular", "eval_popular_"), ("co-occur.", "eval_cooccurrence_")) if prefix + "hr10" in summary]
-    if summary["mode"] in ("bagpipe", "single"):
+    if summary_mode(summary).cached:
         stall = (f", stall {100 * summary['embedding_stall_fraction']:.1f}% of trainer time"
                  if "embedding_stall_fraction" in summary else "")
         lines.append(f"  cache       {summary['cache_rows']:,} of {summary['total_rows']:,} rows, hit rate "

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bagpipe.planner.evict import ONLINE_POLICIES
-from bagpipe.planner.plan import POLICIES
+from bagpipe.planner.plan import POLICIES, plans_ahead
 
 log = logging.getLogger(__name__)
 
@@ -327,20 +327,27 @@ class TrainConfig:
             raise ValueError(f"planner_processes must be 1 or 2, got {self.planner_processes}")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
-        if self.mode == "bagpipe" and self.cache_mode == "partitioned":
+        mode = self.run_mode
+        if mode.processes and self.cache_mode == "partitioned":
             self._check_partitioned()
-        if self.mode == "single" and self.policy not in SINGLE_POLICIES:
-            raise ValueError(f"--mode single: policy must be one of {', '.join(SINGLE_POLICIES)}, got {self.policy!r}")
-        if self.mode in ("reference", "single") and self.batch_size % self.slices:
+        if mode.cached and self.policy not in mode.policies:
+            raise ValueError(f"--mode {self.mode}: policy must be one of {', '.join(mode.policies)}, "
+                             f"got {self.policy!r}")
+        if not mode.processes and self.batch_size % self.slices:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of slices ({self.slices}): "
                              "each slice is an equal part of the global batch")
-        if self.mode == "bagpipe" and self.batch_size % self.trainers:
+        if mode.processes and self.batch_size % self.trainers:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of trainers ({self.trainers}): "
                              "each trainer takes an equal slice of the global batch")
 
+    @property
+    def run_mode(self) -> "Mode":
+        """Its --mode (RUN_MODES): what the code asks of a mode, it asks of this."""
+        return RUN_MODES[self.mode]
+
     def _check_partitioned(self) -> None:
         """What the partitioned cache does not do (yet): said before any role starts."""
-        if self.policy != "lookahead":
+        if not plans_ahead(self.policy):
             raise ValueError(f"--cache-mode partitioned plans each trainer's cache by lookahead only, not "
                              f"--policy {self.policy}")
         if self.planner_processes != 1:
@@ -366,7 +373,7 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 
 
 # A run's settings by section: a TOML file's tables ([cache], [job], ...; the model's are [model]), and what each
-# mode reads (MODE_SECTIONS): a setting changed from its default in a section its mode does not read is warned
+# mode reads (RUN_MODES): a setting changed from its default in a section its mode does not read is warned
 # (preflight.ignored_settings). Every TrainConfig field but ``model`` is in exactly one (tests/test_config.py).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("run_dir", "mode", "device", "compile", "iterations", "epochs", "batch_size", "seed", "warmup_iterations",
@@ -389,25 +396,31 @@ SECTION_OF = {name: section for section, names in SECTIONS.items() for name in n
 
 @dataclass(frozen=True)
 class Mode:
-    """A way to train (``--mode``): the sections of settings it reads, and what it is."""
+    """A way to train (``--mode``): the sections of settings it reads, what it is, and what the code asks of it
+    (no mode is named anywhere else: tests/test_registries.py)."""
 
     name: str
     sections: frozenset[str]
     summary: str
+    cached: bool = False  # trains from a cache of the rows (a plan's, or an online policy's): reads [cache]
+    processes: bool = False  # a job of processes (oracle, servers, trainers) that the local launcher starts
+    policies: tuple[str, ...] = ()  # the cache policies it takes (cached)
 
     def reads(self, setting: str) -> bool:
         return SECTION_OF[setting] in self.sections
 
 
 _EVERY_MODE = {"run", "data", "optimizer", "evaluation", "checkpoint"}
-MODE_SECTIONS: dict[str, Mode] = {mode.name: mode for mode in (
+RUN_MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth"),
     Mode("bagpipe", frozenset(_EVERY_MODE | {"cache", "storage", "job", "fault_tolerance", "rpc"}),
-         "an oracle, embedding servers and trainers as processes, each trainer training from its planned cache"),
+         "an oracle, embedding servers and trainers as processes, each trainer training from its planned cache",
+         cached=True, processes=True, policies=POLICIES),
     Mode("single", frozenset(_EVERY_MODE | {"cache", "storage"}),
-         "one process, the tables in host memory or on disk behind a planned cache"),
+         "one process, the tables in host memory or on disk behind a planned cache", cached=True,
+         policies=SINGLE_POLICIES),
 )}
-MODES = tuple(MODE_SECTIONS)  # their names
+MODES = tuple(RUN_MODES)  # their names
 
 
 # What `bagpipe train --model M` takes for the settings it is not given, where the dataclasses' defaults (Adagrad

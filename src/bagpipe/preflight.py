@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bagpipe.config import EXTERNAL, MODE_SECTIONS, SECTION_OF, ModelConfig, TrainConfig, default_config
+from bagpipe.config import EXTERNAL, RUN_MODES, SECTION_OF, Mode, ModelConfig, TrainConfig, default_config
 from bagpipe.data.batches import batches_per_epoch, epoch_rows, fresh_negatives, planned_iterations, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed, physical_memory_bytes
@@ -19,7 +19,7 @@ from bagpipe.embeddings import EmbeddingLayout, valid_keys
 from bagpipe.files import check_writable, human_bytes, mount_point
 from bagpipe.models import MODELS, check_model, model_tables
 from bagpipe.optim import make_row_optimizer
-from bagpipe.planner.plan import (PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER, PLANNER_BYTES_PER_SEEN_ROW,
+from bagpipe.planner.plan import (PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER, PLANNER_BYTES_PER_SEEN_ROW, plans_ahead,
                                   planner_window_bytes)
 from bagpipe.progress import progress
 from bagpipe.rundir import prepare_run_dir
@@ -95,7 +95,7 @@ def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: boo
         raise ValueError("checkpoints during training (and --eval-every, which evaluates them) need bagpipe's "
                          "trainers: the trainers are scripts with a model of their own (init_cache), whose dense "
                          "state the job cannot save")
-    if config.mode in ("bagpipe", "single"):
+    if config.run_mode.cached:
         check_cache(config, dataset, show_progress=show_progress)
     return ignored_settings(config) + cache_warnings(config, dataset)
 
@@ -139,15 +139,15 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
     On disk (--storage disk: the servers', or --mode single's process's) only the DRAM budgets count.
     """
     layout = job_layout(config, dataset)
-    on_disk = config.mode in ("bagpipe", "single") and tier_class(config.storage).files
+    on_disk = config.run_mode.cached and tier_class(config.storage).files
     if on_disk:  # the servers (or the one process) hold their budgets; the tables go to their files
         check_disk(config, layout)
-        holders = config.servers if config.mode == "bagpipe" else 1
+        holders = config.servers if config.run_mode.processes else 1
         parts = {"the storage budgets": int(holders * config.storage_budget_mb * 2**20)}
     else:
         check_model_space(config, layout)
         parts = {"tables": table_bytes(config, layout)}
-    if config.mode == "bagpipe" or (config.mode == "single" and config.policy == "lookahead"):
+    if config.run_mode.processes or (config.run_mode.cached and plans_ahead(config.policy)):  # a planner runs
         parts["the planner"] = planner_bytes(
             layout, dataset, partitioned_trainers=config.trainers if config.cache_mode == "partitioned" else 0,
             lookahead=config.lookahead, batch_size=config.batch_size)
@@ -158,7 +158,7 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
         detail = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
         remedy = ("lower --storage-budget-mb" if on_disk else
                   "lower emb_dim or the table sizes" + (", or keep the tables on disk (--storage disk)"
-                                                        if config.mode in ("bagpipe", "single") else ""))
+                                                        if config.run_mode.cached else ""))
         raise ValueError(f"{dataset.directory}: the {config.model.name} tables ({layout.num_rows:,} rows) with "
                          f"{config.optimizer} need {human_bytes(need)} ({detail}), more than this machine's "
                          f"{human_bytes(have)}; "
@@ -210,7 +210,7 @@ def cache_rows_of(config: TrainConfig, layout: EmbeddingLayout) -> list[int]:
 def cached_batch(config: TrainConfig) -> int:
     """The samples whose rows a cache must hold at once: the global batch, or with the partitioned cache a
     trainer's slice of it."""
-    partitioned = config.mode == "bagpipe" and config.cache_mode == "partitioned"
+    partitioned = config.run_mode.processes and config.cache_mode == "partitioned"
     return config.batch_size // config.trainers if partitioned else config.batch_size
 
 
@@ -284,9 +284,9 @@ def ignored_settings(config: TrainConfig) -> list[str]:
     defaults = default_config(config.model.name)
     changed = [f.name for f in dataclasses.fields(TrainConfig)
                if f.name != "model" and getattr(config, f.name) != getattr(defaults, f.name)]
-    mode = MODE_SECTIONS[config.mode]  # the sections of settings it reads (config.SECTIONS)
+    mode = RUN_MODES[config.mode]  # the sections of settings it reads (config.SECTIONS)
     warnings = [f"{_flag(name)} does nothing in --mode {config.mode} (a {SECTION_OF[name]} setting)"
-                + _hint(name, config.mode) for name in changed if not mode.reads(name)]
+                + _hint(name, mode) for name in changed if not mode.reads(name)]
     if "shuffle_seed" in changed and not config.shuffle:
         warnings.append("--shuffle-seed does nothing without --shuffle (batches are consecutive rows)")
     read = MODELS[config.model.name].settings
@@ -300,8 +300,8 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _hint(name: str, mode: str) -> str:
-    if mode == "bagpipe":
+def _hint(name: str, mode: Mode) -> str:
+    if mode.processes:
         return " (its trainers are the slices: --trainers)"
     if name == "trainers":
         return " (one process trains; --slices T computes the gradients as T trainers do)"
@@ -311,10 +311,10 @@ def _hint(name: str, mode: str) -> str:
 def cache_warnings(config: TrainConfig, dataset: BinaryDataset) -> list[str]:
     total = job_layout(config, dataset).num_rows
     warnings = []
-    if config.mode in ("bagpipe", "single") and config.cache_rows >= total:
+    if config.run_mode.cached and config.cache_rows >= total:
         warnings.append(f"--cache-rows {config.cache_rows} holds all {total} rows: every row stays cached after its "
                         f"first fetch, so the plan saves nothing over keeping the tables on the trainers")
-    if config.mode == "bagpipe" and config.cache_mode == "partitioned" and config.trainers > 1 and (
+    if config.run_mode.processes and config.cache_mode == "partitioned" and config.trainers > 1 and (
             not config.checkpoints or not config.max_restarts):
         warnings.append("--cache-mode partitioned does not replace a lost trainer (the rows only it held are lost "
                         "with it): without checkpoints and --max-restarts such a loss ends the job; "

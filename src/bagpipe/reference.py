@@ -42,6 +42,7 @@ from bagpipe.progress import progress
 from bagpipe.rundir import RunDir, sweep_working_files
 from bagpipe.runlock import lock_run_dir
 from bagpipe.storage import StorageSpec
+from bagpipe.planner.plan import index_policy, plans_ahead
 from bagpipe.storage.tiers import storage_path
 from bagpipe.timing import PhaseClock, peak_rss_bytes
 
@@ -94,11 +95,11 @@ def build_run_tables(config: TrainConfig, schema: Schema, *,
     """The tables a run trains: in memory on ``device`` (--mode reference), or behind a cache on ``device``
     (--mode single), the host tables in memory or, with --storage disk, in files in --storage-dir (default
     RUN_DIR/storage)."""
-    if config.mode != "single":
+    if not config.run_mode.cached:
         return build_tables(config, schema, device=device)
     layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
     options = {"cache_rows": cache_rows_of(config, layout), "cleanup_fraction": single_cleanup_fraction(config),
-               "policy": "lru" if config.policy == "lookahead" else config.policy, "device": device}
+               "policy": index_policy(config.policy), "device": device}
     storage = StorageSpec.of(config.storage, storage_path(config.storage_dir, config.run_dir),
                              config.storage_budget_mb * 2**20)
     if storage.files:
@@ -307,7 +308,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
              config.model.name, iterations, config.batch_size, len(tables.layout.tables), tables.layout.num_rows,
              f", on {device}" if device.type != "cpu" else "",
              f", a cache of {sum(cache_rows_of(config, tables.layout))} rows ({config.policy})"
-             if config.mode == "single" else "", f", resumed at iteration {start}" if start else "")
+             if config.run_mode.cached else "", f", resumed at iteration {start}" if start else "")
 
     # The iterations, each logged; a checkpoint written in the background at each one due.
     timer = Timer(warmup=min(config.warmup_iterations, max(iterations - start - 1, 0)))
@@ -319,7 +320,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     setup_s = time.perf_counter() - started
     bar = progress(total=iterations, initial=start, desc="train", unit="it", enabled=show_progress,
                    samples_per_unit=config.batch_size)
-    cache_figures = _cache_window(tables) if config.mode == "single" else None
+    cache_figures = _cache_window(tables) if config.run_mode.cached else None
     loss = float("nan")
     recent_losses = progress_state.recent_losses
     train_started = time.perf_counter()
@@ -330,7 +331,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
                               shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start,
                               negatives=fresh_negatives(config, dataset.train))
-    if config.mode == "single" and config.policy == "lookahead":
+    if config.run_mode.cached and plans_ahead(config.policy):
         batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
                             cleanup_fraction=cleanup_fraction)
     pending = PendingLosses()  # the losses are read at each log, checkpoint and evaluation, not every iteration
@@ -419,7 +420,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
         **({"resumed_at": start} if resume else {}),
-        **(_cache_summary(tables, iterations - start, policy=config.policy) if config.mode == "single" else {}),
+        **(_cache_summary(tables, iterations - start, policy=config.policy) if config.run_mode.cached else {}),
     }
     run.finish(summary)
     return summary

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from bagpipe.config import RUN_MODES, Mode
 from bagpipe.timing import PHASES
 
 PLOTS = ("loss_auc.png", "throughput.png", "time_breakdown.png", "time_per_window.png", "cache.png")
@@ -60,14 +61,21 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     return Run(path=path, label=label or _default_label(path, summary), summary=summary, train=train, evals=evals)
 
 
+def summary_mode(summary: dict) -> Mode:
+    """The mode a run's summary names (a mode of no cache and one process where it names none this bagpipe has)."""
+    return RUN_MODES.get(summary.get("mode"), Mode(str(summary.get("mode")), frozenset(), "unknown"))
+
+
 def _default_label(path: Path, summary: dict) -> str:
     mode = summary.get("mode")
-    if mode == "bagpipe":
-        return (f"{path.name} (bagpipe, {summary.get('trainers')} trainers, {summary.get('policy')}"
+    if mode not in RUN_MODES:  # (a run of a bagpipe that named its modes otherwise)
+        return f"{path.name} ({mode})" if mode else path.name
+    if RUN_MODES[mode].processes:
+        return (f"{path.name} ({mode}, {summary.get('trainers')} trainers, {summary.get('policy')}"
                 + (", partitioned" if summary.get("cache_mode") == "partitioned" else "") + ")")
-    if mode == "single":
-        return f"{path.name} (single, {summary.get('policy')})"
-    return f"{path.name} ({mode})" if mode else path.name
+    if RUN_MODES[mode].cached:
+        return f"{path.name} ({mode}, {summary.get('policy')})"
+    return f"{path.name} ({mode})"
 
 
 def figure(value, spec: str) -> str:
@@ -95,11 +103,11 @@ def summarize(run: Run) -> str:
         lines.append(f"  train loss   {figure(s['final_train_loss'], '.4f')}   eval {name} {figure(s['eval_' + metric], '.4f')}   {other}")
     else:
         lines.append(f"  (no summary.json: unfinished run) last train loss {last['train_loss']:.4f}")
-    if s.get("mode") in ("bagpipe", "single"):
+    if summary_mode(s).cached:
         lines.append(f"  cache        {s['cache_rows']:,} of {s['total_rows']:,} rows, hit rate "
                      f"{figure(s['cache_hit_rate'], '.3f')}, {figure(s['rows_moved_per_iteration'], ',.0f')} rows moved per iteration"
                      + (f", stall {100 * s['embedding_stall_fraction']:.1f}%, {s['bytes_sent'] / 2**20:,.1f} MiB sent"
-                        if s["mode"] == "bagpipe" else ""))
+                        if summary_mode(s).processes else ""))
     breakdown = s.get("time_breakdown_ms") or {}
     if breakdown:
         total = sum(breakdown.values())

@@ -44,7 +44,7 @@ import numpy as np
 from bagpipe.planner.keys import KeyIndex, grown
 from bagpipe.planner.keys import unique_inverse
 from bagpipe.planner.evict import highest
-from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, Numbered, PlannerConfig, _Stream, distinct, per_space
+from bagpipe.planner.plan import _NEXT_USE_BLOCK, NEVER, Numbered, PlannerConfig, _Stream, distinct, per_space, plans_ahead
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def plan_partitioned(slices: Iterable[list[np.ndarray]], config: PlannerConfig, 
     trainers, capacity = config.num_trainers, config.cache_rows
     if trainers > 63:
         raise ValueError(f"the partitioned plan names a row's users in 63 bits: {trainers} trainers are too many")
-    if config.policy != "lookahead":
+    if not plans_ahead(config.policy):
         raise ValueError(f"the partitioned plan evicts by lookahead only, not {config.policy!r}")
     # Rows are numbered in the order first seen (one KeyIndex for every stream), and the state below is over those
     # numbers: it grows with the rows the plan sees, not with the key space. Keys appear in the steps, and decide

@@ -43,6 +43,17 @@ PLANNER_BYTES_PER_WINDOW_ID = 28
 PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER = 32
 
 
+def plans_ahead(policy: str) -> bool:
+    """Whether ``policy`` needs the future (the lookahead plan), not only the past (an online policy, or none)."""
+    return policy == "lookahead"
+
+
+def index_policy(policy: str) -> str:
+    """The online policy a single process's cache index (nn.SlotIndex) runs for ``policy``: its own where it is
+    online, else LRU (under the lookahead policy the plan decides the evictions: bagpipe.nn.Lookahead)."""
+    return policy if policy in ONLINE_POLICIES else ONLINE_POLICIES[0]
+
+
 def planner_window_bytes(*, lookahead: int, batch_ids: int, partitioned: bool = False) -> int:
     """The most a planner's window of batches holds (``batch_ids``: ids in a global batch, repeats included); the
     partitioned plan streams each id twice (its trainer's slice, and the whole batch)."""
