@@ -1,13 +1,14 @@
-"""Modes, storage tiers and cache policies are each named in one place, their registry, and the code asks the
-registry what a name means (config.RUN_MODES' Mode, a tier class's attributes, planner.plan's plans_ahead and
-evict.ONLINE_SCORES) instead of comparing names: a new one is then added in its registry alone."""
+"""Modes, storage tiers, cache policies and row optimizers are each named in one place, their registry, and the code
+asks the registry what a name means (config.RUN_MODES' Mode, a tier class's attributes, planner.plan's plans_ahead
+and evict.ONLINE_SCORES, a RowOptimizer class's) instead of comparing names: a new one is then added in its
+registry alone."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from bagpipe.config import MODES, POLICIES, STORAGE_KINDS
+from bagpipe.config import MODES, OPTIMIZERS, POLICIES, STORAGE_KINDS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "bagpipe"
 # name kind -> (its names, words that mark an expression as one of them, the files that may compare them)
@@ -15,6 +16,7 @@ REGISTRIES = {
     "mode": (set(MODES), ("mode",), set()),
     "storage kind": (set(STORAGE_KINDS), ("storage", "kind"), set()),
     "cache policy": (set(POLICIES), ("policy",), {"planner/plan.py", "planner/evict.py"}),
+    "row optimizer": (set(OPTIMIZERS), ("optim", "name"), {"optim.py"}),
 }
 
 

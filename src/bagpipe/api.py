@@ -33,6 +33,7 @@ from bagpipe.config import EXTERNAL, MODEL_NAMES, ModelConfig, complete_model
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import Embeddings, Lookup
+from bagpipe.optim import BY_TORCH_CLASS
 from bagpipe.reference import Timer
 from bagpipe.runtime import transport
 from bagpipe.runtime.trainer.handlers import TrainerHandlers
@@ -42,7 +43,6 @@ from bagpipe.runtime.world import LOOPBACK, DEFAULT_PORT, World
 
 log = logging.getLogger(__name__)
 
-_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adagrad: "adagrad", torch.optim.Adam: "adam"}
 
 
 class TrainerCache:
@@ -195,9 +195,10 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
     if len(ln_emb):
         given["table_sizes"] = [int(n) for n in ln_emb]
     if emb_optim is not None:
-        if emb_optim not in _OPTIMIZERS:
-            raise ValueError(f"emb_optim {emb_optim!r} is not supported: torch.optim.SGD, Adagrad or Adam")
-        given["optimizer"] = _OPTIMIZERS[emb_optim]
+        if emb_optim not in BY_TORCH_CLASS:
+            raise ValueError(f"emb_optim {emb_optim!r} is not supported: torch.optim."
+                             + ", ".join(cls.__name__ for cls in BY_TORCH_CLASS))
+        given["optimizer"] = BY_TORCH_CLASS[emb_optim]
     if (emb_optim_params or {}).get("lr") is not None:
         given["lr"] = float(emb_optim_params["lr"])
     given.update(_model_settings(model, model_options or {}, emb_dim=int(emb_size)))

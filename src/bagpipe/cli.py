@@ -48,6 +48,13 @@ def _default(name: str, *, models: bool = False) -> str:
     return f" (default {'; '.join([str(value), *own])})"
 
 
+def _optimizers() -> str:
+    """The row optimizers, as a help text lists them (config.OPTIMIZERS, optim.ROW_OPTIMIZERS)."""
+    from bagpipe.config import OPTIMIZERS
+
+    return ", ".join(OPTIMIZERS)
+
+
 def _policies() -> str:
     """The cache policies, as a help text lists them (planner.plan.POLICIES)."""
     from bagpipe.config import POLICIES
@@ -162,7 +169,7 @@ def _add_train(sub) -> None:
                    + _default("batch_size", models=True))
     p.add_argument("--eval-batch-size", type=int, default=None, help="samples per evaluation batch"
                    + _default("eval_batch_size"))
-    p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, for embeddings and dense weights"
+    p.add_argument("--optimizer", default=None, help=f"{_optimizers()}, for embeddings and dense weights"
                    + _default("optimizer", models=True))
     p.add_argument("--lr", type=float, default=None, help="learning rate" + _default("lr", models=True))
     p.add_argument("--seed", type=int, default=None, help="initialisation seed" + _default("seed"))
@@ -467,7 +474,7 @@ def _add_oracle_flags(p) -> None:
                    "model instead of the last (needs --eval-every; default: the last; caser: the best)")
     p.add_argument("--no-keep-best", dest="keep_best", action="store_false", default=None,
                    help="RUN_DIR/model holds the last model, whatever a model's own default")
-    p.add_argument("--optimizer", default=None, help="sgd, adagrad or adam, agreed with the trainers'"
+    p.add_argument("--optimizer", default=None, help=f"{_optimizers()}, agreed with the trainers'"
                    + _default("optimizer"))
     p.add_argument("--lr", type=float, default=None, help="learning rate, agreed with the trainers'" + _default("lr"))
     _add_model_flags(p, emb_flags=("--emb-size", "--emb-dim"))
@@ -516,7 +523,7 @@ def _add_plan_stats(sub) -> None:
                    "more, also what each trainer moves per iteration with a replicated and with a partitioned cache "
                    "of --cache-rows rows each (\"traffic\")")
     p.add_argument("--emb-dim", type=int, default=16, help="the rows' width, for the traffic's bytes (default 16)")
-    p.add_argument("--optimizer", default="sgd", help="sgd, adagrad or adam: the optimizer state a fetched or written "
+    p.add_argument("--optimizer", default="sgd", help=f"{_optimizers()}: the optimizer state a fetched or written "
                    "row carries, for the traffic's bytes (default sgd)")
     p.add_argument("--cleanup-fraction", type=float, default=0.0,
                    help="when evicting, also free this share of the cache (fewer, larger eviction rounds; default 0)")

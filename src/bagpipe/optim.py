@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bagpipe.config import OPTIMIZERS
 from bagpipe.embeddings.tables import Lookup, sparse_row_sums, update_rows
 
 
@@ -21,10 +22,12 @@ class RowOptimizer:
     """A row optimizer: its per-row state's width, its step on a batch's gathered rows, and its one update of a
     space's rows in place (``update``: every cache, table and server applies it through ``update_rows``, so that
     the reference and every cached path step alike). Each is a class of its own, registered by ``name``
-    (``ROW_OPTIMIZERS``): adding one is a subclass here (and its torch.optim counterpart for the dense
-    parameters)."""
+    (``ROW_OPTIMIZERS``): adding one is a subclass here, with its torch.optim counterpart for the dense
+    parameters, and its name in ``config.OPTIMIZERS`` (which the flags read without importing torch)."""
 
     name = ""  # (a class attribute: the registry's key, the config's --optimizer)
+    torch_class: type[torch.optim.Optimizer] | None = None  # its torch.optim counterpart (what a script passes)
+    torch_lr = 1e-3  # torch.optim's default learning rate for it (bagpipe.nn's when none is given)
     lr: float
     eps: float = 0.0
 
@@ -35,6 +38,13 @@ class RowOptimizer:
     def state_width(self, dim: int) -> int:
         """Floats of optimizer state per row."""
         raise NotImplementedError
+
+    @classmethod
+    def with_torch_args(cls, *, lr: float, eps: float | None = None, betas: tuple[float, float] | None = None
+                        ) -> "RowOptimizer":
+        """The optimizer from torch.optim's form of its arguments (``eps``, Adam's ``betas``), defaults where
+        None."""
+        return cls(lr=lr, **({} if eps is None else {"eps": eps}))
 
     def step(self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         """Update ``rows`` [U, D] and ``state`` [U, S] in place from ``grads`` [U, D]."""
@@ -60,6 +70,7 @@ class RowOptimizer:
 @dataclass(frozen=True, kw_only=True)
 class RowSGD(RowOptimizer):
     name = "sgd"
+    torch_class = torch.optim.SGD
 
     def state_width(self, dim: int) -> int:
         return 0
@@ -82,6 +93,8 @@ class RowAdagrad(RowOptimizer):
     """Adagrad: a per-element sum of squared gradients as the row's state."""
 
     name = "adagrad"
+    torch_class = torch.optim.Adagrad
+    torch_lr = 1e-2
     eps: float = 1e-10
 
     def state_width(self, dim: int) -> int:
@@ -101,12 +114,19 @@ class RowAdam(RowOptimizer):
     State: the first and second moments and the step count, ``2 * dim + 1`` floats."""
 
     name = "adam"
+    torch_class = torch.optim.Adam
     eps: float = 1e-8
     beta1: float = 0.9
     beta2: float = 0.999
 
     def state_width(self, dim: int) -> int:
         return 2 * dim + 1
+
+    @classmethod
+    def with_torch_args(cls, *, lr: float, eps: float | None = None, betas: tuple[float, float] | None = None
+                        ) -> "RowAdam":
+        return cls(lr=lr, **({} if eps is None else {"eps": eps}),
+                   **({} if betas is None else {"beta1": betas[0], "beta2": betas[1]}))
 
     def step(self, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> None:
         dim = rows.shape[1]
@@ -125,6 +145,9 @@ class RowAdam(RowOptimizer):
 
 ROW_OPTIMIZERS: dict[str, type[RowOptimizer]] = {cls.name: cls for cls in (RowSGD, RowAdagrad, RowAdam)}
 OPTIMIZER_NAMES = tuple(ROW_OPTIMIZERS)
+assert OPTIMIZER_NAMES == OPTIMIZERS, "config.OPTIMIZERS lists the registered row optimizers"
+# a script's torch.optim class -> the row optimizer of the same rule (the original API's emb_optim)
+BY_TORCH_CLASS: dict[type, str] = {cls.torch_class: name for name, cls in ROW_OPTIMIZERS.items()}
 
 
 def make_row_optimizer(name: str, *, lr: float, **hyper) -> RowOptimizer:

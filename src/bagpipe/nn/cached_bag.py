@@ -26,7 +26,7 @@ from torch import nn
 from bagpipe.nn.host import host_table, initial_blocks, storage_spec
 from bagpipe.nn.rows import CachedRows, accumulating
 from bagpipe.nn.slots import CLEANUP_FRACTION
-from bagpipe.optim import RowOptimizer, make_row_optimizer
+from bagpipe.optim import OPTIMIZER_NAMES, ROW_OPTIMIZERS, RowOptimizer
 from bagpipe.storage import StorageSpec
 
 MODES = ("sum", "mean")  # "max" has no sparse gradient, so no row-wise step to fuse
@@ -255,18 +255,16 @@ def row_optimizer(name: str | None, *, lr: float | None, eps: float | None,
                   betas: tuple[float, float]) -> RowOptimizer:
     """The fused optimizer, its hyper-parameters defaulted as torch.optim's SGD, Adagrad and Adam default them;
     no ``name``: SGD, with a UserWarning naming it (pointing at the module's constructor call)."""
-    defaults = {"sgd": 1e-3, "adagrad": 1e-2, "adam": 1e-3}
     if name is None:
-        name = "sgd"
-        warnings.warn(f"no optimizer given: the table's rows are trained with optimizer='sgd', "
-                      f"lr={defaults['sgd'] if lr is None else lr} inside backward(); pass optimizer= "
-                      f"({', '.join(map(repr, defaults))}) and lr= to choose", UserWarning, stacklevel=_outside_nn())
-    if name not in defaults:
-        raise ValueError(f"optimizer must be one of {', '.join(defaults)}, got {name!r}")
-    hyper = {} if eps is None else {"eps": eps}
-    if name == "adam":
-        hyper.update(beta1=betas[0], beta2=betas[1])
-    return make_row_optimizer(name, lr=defaults[name] if lr is None else lr, **hyper)
+        name = OPTIMIZER_NAMES[0]
+        warnings.warn(f"no optimizer given: the table's rows are trained with optimizer={name!r}, "
+                      f"lr={ROW_OPTIMIZERS[name].torch_lr if lr is None else lr} inside backward(); pass optimizer= "
+                      f"({', '.join(map(repr, OPTIMIZER_NAMES))}) and lr= to choose", UserWarning,
+                      stacklevel=_outside_nn())
+    if name not in ROW_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_NAMES)}, got {name!r}")
+    kind = ROW_OPTIMIZERS[name]
+    return kind.with_torch_args(lr=kind.torch_lr if lr is None else lr, eps=eps, betas=betas)
 
 
 def _outside_nn() -> int:
