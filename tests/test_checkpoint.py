@@ -221,6 +221,33 @@ def test_resume_refuses_what_it_cannot_continue(small_binary, tmp_path, capsys):
         check_job(scripts, open_dataset(small_binary))
 
 
+def test_a_run_dir_from_before_settings_had_sections_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """A run dir an earlier bagpipe wrote and a kill interrupted (tests/data/README.md: a flat config.json, no
+    data.json) resumes with today's code to the export of an uninterrupted run of today's code."""
+    import shutil
+    from pathlib import Path
+
+    from bagpipe.synth import generate, resolve_table_sizes
+
+    stored = Path(__file__).parent / "data" / "run_before_sections"
+    monkeypatch.chdir(tmp_path)  # its config.json names its data and itself relative to where it ran
+    shutil.copytree(stored, "run")
+    generate("data", rows=3000, test_rows=500, seed=7, show_progress=False,
+             table_sizes=resolve_table_sizes(tables=None, table_sizes=None, max_rows_per_table=100))
+    assert main(["train", "--run-dir", "run", "--resume", "--no-progress"]) == 0
+    assert json.loads(Path("run/summary.json").read_text())["resumed_at"] == 20
+    settings = json.loads(Path("run/config.json").read_text())
+    assert main(["train", "--data", "data", "--run-dir", "whole", "--iterations", "40", "--batch-size", "100",
+                 "--emb-dim", "4", "--arch-mlp-bot", "13-8-4", "--arch-mlp-top", "8-1", "--optimizer", "adagrad",
+                 "--lr", "0.05", "--no-progress"]) == 0
+    assert json.loads(Path("whole/config.json").read_text()) == {**settings, "run_dir": "whole",
+                                                                 "checkpoint_every": 0}
+    resumed, whole = export("run", tmp_path / "resumed.pt"), export("whole", tmp_path / "whole.pt")
+    assert whole["dense"].keys() == resumed["dense"].keys() and len(whole["embeddings"]) == 26
+    assert all(torch.equal(whole["dense"][name], resumed["dense"][name]) for name in whole["dense"])
+    assert all(torch.equal(a, b) for a, b in zip(whole["embeddings"], resumed["embeddings"], strict=True))
+
+
 # -- --mode bagpipe ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
