@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test docs-cli bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check gpu-wheels bench-network clean
+.PHONY: demo test test-unit docs-cli bench bench-runtime bench-peers bench-scaling bench-models bench-checkpoint bench-preprocess bench-storage bench-parity bench-single adversarial gpu-check gpu-wheels bench-network clean
 
 $(BIN)/bagpipe: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(BIN)/bagpipe
 # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep rather than spin while others need the cores (tests/conftest.py)
 test: $(BIN)/bagpipe
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --durations=15
+
+# The tests that start no process (no job, no CLI command in a child): a fast tier while working; `make test` runs
+# everything. A test that starts a process is marked `processes` (tests/conftest.py fails one that is not).
+test-unit: $(BIN)/bagpipe
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 -m "not processes" --durations=10
 
 bench: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_reference.py

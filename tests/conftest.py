@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 # Before torch loads libgomp: its idle OpenMP threads sleep instead of spinning. Two pytest workers and the jobs'
 # processes share the cores, and spinning threads took them from each other (test_sequences + test_models, -n 2:
@@ -66,9 +67,25 @@ class _SessionForkServer(ForkServer):
         super().close()
 
 
+class _LazyForkServer:
+    """The session's fork server, started when a test first asks for a process (``make test-unit`` never does)."""
+
+    def __init__(self) -> None:
+        self.server: _SessionForkServer | None = None
+
+    def __getattr__(self, name: str):
+        if self.server is None:
+            self.server = _SessionForkServer(env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+        return getattr(self.server, name)
+
+    def close_for_good(self) -> None:
+        if self.server is not None:
+            self.server.close_for_good()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_fork_server():
-    forks = _SessionForkServer(env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    forks = _LazyForkServer()
     job_fork_server = launch.ForkServer
     launch.ForkServer = lambda env=None: forks
     cli_processes.use(forks)  # ... and every `python -m bagpipe.cli` a test starts itself
@@ -77,3 +94,41 @@ def session_fork_server():
     finally:
         launch.ForkServer = job_fork_server
         forks.close_for_good()
+
+
+# -- the test tiers: a test that starts a process (a job, a CLI command in a child, git) is marked `processes`;
+# `make test-unit` runs the others. A test that starts one unmarked fails, so the tier stays what it says.
+# BAGPIPE_RECORD_PROCESS_TESTS=FILE lists such tests in FILE instead of failing them.
+
+_RECORD = os.environ.get("BAGPIPE_RECORD_PROCESS_TESTS")
+
+
+@pytest.fixture(autouse=True)
+def _processes_tier(request, monkeypatch):
+    started: list[str] = []
+    real_popen_init, real_fork, real_start = subprocess.Popen.__init__, os.fork, ForkServer.start
+
+    def popen_init(self, *args, **kwargs):
+        started.append(f"subprocess {args[0] if args else kwargs.get('args')!r}")
+        real_popen_init(self, *args, **kwargs)
+
+    def fork():
+        started.append("os.fork")
+        return real_fork()
+
+    def start(self, argv, **kwargs):
+        started.append(f"a forked {' '.join(map(str, argv[:2]))}")
+        return real_start(self, argv, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)
+    monkeypatch.setattr(os, "fork", fork)
+    monkeypatch.setattr(ForkServer, "start", start)
+    yield
+    marked = request.node.get_closest_marker("processes") is not None
+    if started and not marked:
+        if _RECORD:
+            with open(_RECORD, "a") as record:
+                record.write(request.node.nodeid + "\n")
+        else:
+            pytest.fail(f"started processes without the `processes` marker ({started[0]}, {len(started)} in all): "
+                        f"mark it @pytest.mark.processes (make test-unit runs the unmarked tests only)")

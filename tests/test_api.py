@@ -39,6 +39,7 @@ def test_init_cache_refuses_a_world_that_does_not_add_up():
 
 # With DDP the script creates its own default process group after init_cache; without it (one
 # trainer, --no-ddp) there is none at all. The cache must work, and match the reference, either way.
+@pytest.mark.processes
 @pytest.mark.parametrize("trainers, ddp", [(2, True), (1, False)])
 def test_example_script_with_separate_roles_equals_reference(small_binary, tmp_path, trainers, ddp):
     sizes = open_dataset(small_binary).table_sizes
@@ -72,6 +73,7 @@ def test_example_script_with_separate_roles_equals_reference(small_binary, tmp_p
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
 
 
+@pytest.mark.processes
 def test_torchrun_starts_every_role_from_one_command_line(small_binary, tmp_path):
     """torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT and serves its own store; `bagpipe role` uses them."""
     config = job_config(small_binary, tmp_path / "run", iterations=40, trainers=1, servers=1)

@@ -155,6 +155,7 @@ def same_export(a: dict, b: dict) -> None:
     ("adagrad", "reference@checkpoint parts written:kill"),  # mid-write of the first: resumes from... none
     ("adam", "reference@iteration 29:kill"),
 ])
+@pytest.mark.processes
 def test_a_killed_reference_run_resumes_to_the_same_export_bit_for_bit(small_binary, tmp_path, optimizer, fault):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert run_cli(train_args(small_binary, whole, optimizer)).returncode == 0
@@ -175,6 +176,7 @@ def test_a_killed_reference_run_resumes_to_the_same_export_bit_for_bit(small_bin
     assert logged == sorted(logged) and len(logged) == len(set(logged))  # each window logged once
 
 
+@pytest.mark.processes
 def test_a_kill_mid_checkpoint_write_resumes_from_the_one_before(small_binary, tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     assert run_cli(train_args(small_binary, whole, "adagrad")).returncode == 0
@@ -268,6 +270,7 @@ def sparse_binary(tmp_path_factory):
     ("adagrad", "trainer1@iteration 33:kill"),  # mid-run: resumes from 30 (deltas on 10's base)
     ("adam", "server1@checkpoint 20 written:kill"),  # a server killed writing its part of 20: resumes from 10
 ])
+@pytest.mark.processes
 def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_binary, tmp_path, optimizer, fault,
                                                                      caplog):
     import logging

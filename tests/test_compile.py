@@ -15,6 +15,7 @@ from test_single import _same
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_single_mode_compiled_equals_the_compiled_reference_bit_for_bit(small_binary, tmp_path, device):
     from torch._dynamo.utils import counters
@@ -43,6 +44,7 @@ def test_compile_with_dropout_is_refused():
         TrainConfig(data="-", run_dir="-", compile=True, model=ModelConfig(name="dcn", dropout=0.1))
 
 
+@pytest.mark.processes
 def test_bagpipe_trainers_compiled_equal_the_compiled_reference_bit_for_bit(small_binary, tmp_path):
     """Each trainer compiles its own graph of its slice (in its own process); the same graph as the sliced
     reference's, so the same values."""

@@ -186,6 +186,7 @@ def test_every_role_takes_the_jobs_rpc_transports_and_refuses_others():
 @pytest.mark.parametrize("flags, message", [
     (["--model", "dlrmx"], "model must be one of dlrm"), (["--mode", "foo"], "mode must be one of"),
     ([], "--data: no such file or directory"), (["--lr", "-1"], "lr must be a positive")])
+@pytest.mark.processes
 def test_a_refused_train_command_answers_before_torch_is_imported(tmp_path, flags, message):
     """Importing torch takes seconds on a busy machine: the settings and the data's path are checked first, so a
     mistyped one is refused at once (exit 2, the reason on stderr) with torch never loaded."""
@@ -200,6 +201,7 @@ def test_a_refused_train_command_answers_before_torch_is_imported(tmp_path, flag
     assert message in done.stderr
 
 
+@pytest.mark.processes
 def test_a_refused_export_answers_before_torch_is_imported(tmp_path):
     import subprocess
     import sys
@@ -230,6 +232,7 @@ def test_openmp_waits_passively_only_beside_busy_processes_and_a_users_choice_st
     assert choose_wait_policy(mine, measure=lambda: 2.0) is None and mine == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
+@pytest.mark.processes
 def test_busy_cores_counts_what_other_processes_use_of_the_cores():
     import subprocess
     import sys

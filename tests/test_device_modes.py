@@ -77,6 +77,7 @@ def test_a_run_on_a_device_resumes_from_its_checkpoint_as_if_never_stopped(small
                            export(tmp_path / "whole", tmp_path / "whole.pt"))
 
 
+@pytest.mark.processes
 def test_a_trainer_asked_for_nccl_is_refused_before_it_joins_a_job():
     """`--dist-backend nccl` (the original's trainers may say it) is refused with the reason and what to use, before
     any store is reached for (nothing listens at the port given). A process: a failed role leaves at once."""

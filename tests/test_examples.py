@@ -34,6 +34,7 @@ CASES = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", CASES)
 def test_an_example_trainer_equals_the_sliced_reference(name, request, tmp_path):
     script, model, flags, fixture, settings = CASES[name]
@@ -72,6 +73,7 @@ def test_init_cache_refuses_a_model_it_does_not_know_before_joining():
     assert _model_settings(None, {}, emb_dim=4) == {"model.name": "external"}
 
 
+@pytest.mark.processes
 def test_an_oracle_told_another_model_than_the_scripts_refuses_naming_both(small_binary, tmp_path):
     world = ["--world-size", "4", "--world-size-trainers", "2"]
     trainer = [*world, "--device", "cpu", "--dist-port", str(free_port())]

@@ -33,6 +33,7 @@ def _run(forks: ForkServer, tmp_path: Path, *argv: str, env: dict | None = None,
     return code, out.read_text(), err.read_text()
 
 
+@pytest.mark.processes
 def test_a_child_gets_its_own_arguments_environment_directory_streams_threads_and_faults(forks, tmp_path):
     env = dict(os.environ, ONLY_HERE="yes", OMP_NUM_THREADS="3", BAGPIPE_FAULTS="trainer1@iteration 4:kill")
     code, out, err = _run(forks, tmp_path, "report", "--flag", env=env, cwd=str(tmp_path))
@@ -47,6 +48,7 @@ def test_a_child_gets_its_own_arguments_environment_directory_streams_threads_an
     assert (again["env"], again["threads"], again["faults"]) == (None, 1, []) and again["pid"] != report["pid"]
 
 
+@pytest.mark.processes
 def test_a_script_runs_as_python_script_args_would_run_it(forks, tmp_path):
     """A Python file given instead of the entry point: run as __main__ with its own argv, its folder first on the
     path (a module beside it imports), its directory the one asked for, and its SystemExit as the exit status."""
@@ -71,6 +73,7 @@ def test_a_script_runs_as_python_script_args_would_run_it(forks, tmp_path):
     assert (code, out) == (0, "written\n"), err
 
 
+@pytest.mark.processes
 def test_exit_statuses_come_back_as_subprocess_reports_them(forks, tmp_path):
     assert _run(forks, tmp_path, "exit", "3")[0] == 3
     code, _, err = _run(forks, tmp_path, "raise")
@@ -84,6 +87,7 @@ def test_exit_statuses_come_back_as_subprocess_reports_them(forks, tmp_path):
     sleeper.kill()  # (ended: nothing is sent to a pid that may be another process's by now)
 
 
+@pytest.mark.processes
 def test_a_child_keeps_only_its_streams_and_the_descriptors_passed_to_it(forks, tmp_path):
     kept, other = tmp_path / "kept", tmp_path / "other"
     with open(kept, "w") as keep, open(other, "w"):
@@ -93,6 +97,7 @@ def test_a_child_keeps_only_its_streams_and_the_descriptors_passed_to_it(forks, 
     assert not any("socket" in name for name in held), held  # not the server's channels to other children
 
 
+@pytest.mark.processes
 def test_children_do_not_outlive_the_server():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")])))
     server = ForkServer(env=env, preload=("forked_entry",), entry="forked_entry:main")
@@ -116,6 +121,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.processes
 def test_a_process_forked_from_a_fork_server_forks_its_own_server_from_itself(forks, tmp_path):
     """A process that holds every module a server would import (forked from one: a launcher the test suite starts as
     `bagpipe train`) forks its own server from itself instead of starting an interpreter that imports them again;

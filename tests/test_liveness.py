@@ -47,6 +47,7 @@ def foreign_listener():
     listener.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("role, rank", [("server", "3"), ("trainer", "2")])
 def test_a_foreign_listener_on_the_master_port_is_named_within_the_timeout(foreign_listener, role, rank):
     started = time.monotonic()
@@ -58,6 +59,7 @@ def test_a_foreign_listener_on_the_master_port_is_named_within_the_timeout(forei
     assert time.monotonic() - started < 15  # start-up, then the 3 s timeout (once 200 s and more)
 
 
+@pytest.mark.processes
 def test_ctrl_c_ends_a_waiting_role_at_once_with_one_line(foreign_listener):
     port, accepted = foreign_listener
     process = bagpipe_cli("server", "--worker-id", "3", *WORLD, "--master-port", str(port), "--timeout", "60")
@@ -75,6 +77,7 @@ def test_ctrl_c_ends_a_waiting_role_at_once_with_one_line(foreign_listener):
     assert err.strip().endswith("ERROR interrupted (Ctrl-C)") and "Traceback" not in err
 
 
+@pytest.mark.processes
 def test_a_trainer_with_no_oracle_fails_within_its_timeout():
     started = time.monotonic()
     process = bagpipe_cli("trainer", "--worker-id", "2", *WORLD, "--master-port", str(free_port()), "--timeout", "4")
@@ -84,6 +87,7 @@ def test_a_trainer_with_no_oracle_fails_within_its_timeout():
     assert time.monotonic() - started < 12  # once twice the timeout and more
 
 
+@pytest.mark.processes
 def test_a_stopped_trainer_is_named_not_the_healthy_one_that_waits_for_it(small_binary, tmp_path):
     # (replaced instead by default: test_trainer_replacement.py)
     config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0, replace_trainers=False)
@@ -93,6 +97,7 @@ def test_a_stopped_trainer_is_named_not_the_healthy_one_that_waits_for_it(small_
     assert time.monotonic() - started < 40
 
 
+@pytest.mark.processes
 def test_a_stopped_oracle_is_named(small_binary, tmp_path):
     """With its replacement off (a stopped oracle is otherwise killed and replaced: test_oracle_replacement.py)."""
     config = job_config(small_binary, tmp_path / "run", iterations=1000, timeout=8.0, replace_oracle=False)
@@ -101,6 +106,7 @@ def test_a_stopped_oracle_is_named(small_binary, tmp_path):
         launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "oracle@planned 40:stop"})
 
 
+@pytest.mark.processes
 def test_roles_wait_for_an_oracle_that_prepares_its_data_longer_than_the_timeout(small_binary, tmp_path):
     """The oracle converts and checks the data after opening its store; the others wait while it
     is alive (its heartbeat), not for a fixed time: here 10 s of preparation against a 7 s timeout (which every
@@ -110,6 +116,7 @@ def test_roles_wait_for_an_oracle_that_prepares_its_data_longer_than_the_timeout
     assert summary["iterations"] == 20
 
 
+@pytest.mark.processes
 def test_trainers_wait_for_servers_that_fill_their_tables_longer_than_the_timeout(small_binary, tmp_path):
     """A server on disk fills hundreds of millions of rows before it serves (80 s for 200M rows here): the
     trainers wait while the oracle says so, not for a fixed time; here 10 s of filling against a 7 s timeout."""
@@ -118,6 +125,7 @@ def test_trainers_wait_for_servers_that_fill_their_tables_longer_than_the_timeou
     assert summary["iterations"] == 20
 
 
+@pytest.mark.processes
 def test_two_processes_claiming_one_worker_id_are_told(small_binary, tmp_path):
     port = str(free_port())
     world = ["--world-size", "4", "--world-size-trainers", "2", "--master-port", port, "--timeout", "20"]
@@ -137,6 +145,7 @@ def test_two_processes_claiming_one_worker_id_are_told(small_binary, tmp_path):
             process.wait()
 
 
+@pytest.mark.processes
 def test_the_launcher_quotes_no_unrelated_line_for_a_killed_role(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "run", iterations=1000, replace_trainers=False)
     with pytest.raises(JobFailed) as failed:
@@ -144,6 +153,7 @@ def test_the_launcher_quotes_no_unrelated_line_for_a_killed_role(small_binary, t
     assert str(failed.value).startswith("trainer 0 (rank 1) failed (killed by SIGKILL): it logged no error; logs in")
 
 
+@pytest.mark.processes
 def test_ctrl_c_ends_a_local_job_with_one_line_and_no_process_left(small_binary, tmp_path):
     run_dir = tmp_path / "run"
     job = bagpipe_cli("train", "--mode", "bagpipe", "--data", str(small_binary), "--run-dir", str(run_dir),

@@ -139,6 +139,7 @@ def test_cached_training_equals_the_reference_for_every_model(small_binary, name
 # optimizer); wide-deep with dropout, whose masks must be drawn alike by trainer t and slice t.
 @pytest.mark.parametrize("name, optimizer, dropout", [("wide-deep", "sgd", 0.3), ("deepfm", "adam", 0.0),
                                                       ("dcn-v2", "adagrad", 0.0), ("fgcnn", "adagrad", 0.0)])
+@pytest.mark.processes
 def test_bagpipe_mode_equals_the_sliced_reference_for_every_model(small_binary, tmp_path, name, optimizer, dropout):
     from dataclasses import replace
 

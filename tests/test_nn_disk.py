@@ -153,6 +153,7 @@ def test_a_host_table_is_closed_for_good_and_leaves_no_file_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.processes
 def test_a_table_on_disk_many_times_the_budget_keeps_the_process_within_it(tmp_path):
     """A fresh process: resident memory after a small warm-up, then its peak while it makes a 3M-row table
     (192 MiB of rows, as much again of Adagrad state) on disk and trains on it through a 5,000-row cache."""

@@ -45,6 +45,7 @@ def _no_process_left(run):
     ("adagrad", "oracle@planned 60:stop", {"servers": 2, "liveness_s": 3.0}),
     # the partitioned cache: each trainer's own plan messages made again, each sent only what it lacks
     ("adam", "oracle@planned 40:kill", {**PARITY, "cache_mode": "partitioned"})])
+@pytest.mark.processes
 def test_a_lost_oracle_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
                                                                                       optimizer, fault, servers):
     from bagpipe.runtime.launch import launch_local
@@ -78,6 +79,7 @@ def test_a_lost_oracle_is_replaced_while_training_goes_on_and_the_job_ends_bit_f
     ("committing 40", "checkpoint at iteration 40 abandoned: the oracle was lost before it committed it"),
     # begun (the servers keep their snapshots) but no trainer has the plan of 40 yet: begun again and committed
     ("planned 40", "checkpoint at iteration 40 committed")])
+@pytest.mark.processes
 def test_checkpoints_the_lost_oracle_had_begun_are_taken_over_and_later_ones_resume_exactly(small_binary, tmp_path,
                                                                                            point, outcome):
     from bagpipe.runtime.launch import launch_local
@@ -95,6 +97,7 @@ def test_checkpoints_the_lost_oracle_had_begun_are_taken_over_and_later_ones_res
     assert_same_parameters(export(config.run_dir, tmp_path / "resumed.pt"), reference)
 
 
+@pytest.mark.processes
 def test_an_oracle_lost_after_a_trainer_has_left_restarts_the_job_from_its_checkpoint(small_binary, tmp_path):
     """Once a trainer has reported and left, the job's RPC world cannot be re-formed around a replacement: the job
     restarts from its newest checkpoint instead, and still ends bit for bit."""
@@ -179,6 +182,7 @@ def test_a_replacement_oracles_plan_messages_equal_the_lost_ones_and_each_traine
     second.state.stop.set()
 
 
+@pytest.mark.processes
 def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(small_binary, tmp_path):
     """Roles started one by one, the store served by `bagpipe store`: the oracle (--store-served) is SIGKILLed, the
     store sees its heartbeat stop and has a replacement awaited, and the same oracle command started again takes the

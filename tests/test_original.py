@@ -111,6 +111,7 @@ def write_sizes(root: Path, sizes: list[int]) -> None:
         (folder / "emb_table_info.txt").write_text("".join(f"{n}\n" for n in sizes))
 
 
+@pytest.mark.processes
 def test_the_quick_start_as_written(criteo_arrays, tmp_path):
     labels, dense, ids = criteo_arrays
     cwd = layout(tmp_path)
@@ -138,6 +139,7 @@ def test_the_quick_start_as_written(criteo_arrays, tmp_path):
     assert any(name.startswith("top.") for name in saved.dense())  # trainer 0's own model
 
 
+@pytest.mark.processes
 def test_dlrm_on_two_nodes_as_written(criteo_arrays, tmp_path):
     labels, dense, ids = criteo_arrays
     cwd = layout(tmp_path)
@@ -164,6 +166,7 @@ def test_dlrm_on_two_nodes_as_written(criteo_arrays, tmp_path):
     assert "running on the CPU" in texts[0] or "on the CPU" in texts[0]  # --device cuda:0 without a GPU
 
 
+@pytest.mark.processes
 def test_fgcnn_as_written(criteo_arrays, tmp_path):
     # half the rows: 2 of the original's batches of 4096 (FGCNN at its defaults is the costliest model to train)
     labels, dense, ids = (array[:ROWS // 2] for array in criteo_arrays)
@@ -194,6 +197,7 @@ def test_fgcnn_as_written(criteo_arrays, tmp_path):
     assert summary["total_rows"] == sum(sizes) and 0.0 <= summary["eval_auc"] <= 1.0
 
 
+@pytest.mark.processes
 def test_caser_as_written(tmp_path):
     cwd = layout(tmp_path)
     raw = tmp_path / "raw"
@@ -224,6 +228,7 @@ def test_caser_as_written(tmp_path):
     assert 0.0 <= summary["eval_hr10"] <= 1.0
 
 
+@pytest.mark.processes
 def test_roles_that_disagree_are_refused_naming_both(criteo_arrays, tmp_path):
     labels, dense, ids = criteo_arrays
     cwd = layout(tmp_path)

@@ -207,6 +207,7 @@ def test_initial_parity_made_from_the_seed_equals_the_parity_of_the_initialised_
         assert (made.bits == of.bits).all() and (made.versions == of.versions).all()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_a_job_with_parity_servers_trains_exactly_and_its_parity_matches_its_groups(small_binary, tmp_path,
                                                                                    optimizer):
@@ -233,6 +234,7 @@ def test_a_job_with_parity_servers_trains_exactly_and_its_parity_matches_its_gro
                                               # the parity server takes 1 s over each delta of iteration 20:
                                               # the group's write-backs of 20 are unacknowledged around the kill
                                               ("adagrad", "server1@write-back 20:kill,server3@delta 20:pause=1")])
+@pytest.mark.processes
 def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(small_binary, tmp_path, optimizer,
                                                                                  fault):
     """SIGKILL a data server mid-write-back (received, not stored; or stored with its delta sent, never
@@ -258,6 +260,7 @@ def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(s
     assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
 
 
+@pytest.mark.processes
 def test_a_second_server_lost_in_a_group_fails_the_job_clearly_and_leaves_no_process(small_binary, tmp_path):
     """Two data servers of one group killed (the second while the first is served by the parity server):
     parity covers one loss per group, so the job fails, saying so and naming the way on."""
@@ -275,6 +278,7 @@ def test_a_second_server_lost_in_a_group_fails_the_job_clearly_and_leaves_no_pro
     assert not [pid for pid in pids if alive(pid)]
 
 
+@pytest.mark.processes
 def test_checkpoints_after_a_server_was_lost_are_taken_from_its_stand_in(small_binary, tmp_path):
     """Checkpoints every 10 iterations, a data server killed at 15: the later snapshots of its shard come from
     the parity server (which counts the shard's write-backs, the lost server's included), and the run ends as
@@ -303,6 +307,7 @@ def test_checkpoints_after_a_server_was_lost_are_taken_from_its_stand_in(small_b
     assert_same_parameters(export(broken.run_dir, tmp_path / "broken.pt"), want)
 
 
+@pytest.mark.processes
 def test_a_checkpoint_whose_server_is_lost_while_writing_it_is_abandoned_and_the_next_ones_still_restore(
         small_binary, tmp_path):
     """Server 1 killed writing its part of the checkpoint at 20: that checkpoint is given up, training goes on,

@@ -510,6 +510,7 @@ def test_a_batch_larger_than_the_cache_is_refused():
         PlannerConfig(num_rows=3, cache_rows=2, policy="fifo")
 
 
+@pytest.mark.processes
 def test_plan_stats_command_counts_what_moves(small_binary, capsys):
     import json
 

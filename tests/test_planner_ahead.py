@@ -19,6 +19,7 @@ def _zipf_batches(num_rows: int, count: int, size: int, seed: int, *, spread: in
     return [rng.choice(num_rows, size=size, p=weights / weights.sum()) * spread for _ in range(count)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("space", [5_000, 2**40])  # keys narrowed to int32 through the pipes, and not
 def test_batches_numbered_in_a_process_are_numbered_as_here(space):
     batches = _zipf_batches(5_000, 150, 300, seed=1, spread=space // 5_000)
@@ -31,6 +32,7 @@ def test_batches_numbered_in_a_process_are_numbered_as_here(space):
         assert (a.lookups, a.count) == (b.lookups, b.count)
 
 
+@pytest.mark.processes
 def test_a_plan_of_batches_numbered_ahead_equals_the_plan():
     batches = _zipf_batches(3_000, 200, 200, seed=2)
     config = PlannerConfig(num_rows=3_000, cache_rows=400, lookahead=20, num_trainers=2)
@@ -42,12 +44,14 @@ def test_a_plan_of_batches_numbered_ahead_equals_the_plan():
             assert np.array_equal(getattr(a, field), getattr(b, field)), field
 
 
+@pytest.mark.processes
 def test_a_batch_outside_the_key_space_is_refused_with_the_text_it_is_refused_with_here():
     batches = [np.array([1, 2]), np.array([3]), np.array([4, 12])]
     with pytest.raises(ValueError, match=r"batch 2 has a row outside \[0, 10\)"):
         list(numbered_ahead(batches, num_rows=10))
 
 
+@pytest.mark.processes
 def test_an_error_in_the_batches_reaches_the_consumer():
     def batches():
         yield np.array([1, 2])
@@ -75,6 +79,7 @@ def _numbering_children() -> list[int]:
     return children
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
 def test_a_consumer_that_stops_early_leaves_no_process_behind():
     numbered = numbered_ahead(_zipf_batches(1_000, 400, 100, seed=3), num_rows=1_000, depth=4)
@@ -84,6 +89,7 @@ def test_a_consumer_that_stops_early_leaves_no_process_behind():
     assert _numbering_children() == []
 
 
+@pytest.mark.processes
 def test_spaces_numbered_in_processes_of_their_own_plan_as_in_one():
     """plan_spaces_ahead: a numbering process per embedding space (their batches read on the feeding threads, one at
     a time), with each id's place (inverse=True): the same steps as plan_spaces in one process."""

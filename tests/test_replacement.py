@@ -209,6 +209,7 @@ def _went_on_and_left_nothing(tmp_path, summary: dict, *, server: int, losses: i
     # the replacement killed too, once it has made the parity (faults name it server3/EPOCH): two replacements
     # start one after the other, so the job trains longer
     ("sgd", "server3@delta 20:kill,server3/1@parity made:kill", TWO_LOSSES)])
+@pytest.mark.processes
 def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(
         small_binary, tmp_path, optimizer, fault, iterations):
     """2 trainers, 3 data servers and 1 parity server, SIGKILLed on receiving a delta: no restart; the launcher
@@ -241,6 +242,7 @@ def test_a_killed_parity_server_is_replaced_while_training_goes_on_and_the_job_e
     ("adagrad", "server2@write-back 20:kill,server2/1@take over:kill", TWO_LOSSES, "replicated"),
     # the partitioned cache: hand-offs and fetches parked at the lost server go to its stand-in, then back
     ("adagrad", "server1@write-back 20:kill", ITERATIONS, "partitioned")])
+@pytest.mark.processes
 def test_a_killed_data_server_is_replaced_and_takes_its_shard_back_while_training_goes_on(
         small_binary, tmp_path, optimizer, fault, iterations, cache_mode):
     """2 trainers, 3 data servers and 1 parity server; a data server SIGKILLed mid-write-back: its parity server

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,6 +17,7 @@ def _tracked() -> list[str]:
     return [path for path in listed.decode().split("\0") if path]
 
 
+@pytest.mark.processes
 def test_no_two_paths_differ_only_by_case():
     paths = set()
     for path in _tracked():  # each file and every folder above it
@@ -26,6 +29,7 @@ def test_no_two_paths_differ_only_by_case():
     assert [sorted(same) for same in by_folded.values() if len(same) > 1] == []
 
 
+@pytest.mark.processes
 def test_the_original_import_works():
     """``from BagPipe import init_cache``, as the original system's scripts write it, in a fresh interpreter."""
     code = "from BagPipe import init_cache, TrainerCache; import bagpipe; assert init_cache is bagpipe.init_cache"

@@ -29,6 +29,7 @@ from test_runtime import alive, assert_same_parameters, job_config, reference_of
     ("adam", 0, "trainer1@iteration 33:kill", "partitioned"),
     ("adagrad", 3, "server1@write-back 20:kill,server3@delta 40:kill", "partitioned"),
 ])
+@pytest.mark.processes
 def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_export(small_binary, tmp_path,
                                                                                    optimizer, parity, fault,
                                                                                    cache_mode):
@@ -55,6 +56,7 @@ def test_a_job_that_loses_a_process_restarts_from_its_checkpoint_to_the_same_exp
     ("trainer1@iteration 23:kill,trainer1#1@iteration 33:kill", {"max_restarts": 1}, "--max-restarts 1 reached"),
     ("trainer1@iteration 5:kill", {}, "no checkpoint written yet"),
 ])
+@pytest.mark.processes
 def test_a_failure_a_restart_cannot_help_ends_the_job_saying_why(small_binary, tmp_path, fault, overrides, why):
     config = job_config(small_binary, tmp_path / "run", iterations=50, timeout=10.0, checkpoint_every=10,
                         replace_trainers=False, **overrides)
@@ -69,6 +71,7 @@ def test_a_failure_a_restart_cannot_help_ends_the_job_saying_why(small_binary, t
     assert not [name for name, pid in pids.items() if alive(pid)]
 
 
+@pytest.mark.processes
 def test_a_job_without_checkpoints_fails_as_before(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "run", iterations=30, timeout=10.0, replace_trainers=False)
     with pytest.raises(JobFailed) as failed:

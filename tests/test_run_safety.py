@@ -230,6 +230,7 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "--lazy", str(where)], check=False)
 
 
+@pytest.mark.processes
 def test_a_read_only_storage_dir_is_refused_before_the_run_dir_is_claimed(small_binary, tmp_path, tmpfs, capsys):
     read_only = tmpfs("ro", "ro,size=1m")
     run_dir = tmp_path / "run"
@@ -238,6 +239,7 @@ def test_a_read_only_storage_dir_is_refused_before_the_run_dir_is_claimed(small_
     assert not run_dir.exists()  # nothing to --overwrite later
 
 
+@pytest.mark.processes
 def test_a_full_disk_while_checkpointing_is_named(small_binary, tmp_path, tmpfs, capsys):
     disk = tmpfs("small", "size=4m")
     stat = os.statvfs(disk)
@@ -287,6 +289,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.processes
 def test_a_live_run_holds_its_dir_until_killed_and_a_resume_sweeps_what_it_left(small_binary, tmp_path):
     run_dir, tables = tmp_path / "run", tmp_path / "tables"
     args = ["train", "--data", str(small_binary), "--run-dir", str(run_dir), *SMALL, *MODES["single-disk"],
@@ -308,6 +311,7 @@ def test_a_live_run_holds_its_dir_until_killed_and_a_resume_sweeps_what_it_left(
     assert not any(path.exists() for path in left) and list(tables.iterdir()) == []  # ... swept by the resume
 
 
+@pytest.mark.processes
 def test_sigterm_stops_a_single_run_in_one_line_and_leaves_no_working_file(small_binary, tmp_path):
     """The SIGTERM comes while the run waits, at iteration 10, for its checkpoint of iteration 5 (slowed on
     purpose, as a loaded machine once did): that write is finished, not lost, so the run resumes from it."""
@@ -327,6 +331,7 @@ def test_sigterm_stops_a_single_run_in_one_line_and_leaves_no_working_file(small
 
 @pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
                                                 (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+@pytest.mark.processes
 def test_a_signal_stops_a_bagpipe_job_every_process_and_working_file_with_it(small_binary, tmp_path, signum, code,
                                                                               line):
     run_dir = tmp_path / "run"
@@ -347,6 +352,7 @@ def test_a_signal_stops_a_bagpipe_job_every_process_and_working_file_with_it(sma
     lock_run_dir(run_dir).release()  # no role holds the run dir any more
 
 
+@pytest.mark.processes
 def test_a_moved_bagpipe_run_dir_resumes_where_it_is(small_binary, tmp_path):
     from bagpipe.runtime.launch import JobFailed, launch_local
     from test_runtime import assert_same_parameters, job_config, reference_of

@@ -106,6 +106,7 @@ def assert_same_parameters(ours: dict, reference: dict, *, rel: float = 0.0) -> 
     ("adagrad", "lookahead", 2, "cpu"), ("sgd", "lookahead", 2, "cpu"), ("adagrad", "lru", 2, "cpu"),
     ("adam", "lookahead", 2, "cpu"), ("adam", "lookahead", 1, "cpu"), ("adagrad", "lookahead", 3, "cpu"),
     pytest.param("adam", "lookahead", 2, "cuda", marks=CUDA), pytest.param("adagrad", "lru", 1, "cuda", marks=CUDA)])
+@pytest.mark.processes
 def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy, trainers, device):
     batch = BATCH - BATCH % trainers
     # (the 3-trainer job names TensorPipe's channel too: the setting reaches every role's RPC agent)
@@ -142,6 +143,7 @@ def test_bagpipe_mode_equals_reference(small_binary, tmp_path, optimizer, policy
             assert figures == {"pinned_allocations": 0, "pinned_bytes": 0, "bytes_to_device": 0}
 
 
+@pytest.mark.processes
 def test_default_settings_equal_the_sliced_reference_bit_for_bit(wide_tsv, tmp_path):
     """The defaults (the default model, DLRM, at its own: Adam at lr 1e-3; 2 trainers, 1 server, a 5% cache), where
     a one-pass reference drifts: a gradient whose terms cancel rounds to either sign, and Adam's first step
@@ -159,6 +161,7 @@ def test_default_settings_equal_the_sliced_reference_bit_for_bit(wide_tsv, tmp_p
     assert summaries[0]["eval_auc"] == summaries[1]["eval_auc"]
 
 
+@pytest.mark.processes
 def test_delayed_write_backs_are_still_observed(small_binary, tmp_path):
     """Write-backs held back on purpose: fetches wait at the server for them, and the result is exact."""
     config = job_config(small_binary, tmp_path / "bagpipe", iterations=60, lookahead=4, prefetch_depth=4)
@@ -181,6 +184,7 @@ def alive(pid: int) -> bool:
     return not (status.exists() and "zombie" in status.read_text())
 
 
+@pytest.mark.processes
 def test_killing_a_role_fails_the_job_fast_and_leaves_no_process(small_binary, tmp_path):
     run_dir = tmp_path / "run"
     job = bagpipe_cli("train", "--mode", "bagpipe", "--data", str(small_binary), "--run-dir", str(run_dir),
@@ -213,6 +217,7 @@ def test_killing_a_role_fails_the_job_fast_and_leaves_no_process(small_binary, t
                                     # the oracle gathers the results slowly: the killed trainer's heartbeats
                                     # stop for longer than the liveness window (4 s) before training ends
                                     "trainer1@done:kill,oracle@trainers reported:pause=6"])
+@pytest.mark.processes
 def test_a_role_lost_after_training_ended_does_not_fail_the_run(small_binary, tmp_path, faults):
     """Trainer 1 is SIGKILLed right after reporting done (every row is back on the servers by then):
     the run is finished and exact, with a warning, not a failure."""
@@ -223,6 +228,7 @@ def test_a_role_lost_after_training_ended_does_not_fail_the_run(small_binary, tm
     assert_same_parameters(ours, reference_of(config, tmp_path / "reference"))
 
 
+@pytest.mark.processes
 def test_an_oracle_killed_while_writing_the_model_leaves_no_partial_file(small_binary, tmp_path):
     config = job_config(small_binary, tmp_path / "bagpipe", iterations=10)
     with pytest.raises(JobFailed, match=r"oracle 0 \(rank 0\) failed \(killed by SIGKILL\): it logged no error"):
@@ -306,6 +312,7 @@ def test_a_cache_that_holds_every_row_gets_a_warning(small_binary):
     assert cache_warnings(dataclasses.replace(partitioned, checkpoint_every=10), dataset) == []
 
 
+@pytest.mark.processes
 def test_a_hand_started_oracle_refuses_a_cache_smaller_than_a_batch(small_binary, tmp_path):
     """The oracle judges the job once every role has stated its settings (a trainer's model decides the
     tables), then refuses it, and the roles waiting on it are told why."""
@@ -331,6 +338,7 @@ def test_a_hand_started_oracle_refuses_a_cache_smaller_than_a_batch(small_binary
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.processes
 def test_world_size_mismatch_is_refused_within_seconds(small_binary, tmp_path):
     port = str(free_port())
     oracle = bagpipe_cli("oracle", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"),
@@ -349,6 +357,7 @@ def test_world_size_mismatch_is_refused_within_seconds(small_binary, tmp_path):
         oracle.wait()
 
 
+@pytest.mark.processes
 def test_unreachable_master_is_a_clear_error(tmp_path):
     started = time.monotonic()
     trainer = bagpipe_cli("trainer", "--worker-id", "2", "--world-size", "4", "--world-size-trainers", "2",
@@ -359,6 +368,7 @@ def test_unreachable_master_is_a_clear_error(tmp_path):
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.processes
 def test_missing_data_is_refused_before_any_role_starts(tmp_path):
     job = bagpipe_cli("train", "--mode", "bagpipe", "--data", str(tmp_path / "nowhere"), "--run-dir",
                       str(tmp_path / "run"), "--no-progress")
@@ -368,6 +378,7 @@ def test_missing_data_is_refused_before_any_role_starts(tmp_path):
     assert not (tmp_path / "run" / "pids.json").exists()
 
 
+@pytest.mark.processes
 def test_an_id_outside_its_table_is_refused_naming_the_row(small_binary, tmp_path):
     import shutil
 
@@ -428,6 +439,7 @@ def test_a_torch_outside_the_supported_range_is_refused_naming_it():
 @pytest.mark.parametrize("optimizer, trainers, servers, keep_within, device", [
     ("sgd", 2, 1, 0, "cpu"), ("adagrad", 3, 2, 4, "cpu"), ("adam", 4, 2, 0, "cpu"),
     pytest.param("adam", 2, 1, 0, "cuda", marks=CUDA)])
+@pytest.mark.processes
 def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, trainers, servers, keep_within,
                                             device):
     batch = BATCH - BATCH % trainers
@@ -444,6 +456,7 @@ def test_partitioned_cache_equals_reference(small_binary, tmp_path, optimizer, t
     assert summary["rows_exchanged_per_iteration"] > 0
 
 
+@pytest.mark.processes
 def test_a_trainer_reads_its_loss_at_each_log_and_a_diverging_job_stops_naming_the_iteration(small_binary, tmp_path):
     """A trainer leaves its loss on its device (on a GPU a read every iteration is a wait every iteration) and
     reads the pending ones at each log, checkpoint and hand-over: with SGD a lone trainer's counted iteration reads

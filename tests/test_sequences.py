@@ -242,6 +242,7 @@ def test_cached_caser_equals_the_reference(sequence_data, optimizer):
         assert torch.equal(got, want), key
 
 
+@pytest.mark.processes
 def test_bagpipe_caser_equals_the_sliced_reference(tmp_path):
     # Small data, so that the run makes nearly three shuffled passes: the later ones with fresh negatives, drawn
     # by the oracle for the trainers and by the reference for itself.

@@ -103,6 +103,7 @@ def test_restore_and_close_on_disk(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.processes
 def test_a_shard_four_times_its_budget_keeps_the_process_within_it(tmp_path):
     """A fresh process: its resident memory after imports, then its peak while it initialises a shard
     of 5x the budget on disk and fetches and writes back every row of it (a checkpoint read too)."""
@@ -158,6 +159,7 @@ def test_a_shard_four_times_its_budget_keeps_the_process_within_it(tmp_path):
     assert grown <= budget + (24 << 20), (grown / 2**20, result)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("optimizer", ["adam"])
 def test_a_job_on_the_disk_tier_trains_exactly_as_the_reference(small_binary, tmp_path, optimizer):
     """Servers on disk with a DRAM cache of a few rows (most fetches read the file, most write-backs are

@@ -31,6 +31,7 @@ ITERATIONS = 100  # the faults come by iteration 45; the checkpoint case's last 
     ("adam", "trainer0@iteration 45:kill", {"servers": 2, "trainers": 3, "batch_size": 129}),
     ("sgd", "trainer2@backward 20:kill", {"servers": 4, "parity": 3, "check_parity": True, "trainers": 3,
                                           "batch_size": 129})])
+@pytest.mark.processes
 def test_a_killed_trainer_is_replaced_while_training_goes_on_and_the_job_ends_bit_for_bit(small_binary, tmp_path,
                                                                                          optimizer, fault, servers):
     from bagpipe.runtime.launch import launch_local
@@ -62,6 +63,7 @@ def test_a_killed_trainer_is_replaced_while_training_goes_on_and_the_job_ends_bi
     assert not [pid for pid in pids if alive(pid)]
 
 
+@pytest.mark.processes
 def test_a_trainer_that_fails_by_its_own_error_is_not_replaced(small_binary, tmp_path):
     """An error of the trainer's own (not a lost process) would happen to its replacement too: the job fails."""
     from bagpipe.runtime.launch import JobFailed, launch_local
@@ -72,6 +74,7 @@ def test_a_trainer_that_fails_by_its_own_error_is_not_replaced(small_binary, tmp
     assert "=== a replacement" not in (tmp_path / "bagpipe" / "logs" / "trainer1.log").read_text()
 
 
+@pytest.mark.processes
 def test_a_checkpoint_part_lost_with_trainer_0_is_abandoned_and_later_checkpoints_resume_exactly(small_binary,
                                                                                                    tmp_path):
     """Trainer 0 killed at boundary 40 before its part of the checkpoint at 40 has left (its sending thread held
