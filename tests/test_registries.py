@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from bagpipe.config import MODES, OPTIMIZERS, POLICIES, STORAGE_KINDS
+from bagpipe.config import CACHE_MODES, MODES, OPTIMIZERS, POLICIES, STORAGE_KINDS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "bagpipe"
 # name kind -> (its names, words that mark an expression as one of them, the files that may compare them)
@@ -17,6 +17,7 @@ REGISTRIES = {
     "storage kind": (set(STORAGE_KINDS), ("storage", "kind"), set()),
     "cache policy": (set(POLICIES), ("policy",), {"planner/plan.py", "planner/evict.py"}),
     "row optimizer": (set(OPTIMIZERS), ("optim", "name"), {"optim.py"}),
+    "cache mode": (set(CACHE_MODES), ("cache_mode",), {"config.py"}),
 }
 
 
@@ -38,13 +39,14 @@ def comparisons_of_names() -> list[str]:
             if not isinstance(node, ast.Compare):
                 continue
             operands = [node.left, *node.comparators]
+            strings = set().union(*(_strings(operand) for operand in operands))
+            if not strings:
+                continue
+            about = [ast.get_source_segment(source, operand) or "" for operand in operands if not _strings(operand)]
             for kind, (names, words, homes) in REGISTRIES.items():
                 if where in homes:
                     continue
-                named = set().union(*(_strings(operand) for operand in operands)) & names
-                about = [ast.get_source_segment(source, operand) or "" for operand in operands
-                         if not _strings(operand)]
-                if named and any(word in text.lower() for text in about for word in words):
+                if strings & names and any(word in text.lower() for text in about for word in words):
                     found.append(f"{where}:{node.lineno}: a {kind} compared by name: {ast.get_source_segment(source, node)}")
     return found
 

@@ -55,6 +55,12 @@ def _optimizers() -> str:
     return ", ".join(OPTIMIZERS)
 
 
+def _cache_modes() -> tuple[str, ...]:
+    from bagpipe.config import CACHE_MODES
+
+    return CACHE_MODES
+
+
 def _policies() -> str:
     """The cache policies, as a help text lists them (planner.plan.POLICIES)."""
     from bagpipe.config import POLICIES
@@ -318,7 +324,7 @@ def _add_job_flags(p) -> None:
                    help="batches the oracle plans ahead" + _default("lookahead"))
     g.add_argument("--policy", default=None, help=f"{_policies()} (none: no cache; not in --mode single)"
                    + _default("policy"))
-    g.add_argument("--cache-mode", default=None, choices=("replicated", "partitioned"), help="replicated: every "
+    g.add_argument("--cache-mode", default=None, choices=_cache_modes(), help="replicated: every "
                    "trainer caches every row the plan keeps, gradients summed over all trainers; partitioned: each "
                    "trainer caches only the rows its slices use, a row's gradient summed among its users only "
                    "(lookahead policy; a lost trainer restarts the job from its newest checkpoint)"

@@ -27,6 +27,11 @@ STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the s
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device
 CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
+
+
+def partitioned_cache(cache_mode: str) -> bool:
+    """Whether ``cache_mode`` (CACHE_MODES) has each trainer hold only the rows its slices use."""
+    return cache_mode == "partitioned"
 SINGLE_POLICIES = ("lookahead", *ONLINE_POLICIES)  # --mode single: the planner, or an online policy (nn.SlotIndex)
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
@@ -328,7 +333,7 @@ class TrainConfig:
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {', '.join(CACHE_MODES)}, got {self.cache_mode!r}")
         mode = self.run_mode
-        if mode.processes and self.cache_mode == "partitioned":
+        if mode.processes and self.partitioned:
             self._check_partitioned()
         if mode.cached and self.policy not in mode.policies:
             raise ValueError(f"--mode {self.mode}: policy must be one of {', '.join(mode.policies)}, "
@@ -339,6 +344,11 @@ class TrainConfig:
         if mode.processes and self.batch_size % self.trainers:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of trainers ({self.trainers}): "
                              "each trainer takes an equal slice of the global batch")
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether its trainers' caches are partitioned (--cache-mode partitioned)."""
+        return partitioned_cache(self.cache_mode)
 
     @property
     def run_mode(self) -> "Mode":

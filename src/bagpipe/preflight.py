@@ -149,7 +149,7 @@ def check_memory(config: TrainConfig, dataset: BinaryDataset) -> None:
         parts = {"tables": table_bytes(config, layout)}
     if config.run_mode.processes or (config.run_mode.cached and plans_ahead(config.policy)):  # a planner runs
         parts["the planner"] = planner_bytes(
-            layout, dataset, partitioned_trainers=config.trainers if config.cache_mode == "partitioned" else 0,
+            layout, dataset, partitioned_trainers=config.trainers if config.partitioned else 0,
             lookahead=config.lookahead, batch_size=config.batch_size)
         if config.parity:  # in memory whatever the tier: 1/k of the tables, and a version per row
             parts["the parity"] = table_bytes(config, layout) // config.parity + layout.num_rows * 8
@@ -210,7 +210,7 @@ def cache_rows_of(config: TrainConfig, layout: EmbeddingLayout) -> list[int]:
 def cached_batch(config: TrainConfig) -> int:
     """The samples whose rows a cache must hold at once: the global batch, or with the partitioned cache a
     trainer's slice of it."""
-    partitioned = config.run_mode.processes and config.cache_mode == "partitioned"
+    partitioned = config.run_mode.processes and config.partitioned
     return config.batch_size // config.trainers if partitioned else config.batch_size
 
 
@@ -314,7 +314,7 @@ def cache_warnings(config: TrainConfig, dataset: BinaryDataset) -> list[str]:
     if config.run_mode.cached and config.cache_rows >= total:
         warnings.append(f"--cache-rows {config.cache_rows} holds all {total} rows: every row stays cached after its "
                         f"first fetch, so the plan saves nothing over keeping the tables on the trainers")
-    if config.run_mode.processes and config.cache_mode == "partitioned" and config.trainers > 1 and (
+    if config.run_mode.processes and config.partitioned and config.trainers > 1 and (
             not config.checkpoints or not config.max_restarts):
         warnings.append("--cache-mode partitioned does not replace a lost trainer (the rows only it held are lost "
                         "with it): without checkpoints and --max-restarts such a loss ends the job; "

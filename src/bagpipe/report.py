@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from bagpipe.config import RUN_MODES, Mode
+from bagpipe.config import RUN_MODES, Mode, partitioned_cache
 from bagpipe.timing import PHASES
 
 PLOTS = ("loss_auc.png", "throughput.png", "time_breakdown.png", "time_per_window.png", "cache.png")
@@ -72,7 +72,7 @@ def _default_label(path: Path, summary: dict) -> str:
         return f"{path.name} ({mode})" if mode else path.name
     if RUN_MODES[mode].processes:
         return (f"{path.name} ({mode}, {summary.get('trainers')} trainers, {summary.get('policy')}"
-                + (", partitioned" if summary.get("cache_mode") == "partitioned" else "") + ")")
+                + (", partitioned" if partitioned_cache(summary.get("cache_mode", "")) else "") + ")")
     if RUN_MODES[mode].cached:
         return f"{path.name} ({mode}, {summary.get('policy')})"
     return f"{path.name} ({mode})"

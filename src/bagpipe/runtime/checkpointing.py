@@ -64,7 +64,7 @@ class JobCheckpoints:
         # per boundary, each trainer's part as it arrives: trainer -> (dense, dense_optimizer, parts, extra)
         self._cache_parts: dict[int, dict[int, tuple]] = {}
         # the trainers that send a part: trainer 0 (its cache is every trainer's), or all (partitioned)
-        self.senders = set(range(world.num_trainers)) if config.cache_mode == "partitioned" else {0}
+        self.senders = set(range(world.num_trainers)) if config.partitioned else {0}
         # (a replaced trainer 0) its parts of the boundaries before this that have not come are lost
         self._cache_lost_before = -1
         self._arrived = threading.Condition()

@@ -63,7 +63,7 @@ class Feed:
         self.config, self.dataset, self.checkpoints, self.state = config, dataset, checkpoints, state
         self.layout, self.iterations, self.start = job.layout, job.iterations, job.start
         num_trainers = state.world.num_trainers
-        self.partitioned = config.cache_mode == "partitioned"
+        self.partitioned = config.partitioned
         self.planned = self.start  # the last iteration planned
         self.planner_configs = [PlannerConfig(num_rows=space.num_rows, cache_rows=share, lookahead=config.lookahead,
                                               num_trainers=num_trainers, policy=config.policy,

@@ -87,7 +87,7 @@ def job_info(config: TrainConfig, world: World, dataset: BinaryDataset, *, resum
     layout = job_layout(config, dataset)
     if config.trainers != world.num_trainers:  # (a hand-started job's: its trainers are the world's)
         config = dataclasses.replace(config, trainers=world.num_trainers)
-    partitioned = config.cache_mode == "partitioned"
+    partitioned = config.partitioned
     if partitioned and config.replace_trainers and world.num_trainers >= 2:
         log.info("--cache-mode partitioned: a lost trainer is not replaced while training goes on (the rows only it "
                  "held are lost with it): the job restarts from its newest checkpoint instead (--max-restarts)")

@@ -75,7 +75,7 @@ class TrainerRuntime:
         # the partitioned cache (planner/partitioned.py): this trainer's own rows, shared ones summed among users
         self.shared = SharedRows(self.grads, caches=self.caches, stats=self.stats, index=self.index,
                                  trainers=world.num_trainers, timeout=world.timeout
-                                 ) if config.cache_mode == "partitioned" else None
+                                 ) if config.partitioned else None
         self.epochs = Epochs(world, store)  # requests that fail to a re-formation of the RPC world are sent again
         if job.replace_oracle:  # requests to a lost oracle wait for its replacement
             self.epochs.await_peer("oracle")
