@@ -27,11 +27,6 @@ STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the s
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device
 CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
-
-
-def partitioned_cache(cache_mode: str) -> bool:
-    """Whether ``cache_mode`` (CACHE_MODES) has each trainer hold only the rows its slices use."""
-    return cache_mode == "partitioned"
 SINGLE_POLICIES = ("lookahead", *ONLINE_POLICIES)  # --mode single: the planner, or an online policy (nn.SlotIndex)
 MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
 EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
@@ -44,6 +39,11 @@ MIN_LIVENESS_S = 1.0  # the shortest liveness window (judged on four heartbeats:
 RPC_TRANSPORTS = ("uv", "shm", "ibv")
 RPC_CHANNELS = ("basic", "xth", "cma", "mpt_uv", "cuda_basic", "cuda_xth", "cuda_ipc", "cuda_gdr")
 DEFAULT_RPC_TRANSPORTS = "uv"  # TCP (shm, shared memory, busy-polls: on a few cores it takes CPU from compute)
+
+
+def partitioned_cache(cache_mode: str) -> bool:
+    """Whether ``cache_mode`` (CACHE_MODES) has each trainer hold only the rows its slices use."""
+    return cache_mode == "partitioned"
 
 
 def rpc_lists(transports: str | None, channels: str | None, *, names: tuple[str, str] = ("rpc_transports",

@@ -25,6 +25,7 @@ from bagpipe.data.batches import read_batch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.device import model_device
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, gather, positions_in
+from bagpipe.health import SPLIT_PREFIXES
 from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.model_dir import RowSource
 from bagpipe.ranking import NextItemRanking, metrics_at
@@ -32,8 +33,6 @@ from bagpipe.ranking import NextItemRanking, metrics_at
 log = logging.getLogger(__name__)
 
 METRICS = {"ctr": ("eval_auc", "eval_logloss"), "next-item": ("eval_hr10", "eval_ndcg10")}  # by model.task
-# the prefix of each evaluated split's metrics: the test split's are eval_* (as before validation splits were made)
-SPLIT_PREFIXES = {"valid": "valid_", "test": "eval_"}
 
 
 def no_evaluation(model: nn.Module) -> dict:
@@ -75,11 +74,14 @@ def watched_metric(task: str, splits: list[EvaluatedSplit]) -> str:
 
 def evaluate_splits(model: nn.Module, layout: EmbeddingLayout, source: RowSource, splits: list[EvaluatedSplit], *,
                     batch_size: int, max_rows: int = 0) -> dict:
-    """Every split's metrics (``evaluate``), each under its prefix, in one dict."""
+    """Every split's metrics (``evaluate``), each under its prefix, in one dict (a next-item model's item tables
+    read once for them all)."""
+    items = (_item_tables(layout, source, device=model_device(model))
+             if splits and model.task == "next-item" else None)
     metrics = {}
     for evaluated in splits:
         metrics.update(evaluate(model, layout, source, evaluated.split, batch_size=batch_size, max_rows=max_rows,
-                                ranking=evaluated.ranking, prefix=evaluated.prefix))
+                                ranking=evaluated.ranking, prefix=evaluated.prefix, items=items))
     return metrics
 
 
@@ -98,10 +100,12 @@ def batch_embeddings(layout: EmbeddingLayout, source: RowSource, ids: torch.Tens
 
 @torch.no_grad()
 def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split: BinarySplit, *, batch_size: int,
-             max_rows: int = 0, ranking: NextItemRanking | None = None, prefix: str = "eval_") -> dict:
+             max_rows: int = 0, ranking: NextItemRanking | None = None, prefix: str = "eval_",
+             items: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """AUC and log-loss of a CTR model; HR@K and NDCG@K (K in ranking.CUTOFFS) of a next-item model, its
     target ranked among the candidates ``ranking``'s protocol names, beside the simple baselines ranked
-    the same way (bagpipe.ranking); each named ``{prefix}auc`` and so on."""
+    the same way (bagpipe.ranking); each named ``{prefix}auc`` and so on. ``items``: a next-item model's item
+    tables (``_item_tables``), if read already."""
     if model.task == "next-item" and ranking is None:
         raise ValueError("a next-item evaluation needs its NextItemRanking (the users' training items and the "
                          "baselines): see evaluation.evaluated_splits")
@@ -109,7 +113,8 @@ def evaluate(model: nn.Module, layout: EmbeddingLayout, source: RowSource, split
     device = model_device(model)
     rows = min(split.rows, max_rows) if max_rows else split.rows
     outputs, ranks = [], []
-    items = _item_tables(layout, source, device=device) if model.task == "next-item" else None
+    if items is None and model.task == "next-item":
+        items = _item_tables(layout, source, device=device)
     for start in range(0, rows, batch_size):
         batch = read_batch(split, slice(start, min(start + batch_size, rows))).to(device)
         embeddings = batch_embeddings(layout, source, batch.ids, device=device)

@@ -36,8 +36,10 @@ DIVERGED, COLLAPSED, OVERFITTING, NOT_ABOVE_BASELINES = "diverged", "collapsed",
 # the baselines a next-item model is ranked beside (ranking.BASELINES), as its metrics name them after the split's
 # prefix, and as a warning names them
 BASELINE_NAMES = {"popular_": "most-popular", "cooccurrence_": "co-occurrence"}
-# an evaluation's metrics, by split: the test split's (eval_auc, ...), the validation split's (valid_auc, ...)
-TEST_PREFIX, SPLIT_PREFIXES = "eval_", ("eval_", "valid_")
+# an evaluation's metrics, by split: the validation split's (valid_auc, ...), the test split's (eval_auc, ...: their
+# names before validation splits existed); evaluation.evaluated_splits evaluates them in this order
+SPLIT_PREFIXES = {"valid": "valid_", "test": "eval_"}
+TEST_PREFIX = SPLIT_PREFIXES["test"]
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class EvaluationWatch:
         self.values[iteration] = value
         improved = self.best is None or value > self.best.metrics[self.metric]
         if improved:
-            self.best = Best(iteration, {name: v for name, v in metrics.items() if name.startswith(SPLIT_PREFIXES)})
+            self.best = Best(iteration, {name: v for name, v in metrics.items() if name.startswith(tuple(SPLIT_PREFIXES.values()))})
         return warnings, improved
 
     def fall_tolerance(self, best: float, metrics: dict) -> float:

@@ -27,7 +27,6 @@ from bagpipe.storage.tiers import storage_path, tier_class
 
 log = logging.getLogger(__name__)
 
-# Settings that only the distributed job reads, and the one only the reference reads.
 def default_cache_rows(table_sizes: list[int]) -> int:
     return max(1, int(0.05 * sum(table_sizes)))
 
@@ -176,7 +175,8 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     where the run directory is on the same disk (``check_model_space`` otherwise)."""
     optimizer = make_row_optimizer(config.optimizer, lr=config.lr)
     tier = tier_class(config.storage)
-    files = sum(tier.stored_bytes(space.num_rows, space.dim, optimizer.state_width(space.dim)) for space in layout.spaces)
+    files = sum(tier.stored_bytes(space.num_rows, space.dim, optimizer.state_width(space.dim))
+                for space in layout.spaces)
     where = storage_path(config.storage_dir, config.run_dir).absolute()
     check_writable(where, what="--storage-dir")
     free = shutil.disk_usage(where if where.exists() else mount_point(where)).free
@@ -185,8 +185,8 @@ def check_disk(config: TrainConfig, layout: EmbeddingLayout) -> None:
     if need > free:
         model = (f" (and the model the run writes at its end into {config.run_dir}, on the same disk: "
                  f"{human_bytes(need)} in all)" if shared else "")
-        raise ValueError(f"--storage {config.storage}: the tables' files need {human_bytes(files)} in {where}{model}, which has "
-                         f"{human_bytes(free)} free; give --storage-dir on a larger disk")
+        raise ValueError(f"--storage {config.storage}: the tables' files need {human_bytes(files)} in {where}{model}, "
+                         f"which has {human_bytes(free)} free; give --storage-dir on a larger disk")
     if not shared:
         check_model_space(config, layout)
 

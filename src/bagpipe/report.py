@@ -67,15 +67,15 @@ def summary_mode(summary: dict) -> Mode:
 
 
 def _default_label(path: Path, summary: dict) -> str:
-    mode = summary.get("mode")
-    if mode not in RUN_MODES:  # (a run of a bagpipe that named its modes otherwise)
-        return f"{path.name} ({mode})" if mode else path.name
-    if RUN_MODES[mode].processes:
-        return (f"{path.name} ({mode}, {summary.get('trainers')} trainers, {summary.get('policy')}"
+    if "mode" not in summary:
+        return path.name
+    mode = summary_mode(summary)
+    if mode.processes:
+        return (f"{path.name} ({mode.name}, {summary.get('trainers')} trainers, {summary.get('policy')}"
                 + (", partitioned" if partitioned_cache(summary.get("cache_mode", "")) else "") + ")")
-    if RUN_MODES[mode].cached:
-        return f"{path.name} ({mode}, {summary.get('policy')})"
-    return f"{path.name} ({mode})"
+    if mode.cached:
+        return f"{path.name} ({mode.name}, {summary.get('policy')})"
+    return f"{path.name} ({mode.name})"
 
 
 def figure(value, spec: str) -> str:

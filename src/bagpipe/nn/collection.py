@@ -71,14 +71,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         shares = _split(cache_rows, sizes)
         optimizer_ = row_optimizer(optimizer, lr=lr, eps=eps, betas=betas)
         storage = storage_spec(storage)
-        shares_of_storage = storage.split(sizes)  # the DRAM budget of a tier that keeps files, by rows
+        storages = storage.split(sizes)  # the DRAM budget of a tier that keeps files, by rows
         spaces = []
         for space, dim in enumerate(dims):
             members = [t for t, s in enumerate(self.space_of) if s == space]
             blocks = itertools.chain.from_iterable(
                 initial_blocks(*self.tables[t], None if weights is None else weights[t], storage=storage)
                 for t in members)
-            host = host_table(shares_of_storage[space], num_rows=sizes[space], dim=dim, state_width=optimizer_.state_width(dim),
+            host = host_table(storages[space], num_rows=sizes[space], dim=dim, state_width=optimizer_.state_width(dim),
                               blocks=blocks)
             weakref.finalize(self, host.close)  # a table on disk is this module's working copy
             spaces.append(CachedRows(host, cache_rows=shares[space], optimizer=optimizer_, policy=policy,

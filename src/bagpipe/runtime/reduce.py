@@ -195,8 +195,7 @@ class _Sequencer:
         self._queue: queue.Queue = queue.Queue()
         self._broken: BaseException | None = None
         self._closed = False
-        self.thread = threading.Thread(target=self._run, name="ordered-sum", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._run, name="ordered-sum", daemon=True).start()
 
     def submit(self, buffer: torch.Tensor) -> _Ordered:
         chunk = math.ceil(buffer.numel() / self.size)

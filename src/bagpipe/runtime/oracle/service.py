@@ -55,8 +55,9 @@ class Oracle:
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the background,
         # each judged (health.py: collapse, falls, the best kept with --keep-best) with what the run logged so far.
         self.evaluations = self.watch = None
-        model = build_model(config, dataset.schema) if config.model.name != EXTERNAL else None
-        if model is not None and (evaluated := evaluated_splits(model, dataset, protocol=config.eval_protocol)):
+        if config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0:
+            model = build_model(config, dataset.schema)
+            evaluated = evaluated_splits(model, dataset, protocol=config.eval_protocol)
             self.watch = evaluation_watch(config, run, task=model.task, train=dataset.train, splits=evaluated)
             self.evaluations = BackgroundEvaluations(model, self.layout, evaluated, batch_size=config.eval_batch_size,
                                                      max_rows=config.max_eval_rows, on_result=self._evaluated)
