@@ -78,6 +78,9 @@ class _LazyForkServer:
             self.server = _SessionForkServer(env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
         return getattr(self.server, name)
 
+    def close(self) -> None:
+        """(A job refused before any role started closes a server it never used: that starts none.)"""
+
     def close_for_good(self) -> None:
         if self.server is not None:
             self.server.close_for_good()

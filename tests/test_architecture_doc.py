@@ -32,7 +32,7 @@ _SPAN = re.compile(r"`([^`\n]+)`")
 _CLASS_LIKE = re.compile(r"(?<![\w])_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*(?![\w])")
 _PY_PATH = re.compile(r"[\w./<>*-]*\.py\b")
 _MODULE_ATTR = re.compile(r"^((?:[a-z_]\w*/)+[a-z_]\w*)\.[A-Za-z_]\w*")  # `planner/evict.OnlineHistory`
-_CLASS_DEF = re.compile(r"^\s*class\s+(\w+)\s*[(:]", re.M)
+_CLASS_DEF = re.compile(r"^\s*class\s+(\w+)\s*[(:]|^(\w+) = dataclasses\.make_dataclass\(", re.M)  # (config.ModelConfig)
 
 
 def code_spans(text: str) -> list[str]:
@@ -42,7 +42,8 @@ def code_spans(text: str) -> list[str]:
 
 @cache
 def source_classes() -> frozenset[str]:
-    return frozenset(name for path in SRC.rglob("*.py") for name in _CLASS_DEF.findall(path.read_text()))
+    return frozenset(name for path in SRC.rglob("*.py") for names in _CLASS_DEF.findall(path.read_text())
+                     for name in names if name)
 
 
 def torch_defines(name: str) -> bool:

@@ -213,7 +213,8 @@ def test_resume_refuses_what_it_cannot_continue(small_binary, tmp_path, capsys):
     assert "give one of them" in capsys.readouterr().err
     assert main(["train", "--run-dir", str(tmp_path / "none"), "--resume"]) == 2
     assert "no run to resume" in capsys.readouterr().err
-    from bagpipe.config import EXTERNAL, ModelConfig, TrainConfig
+    from bagpipe.config import ModelConfig, TrainConfig
+    from bagpipe.models import EXTERNAL
     from bagpipe.data.binary import open_dataset
     from bagpipe.preflight import check_job
 

@@ -1,9 +1,11 @@
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from bagpipe.config import (RUN_MODES, MODES, SECTION_OF, SECTIONS, ModelConfig, TrainConfig, default_config,
                             load_train_config)
+from bagpipe.models import CARDS, MODEL_NAMES
 
 
 def test_toml_then_flags(tmp_path):
@@ -12,7 +14,7 @@ def test_toml_then_flags(tmp_path):
                     'arch_mlp_bot = "13-4"\n')
     config = load_train_config(str(path), {"lr": 0.25, "optimizer": None, "arch_mlp_top": "7-1"})
     assert config.lr == 0.25 and config.optimizer == "sgd"
-    assert config.model.emb_dim == 4 and config.model.top_sizes == (7, 1)
+    assert config.model.emb_dim == 4 and config.model.sizes("arch_mlp_top") == (7, 1)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -111,12 +113,39 @@ def test_settings_the_mode_does_not_read_get_a_warning():
     assert {w.split()[0] for w in ignored_settings(single)} == {"--trainers", "--check-parity"}
 
 
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_every_model_setting_is_warned_with_exactly_the_models_that_do_not_read_it(model):
+    """A model setting changed alone: warned as doing nothing with ``--model`` if and only if the model's card does
+    not name it; every ModelConfig field past the name is a declared setting, at its declared default."""
+    from bagpipe.models import SETTINGS
+    from bagpipe.preflight import ignored_settings
+
+    assert [f.name for f in dataclasses.fields(ModelConfig)] == ["name", *SETTINGS]
+    assert all(getattr(ModelConfig(), name) == setting.default for name, setting in SETTINGS.items())
+    defaults = default_config(model)
+    for name in SETTINGS:
+        config = SimpleNamespace(**{f.name: getattr(defaults, f.name) for f in dataclasses.fields(TrainConfig)})
+        config.model = SimpleNamespace(**{**vars(defaults.model), name: object()}, card=defaults.model.card)
+        warned = [w for w in ignored_settings(config) if w.startswith(f"--{name.replace('_', '-')} does nothing")]
+        assert bool(warned) == (name not in CARDS[model].settings), (model, name, warned)
+
+
+def test_a_model_setting_out_of_its_range_is_refused_naming_it():
+    from bagpipe.models import SETTINGS
+
+    bounded = [s for s in SETTINGS.values() if s.low is not None or s.choices or s.sizes]
+    assert len(bounded) == len(SETTINGS)  # (every model setting has a range)
+    for setting in bounded:
+        wrong = ("13-x" if setting.sizes else "neither" if setting.choices
+                 else type(setting.default)(setting.below if setting.below is not None else setting.low - 1))
+        with pytest.raises(ValueError, match=f"^{setting.name}"):
+            ModelConfig(**{setting.name: wrong})
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_setting_is_warned_in_exactly_the_modes_whose_sections_leave_it_out(mode):
     """Each setting changed alone: warned as doing nothing in ``mode`` if and only if its section (config.SECTIONS)
     is not one the mode reads; every setting is in exactly one section."""
-    from types import SimpleNamespace
-
     from bagpipe.preflight import ignored_settings
 
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"]

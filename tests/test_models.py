@@ -13,6 +13,7 @@ from bagpipe.config import ModelConfig, TrainConfig, load_train_config
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables
+from bagpipe.models import CARDS, CLICKS, MODEL_NAMES
 from bagpipe.optim import make_row_optimizer
 from bagpipe.reference import build_model, build_tables, train_reference, train_step
 from bagpipe.data.batches import iterate_batches
@@ -31,6 +32,11 @@ SMALL = {
     "dcn-v2": ModelConfig(name="dcn", emb_dim=8, deep_mlp="32-16", cross_layers=2, cross_kind="matrix", cross_rank=4),
     "fgcnn": ModelConfig(name="fgcnn", emb_dim=8, deep_mlp="32", conv_channels="4-6", conv_kernel=3, recombine=1),
 }
+
+
+def test_every_click_model_has_a_small_shape_here():
+    """(So the tests below, every mode and every optimizer, cover a model added to bagpipe.models.)"""
+    assert {config.name for config in SMALL.values()} == {name for name in MODEL_NAMES if CLICKS in CARDS[name].data}
 
 
 @pytest.mark.parametrize("name", SMALL)
@@ -87,7 +93,7 @@ def eight_tables(tmp_path_factory):
 
 
 def at_defaults(data, run_dir, name: str, **given) -> tuple[dict, float]:
-    """One pass of model ``name`` at its defaults (config.MODEL_DEFAULTS) with ``given`` instead: the summary and
+    """One pass of model ``name`` at its defaults (its card's defaults, bagpipe.models.CARDS) with ``given`` instead: the summary and
     the largest logged training loss (the mean of 10 iterations)."""
     config = load_train_config(None, {"data": str(data), "run_dir": str(run_dir), "name": name, **given})
     summary = train_reference(config, show_progress=False)

@@ -1,7 +1,7 @@
-"""Modes, storage tiers, cache policies and row optimizers are each named in one place, their registry, and the code
-asks the registry what a name means (config.RUN_MODES' Mode, a tier class's attributes, planner.plan's plans_ahead
-and evict.ONLINE_SCORES, a RowOptimizer class's) instead of comparing names: a new one is then added in its
-registry alone."""
+"""Modes, storage tiers, cache policies, row optimizers and models are each named in one place, their registry, and
+the code asks the registry what a name means (config.RUN_MODES' Mode, a tier class's attributes, planner.plan's
+plans_ahead and evict.ONLINE_SCORES, a RowOptimizer class's, a model's ModelCard) instead of comparing names: a new
+one is then added in its registry alone."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 from bagpipe.config import CACHE_MODES, MODES, OPTIMIZERS, POLICIES, STORAGE_KINDS
+from bagpipe.models import CARDS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "bagpipe"
 # name kind -> (its names, words that mark an expression as one of them, the files that may compare them)
@@ -18,6 +19,7 @@ REGISTRIES = {
     "cache policy": (set(POLICIES), ("policy",), {"planner/plan.py", "planner/evict.py"}),
     "row optimizer": (set(OPTIMIZERS), ("optim", "name"), {"optim.py"}),
     "cache mode": (set(CACHE_MODES), ("cache_mode",), {"config.py"}),
+    "model": (set(CARDS), ("model", "name"), {"models/__init__.py"}),
 }
 
 
@@ -59,7 +61,9 @@ def test_the_check_finds_a_comparison_by_name(tmp_path, monkeypatch):
     """(The check itself can fail.)"""
     fake = tmp_path / "bagpipe"
     fake.mkdir()
-    (fake / "x.py").write_text('def f(config):\n    return config.mode == "bagpipe" or config.storage in ("disk",)\n')
+    (fake / "x.py").write_text('def f(config):\n    return config.mode == "bagpipe" or config.storage in ("disk",) '
+                               'or config.model.name != "external"\n')
     monkeypatch.setattr(__import__(__name__), "SRC", fake)
     assert [line.split(": ")[1] for line in comparisons_of_names()] == ["a mode compared by name",
-                                                                       "a storage kind compared by name"]
+                                                                       "a storage kind compared by name",
+                                                                       "a model compared by name"]

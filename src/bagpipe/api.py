@@ -29,7 +29,8 @@ import time
 import torch
 
 from bagpipe import models
-from bagpipe.config import EXTERNAL, MODEL_NAMES, ModelConfig, complete_model
+from bagpipe.config import ModelConfig
+from bagpipe.models import EXTERNAL, MODEL_NAMES, complete_model
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import Embeddings, Lookup
@@ -92,7 +93,7 @@ class TrainerCache:
         """The job's model (one of bagpipe's, named by ``init_cache(model=...)``), initialised from the job's
         seed as the bagpipe trainers and the reference initialise it."""
         config = self.model_config
-        if config.name == EXTERNAL:
+        if not config.card.built:
             raise ValueError("init_cache was given no model: the script's model is its own (init_cache(model=NAME) "
                              f"names one of bagpipe's: {', '.join(MODEL_NAMES)})")
         return models.build_model(config, self.schema, seed=self.seed)
@@ -175,10 +176,10 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
                model_options: dict | None = None) -> TrainerCache:
     """Join the job as a trainer and return its cache (see the module docstring).
 
-    Beyond the original's arguments: ``model`` names one of bagpipe's models (``dlrm``, ``wide-deep``,
-    ``deepfm``, ``dcn``, ``fgcnn``, ``caser``) whose tables the job plans (default: none, the script's
-    own model, one ``emb_size`` table per sparse feature), with ``model_options`` its shape settings
-    (``ModelConfig`` fields, e.g. ``{"deep_mlp": "400-400-400"}``); every role must agree on them, and
+    Beyond the original's arguments: ``model`` names one of bagpipe's models (``bagpipe.models.MODEL_NAMES``)
+    whose tables the job plans (default: none, the script's own model, one ``emb_size`` table per sparse
+    feature), with ``model_options`` its shape settings (its card's settings, e.g. ``{"deep_mlp":
+    "400-400-400"}``); every role must agree on them, and
     the oracle evaluates trainer 0's model at the end. ``cache.build_model()`` builds it.
     """
     if world_size is None or trainer_world_size is None:

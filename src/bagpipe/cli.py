@@ -38,13 +38,13 @@ quick start (about a minute on 2 cores; README.md says more):
 
 def _default(name: str, *, models: bool = False) -> str:
     """" (default X)" for a train or model setting, from the config's own default; with ``models``, and the
-    models whose own default differs (config.MODEL_DEFAULTS), "(default X; caser Y)"."""
-    from bagpipe.config import MODEL_DEFAULTS
+    models whose own default differs (their cards' defaults, bagpipe.models.CARDS), "(default X; caser Y)"."""
+    from bagpipe.models import CARDS
 
     defaults = _defaults()
     value = getattr(defaults.model, name) if hasattr(defaults.model, name) else getattr(defaults, name)
-    own = [f"{model} {settings[name]}" for model, settings in MODEL_DEFAULTS.items()
-           if models and name in settings and settings[name] != value]
+    own = [f"{model} {card.defaults[name]}" for model, card in CARDS.items()
+           if models and name in card.defaults and card.defaults[name] != value]
     return f" (default {'; '.join([str(value), *own])})"
 
 
@@ -145,8 +145,10 @@ def _add_data_flags(p) -> None:
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train one of six models (--model: dlrm, wide-deep, deepfm, dcn, fgcnn, "
-                                     "caser) in one process, or with the whole system on this machine (--mode)")
+    from bagpipe.models import MODEL_NAMES
+
+    p = sub.add_parser("train", help=f"train a model (--model: {', '.join(MODEL_NAMES)}) in one process, or with "
+                                     "the whole system on this machine (--mode)")
     p.add_argument("--config", default=None, help="a TOML file of settings; flags override it (default: none)")
     p.add_argument("--data", default=None, help="a directory with train.* and test.* text splits (converted "
                    "once into DIR/preprocessed), a single data file (converted beside it), or a preprocessed "
@@ -268,37 +270,21 @@ def _add_vocab_flag(p) -> None:
 
 
 def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:
-    from bagpipe.config import CROSS_KINDS, MODEL_NAMES
+    """A flag per model setting (bagpipe.models.SETTINGS), its help naming the models that read it."""
+    from bagpipe.models import MODEL_NAMES, SETTINGS, readers
 
     g = p.add_argument_group("the model (each reads its own settings)")
     g.add_argument("--model", dest="name", default=None, help=f"{', '.join(MODEL_NAMES)}" + _default("name"))
-    g.add_argument(*emb_flags, dest="emb_dim", type=int, default=None, help="embedding width" + _default("emb_dim", models=True))
-    g.add_argument("--arch-mlp-bot", default=None, help="dlrm: bottom MLP sizes, from the dense features to the "
-                   "embedding width" + _default("arch_mlp_bot"))
-    g.add_argument("--arch-mlp-top", default=None, help="dlrm: top MLP sizes after the interaction, ending in 1"
-                   + _default("arch_mlp_top"))
-    g.add_argument("--deep-mlp", default=None, help="wide-deep, deepfm, dcn, fgcnn: the deep part's hidden sizes"
-                   + _default("deep_mlp"))
-    g.add_argument("--cross-layers", type=int, default=None, help="dcn: cross layers" + _default("cross_layers"))
-    g.add_argument("--cross-kind", default=None, help=f"dcn: {' or '.join(CROSS_KINDS)} (DCN-v2)"
-                   + _default("cross_kind"))
-    g.add_argument("--cross-rank", type=int, default=None, help="dcn matrix: 0 full, r a low-rank U V of rank r"
-                   + _default("cross_rank"))
-    g.add_argument("--conv-channels", default=None, help="fgcnn: channels of each convolution"
-                   + _default("conv_channels"))
+    for name, setting in SETTINGS.items():
+        flags = emb_flags if name == "emb_dim" else ("--" + name.replace("_", "-"),)
+        kind = type(setting.default)
+        models = readers(name)
+        about = "" if len(models) == len(MODEL_NAMES) else f"{', '.join(models)}: "
+        g.add_argument(*flags, dest=name, type=kind, default=None,
+                       help=about + setting.help + _default(name, models=True))
     g.add_argument("--filter-range", dest="conv_channels", type=_filter_range, default=None,
                    help="fgcnn, as the original system takes it: A-B picks channels 10, 12, ..., 26 from index A "
                         "to B (2-5: 14-16-18-20) (default: --conv-channels)")
-    g.add_argument("--conv-kernel", type=int, default=None, help="fgcnn: kernel height, odd" + _default("conv_kernel"))
-    g.add_argument("--conv-pool", type=int, default=None, help="fgcnn: pooling height" + _default("conv_pool"))
-    g.add_argument("--recombine", type=int, default=None, help="fgcnn: new feature maps per convolution"
-                   + _default("recombine"))
-    g.add_argument("--vertical-filters", type=int, default=None, help="caser: vertical filters (n_v)"
-                   + _default("vertical_filters"))
-    g.add_argument("--horizontal-filters", type=int, default=None, help="caser: horizontal filters per height (n_h)"
-                   + _default("horizontal_filters"))
-    g.add_argument("--dropout", type=float, default=None, help="dropout rate of the deep parts, and caser's"
-                   + _default("dropout", models=True))
 
 
 ORIGINAL_CHANNELS = tuple(range(10, 28, 2))  # the original FGCNN trainer's channel list, indexed by --filter-range
@@ -797,7 +783,7 @@ NCCL_REFUSED = ("--dist-backend nccl: the trainers' gradient sums run over gloo,
 
 
 def run_trainer(args) -> None:
-    from bagpipe.config import complete_model
+    from bagpipe.models import complete_model
     from bagpipe.runtime.agree import stated
     from bagpipe.runtime.trainer.main import run_trainer as trainer_main
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bagpipe import models
 from bagpipe.planner.evict import ONLINE_POLICIES
 from bagpipe.planner.plan import POLICIES, plans_ahead
 
@@ -28,9 +29,6 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device
 CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
 SINGLE_POLICIES = ("lookahead", *ONLINE_POLICIES)  # --mode single: the planner, or an online policy (nn.SlotIndex)
-MODEL_NAMES = ("dlrm", "wide-deep", "deepfm", "dcn", "fgcnn", "caser")  # the registry in bagpipe.models
-EXTERNAL = "external"  # the model of a job whose trainers are user scripts (the oracle has none)
-CROSS_KINDS = ("vector", "matrix")
 DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpipe.data
 EVAL_PROTOCOLS = ("unseen", "history")  # next-item evaluation's candidates: bagpipe.ranking.PROTOCOLS
 MIN_LIVENESS_S = 1.0  # the shortest liveness window (judged on four heartbeats: World.beat_s)
@@ -70,17 +68,6 @@ def check_liveness(liveness: float, timeout: float, *, name: str, timeout_name: 
                          f"{timeout:g}) s, got {liveness}")
 
 
-def parse_arch(text: str, *, name: str) -> tuple[int, ...]:
-    """Parse a layer-size string such as ``13-512-256-64`` into a tuple of positive ints."""
-    try:
-        sizes = tuple(int(part) for part in str(text).split("-"))
-    except ValueError:
-        raise ValueError(f"{name}: expected sizes joined by '-', such as 13-512-64, got {text!r}") from None
-    if not sizes or any(size <= 0 for size in sizes):
-        raise ValueError(f"{name}: every layer size must be a positive integer, got {text!r}")
-    return sizes
-
-
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
@@ -111,70 +98,34 @@ def _check_types(config) -> None:
             object.__setattr__(config, f.name, checked_value(type(config), f.name, value))
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """The model and its shape. Each model reads its own fields (named in the comments)."""
-
-    name: str = "dlrm"  # dlrm, wide-deep, deepfm, dcn, fgcnn or caser
-    emb_dim: int = 16
-    arch_mlp_bot: str = "13-512-256-16"  # dlrm: dense features -> emb_dim (last size must equal it)
-    arch_mlp_top: str = "512-256-1"  # dlrm: sizes after the interaction; must end in 1
-    deep_mlp: str = "400-400-400"  # wide-deep, deepfm, dcn, fgcnn: the deep part's hidden layers
-    cross_layers: int = 3  # dcn
-    cross_kind: str = "vector"  # dcn: vector (DCN, Wang et al. 2017) or matrix (DCN-v2, 2021)
-    cross_rank: int = 0  # dcn matrix: 0 a full d x d matrix, r > 0 a low-rank U V^T of rank r
-    conv_channels: str = "14-16-18-20"  # fgcnn: channels of each convolution
-    conv_kernel: int = 7  # fgcnn: kernel height (fields)
-    conv_pool: int = 2  # fgcnn: max-pooling height
-    recombine: int = 2  # fgcnn: new feature maps per convolution
-    vertical_filters: int = 4  # caser: n_v
-    horizontal_filters: int = 16  # caser: n_h per height 1..L
-    dropout: float = 0.0  # wide-deep, deepfm, dcn, fgcnn (deep part), caser (before its dense layer)
+class _Model:
+    """What ModelConfig is beyond its fields: the checks of its values, its card, its sizes read as numbers."""
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if self.name not in (*MODEL_NAMES, EXTERNAL):
-            raise ValueError(f"model must be one of {', '.join(MODEL_NAMES)}, got {self.name!r}")
-        if self.emb_dim <= 0:
-            raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
-        bot = parse_arch(self.arch_mlp_bot, name="arch_mlp_bot")
-        top = parse_arch(self.arch_mlp_top, name="arch_mlp_top")
-        parse_arch(self.deep_mlp, name="deep_mlp")
-        parse_arch(self.conv_channels, name="conv_channels")
-        if self.name == "dlrm":
-            if len(bot) < 2:
-                raise ValueError(f"arch_mlp_bot needs an input and an output size, got {self.arch_mlp_bot!r}")
-            if bot[-1] != self.emb_dim:
-                raise ValueError(f"arch_mlp_bot must end in the embedding dimension ({self.emb_dim}), "
-                                 f"got {self.arch_mlp_bot!r}")
-            if top[-1] != 1:
-                raise ValueError(f"arch_mlp_top must end in 1 (one logit), got {self.arch_mlp_top!r}")
-        if self.cross_kind not in CROSS_KINDS:
-            raise ValueError(f"cross_kind must be one of {', '.join(CROSS_KINDS)}, got {self.cross_kind!r}")
-        for name in ("cross_layers", "conv_kernel", "conv_pool", "recombine", "vertical_filters",
-                     "horizontal_filters"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.cross_rank < 0:
-            raise ValueError(f"cross_rank must not be negative, got {self.cross_rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.name not in models.CARDS:
+            raise ValueError(f"model must be one of {', '.join(models.MODEL_NAMES)}, got {self.name!r}")
+        for setting in models.SETTINGS.values():
+            setting.check(getattr(self, setting.name))
+        if self.card.check is not None:
+            self.card.check(self)
 
     @property
-    def bottom_sizes(self) -> tuple[int, ...]:
-        return parse_arch(self.arch_mlp_bot, name="arch_mlp_bot")
+    def card(self) -> models.ModelCard:
+        return models.CARDS[self.name]
 
-    @property
-    def top_sizes(self) -> tuple[int, ...]:
-        return parse_arch(self.arch_mlp_top, name="arch_mlp_top")
+    def sizes(self, name: str) -> tuple[int, ...]:
+        """Setting ``name`` (layer sizes joined by '-') as numbers."""
+        return models.parse_arch(getattr(self, name), name=name)
 
-    @property
-    def deep_sizes(self) -> tuple[int, ...]:
-        return parse_arch(self.deep_mlp, name="deep_mlp")
 
-    @property
-    def channels(self) -> tuple[int, ...]:
-        return parse_arch(self.conv_channels, name="conv_channels")
+# The model and its shape: a field per model setting (bagpipe.models.SETTINGS, declared with the models' cards), of
+# its default's type; each model reads its own (its card's ``settings``).
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig", [("name", str, field(default=models.DEFAULT_MODEL)),
+                    *((s.name, type(s.default), field(default=s.default)) for s in models.SETTINGS.values())],
+    bases=(_Model,), frozen=True, kw_only=True)
+ModelConfig.__module__ = __name__  # (make_dataclass takes module= from Python 3.12): pickled by this name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,7 +330,7 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
     values.setdefault("data", "")
     values.setdefault("run_dir", "")
     values, model_values = with_model_defaults(values, model_values)
-    return TrainConfig(model=ModelConfig(**complete_model(model_values)), **values)
+    return TrainConfig(model=ModelConfig(**models.complete_model(model_values)), **values)
 
 
 # A run's settings by section: a TOML file's tables ([cache], [job], ...; the model's are [model]), and what each
@@ -433,34 +384,19 @@ RUN_MODES: dict[str, Mode] = {mode.name: mode for mode in (
 MODES = tuple(RUN_MODES)  # their names
 
 
-# What `bagpipe train --model M` takes for the settings it is not given, where the dataclasses' defaults (Adagrad
-# at 0.01, batch 512: wide-deep's, deepfm's and dcn's) do not train M well: each model learns at its defaults with no
-# flag (docs/history/benchmarks.md, "Every model at its defaults"). Caser's are its paper's (Tang & Wang 2018: d 50, Adam at
-# 1e-3, batch 512, dropout 0.5) with the passes it needs. DLRM and FGCNN feed many pairwise products to a wide MLP:
-# Adagrad's first step moves every weight by lr, and at 0.01 DLRM's loss jumps (0.69 to 3.8) and FGCNN's swings and
-# ends near a constant prediction's; lower Adagrad rates learn too slowly, Adam at 1e-3 does neither. Caser's 20 passes
-# overfit small data (its validation HR@10 peaks after 6 on the default synthetic sequences): evaluated every 250
-# iterations, it delivers the model best on the validation split.
-MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "caser": {"emb_dim": 50, "dropout": 0.5, "optimizer": "adam", "lr": 1e-3, "batch_size": 512, "epochs": 20,
-              "shuffle": True, "eval_every": 250, "keep_best": True},
-    "dlrm": {"optimizer": "adam", "lr": 1e-3},
-    "fgcnn": {"optimizer": "adam", "lr": 1e-3},
-}
-
-
 def with_model_defaults(values: dict[str, Any], model_values: dict[str, Any]) -> tuple[dict, dict]:
-    """The settings given, completed by the chosen model's own defaults (MODEL_DEFAULTS) where not given."""
+    """The settings given, completed by the chosen model's own defaults (its card's ``defaults``) where not given."""
     values, model_values = dict(values), dict(model_values)
     model_names = {f.name for f in dataclasses.fields(ModelConfig)}
-    for name, value in MODEL_DEFAULTS.get(model_values.get("name", ModelConfig.name), {}).items():
+    card = models.CARDS.get(model_values.get("name", models.DEFAULT_MODEL))
+    for name, value in (card.defaults if card is not None else {}).items():
         if name == "keep_best" and values.get("eval_every") == 0:
             continue  # --eval-every 0 given: only the final state is evaluated, and kept
         (model_values if name in model_names else values).setdefault(name, value)
     return values, model_values
 
 
-def default_config(model: str = ModelConfig.name) -> TrainConfig:
+def default_config(model: str = models.DEFAULT_MODEL) -> TrainConfig:
     """What `bagpipe train --model MODEL` runs with when given nothing else."""
     return load_train_config(None, {"name": model, "data": "-", "run_dir": "-"})
 
@@ -528,21 +464,6 @@ def resumed_config(run_dir: str, path: str | None, overrides: dict[str, Any]) ->
                 "--resume with %s=%r, where the run started with %r: the steps from here round otherwise, so the run "
                 "will not end bit for bit as an uninterrupted one would", name, changes[name], getattr(saved, name))
     return dataclasses.replace(saved, run_dir=str(run_dir), **changes)
-
-
-def complete_model(values: dict[str, Any]) -> dict[str, Any]:
-    """DLRM's embedding width and bottom MLP name each other: one given alone implies the other
-    (``--arch-mlp-bot 13-512-48`` means ``--emb-dim 48``; ``--emb-dim 48`` means a bottom MLP of
-    13-512-256-48)."""
-    values = dict(values)
-    if values.get("name", ModelConfig.name) != "dlrm":
-        return values
-    if "arch_mlp_bot" in values and "emb_dim" not in values:
-        values["emb_dim"] = parse_arch(values["arch_mlp_bot"], name="arch_mlp_bot")[-1]
-    elif "emb_dim" in values and "arch_mlp_bot" not in values:
-        default = parse_arch(ModelConfig.arch_mlp_bot, name="arch_mlp_bot")
-        values["arch_mlp_bot"] = "-".join(str(size) for size in (*default[:-1], values["emb_dim"]))
-    return values
 
 
 def _read_toml(path: Path, *, train_names: set[str], model_names: set[str]) -> tuple[dict, dict]:

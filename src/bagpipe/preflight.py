@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bagpipe.config import EXTERNAL, RUN_MODES, SECTION_OF, Mode, ModelConfig, TrainConfig, default_config
+from bagpipe.config import RUN_MODES, SECTION_OF, Mode, ModelConfig, TrainConfig, default_config
 from bagpipe.data.batches import batches_per_epoch, epoch_rows, fresh_negatives, planned_iterations, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed, physical_memory_bytes
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
 from bagpipe.files import check_writable, human_bytes, mount_point
-from bagpipe.models import MODELS, check_model, model_tables
+from bagpipe.models import check_model, model_tables
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner.plan import (PARTITIONED_BYTES_PER_SEEN_ROW_PER_TRAINER, PLANNER_BYTES_PER_SEEN_ROW, plans_ahead,
                                   planner_window_bytes)
@@ -90,7 +90,7 @@ def check_job(config: TrainConfig, dataset: BinaryDataset, *, show_progress: boo
     """Refuse a job that cannot run on ``dataset``; return warnings about settings that do nothing."""
     check_data(config, dataset)
     check_memory(config, dataset)
-    if (config.checkpoints or config.eval_every) and config.model.name == EXTERNAL:
+    if (config.checkpoints or config.eval_every) and not config.model.card.built:
         raise ValueError("checkpoints during training (and --eval-every, which evaluates them) need bagpipe's "
                          "trainers: the trainers are scripts with a model of their own (init_cache), whose dense "
                          "state the job cannot save")
@@ -279,7 +279,7 @@ def smallest_cache_rows(config: TrainConfig, layout: EmbeddingLayout, need: dict
 
 
 def ignored_settings(config: TrainConfig) -> list[str]:
-    """Warnings for settings changed from their defaults (the model's own: config.MODEL_DEFAULTS) that the
+    """Warnings for settings changed from their defaults (the model's own: its card's defaults) that the
     chosen mode or model does not read."""
     defaults = default_config(config.model.name)
     changed = [f.name for f in dataclasses.fields(TrainConfig)
@@ -289,7 +289,7 @@ def ignored_settings(config: TrainConfig) -> list[str]:
                 + _hint(name, mode) for name in changed if not mode.reads(name)]
     if "shuffle_seed" in changed and not config.shuffle:
         warnings.append("--shuffle-seed does nothing without --shuffle (batches are consecutive rows)")
-    read = MODELS[config.model.name].settings
+    read = config.model.card.settings
     warnings += [f"{_flag(f.name)} does nothing with --model {config.model.name}"
                  for f in dataclasses.fields(ModelConfig)
                  if f.name not in ("name", *read) and getattr(config.model, f.name) != getattr(defaults.model, f.name)]

@@ -63,7 +63,7 @@ class DCN(RecModel):
     @classmethod
     def from_config(cls, config, schema: Schema) -> "DCN":
         return cls(num_dense=schema.num_dense, num_features=len(schema.features), emb_dim=config.emb_dim,
-                   deep_sizes=config.deep_sizes, cross_layers=config.cross_layers, cross_kind=config.cross_kind,
+                   deep_sizes=config.sizes("deep_mlp"), cross_layers=config.cross_layers, cross_kind=config.cross_kind,
                    cross_rank=config.cross_rank, dropout=config.dropout)
 
     def early_params(self) -> list[nn.Parameter]:

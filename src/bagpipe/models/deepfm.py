@@ -38,7 +38,7 @@ class DeepFM(RecModel):
     @classmethod
     def from_config(cls, config, schema: Schema) -> "DeepFM":
         return cls(num_dense=schema.num_dense, num_features=len(schema.features), emb_dim=config.emb_dim,
-                   deep_sizes=config.deep_sizes, dropout=config.dropout)
+                   deep_sizes=config.sizes("deep_mlp"), dropout=config.dropout)
 
     def early_params(self) -> list[nn.Parameter]:
         return list(self.deep.parameters())

@@ -22,8 +22,9 @@ def tables(config, schema: Schema) -> list[TableConfig]:
 
 
 def check(config, schema: Schema) -> None:
-    if config.bottom_sizes[0] != schema.num_dense:
-        raise ValueError(f"arch_mlp_bot starts with {config.bottom_sizes[0]} inputs, but the data has "
+    inputs = config.sizes("arch_mlp_bot")[0]
+    if inputs != schema.num_dense:
+        raise ValueError(f"arch_mlp_bot starts with {inputs} inputs, but the data has "
                          f"{schema.num_dense} dense features")
     if not schema.one_hot_only:
         raise ValueError("dlrm embeds one id per sparse feature; this data has multi-valued features")
@@ -50,8 +51,8 @@ class DLRM(RecModel):
 
     @classmethod
     def from_config(cls, config, schema: Schema) -> "DLRM":
-        return cls(num_tables=len(schema.features), emb_dim=config.emb_dim, bottom_sizes=config.bottom_sizes,
-                   top_sizes=config.top_sizes)
+        return cls(num_tables=len(schema.features), emb_dim=config.emb_dim,
+                   bottom_sizes=config.sizes("arch_mlp_bot"), top_sizes=config.sizes("arch_mlp_top"))
 
     def early_params(self) -> list[nn.Parameter]:
         """The top MLP's: the backward completes their gradients first."""

@@ -55,8 +55,8 @@ class FGCNN(RecModel):
     @classmethod
     def from_config(cls, config, schema: Schema) -> "FGCNN":
         return cls(num_dense=schema.num_dense, num_features=len(schema.features), emb_dim=config.emb_dim,
-                   channels=config.channels, kernel=config.conv_kernel, pool=config.conv_pool,
-                   recombine=config.recombine, deep_sizes=config.deep_sizes, dropout=config.dropout)
+                   channels=config.sizes("conv_channels"), kernel=config.conv_kernel, pool=config.conv_pool,
+                   recombine=config.recombine, deep_sizes=config.sizes("deep_mlp"), dropout=config.dropout)
 
     def early_params(self) -> list[nn.Parameter]:
         return list(self.deep.parameters())

@@ -19,7 +19,8 @@ import threading
 import time
 
 from bagpipe.checkpoint import discard_after, valid_checkpoints
-from bagpipe.config import ModelConfig, TrainConfig, complete_model, config_to_dict
+from bagpipe.config import ModelConfig, TrainConfig, config_to_dict
+from bagpipe.models import IMPLIED, complete_model
 from bagpipe.data.batches import planned_iterations
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
@@ -278,7 +279,7 @@ def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dic
     if "emb_dim" in agreed:
         model["emb_dim"] = agreed["emb_dim"]
     model = {**{f.name: getattr(config.model, f.name) for f in dataclasses.fields(ModelConfig)
-                if f.name not in ("emb_dim", "arch_mlp_bot")}, **complete_model(model)}
+                if f.name not in IMPLIED}, **complete_model(model)}
     train = {name: agreed[name] for name in ("cache_rows", "lookahead", "optimizer", "lr") if name in agreed}
     return dataclasses.replace(config, model=ModelConfig(**model), **train), dataset
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from bagpipe.config import EXTERNAL, TrainConfig
+from bagpipe.config import TrainConfig
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.evaluation import BackgroundEvaluations, evaluated_splits
 from bagpipe.checkpoint import ChainRows
@@ -55,7 +55,7 @@ class Oracle:
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the background,
         # each judged (health.py: collapse, falls, the best kept with --keep-best) with what the run logged so far.
         self.evaluations = self.watch = None
-        if config.model.name != EXTERNAL and dataset.test is not None and dataset.test.rows > 0:
+        if config.model.card.built and dataset.test is not None and dataset.test.rows > 0:
             model = build_model(config, dataset.schema)
             evaluated = evaluated_splits(model, dataset, protocol=config.eval_protocol)
             self.watch = evaluation_watch(config, run, task=model.task, train=dataset.train, splits=evaluated)

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bagpipe.checkpoint import ChainRows, checkpoints_dir
-from bagpipe.config import EXTERNAL
 from bagpipe.evaluation import no_evaluation
 from bagpipe.model_dir import MODEL_DIR, write_model_dir
 from bagpipe.reference import best_metrics, build_model, health_summary, keeps_final, write_model
@@ -38,7 +37,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
     dense_state = oracle.state.done[0][1] or {}
     eval_started = time.perf_counter()
     metrics = {}
-    model = None if config.model.name == EXTERNAL else build_model(config, dataset.schema)
+    model = None if not config.model.card.built else build_model(config, dataset.schema)
     if model is None:
         log.info("the trainers' model is their own: model/ holds trainer 0's weights as it reported them "
                  "(%s), and the oracle does not evaluate it", "none" if not dense_state else f"{len(dense_state)} tensors")
