@@ -28,9 +28,9 @@ from bench_models import cpu_snapshot
 from bench_reference import _foreign_fraction, torch_threads
 from bench_scaling import BATCH, data_set
 
-from bagpipe.checkpoint import checkpoints_dir
+from bagpipe.train.checkpoints import checkpoints_dir
 from bagpipe.config import ModelConfig, TrainConfig
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import JobFailed, launch_local
 

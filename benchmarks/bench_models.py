@@ -37,7 +37,7 @@ import bagpipe
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.preprocess import ensure_preprocessed
 from bagpipe.preflight import job_layout, prepare_data
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.runtime.launch import launch_local
 from bagpipe.synth_sequences import generate_sequences
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.preprocess import preprocess
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.runtime.launch import launch_local
 from bagpipe.synth import generate
 

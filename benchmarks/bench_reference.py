@@ -15,7 +15,7 @@ What it does:
    (``--batch-size``), through ``iterate_batches`` into torch tensors, in file order and
    shuffled; and the same slices read straight from the memory maps as numpy copies. The page
    cache is warm (the files were just written). Target: more than 1M rows/s.
-3. Trainer: ``bagpipe.reference.train_reference`` for every (arch, optimizer, threads), repeated
+3. Trainer: ``bagpipe.train.reference.train_reference`` for every (arch, optimizer, threads), repeated
    ``--train-repeats`` times with the configurations interleaved, so that a burst of load from
    another process does not land on one configuration only. The figure is the trainer's own
    steady-state samples/s (warm-up iterations excluded; batch reading included).
@@ -52,7 +52,7 @@ from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.batches import batch_rows, batches_per_epoch, iterate_batches
 from bagpipe.data.binary import BinarySplit, is_preprocessed, open_dataset
 from bagpipe.data.preprocess import preprocess
-from bagpipe.reference import build_model, build_tables, train_reference
+from bagpipe.train.reference import build_model, build_tables, train_reference
 from bagpipe.synth import generate, resolve_table_sizes
 
 READER_TARGET_ROWS_PER_S = 1_000_000

@@ -39,7 +39,7 @@ from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.preprocess import preprocess
 from bagpipe.nn import SlotIndex
 from bagpipe.planner import PlannerConfig, plan
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.synth import ZipfSampler, generate, resolve_table_sizes
 
 BATCH = 2048

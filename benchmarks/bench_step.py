@@ -98,7 +98,7 @@ def _dlrm_step_parts(config, schema, *, mode: str, batch: int, iterations: int, 
 
     from bagpipe.data.batches import Batch
     from bagpipe.nn import CachedTables, Lookahead
-    from bagpipe.reference import build_model, build_tables
+    from bagpipe.train.reference import build_model, build_tables
 
     tables = len(schema.features)
     model, embedding_tables = build_model(config, schema), build_tables(config, schema)
@@ -119,7 +119,7 @@ def _dlrm_step_parts(config, schema, *, mode: str, batch: int, iterations: int, 
 def case_dlrm(*, mode: str, tables: int, batch: int, dim: int, iterations: int, compiled: bool = False) -> dict:
     from bagpipe.config import ModelConfig, TrainConfig
     from bagpipe.data.schema import Schema
-    from bagpipe.reference import train_step
+    from bagpipe.train.reference import train_step
 
     schema = Schema.one_hot([ROWS] * tables, num_dense=13)
     config = TrainConfig(data="-", run_dir="-", optimizer="adagrad", lr=0.01, seed=1,

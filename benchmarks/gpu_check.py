@@ -248,7 +248,7 @@ def compiled_against_eager(args) -> dict:
 
 # each mode's training loop as py-spy names its frame, and the first and last source lines of its iterations (the
 # setup before and the evaluation and model write after are not what an iteration costs)
-LOOPS = {"single": ("_train", "bagpipe/reference.py", "for iteration, batch in enumerate(batches", "bar.close()"),
+LOOPS = {"single": ("_train", "bagpipe/train/reference.py", "for iteration, batch in enumerate(batches", "bar.close()"),
          "bagpipe": ("train_loop", "bagpipe/runtime/trainer/loop.py", "while True:",
                      'stats.extra["time_breakdown_ms"]')}
 

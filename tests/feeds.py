@@ -4,7 +4,7 @@ and pulling needs of an oracle, without the store, the RPC world or the run dir.
 from __future__ import annotations
 
 from bagpipe.config import TrainConfig
-from bagpipe.runtime.checkpointing import JobCheckpoints
+from bagpipe.runtime.oracle.checkpointing import JobCheckpoints
 from bagpipe.runtime.oracle.feed import Feed, Sent
 from bagpipe.runtime.oracle.main import job_info
 from bagpipe.runtime.oracle.state import JobState

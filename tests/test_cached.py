@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bagpipe.cache import RowCache
-from bagpipe.cached import gather_tables, train_cached
+from bagpipe.train.single import gather_tables, train_cached
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.binary import open_dataset
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import build_model, build_tables, train_step
+from bagpipe.train.reference import build_model, build_tables, train_step
 from bagpipe.data.batches import iterate_batches
 from bagpipe.storage import RowStore
 from test_model_and_optim import layout_of
@@ -179,7 +179,7 @@ def test_partitioned_training_equals_the_sliced_reference(small_binary, optimize
                                                           keep_within):
     """The partitioned plan carried out in one process (each trainer its own cache, rows summed among their users
     only, hand-offs through the servers) ends bit for bit where --mode reference --slices T does."""
-    from bagpipe.cached import train_partitioned_batches
+    from bagpipe.train.single import train_partitioned_batches
 
     split = open_dataset(small_binary).train
     config = TrainConfig(data="-", run_dir="-", optimizer=optimizer, lr=0.05, seed=7,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from bagpipe.checkpoint import (CheckpointWriter, RowPart, TrainState, checkpoints_dir, load_latest,
-                                valid_checkpoints)
+from bagpipe.train.checkpoints import (CheckpointWriter, RowPart, TrainState, checkpoints_dir, load_latest,
+                                       valid_checkpoints)
 from bagpipe.cli import main
 from bagpipe.rundir import export
 import cli_processes
@@ -352,7 +352,7 @@ def test_a_snapshot_waits_for_the_planned_write_backs_and_a_delta_holds_only_the
 def test_mapped_rows_read_in_chunks_are_the_rows_asked_for(tmp_path, dim):
     """A checkpoint part's rows read in chunks of a few windows of the file, each chunk's pages dropped after it:
     scattered, dense, repeated and empty reads give exactly the rows asked for, in the order asked for."""
-    from bagpipe.checkpoint import _MappedRows
+    from bagpipe.train.checkpoints import _MappedRows
 
     rows = np.random.default_rng(dim).standard_normal((200_000, dim)).astype(np.float32)
     np.save(tmp_path / "rows.npy", rows)
@@ -366,7 +366,7 @@ def test_mapped_rows_read_in_chunks_are_the_rows_asked_for(tmp_path, dim):
 
 
 def test_a_run_killed_before_its_first_checkpoint_is_refused_saying_when_that_was_due(tmp_path):
-    from bagpipe.checkpoint import resumable_checkpoint
+    from bagpipe.train.checkpoints import resumable_checkpoint
 
     (tmp_path / "run").mkdir()
     with pytest.raises(ValueError, match=r"it wrote none: it stopped before its first checkpoint, due at iteration "

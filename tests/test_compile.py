@@ -7,7 +7,7 @@ import torch
 
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.rundir import export
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from test_reference import small_config
 from test_single import _same
 

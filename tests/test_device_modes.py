@@ -10,7 +10,7 @@ import torch
 
 from bagpipe.config import TrainConfig
 from bagpipe.data.batches import Batch
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.rundir import export
 from test_reference import small_config
 from test_runtime import assert_same_parameters

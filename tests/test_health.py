@@ -17,7 +17,7 @@ from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.preprocess import preprocess
 from bagpipe.health import (COLLAPSE_STD, DIVERGENCE_FACTOR, FALL_TOLERANCE, Best, EvaluationWatch, LossWatch)
 from bagpipe.model_dir import MODEL_DIR, ModelDir
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.report import load_run, summarize
 from bagpipe.synth import generate, resolve_table_sizes
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from bagpipe.runtime.keys import REPLACE_PREFIX, SERVER_LOST, STATE_KEY, STOP_KEY
+from bagpipe.runtime.names import REPLACE_PREFIX, SERVER_LOST, STATE_KEY, STOP_KEY
 from bagpipe.runtime.launch import Child, JobFailed, _JobState, _MetricsTail, _supervise
 from bagpipe.runtime.succession import JobRecord
 

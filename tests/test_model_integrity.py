@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from bagpipe.checkpoint import file_digest
+from bagpipe.train.checkpoints import file_digest
 from bagpipe.cli import main
 from bagpipe.data.binary import open_dataset
 from bagpipe.model_dir import META, MODEL_DIR, ModelDir, RowSource, TableRows, write_model_dir
-from bagpipe.reference import build_tables, train_reference
+from bagpipe.train.reference import build_tables, train_reference
 from bagpipe.rundir import SUMMARY, export
 from test_reference import small_config
 

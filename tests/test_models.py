@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from bagpipe import models
-from bagpipe.cached import gather_tables, train_cached
+from bagpipe.train.single import gather_tables, train_cached
 from bagpipe.config import ModelConfig, TrainConfig, load_train_config
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.schema import Schema
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables
 from bagpipe.models import CARDS, CLICKS, MODEL_NAMES
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import build_model, build_tables, train_reference, train_step
+from bagpipe.train.reference import build_model, build_tables, train_reference, train_step
 from bagpipe.data.batches import iterate_batches
 from bagpipe.data.preprocess import preprocess
 from bagpipe.synth import generate

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from bagpipe.cached import gather_tables, train_cached_batches
+from bagpipe.train.single import gather_tables, train_cached_batches
 from bagpipe.data.batches import Batch
 from bagpipe.data.schema import PAD
 from bagpipe.embeddings import Embeddings, EmbeddingTables
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import train_step
+from bagpipe.train.reference import train_step
 from test_model_and_optim import layout_of
 
 SIZES, WIDTHS = [30, 50, 20, 40], [4, 1, 3, 4]

@@ -337,7 +337,7 @@ def test_cached_tables_train_a_model_as_the_reference_does(small_binary, optimiz
     from bagpipe.config import ModelConfig, TrainConfig
     from bagpipe.data.batches import iterate_batches
     from bagpipe.data.binary import open_dataset
-    from bagpipe.reference import build_model, build_tables, train_step
+    from bagpipe.train.reference import build_model, build_tables, train_step
 
     split = open_dataset(small_binary).train
     config = TrainConfig(data="-", run_dir="-", optimizer=optimizer, lr=0.05, seed=7,
@@ -447,7 +447,7 @@ def test_cached_tables_look_up_an_unplanned_batch_as_the_reference_does(small_bi
     from bagpipe.config import ModelConfig, TrainConfig
     from bagpipe.data.batches import iterate_batches
     from bagpipe.data.binary import open_dataset
-    from bagpipe.reference import build_tables
+    from bagpipe.train.reference import build_tables
 
     split = open_dataset(small_binary).train
     config = TrainConfig(data="-", run_dir="-", seed=3, model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8",

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from bagpipe.checkpoint import valid_checkpoints
+from bagpipe.train.checkpoints import valid_checkpoints
 from bagpipe.rundir import export
 from bagpipe.runtime.succession import Failure, JobRecord, replayed_from
 from bagpipe.runtime.world import World

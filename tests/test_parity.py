@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from bagpipe.cached import gather_tables, train_cached
+from bagpipe.train.single import gather_tables, train_cached
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.binary import open_dataset
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import build_model
+from bagpipe.train.reference import build_model
 from bagpipe.storage import RowStore
 from bagpipe.storage.bits import row_bits
 from bagpipe.storage.parity import ParityGroups, ParityRows, StandIn, TwoLossesInAGroup, read_member, reconstruct
@@ -192,7 +192,7 @@ def test_training_through_lost_shards_equals_training_without_losses_bit_for_bit
 
 
 def layout_of_split(split, config):
-    from bagpipe.reference import build_tables
+    from bagpipe.train.reference import build_tables
     return build_tables(config, split.schema).layout
 
 
@@ -316,7 +316,7 @@ def test_a_checkpoint_whose_server_is_lost_while_writing_it_is_abandoned_and_the
     (it races the trainers' next 3 iterations): either way across the abandoned one, to the reference's export."""
     from test_runtime import assert_same_parameters, job_config, reference_of
 
-    from bagpipe.checkpoint import checkpoints_dir, step_name
+    from bagpipe.train.checkpoints import checkpoints_dir, step_name
     from bagpipe.rundir import export
     from bagpipe.runtime.launch import launch_local
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bagpipe.planner import NEVER, PlannerConfig, plan
-from bagpipe.planner.reference import belady
+from bagpipe.planner.belady import belady
 
 
 @st.composite

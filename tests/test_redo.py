@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bagpipe.cache import BatchRows, BatchView, RowCache, StepTables, batch_view
-from bagpipe.cached import carry_out
+from bagpipe.train.single import carry_out
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.batches import iterate_batches
 from bagpipe.data.binary import open_dataset
@@ -20,7 +20,7 @@ from bagpipe.embeddings import valid_keys
 from bagpipe.optim import make_row_optimizer
 from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.preflight import cache_rows_of, job_layout
-from bagpipe.reference import build_model
+from bagpipe.train.reference import build_model
 from bagpipe.runtime.protocol import slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH, RedoLog, Shares, recompute, slice_shares
 from bagpipe.storage import RowStore

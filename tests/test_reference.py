@@ -5,7 +5,7 @@ import torch
 
 from bagpipe.cli import main
 from bagpipe.config import ModelConfig, TrainConfig
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.rundir import export
 from bagpipe.synth import CRITEO_KAGGLE_TABLE_SIZES
 
@@ -103,7 +103,7 @@ def test_a_run_reads_its_losses_at_each_log_not_every_iteration(small_binary, tm
     """The step leaves its loss on the device (on a GPU, reading it every iteration is a wait every iteration):
     with SGD nothing in a steady iteration reads a value back, and the losses read at the logs are the losses of
     the iterations, in order (the same log as the step's own float loss gives: train_step)."""
-    from bagpipe import reference
+    from bagpipe.train import reference
 
     summary = train_reference(small_config(small_binary, tmp_path / "run", iterations=20, optimizer="sgd",
                                            log_every=5), show_progress=False)
@@ -121,7 +121,7 @@ def test_a_run_reads_its_losses_at_each_log_not_every_iteration(small_binary, tm
 
 def test_a_loss_that_is_not_finite_inside_a_log_window_stops_the_run_naming_its_iteration(small_binary, tmp_path,
                                                                                           monkeypatch):
-    from bagpipe import reference
+    from bagpipe.train import reference
 
     step = reference.step_loss
 

@@ -124,7 +124,7 @@ def test_a_shard_copied_while_it_is_written_back_to_is_taken_over_bit_for_bit(se
     """A replacement copies a stand-in's shard in chunks while write-backs land there between the reads; once
     the stand-in is frozen, its versions and counts bring the copy level: rows, optimizer state, versions and
     write-back counts equal the stand-in's, and a write-back sent again to the replacement is a no-op."""
-    from bagpipe.runtime.server.data import Server
+    from bagpipe.runtime.server.data_server import Server
     from bagpipe.runtime.server.takeover import ShardTakeOver
 
     rng = np.random.default_rng(seed)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bagpipe import faults
-from bagpipe.checkpoint import valid_checkpoints
+from bagpipe.train.checkpoints import valid_checkpoints
 from bagpipe.cli import main
 from bagpipe.config import resumed_config
 from bagpipe.files import WriteFailed, human_bytes, writing

@@ -9,7 +9,7 @@ import pytest
 from bagpipe.cli import main
 from bagpipe.rundir import SUMMARY, export, is_finished
 from test_reference import small_config
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 
 
 def train_cli(data, run_dir, *extra: str) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bagpipe.config import RUN_MODES, SECTION_OF, SECTIONS, ModelConfig, TrainConfig
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import JobFailed, launch_local
 from bagpipe.runtime.world import free_port

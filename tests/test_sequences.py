@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bagpipe.cached import gather_tables, train_cached
+from bagpipe.train.single import gather_tables, train_cached
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.data.batches import fresh_negatives, iterate_batches, read_batch
 from bagpipe.data.binary import open_dataset
@@ -21,12 +21,12 @@ from bagpipe.data.schema import PAD
 from bagpipe.data.sequences import SequenceSettings, build_samples, dense_ids, read_interactions
 from bagpipe.embeddings import EmbeddingLayout
 from bagpipe.metrics import ranking_metrics
-from bagpipe.evaluation import evaluate
+from bagpipe.train.evaluation import evaluate
 from bagpipe.health import COLLAPSED, EvaluationWatch
 from bagpipe.model_dir import MODEL_DIR, TableRows, evaluation_of
 from bagpipe.ranking import NextItemRanking
 from bagpipe.report import load_run
-from bagpipe.reference import build_model, build_tables, train_reference, train_step
+from bagpipe.train.reference import build_model, build_tables, train_reference, train_step
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
 from bagpipe.synth_sequences import generate_sequences

@@ -8,7 +8,7 @@ import torch
 from bagpipe.cli import main
 from bagpipe.rundir import export
 from test_reference import small_config
-from bagpipe.reference import train_reference
+from bagpipe.train.reference import train_reference
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from bagpipe.checkpoint import (ChainRows, CheckpointWriter, RowPart, TrainState, read_chain, valid_checkpoints,
-                                write_parts)
+from bagpipe.train.checkpoints import (ChainRows, CheckpointWriter, RowPart, TrainState, read_chain, valid_checkpoints,
+                                       write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.data.binary import open_dataset
-from bagpipe.evaluation import evaluate
+from bagpipe.train.evaluation import evaluate
 from bagpipe.model_dir import MODEL_DIR, ModelDir, ModelRows, TableRows, table_blocks, write_model_dir, write_table
-from bagpipe.reference import build_model, build_tables, train_reference
+from bagpipe.train.reference import build_model, build_tables, train_reference
 from bagpipe.report import load_run, write_plots
 from bagpipe.runtime.launch import launch_local
-from bagpipe.runtime.server.data import Server
+from bagpipe.runtime.server.data_server import Server
 from test_runtime import job_config
 
 ROWS = [50, 7]  # two embedding spaces

@@ -84,7 +84,7 @@ def test_a_checkpoint_part_lost_with_trainer_0_is_abandoned_and_later_checkpoint
     trainer 0, the replacement sends the part of 40 and it is committed: also whole.)"""
     from dataclasses import replace
 
-    from bagpipe.checkpoint import valid_checkpoints
+    from bagpipe.train.checkpoints import valid_checkpoints
     from bagpipe.runtime.launch import launch_local
 
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer="adagrad", iterations=ITERATIONS, timeout=20.0,

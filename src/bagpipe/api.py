@@ -35,7 +35,7 @@ from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.optim import BY_TORCH_CLASS
-from bagpipe.reference import Timer
+from bagpipe.train.reference import Timer
 from bagpipe.runtime import transport
 from bagpipe.runtime.trainer.handlers import TrainerHandlers
 from bagpipe.runtime.trainer.main import join_as_trainer

@@ -1,7 +1,7 @@
 """The embedding cache's slots: a fixed number of them on a device, holding rows and their optimizer state.
 
 Every cache of the project keeps its rows here: a bagpipe trainer's (the planner names every row's slot), the
-single-process cached reference's (cached.py) and bagpipe.nn's ``CachedRows`` (which adds a host table and an
+single-process cached reference's (train/single.py) and bagpipe.nn's ``CachedRows`` (which adds a host table and an
 online policy or a plan). Memory is O(cache rows x dim). It installs fetched rows by slot (through reused pinned
 buffers on a GPU), reads rows out for write-back, evicts, looks a batch up through a BatchView (each id's slot)
 and applies the row optimizer to cached rows in place; every operation checks the slots against the rows it

@@ -611,7 +611,7 @@ def run_train(args) -> None:
     import torch
 
     from bagpipe.faults import set_role
-    from bagpipe.reference import train_reference
+    from bagpipe.train.reference import train_reference
 
     if config.run_mode.processes:
         from bagpipe.runtime.launch import launch_local

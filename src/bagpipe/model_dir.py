@@ -32,7 +32,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from bagpipe.checkpoint import fsync_dir, HashedFile, file_digest
+from bagpipe.train.checkpoints import fsync_dir, HashedFile, file_digest
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables
 from bagpipe.faults import inject_fault
 from bagpipe.files import read_json

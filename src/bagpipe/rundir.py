@@ -153,7 +153,7 @@ def sweep_working_files(run_dir: str | Path, storage: Path) -> list[Path]:
     (``storage``: RUN_DIR/storage, or the run's directory in --storage-dir) and files and checkpoints it was
     writing (``*.tmp``). Called with the run dir locked: at the start of a run or a resume (what a killed run
     left: SIGKILL cannot be caught), and when a run ends or is interrupted."""
-    from bagpipe.checkpoint import checkpoints_dir
+    from bagpipe.train.checkpoints import checkpoints_dir
 
     run_dir = Path(run_dir)
     found = [storage] if storage.exists() else []

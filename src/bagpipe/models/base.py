@@ -28,7 +28,8 @@ class RecModel(nn.Module):
                       target: torch.Tensor) -> torch.Tensor:
         """The mean loss of a training batch (or a trainer's slice of one), ``loss(self(dense_x, embeddings),
         target)``: through the compiled graph where ``compile_training`` made one. Every mode's training step
-        computes its loss here (reference.py, runtime/redo.py, cached.py), so that every mode computes it alike."""
+        computes its loss here (train/reference.py, runtime/redo.py, train/single.py), so that every mode computes
+        it alike."""
         compiled = self.__dict__.get("_compiled_loss")
         if compiled is not None:
             return compiled(dense_x, embeddings, target)

@@ -16,9 +16,9 @@ from bagpipe.timing import peak_rss_bytes
 from bagpipe.planner.ahead import numbered_ahead
 from bagpipe.planner.partitioned import plan_partitioned
 from bagpipe.planner.plan import POLICIES, PlannerConfig, number_batches, plan, plan_numbered
-from bagpipe.planner.reference import belady
+from bagpipe.planner.belady import belady
 
-STATS_POLICIES = (*POLICIES, "belady")  # the planner's, and Belady's MIN (planner/reference.py) beside them
+STATS_POLICIES = (*POLICIES, "belady")  # the planner's, and Belady's MIN (planner/belady.py) beside them
 
 
 def key_batches(split: BinarySplit, *, batch_size: int, iterations: int) -> list[np.ndarray]:

@@ -40,7 +40,7 @@ import traceback
 # trainer makes before its first iteration (reference.deterministic).
 PRELOAD = ("torch", "torch.distributed.rpc", "torch._inductor.config", "numpy", "bagpipe.cli",
            "bagpipe.runtime.oracle.main", "bagpipe.runtime.server.main", "bagpipe.runtime.trainer.main",
-           "bagpipe.runtime.launch", "bagpipe.models", "bagpipe.reference")
+           "bagpipe.runtime.launch", "bagpipe.models", "bagpipe.train.reference")
 PRELOAD_IF_PRESENT = ("torch._inductor.config",)  # a speed-up only: a torch build without it still serves
 ENTRY = "bagpipe.cli:main"
 START_TIMEOUT_S = 120.0  # for the first answer, which waits for the server's imports

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bagpipe.checkpoint import resumable_checkpoint, valid_checkpoints
+from bagpipe.train.checkpoints import resumable_checkpoint, valid_checkpoints
 from bagpipe.config import TrainConfig, dump_toml
 from bagpipe.data.batches import planned_iterations
 from bagpipe.preflight import check_job, check_same_data, prepare_data, prepare_job
@@ -33,7 +33,7 @@ from bagpipe.rundir import SUMMARY, WARNING, forget_metrics_after, sweep_working
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
 from bagpipe.runtime.forkserver import ForkedProcess, ForkServer
-from bagpipe.runtime.keys import EXITED_PREFIX, REPLACE_PREFIX, RESUMED, STOP_KEY
+from bagpipe.runtime.names import EXITED_PREFIX, REPLACE_PREFIX, RESUMED, STOP_KEY
 from bagpipe.runtime.liveness import LOST_EXIT_CODE
 from bagpipe.runtime.succession import (MAX_ORACLE_REPLACEMENTS, NOT_REPLACEABLE_EXIT_CODE, JobRecord, OracleWatch,
                                         declare_oracle_lost, load_record)

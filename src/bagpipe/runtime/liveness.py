@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from bagpipe.runtime.exit_status import ExitStatus, PeerLost, record_exit
-from bagpipe.runtime.keys import BEAT_PREFIX, EXITED_PREFIX, JOINING_PREFIX, LEFT_PREFIX
+from bagpipe.runtime.names import BEAT_PREFIX, EXITED_PREFIX, JOINING_PREFIX, LEFT_PREFIX
 from bagpipe.runtime.world import World, connect_store, store_served_apart, uses_agent_store
 
 log = logging.getLogger(__name__)

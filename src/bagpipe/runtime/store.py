@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from bagpipe.runtime.keys import BEAT_PREFIX, JOB_KEY, LEFT_PREFIX, STOP_KEY
+from bagpipe.runtime.names import BEAT_PREFIX, JOB_KEY, LEFT_PREFIX, STOP_KEY
 from bagpipe.runtime.succession import OracleWatch, declare_oracle_lost, load_record
 from bagpipe.runtime.world import JobStore, World
 

@@ -15,8 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from bagpipe.runtime.keys import (BEAT_PREFIX, EPOCH_KEY, EXITED_PREFIX, JOINING_PREFIX, LOST_AT_PREFIX, REPLACE_PREFIX,
-                                  STATE_KEY)
+from bagpipe.runtime.names import (BEAT_PREFIX, EPOCH_KEY, EXITED_PREFIX, JOINING_PREFIX, LOST_AT_PREFIX,
+                                   REPLACE_PREFIX, STATE_KEY)
 
 NOT_REPLACEABLE_EXIT_CODE = 4  # an oracle's replacement that cannot take the job over: restart it instead
 MAX_ORACLE_REPLACEMENTS = 3  # per run of the job: a cause that kills every replacement ends in a restart

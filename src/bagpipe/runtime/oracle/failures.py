@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from bagpipe.runtime.endpoints import SERVER
-from bagpipe.runtime.keys import EPOCH_KEY, JOINING_PREFIX, REPLACE_PREFIX, SERVER_BACK, SERVER_LOST, TRAINER_LOST
+from bagpipe.runtime.names import EPOCH_KEY, JOINING_PREFIX, REPLACE_PREFIX, SERVER_BACK, SERVER_LOST, TRAINER_LOST
 from bagpipe.runtime.succession import Failure
 from bagpipe.runtime.world import World
 

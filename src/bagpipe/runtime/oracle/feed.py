@@ -29,7 +29,7 @@ from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.planner.ahead import plan_spaces_ahead
 from bagpipe.planner.partitioned import TrainerStep, plan_partitioned_spaces
 from bagpipe.planner.plan import PlanStep
-from bagpipe.runtime.checkpointing import JobCheckpoints
+from bagpipe.runtime.oracle.checkpointing import JobCheckpoints
 from bagpipe.runtime.oracle.state import JobState
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, part_messages, slice_messages
 from bagpipe.runtime.redo import REDO_DEPTH

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 
-from bagpipe.checkpoint import discard_after, valid_checkpoints
+from bagpipe.train.checkpoints import discard_after, valid_checkpoints
 from bagpipe.config import ModelConfig, TrainConfig, config_to_dict
 from bagpipe.models import IMPLIED, complete_model
 from bagpipe.data.batches import planned_iterations
@@ -26,13 +26,13 @@ from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
 from bagpipe.faults import inject_fault
 from bagpipe.preflight import cache_rows_of, check_job, claim, job_layout, prepare_data
-from bagpipe.reference import deterministic
+from bagpipe.train.reference import deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.runlock import lock_run_dir
 from bagpipe.runtime import transport
 from bagpipe.runtime.agree import Given, agree, agree_table_sizes
 from bagpipe.runtime.endpoints import SERVER, TRAINER
-from bagpipe.runtime.keys import EPOCH_KEY, JOB_KEY, JOINING_PREFIX, LOST_AT_PREFIX, STOP_KEY, TRAINED
+from bagpipe.runtime.names import EPOCH_KEY, JOB_KEY, JOINING_PREFIX, LOST_AT_PREFIX, STOP_KEY, TRAINED
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.oracle.feed import Sent
 from bagpipe.runtime.oracle.service import Oracle

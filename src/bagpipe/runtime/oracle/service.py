@@ -2,7 +2,7 @@
 ``ORACLE``).
 
 ``Oracle`` holds the job's settings and data, its feed (oracle/feed.py: the plan, pulled by the trainers), its
-checkpoints (runtime/checkpointing.py), its background evaluations, its losses and replacements
+checkpoints (runtime/oracle/checkpointing.py), its background evaluations, its losses and replacements
 (oracle/failures.py) and its record (``succession.JobRecord``: what a replacement of this oracle and the launcher
 read), in the RPC world and with its store. oracle/main.py builds one (a job's first oracle, or a lost one's
 replacement) and runs it.
@@ -15,13 +15,13 @@ import time
 
 from bagpipe.config import TrainConfig
 from bagpipe.data.binary import BinaryDataset
-from bagpipe.evaluation import BackgroundEvaluations, evaluated_splits
-from bagpipe.checkpoint import ChainRows
+from bagpipe.train.evaluation import BackgroundEvaluations, evaluated_splits
+from bagpipe.train.checkpoints import ChainRows
 from bagpipe.model_dir import RowSource
-from bagpipe.reference import build_model, evaluation_watch, record_evaluation, write_model
+from bagpipe.train.reference import build_model, evaluation_watch, record_evaluation, write_model
 from bagpipe.rundir import RunDir
-from bagpipe.runtime.checkpointing import JobCheckpoints
-from bagpipe.runtime.keys import ORACLE_REPLACED, TRAINER_DONE
+from bagpipe.runtime.oracle.checkpointing import JobCheckpoints
+from bagpipe.runtime.names import ORACLE_REPLACED, TRAINER_DONE
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.oracle.failures import Replacements
 from bagpipe.runtime.oracle.feed import Feed, Sent

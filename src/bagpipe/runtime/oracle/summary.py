@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bagpipe.checkpoint import ChainRows, checkpoints_dir
-from bagpipe.evaluation import no_evaluation
+from bagpipe.train.checkpoints import ChainRows, checkpoints_dir
+from bagpipe.train.evaluation import no_evaluation
 from bagpipe.model_dir import MODEL_DIR, write_model_dir
-from bagpipe.reference import best_metrics, build_model, health_summary, keeps_final, write_model
+from bagpipe.train.reference import best_metrics, build_model, health_summary, keeps_final, write_model
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.protocol import TrainerStats
 from bagpipe.timing import cpu_seconds, peak_rss_bytes

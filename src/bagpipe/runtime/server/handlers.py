@@ -9,8 +9,8 @@ import torch
 
 from bagpipe.faults import inject_fault
 from bagpipe.runtime.protocol import JobInfo, answer_digest
-from bagpipe.runtime.server.data import Server, send_deltas
-from bagpipe.runtime.server.parity import ParityServer
+from bagpipe.runtime.server.data_server import Server, send_deltas
+from bagpipe.runtime.server.parity_server import ParityServer
 from bagpipe.runtime.server.takeover import ShardTakeOver
 from bagpipe.runtime.world import Epochs, NoEpochs, ShardMoved, World
 

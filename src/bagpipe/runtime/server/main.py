@@ -7,17 +7,17 @@ import functools
 import logging
 import time
 
-from bagpipe.checkpoint import resume_chain
+from bagpipe.train.checkpoints import resume_chain
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import transport
 from bagpipe.runtime.endpoints import ORACLE
-from bagpipe.runtime.keys import STOP_KEY
+from bagpipe.runtime.names import STOP_KEY
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.server.data import Server, send_deltas, shard_stores, storage_specs
+from bagpipe.runtime.server.data_server import Server, send_deltas, shard_stores, storage_specs
 from bagpipe.runtime.server.handlers import ServerHandlers
-from bagpipe.runtime.server.parity import replacement_parity, start_parity
+from bagpipe.runtime.server.parity_server import replacement_parity, start_parity
 from bagpipe.runtime.server.takeover import RemoteStandIn, ShardTakeOver
 from bagpipe.runtime.world import (Epochs, NoEpochs, World, check_in, init_rpc, job_world, join_rpc_as_replacement,
                                    wait_for_job)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bagpipe.runtime.endpoints import SERVER
-from bagpipe.runtime.server.data import CHUNK_ROWS, Server
+from bagpipe.runtime.server.data_server import CHUNK_ROWS, Server
 from bagpipe.runtime.world import Epochs
 
 log = logging.getLogger(__name__)

@@ -9,16 +9,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from bagpipe.checkpoint import cloned_state, load_dense, resume_chain
+from bagpipe.train.checkpoints import cloned_state, load_dense, resume_chain
 from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
 from bagpipe.health import LossWatch
 from bagpipe.metrics import CounterWindow, share
 from bagpipe.opcount import StepCount
 from bagpipe.optim import make_row_optimizer
-from bagpipe.reference import PendingLosses, Timer, build_model, deterministic
+from bagpipe.train.reference import PendingLosses, Timer, build_model, deterministic
 from bagpipe.rundir import RunDir
-from bagpipe.runtime.keys import RESUMED
+from bagpipe.runtime.names import RESUMED
 from bagpipe.runtime.protocol import TrainerStats
 from bagpipe.runtime.redo import Recomputer, RedoLog, backward_slice, dense_share
 from bagpipe.runtime.trainer.grad_sync import EarlyBucket

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from bagpipe.runtime.endpoints import ORACLE, TRAINER
-from bagpipe.runtime.keys import REPLACE_PREFIX, STOP_KEY, SUMS_PREFIX
+from bagpipe.runtime.names import REPLACE_PREFIX, STOP_KEY, SUMS_PREFIX
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, StepMessage
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import REDO_DEPTH, Kept, Recomputer, RedoLog, Shares, agree_on_sums, sum_order

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from bagpipe.cache import RowCache, StepTables
-from bagpipe.checkpoint import RowPart
+from bagpipe.train.checkpoints import RowPart
 from bagpipe.embeddings import Embeddings, Lookup
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
@@ -411,7 +411,7 @@ class TrainerRuntime:
 
     def send_checkpoint(self, iteration: int, *, dense: dict | None, dense_optimizer: dict | None,
                         extra: dict) -> None:
-        """This trainer's part of the checkpoint at boundary ``iteration`` (runtime.checkpointing; trainer 0's,
+        """This trainer's part of the checkpoint at boundary ``iteration`` (runtime.oracle.checkpointing; trainer 0's,
         and with the partitioned cache every trainer's): every cached row, with every update of the iterations
         before applied (their background syncs are waited for), and the dense state given (trainer 0), sent to the
         oracle in the background."""

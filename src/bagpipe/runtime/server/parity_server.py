@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from bagpipe.checkpoint import background_priority, resume_chain
+from bagpipe.train.checkpoints import background_priority, resume_chain
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime.endpoints import SERVER
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.server.data import CHUNK_ROWS, Server
+from bagpipe.runtime.server.data_server import CHUNK_ROWS, Server
 from bagpipe.runtime.world import Epochs, ShardMoved, World
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore

@@ -26,8 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from bagpipe.checkpoint import (ChainRows, CheckpointSchedule, CheckpointWriter, background_priority, load_dense,
-                                read_chain, save_dense, step_name, valid_checkpoints, write_parts)
+from bagpipe.train.checkpoints import (ChainRows, CheckpointSchedule, CheckpointWriter, background_priority, load_dense,
+                                       read_chain, save_dense, step_name, valid_checkpoints, write_parts)
 from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
 from bagpipe.threads import Background

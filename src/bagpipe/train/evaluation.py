@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bagpipe.checkpoint import background_priority
+from bagpipe.train.checkpoints import background_priority
 from bagpipe.data.batches import read_batch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.device import model_device

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bagpipe.checkpoint import background_priority, chain_parts, write_snapshot
+from bagpipe.train.checkpoints import background_priority, chain_parts, write_snapshot
 from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
 from bagpipe.heap import bounded_heap

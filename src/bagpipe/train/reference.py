@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from bagpipe import models
-from bagpipe.checkpoint import (CheckpointSchedule, CheckpointWriter, capture, discard_after, load_checkpoint,
-                                resumable_checkpoint, restore)
+from bagpipe.train.checkpoints import (CheckpointSchedule, CheckpointWriter, capture, discard_after, load_checkpoint,
+                                       resumable_checkpoint, restore)
 from bagpipe.config import TrainConfig, config_to_dict
 from bagpipe.data.batches import Batch, batches_per_epoch, fresh_negatives, iterate_batches, planned_iterations
 from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.evaluation import EvaluatedSplit, evaluate_splits, evaluated_splits, no_evaluation, watched_metric
+from bagpipe.train.evaluation import EvaluatedSplit, evaluate_splits, evaluated_splits, no_evaluation, watched_metric
 from bagpipe.health import Best, EvaluationWatch, LossWatch, RunWarning
 from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
 from bagpipe.models.layers import set_dropout_step

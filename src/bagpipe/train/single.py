@@ -23,7 +23,7 @@ from bagpipe.optim import RowOptimizer
 from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.planner.partitioned import plan_partitioned_spaces
 from bagpipe.models.layers import set_dropout_step
-from bagpipe.reference import train_step
+from bagpipe.train.reference import train_step
 from bagpipe.storage import RowStore, gather_flat
 from bagpipe.storage.parity import ParityGroups
 
