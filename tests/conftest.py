@@ -1,5 +1,5 @@
 """Shared fixtures: small synthetic data sets made once per session, and one fork server for every job and every
-`python -m bagpipe.cli` process a test starts (cli_processes.py)."""
+`python -m bagpipe.cli` process a test starts (helpers/cli_processes.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
-import cli_processes  # noqa: E402
+from helpers import cli_processes  # noqa: E402
 from bagpipe.runtime import launch
 from bagpipe.runtime.forkserver import ForkServer
 
@@ -135,3 +135,19 @@ def _processes_tier(request, monkeypatch):
         else:
             pytest.fail(f"started processes without the `processes` marker ({started[0]}, {len(started)} in all): "
                         f"mark it @pytest.mark.processes (make test-unit runs the unmarked tests only)")
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """The directories ``preprocess`` converted, in order."""
+    calls = []
+
+    def spy(input_path, out_dir, **kwargs):
+        calls.append(input_path)
+        return real(input_path, out_dir, **kwargs)
+
+    import bagpipe.data.preprocess as pre
+
+    real = pre.preprocess
+    monkeypatch.setattr(pre, "preprocess", spy)
+    return calls

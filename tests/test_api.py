@@ -12,8 +12,8 @@ import pytest
 from bagpipe.data.binary import open_dataset
 from bagpipe.rundir import export
 from bagpipe.runtime.world import free_port
-from test_original import BagpipeLine, run_job, script_line
-from test_runtime import BATCH, CACHE, assert_same_parameters, job_config, reference_of
+from helpers.jobs import BATCH, CACHE, assert_same_parameters, job_config, reference_of
+from helpers.original import BagpipeLine, run_job, script_line
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 100

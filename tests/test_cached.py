@@ -17,7 +17,7 @@ from bagpipe.optim import make_row_optimizer
 from bagpipe.train.reference import build_model, build_tables, train_step
 from bagpipe.data.batches import iterate_batches
 from bagpipe.storage import RowStore
-from test_model_and_optim import layout_of
+from helpers.layouts import layout_of
 
 ITERATIONS, BATCH = 60, 64
 

@@ -18,7 +18,8 @@ from bagpipe.train.checkpoints import (CheckpointWriter, RowPart, TrainState, ch
                                        valid_checkpoints)
 from bagpipe.cli import main
 from bagpipe.rundir import export
-import cli_processes
+from helpers import cli_processes
+from helpers.jobs import assert_same_parameters, job_config, same_export
 
 ROWS = [50, 7]  # two embedding spaces
 
@@ -142,12 +143,6 @@ def run_cli(args: list[str], *, faults: str = "") -> subprocess.CompletedProcess
     return cli_processes.run_cli(args, env=dict(os.environ, BAGPIPE_FAULTS=faults), timeout=300)
 
 
-def same_export(a: dict, b: dict) -> None:
-    assert a["dense"].keys() == b["dense"].keys()
-    for name in a["dense"]:
-        assert torch.equal(a["dense"][name], b["dense"][name]), name
-    for t, (x, y) in enumerate(zip(a["embeddings"], b["embeddings"])):
-        assert torch.equal(x, y), f"table {t}"
 
 
 @pytest.mark.parametrize("optimizer, fault", [
@@ -231,7 +226,6 @@ def test_a_run_dir_from_before_settings_had_sections_resumes_bit_for_bit(tmp_pat
     from pathlib import Path
 
     from bagpipe.synth import generate, resolve_table_sizes
-    from test_runtime import assert_same_parameters
 
     stored = Path(__file__).parent / "data" / "run_before_sections"
     monkeypatch.chdir(tmp_path)  # its config.json names its data and itself relative to where it ran
@@ -278,7 +272,6 @@ def test_a_killed_bagpipe_job_resumes_to_the_same_export_bit_for_bit(sparse_bina
     from dataclasses import replace
 
     from bagpipe.runtime.launch import JobFailed, launch_local
-    from test_runtime import job_config
 
     config = job_config(sparse_binary, tmp_path / "whole", iterations=50, optimizer=optimizer, checkpoint_every=10,
                         keep_checkpoints=2, cache_rows=6000, batch_size=128)

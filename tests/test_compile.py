@@ -8,8 +8,7 @@ import torch
 from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.rundir import export
 from bagpipe.train.reference import train_reference
-from test_reference import small_config
-from test_single import _same
+from helpers.jobs import assert_same_parameters, exports_equal, job_config, reference_of, small_config
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
@@ -32,9 +31,9 @@ def test_single_mode_compiled_equals_the_compiled_reference_bit_for_bit(small_bi
         # is an input of the same graph), the eager run's through none
         assert counters["frames"]["ok"] == (0 if name == "eager" else 1), dict(counters)
         runs[name] = (summary, export(tmp_path / name, tmp_path / f"{name}.pt"))
-    assert _same(runs["reference"][1], runs["single"][1])
+    assert exports_equal(runs["reference"][1], runs["single"][1])
     assert runs["single"][0]["final_train_loss"] == runs["reference"][0]["final_train_loss"]
-    assert not _same(runs["reference"][1], runs["eager"][1])  # (compiled: other kernels, other roundings)
+    assert not exports_equal(runs["reference"][1], runs["eager"][1])  # (compiled: other kernels, other roundings)
     # a dispatch mode changes what a compiled graph runs: a compiled run counts no operations (it would not equal)
     assert "ops_per_iteration" not in runs["single"][0] and runs["eager"][0]["ops_per_iteration"] > 0
 
@@ -49,7 +48,6 @@ def test_bagpipe_trainers_compiled_equal_the_compiled_reference_bit_for_bit(smal
     """Each trainer compiles its own graph of its slice (in its own process); the same graph as the sliced
     reference's, so the same values."""
     from bagpipe.runtime.launch import launch_local
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer="adam", iterations=40, compile=True)
     summary = launch_local(config, show_progress=False)

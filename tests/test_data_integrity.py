@@ -17,7 +17,6 @@ from bagpipe.data.binary import open_dataset
 from bagpipe.data.preprocess import ensure_preprocessed, preprocess
 from bagpipe.preflight import prepare_data
 from bagpipe.synth import generate
-from test_preprocess import conversions  # noqa: F401 - a fixture
 
 SIZES = [7, 30, 5]
 ARRAYS = ["train/dense.f32", "train/labels.f32", "train/ids.int32", "test/ids.int32"]

@@ -12,8 +12,7 @@ from bagpipe.config import TrainConfig
 from bagpipe.data.batches import Batch
 from bagpipe.train.reference import train_reference
 from bagpipe.rundir import export
-from test_reference import small_config
-from test_runtime import assert_same_parameters
+from helpers.jobs import assert_same_parameters, small_config
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
 

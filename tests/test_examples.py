@@ -16,9 +16,9 @@ from bagpipe.cli import QUICK_START, build_parser
 from bagpipe.config import ModelConfig
 from bagpipe.rundir import export
 from bagpipe.runtime.world import free_port
-from cli_processes import CliProcess
-from test_original import BagpipeLine, run_job, script_line
-from test_runtime import BATCH, CACHE, assert_same_parameters, job_config, reference_of
+from helpers.cli_processes import CliProcess
+from helpers.jobs import BATCH, CACHE, assert_same_parameters, job_config, reference_of
+from helpers.original import BagpipeLine, run_job, script_line
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 60

@@ -7,7 +7,6 @@ named point, and the test asserts which role the job names and how soon.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import threading
@@ -21,8 +20,8 @@ from bagpipe.runtime.launch import JobFailed, launch_local
 from bagpipe.runtime.world import free_port
 from bagpipe.storage import RowStore
 from bagpipe.optim import make_row_optimizer
-from test_model_and_optim import layout_of
-from test_runtime import BATCH, CACHE, alive, bagpipe_cli, job_config
+from helpers.jobs import BATCH, CACHE, alive, bagpipe_cli, job_config
+from helpers.layouts import layout_of
 
 WORLD = ["--world-size", "4", "--world-size-trainers", "2"]
 

@@ -2,11 +2,12 @@ import numpy as np
 import pytest
 import torch
 
-from bagpipe.data.schema import Feature, Schema
-from bagpipe.embeddings import (INIT_BLOCK_ROWS, EmbeddingLayout, EmbeddingTables, TableConfig, init_block,
-                                init_rows, init_table, one_per_feature)
+from bagpipe.data.schema import Schema
+from bagpipe.embeddings import (INIT_BLOCK_ROWS, EmbeddingLayout, EmbeddingTables, TableConfig, init_block, init_rows,
+                                init_table)
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
+from helpers.layouts import layout_of
 
 
 def test_dlrm_shapes_and_interaction_width():
@@ -63,12 +64,6 @@ def test_initial_rows_do_not_depend_on_how_a_table_is_split():
             assert torch.equal(init_rows(2, table, seed=1, first=first, step=step), rows[first::step])
 
 
-def layout_of(sizes: list[int], dim: int, *, widths: list[int] | None = None) -> EmbeddingLayout:
-    """One table per feature of ``sizes`` (feature i ``widths[i]`` columns wide, default one-hot)."""
-    widths = widths or [1] * len(sizes)
-    schema = Schema(num_dense=13, features=tuple(Feature(name=f"C{i}", cardinality=n, width=w)
-                                                 for i, (n, w) in enumerate(zip(sizes, widths))))
-    return EmbeddingLayout(one_per_feature(schema, dim), schema)
 
 
 def test_tables_update_only_looked_up_rows():

@@ -21,7 +21,7 @@ from bagpipe.data.binary import open_dataset
 from bagpipe.model_dir import META, MODEL_DIR, ModelDir, RowSource, TableRows, write_model_dir
 from bagpipe.train.reference import build_tables, train_reference
 from bagpipe.rundir import SUMMARY, export
-from test_reference import small_config
+from helpers.jobs import small_config
 
 TABLE = "table_2_C3.safetensors"  # the file the issue flipped a byte in
 

@@ -21,7 +21,7 @@ from bagpipe.data.preprocess import preprocess
 from bagpipe.synth import generate
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
-from test_runtime import assert_same_parameters, job_config, reference_of
+from helpers.jobs import assert_same_parameters, job_config, reference_of
 
 # Small shapes of every CTR model: fast on two cores, still each model's own structure.
 SMALL = {

@@ -14,7 +14,7 @@ from bagpipe.embeddings import Embeddings, EmbeddingTables
 from bagpipe.models.dlrm import DLRM
 from bagpipe.optim import make_row_optimizer
 from bagpipe.train.reference import train_step
-from test_model_and_optim import layout_of
+from helpers.layouts import layout_of
 
 SIZES, WIDTHS = [30, 50, 20, 40], [4, 1, 3, 4]
 BATCH, DIM, ITERATIONS = 32, 8, 60

@@ -15,30 +15,14 @@ from bagpipe.nn import (CLEANUP_FRACTION, CachedEmbeddingBag, CachedEmbeddingBag
 from bagpipe.planner.keys import KeyTable
 from bagpipe.optim import RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
-from bagpipe.synth import zipf_bags
-
-NUM_ROWS, DIM = 400, 6
+from helpers.nn_pairs import DIM, NUM_ROWS, module_pair, squared_loss, zipf_batches
 
 
-def _batches(count: int, *, bags: int = 16, ids_per_bag: int = 3, num_rows: int = NUM_ROWS, seed: int = 0,
-             skew: float = 1.3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Zipf-skewed bags of ids (1-D + offsets, every bag ``ids_per_bag`` long) with a regression target."""
-    return zipf_bags(count, num_rows=num_rows, dim=DIM, bags=bags, ids_per_bag=ids_per_bag, seed=seed, skew=skew)
 
 
-def _pair(optimizer: str, *, cache_rows: int, mode: str = "sum", policy: str = "lru", seed: int = 0, **options):
-    """A reference (nn.EmbeddingBag(sparse=True) + RowWise) and a cached module starting from the same table
-    (``options``: the cached module's others, e.g. ``storage``)."""
-    weight = torch.randn(NUM_ROWS, DIM, generator=torch.Generator().manual_seed(seed))
-    row_optimizer = make_row_optimizer(optimizer, lr=0.05)
-    reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode=mode, sparse=True, _weight=weight.clone())
-    cached = CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=cache_rows, mode=mode, optimizer=optimizer, lr=0.05,
-                                policy=policy, _weight=weight.clone(), **options)
-    return reference, RowWise(reference.parameters(), row_optimizer), cached
 
 
-def _loss(embeddings: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((embeddings - target) ** 2).sum()
+
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
@@ -61,8 +45,8 @@ def test_lookups_and_gradients_equal_embedding_bag(mode, shape):
         expected, got = reference(ids, offsets, weights), cached(ids, offsets, weights_copy)
         assert torch.equal(expected, got)
         target = torch.randn_like(expected)
-        _loss(expected, target).backward()
-        _loss(got, target).backward()
+        squared_loss(expected, target).backward()
+        squared_loss(got, target).backward()
         if mode == "sum":  # a dot product of a row and a bag's gradient, whose summation order the kernel may
             # choose by the row's address (seen: 1-ulp differences between a table's row and the cache's copy)
             assert torch.allclose(weights.grad, weights_copy.grad, rtol=1e-6, atol=1e-5)
@@ -81,12 +65,12 @@ def _sorted_again(ids):
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead", "lookahead-prefetch"])
 def test_training_equals_the_reference_bit_for_bit_with_evictions_every_iteration(optimizer, policy, monkeypatch):
-    batches = _batches(40)
-    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=60, policy="lru" if policy.startswith(
+    batches = zipf_batches(40)
+    reference, reference_optimizer, cached = module_pair(optimizer, cache_rows=60, policy="lru" if policy.startswith(
         "lookahead") else policy)
     for ids, offsets, target in batches:
         reference_optimizer.zero_grad()
-        _loss(reference(ids, offsets), target).backward()
+        squared_loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
     loop = Lookahead(batches, cached, lookahead=8, prefetch=policy == "lookahead-prefetch") \
         if policy.startswith("lookahead") else batches
@@ -95,7 +79,7 @@ def test_training_equals_the_reference_bit_for_bit_with_evictions_every_iteratio
     fetched = []  # rows fetched so far, as each iteration starts (lookahead fetches before handing a batch out)
     for ids, offsets, target in loop:
         fetched.append(cached.rows.stats["rows_fetched"])
-        _loss(cached(ids, offsets), target).backward()
+        squared_loss(cached(ids, offsets), target).backward()
     assert min(np.diff(fetched)) > 0, "the cache is meant to be too small to keep the rows a batch needs again"
     assert cached.rows.stats["rows_written_back"] > 3 * cached.rows.index.capacity
     assert torch.equal(reference.weight.detach(), cached.weight)
@@ -105,20 +89,20 @@ def test_training_equals_the_reference_bit_for_bit_with_evictions_every_iteratio
 
 
 def test_lookahead_hits_more_than_lru_and_lfu():
-    batches = _batches(150, bags=32, num_rows=NUM_ROWS, skew=1.1)
+    batches = zipf_batches(150, bags=32, num_rows=NUM_ROWS, skew=1.1)
     rates = {}
     for policy in ("lru", "lfu", "lookahead"):
-        _, _, cached = _pair("sgd", cache_rows=80, policy="lru" if policy == "lookahead" else policy)
+        _, _, cached = module_pair("sgd", cache_rows=80, policy="lru" if policy == "lookahead" else policy)
         loop = Lookahead(batches, cached, lookahead=32) if policy == "lookahead" else batches
         for ids, offsets, target in loop:
-            _loss(cached(ids, offsets), target).backward()
+            squared_loss(cached(ids, offsets), target).backward()
         rates[policy] = cached.rows.hit_rate()
     assert rates["lookahead"] > max(rates["lru"], rates["lfu"]), rates
 
 
 def test_row_wise_sgd_and_adagrad_match_torch_optim_on_sparse_gradients():
     """RowWise is the torch.optim update for sparse gradients (up to rounding), with per-row state."""
-    batches = _batches(20)
+    batches = zipf_batches(20)
     generator = torch.Generator().manual_seed(0)  # (the weights, as the batches, whatever ran before in the process)
     for name, torch_optimizer in (("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad)):
         weight = torch.randn(NUM_ROWS, DIM, generator=generator)
@@ -131,7 +115,7 @@ def test_row_wise_sgd_and_adagrad_match_torch_optim_on_sparse_gradients():
         for ids, offsets, target in batches:
             for module, step in zip((ours, theirs), steps):
                 step.zero_grad()
-                _loss(module(ids, offsets), target).backward()
+                squared_loss(module(ids, offsets), target).backward()
                 step.step()
         assert torch.allclose(ours.weight, theirs.weight, rtol=1e-5, atol=1e-6), name
 
@@ -188,12 +172,12 @@ def test_a_batch_larger_than_the_cache_is_a_clear_error():
 
 @pytest.mark.parametrize("storage", ["memory", "disk"])
 def test_state_dict_is_the_full_table_and_loads_into_either_module(tmp_path, storage):
-    batches = _batches(10)
+    batches = zipf_batches(10)
     # on disk: a DRAM cache of about 20 of Adagrad's records, far fewer than the rows that come and go
-    _, _, cached = _pair("adagrad", cache_rows=60,
+    _, _, cached = module_pair("adagrad", cache_rows=60,
                          storage=StorageSpec("disk", tmp_path, 2000) if storage == "disk" else storage)
     for ids, offsets, target in batches:
-        _loss(cached(ids, offsets), target).backward()
+        squared_loss(cached(ids, offsets), target).backward()
     state = cached.state_dict()
     assert list(state) == ["weight", "optimizer_state"] and state["weight"].shape == (NUM_ROWS, DIM)
     plain = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum")
@@ -252,24 +236,24 @@ def test_slot_index_keeps_its_keys_and_evicts_the_least_recent():
 
 
 def test_lookahead_refuses_a_loop_that_looks_up_other_rows_and_stops_its_thread():
-    batches = _batches(30)
-    _, _, cached = _pair("sgd", cache_rows=60)
+    batches = zipf_batches(30)
+    _, _, cached = module_pair("sgd", cache_rows=60)
     threads = threading.active_count()
     with pytest.raises(ValueError, match="used outside the plan"):
         for ids, offsets, target in Lookahead(batches, cached, lookahead=4, prefetch=True):
-            _loss(cached((ids + 1) % NUM_ROWS, offsets), target).backward()
+            squared_loss(cached((ids + 1) % NUM_ROWS, offsets), target).backward()
     assert threading.active_count() == threads
 
 
 def test_a_lookahead_loop_left_early_leaves_a_consistent_module():
-    batches = _batches(30)
-    reference, reference_optimizer, cached = _pair("adam", cache_rows=60)
+    batches = zipf_batches(30)
+    reference, reference_optimizer, cached = module_pair("adam", cache_rows=60)
     for ids, offsets, target in batches[:12]:
         reference_optimizer.zero_grad()
-        _loss(reference(ids, offsets), target).backward()
+        squared_loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
     for i, (ids, offsets, target) in enumerate(Lookahead(batches, cached, lookahead=4, prefetch=True)):
-        _loss(cached(ids, offsets), target).backward()
+        squared_loss(cached(ids, offsets), target).backward()
         if i == 11:
             break
     assert torch.equal(reference.weight.detach(), cached.weight)
@@ -282,13 +266,13 @@ def test_lookahead_prefetch_reads_rows_after_the_step_that_wrote_them_back(optim
     first, second = torch.arange(0, 40).view(8, 5), torch.arange(40, 80).view(8, 5)
     target = torch.randn(8, DIM, generator=torch.Generator().manual_seed(5))
     batches = [(first if i % 2 == 0 else second, None, target) for i in range(30)]
-    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=40)
+    reference, reference_optimizer, cached = module_pair(optimizer, cache_rows=40)
     for ids, offsets, target in batches:
         reference_optimizer.zero_grad()
-        _loss(reference(ids, offsets), target).backward()
+        squared_loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
     for ids, offsets, target in Lookahead(batches, cached, lookahead=4, prefetch=True):
-        _loss(cached(ids, offsets), target).backward()
+        squared_loss(cached(ids, offsets), target).backward()
     assert cached.rows.stats["rows_fetched"] == 30 * 40
     assert torch.equal(reference.weight.detach(), cached.weight)
 
@@ -318,7 +302,7 @@ def test_a_collection_equals_one_embedding_bag_per_table_bit_for_bit():
                     stepper.zero_grad()
             else:
                 outputs = collection(inputs, offsets)
-            sum(_loss(out, target) for out, target in zip(outputs, targets)).backward()
+            sum(squared_loss(out, target) for out, target in zip(outputs, targets)).backward()
             if loop == "reference":
                 for stepper in steppers:
                     stepper.step()
@@ -424,9 +408,9 @@ def test_the_cached_dlrm_example_ends_where_the_plain_loop_does(tmp_path, policy
 
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
 def test_warm_up_preloads_the_hottest_rows_and_training_stays_exact(policy):
-    batches = _batches(30, skew=1.2)
-    reference, reference_optimizer, cached = _pair("adagrad", cache_rows=80, policy=policy)
-    _, _, cold = _pair("adagrad", cache_rows=80, policy=policy)
+    batches = zipf_batches(30, skew=1.2)
+    reference, reference_optimizer, cached = module_pair("adagrad", cache_rows=80, policy=policy)
+    _, _, cold = module_pair("adagrad", cache_rows=80, policy=policy)
     sample = torch.cat([ids for ids, _, _ in batches[:10]])
     assert cached.warm_up(sample, fraction=0.5) == 40
     counts = np.bincount(sample.numpy(), minlength=NUM_ROWS)
@@ -434,10 +418,10 @@ def test_warm_up_preloads_the_hottest_rows_and_training_stays_exact(policy):
     assert counts[preloaded].min() >= np.sort(counts)[-40]  # the 40 most counted rows (ties aside)
     for ids, offsets, target in batches:
         reference_optimizer.zero_grad()
-        _loss(reference(ids, offsets), target).backward()
+        squared_loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
         for module in (cached, cold):
-            _loss(module(ids, offsets), target).backward()
+            squared_loss(module(ids, offsets), target).backward()
     assert torch.equal(reference.weight.detach(), cached.weight)
     assert cached.rows.stats["rows_preloaded"] == 40
     assert cached.rows.stats["rows_fetched"] < cold.rows.stats["rows_fetched"]
@@ -469,23 +453,23 @@ def test_an_lr_scheduler_drives_the_fused_optimizer_as_it_drives_rowwise_bit_for
     with from the next backward on, as the same StepLR over the reference's RowWise does, so both end equal."""
     from bagpipe.nn import FusedOptimizer
 
-    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=40)
+    reference, reference_optimizer, cached = module_pair(optimizer, cache_rows=40)
     fused = FusedOptimizer(nn.Sequential(nn.Identity(), cached))  # (found inside a model)
     assert [(g["name"], g["lr"]) for g in fused.param_groups] == [(optimizer, 0.05)]
     schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.1) for o in (reference_optimizer, fused)]
-    for ids, offsets, target in _batches(10):
-        _loss(reference(ids, offsets), target).backward()
+    for ids, offsets, target in zipf_batches(10):
+        squared_loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-        _loss(cached(ids, offsets), target).backward()
+        squared_loss(cached(ids, offsets), target).backward()
         fused.step()
         for schedule in schedules:
             schedule.step()
     assert fused.param_groups[0]["lr"] == pytest.approx(0.05 * 0.1 ** 3)
     assert torch.equal(reference.weight.detach(), cached.weight)
-    unscheduled, unscheduled_optimizer, _ = _pair(optimizer, cache_rows=40)  # (and the rate did change the end)
-    for ids, offsets, target in _batches(10):
-        _loss(unscheduled(ids, offsets), target).backward()
+    unscheduled, unscheduled_optimizer, _ = module_pair(optimizer, cache_rows=40)  # (and the rate did change the end)
+    for ids, offsets, target in zipf_batches(10):
+        squared_loss(unscheduled(ids, offsets), target).backward()
         unscheduled_optimizer.step()
         unscheduled_optimizer.zero_grad()
     assert not torch.equal(unscheduled.weight.detach(), cached.weight)
@@ -494,14 +478,14 @@ def test_an_lr_scheduler_drives_the_fused_optimizer_as_it_drives_rowwise_bit_for
 def test_the_fused_optimizer_saves_and_loads_its_rate_and_refuses_a_model_without_tables():
     from bagpipe.nn import FusedOptimizer
 
-    _, _, cached = _pair("adam", cache_rows=40)
+    _, _, cached = module_pair("adam", cache_rows=40)
     fused = FusedOptimizer(cached)
     fused.param_groups[0]["lr"] = 0.01
     again = FusedOptimizer(cached)  # (takes the module's rate over from now on)
     again.load_state_dict(fused.state_dict())
     assert again.param_groups[0]["lr"] == 0.01 and cached.rows.lr_of() == 0.01
-    ids, offsets, target = _batches(1)[0]
-    _loss(cached(ids, offsets), target).backward()
+    ids, offsets, target = zipf_batches(1)[0]
+    squared_loss(cached(ids, offsets), target).backward()
     assert cached.rows.optimizer.lr == 0.01
     with pytest.raises(ValueError, match="no cached tables"):
         FusedOptimizer(nn.Linear(2, 2))
@@ -523,10 +507,10 @@ def test_cached_embedding_equals_nn_embedding_stepped_by_rowwise(optimizer):
         target = torch.randn(8, 3, 2, DIM, generator=generator)
         expected, got = reference(ids), cached(ids)
         assert got.shape == (8, 3, 2, DIM) and torch.equal(expected, got)
-        _loss(expected, target).backward()
+        squared_loss(expected, target).backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-        _loss(got, target).backward()
+        squared_loss(got, target).backward()
     assert cached.rows.stats["rows_written_back"] > 0  # (rows were evicted and fetched again)
     assert torch.equal(reference.weight.detach(), cached.weight)
     with pytest.raises(ValueError, match="padding_idx"):
@@ -546,7 +530,7 @@ def test_a_model_with_cached_tables_reloads_strictly_into_its_plain_twin():
 
     cached = model(CachedEmbeddingBag(NUM_ROWS, DIM, cache_rows=40, mode="sum", optimizer="adam", lr=0.05),
                    CachedEmbedding(NUM_ROWS, DIM, cache_rows=40, optimizer="adagrad", lr=0.05))
-    for ids, offsets, target in _batches(6):
+    for ids, offsets, target in zipf_batches(6):
         out = cached["head"](cached["bag"](ids, offsets) + cached["emb"](ids[offsets]))
         ((out.squeeze(1) - target.sum(1)) ** 2).sum().backward()
     buffer = io.BytesIO()
@@ -558,7 +542,7 @@ def test_a_model_with_cached_tables_reloads_strictly_into_its_plain_twin():
     with pytest.raises(RuntimeError, match="Unexpected key"):
         plain.load_state_dict(saved)
     plain.load_state_dict(without_optimizer_state(saved), strict=True)
-    ids, offsets, _ = _batches(1, seed=9)[0]
+    ids, offsets, _ = zipf_batches(1, seed=9)[0]
     with torch.no_grad():
         assert torch.equal(plain["head"](plain["bag"](ids, offsets) + plain["emb"](ids[offsets])),
                            cached["head"](cached["bag"](ids, offsets) + cached["emb"](ids[offsets])))

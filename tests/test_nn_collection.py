@@ -20,11 +20,11 @@ from bagpipe.optim import RowWise, make_row_optimizer
 LR = 0.05
 
 
-def _loss(outputs, targets) -> torch.Tensor:
+def squared_loss(outputs, targets) -> torch.Tensor:
     return sum(((out - target) ** 2).sum() for out, target in zip(outputs, targets))
 
 
-def _batches(shapes, count: int, *, bags: int = 12, seed: int = 0):
+def zipf_batches(shapes, count: int, *, bags: int = 12, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     return [([torch.randint(0, rows, (bags, 3), generator=generator) for rows, _ in shapes],
              [torch.randn(bags, dim, generator=generator) for _, dim in shapes]) for _ in range(count)]
@@ -78,9 +78,9 @@ def test_mixed_inputs_and_per_sample_weights_train_as_one_bag_per_table(optimize
         offsets = [None, torch.tensor([0, 3, 3, 7, 9]), None, None]
         sample_weights = [None, torch.rand(11, generator=generator), None, torch.rand(5, 3, generator=generator)]
         targets = [torch.randn(5, dim, generator=generator) for _, dim in shapes]
-        _loss(collection(inputs, offsets, sample_weights), targets).backward()
+        squared_loss(collection(inputs, offsets, sample_weights), targets).backward()
         stepper.zero_grad()
-        _loss([r(x, o, w) for r, x, o, w in zip(references, inputs, offsets, sample_weights)], targets).backward()
+        squared_loss([r(x, o, w) for r, x, o, w in zip(references, inputs, offsets, sample_weights)], targets).backward()
         stepper.step()
     assert sum(rows.stats["rows_written_back"] for rows in collection.spaces) > 0
     for t, reference in enumerate(references):
@@ -107,10 +107,10 @@ def test_accumulating_over_mixed_inputs_and_weights_steps_as_one_bag_per_table()
             micro_batches.append((inputs, offsets, sample_weights, [torch.randn(5, 4, generator=generator)] * 3))
         with collection.accumulate():
             for inputs, offsets, sample_weights, targets in micro_batches:
-                _loss(collection(inputs, offsets, sample_weights), targets).backward()
+                squared_loss(collection(inputs, offsets, sample_weights), targets).backward()
         stepper.zero_grad()
         for inputs, offsets, sample_weights, targets in micro_batches:
-            _loss([r(x, o, w) for r, x, o, w in zip(references, inputs, offsets, sample_weights)], targets).backward()
+            squared_loss([r(x, o, w) for r, x, o, w in zip(references, inputs, offsets, sample_weights)], targets).backward()
         stepper.step()
     for t, reference in enumerate(references):
         assert torch.equal(collection.weight(t), reference.weight.detach()), t
@@ -120,7 +120,7 @@ def _embedding_ops(num_tables: int) -> OpCounter:
     """The operations of one steady iteration of a collection (forward, backward, fused steps), Adagrad."""
     shapes = [(1000, 8)] * num_tables
     collection = CachedEmbeddingBagCollection(shapes, cache_rows=200 * num_tables, optimizer="adagrad", lr=LR)
-    batches = _batches(shapes, 4, bags=32)
+    batches = zipf_batches(shapes, 4, bags=32)
     for inputs, _ in batches[:3]:
         torch.autograd.backward(collection(inputs), [torch.ones(32, 8)] * num_tables)
     inputs, _ = batches[3]
@@ -142,12 +142,12 @@ def test_an_iteration_dispatches_as_many_operations_at_26_tables_as_at_2():
 
 def test_a_reloaded_collection_trains_on_as_the_saved_one_would():
     shapes = [(50, 4), (80, 4), (30, 6)]
-    batches = _batches(shapes, 16, bags=6, seed=4)
+    batches = zipf_batches(shapes, 16, bags=6, seed=4)
     make = lambda: CachedEmbeddingBagCollection(shapes, cache_rows=[40, 20], optimizer="adam", lr=LR,  # noqa: E731
                                                 weights=[torch.zeros(*shape) + t for t, shape in enumerate(shapes)])
     saved, whole = make(), make()
     for inputs, targets in Lookahead(batches[:8], saved, ids=lambda b: b[0], lookahead=3):
-        _loss(saved(inputs), targets).backward()
+        squared_loss(saved(inputs), targets).backward()
     buffer = io.BytesIO()
     torch.save(saved.state_dict(), buffer)
     state = torch.load(io.BytesIO(buffer.getvalue()))
@@ -155,9 +155,9 @@ def test_a_reloaded_collection_trains_on_as_the_saved_one_would():
     reloaded = make()
     reloaded.load_state_dict(state)
     for inputs, targets in batches:  # one collection all the way, the other from the state dict on
-        _loss(whole(inputs), targets).backward()
+        squared_loss(whole(inputs), targets).backward()
     for inputs, targets in batches[8:]:
-        _loss(reloaded(inputs), targets).backward()
+        squared_loss(reloaded(inputs), targets).backward()
     for t in range(3):
         assert torch.equal(reloaded.weight(t), whole.weight(t)), t
     weights_only = make()

@@ -22,7 +22,7 @@ from bagpipe.storage.disk import DiskRows
 from bagpipe.storage.memory import MemoryRows
 from bagpipe.optim import RowWise, make_row_optimizer
 from bagpipe.storage import StorageSpec
-from test_nn import DIM, NUM_ROWS, _batches, _loss, _pair
+from helpers.nn_pairs import DIM, NUM_ROWS, module_pair, squared_loss, zipf_batches
 
 
 def _disk(tmp_path: Path, *, budget_rows: int = 20) -> StorageSpec:
@@ -33,16 +33,16 @@ def _disk(tmp_path: Path, *, budget_rows: int = 20) -> StorageSpec:
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 @pytest.mark.parametrize("policy", ["lru", "lookahead-prefetch"])
 def test_training_on_disk_equals_the_reference_bit_for_bit(tmp_path, optimizer, policy):
-    batches = _batches(40)
-    reference, reference_optimizer, cached = _pair(optimizer, cache_rows=60, storage=_disk(tmp_path))
+    batches = zipf_batches(40)
+    reference, reference_optimizer, cached = module_pair(optimizer, cache_rows=60, storage=_disk(tmp_path))
     assert isinstance(cached.rows.host.tier, DiskRows) and cached.rows.host.path.parent == tmp_path
     for ids, offsets, target in batches:
         reference_optimizer.zero_grad()
-        _loss(reference(ids, offsets), target).backward()
+        squared_loss(reference(ids, offsets), target).backward()
         reference_optimizer.step()
     loop = Lookahead(batches, cached, lookahead=8, prefetch=True) if policy != "lru" else batches
     for ids, offsets, target in loop:
-        _loss(cached(ids, offsets), target).backward()
+        squared_loss(cached(ids, offsets), target).backward()
     disk = cached.rows.host.stats()
     assert cached.rows.stats["rows_written_back"] > 3 * cached.rows.index.capacity
     assert disk["disk_rows_written"] > 100 and disk["disk_rows_read"] > 100  # the file, not only its DRAM cache
@@ -74,7 +74,7 @@ def test_a_collection_on_disk_equals_one_in_memory(tmp_path):
         inputs = [torch.randint(0, rows, (8, 2), generator=generator) for rows, _ in shapes]
         targets = [torch.randn(8, dim, generator=generator) for _, dim in shapes]
         for module in modules:
-            sum(_loss(out, target) for out, target in zip(module(inputs), targets)).backward()
+            sum(squared_loss(out, target) for out, target in zip(module(inputs), targets)).backward()
     memory, disk = modules
     assert [type(rows.host.tier) for rows in disk.spaces] == [DiskRows, DiskRows]
     assert sum(rows.stats["rows_written_back"] for rows in disk.spaces) > 100

@@ -19,11 +19,11 @@ NUM_ROWS, DIM, LR = 300, 5, 0.05
 CACHE_ROWS = 60  # below two batches' distinct rows: every batch evicts rows the one before looked up
 
 
-def _batches(count: int, *, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def zipf_batches(count: int, *, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return zipf_bags(count, num_rows=NUM_ROWS, dim=DIM, seed=seed, skew=1.1)
 
 
-def _loss(embeddings: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def squared_loss(embeddings: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((embeddings - target) ** 2).sum()
 
 
@@ -38,7 +38,7 @@ def _cached(optimizer: str, *, weight: torch.Tensor | None = None, **options) ->
 
 def _train(module: nn.Module, batches) -> None:
     for ids, offsets, target in batches:
-        _loss(module(ids, offsets), target).backward()
+        squared_loss(module(ids, offsets), target).backward()
 
 
 def _saved(module: nn.Module) -> dict:
@@ -61,7 +61,7 @@ def test_training_resumed_from_a_state_dict_equals_training_on(tmp_path, optimiz
     def spec():  # on disk: a DRAM cache of about 20 of Adam's records
         return StorageSpec("disk", tmp_path, 2000) if storage == "disk" else storage
 
-    batches = _batches(16)
+    batches = zipf_batches(16)
     uninterrupted = _cached(optimizer, weight=_weight(), storage=spec())
     _train(uninterrupted, batches[:8])
     saved = _saved(uninterrupted)
@@ -75,7 +75,7 @@ def test_training_resumed_from_a_state_dict_equals_training_on(tmp_path, optimiz
 
 
 def test_a_weight_only_state_dict_loads_strictly_and_starts_a_fresh_optimizer():
-    batches = _batches(6)
+    batches = zipf_batches(6)
     trained = _cached("adagrad", weight=_weight())
     _train(trained, batches)
     weight = trained.weight.clone()
@@ -111,7 +111,7 @@ def test_strict_loading_names_what_does_not_fit():
     assert torch.equal(before.weight, _weight()) and torch.equal(_state(before), state)
     # under a parent module, the keys carry its prefix
     parent = nn.ModuleDict({"bag": _cached("adam", weight=_weight())})
-    _train(parent["bag"], _batches(3))
+    _train(parent["bag"], zipf_batches(3))
     other = nn.ModuleDict({"bag": _cached("adam")})
     other.load_state_dict(parent.state_dict())
     assert list(parent.state_dict()) == ["bag.weight", "bag.optimizer_state"]
@@ -123,7 +123,7 @@ def test_strict_loading_names_what_does_not_fit():
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_accumulate_takes_one_step_on_the_summed_gradient(optimizer):
-    micro_batches = _batches(12)
+    micro_batches = zipf_batches(12)
     reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", sparse=True, _weight=_weight())
     stepper = RowWise(reference.parameters(), make_row_optimizer(optimizer, lr=LR))
     cached, stepped_each = _cached(optimizer, weight=_weight()), _cached(optimizer, weight=_weight())
@@ -145,16 +145,16 @@ def test_accumulate_takes_one_step_on_the_summed_gradient(optimizer):
 
 def test_accumulate_drops_the_gradients_of_a_block_that_raised_and_does_not_nest():
     cached = _cached("adagrad", weight=_weight())
-    ids, offsets, target = _batches(1)[0]
+    ids, offsets, target = zipf_batches(1)[0]
     with pytest.raises(KeyError):
         with cached.accumulate():
-            _loss(cached(ids, offsets), target).backward()
+            squared_loss(cached(ids, offsets), target).backward()
             raise KeyError("a failed micro-batch")
     assert torch.equal(cached.weight, _weight()) and cached.rows.pending is None
     with cached.accumulate(), pytest.raises(ValueError, match="do not nest"):
         with cached.accumulate():
             pass
-    _loss(cached(ids, offsets), target).backward()  # outside a block: stepped at once again
+    squared_loss(cached(ids, offsets), target).backward()  # outside a block: stepped at once again
     assert not torch.equal(cached.weight, _weight())
 
 
@@ -171,29 +171,29 @@ def test_a_collection_accumulates_as_its_tables_would():
         with collection.accumulate():
             for batch in micro_batches:
                 outputs = collection([ids for ids, _ in batch])
-                sum(_loss(out, target) for out, (_, target) in zip(outputs, batch)).backward()
+                sum(squared_loss(out, target) for out, (_, target) in zip(outputs, batch)).backward()
         stepper.zero_grad()
         for batch in micro_batches:
-            sum(_loss(r(ids), target) for r, (ids, target) in zip(references, batch)).backward()
+            sum(squared_loss(r(ids), target) for r, (ids, target) in zip(references, batch)).backward()
         stepper.step()
     assert all(torch.equal(collection.weight(t), r.weight.detach()) for t, r in enumerate(references))
 
 
 def test_eval_still_trains_no_grad_does_not_and_requires_grad_false_freezes():
-    ids, offsets, target = _batches(1)[0]
+    ids, offsets, target = zipf_batches(1)[0]
     cached = _cached("sgd", weight=_weight())
     cached.eval()  # documented: eval() changes nothing here, a backward in eval mode steps the rows
-    _loss(cached(ids, offsets), target).backward()
+    squared_loss(cached(ids, offsets), target).backward()
     assert not torch.equal(cached.weight, _weight())
     cached = _cached("sgd", weight=_weight())
     with torch.no_grad():
         assert not cached(ids, offsets).requires_grad
     assert cached.requires_grad_(False) is cached
     weights = torch.rand(ids.shape, requires_grad=True)
-    _loss(cached(ids, offsets, weights), target).backward()
+    squared_loss(cached(ids, offsets, weights), target).backward()
     assert weights.grad is not None and torch.equal(cached.weight, _weight())  # frozen: the rest still learns
     cached.requires_grad_(True)
-    _loss(cached(ids, offsets), target).backward()
+    squared_loss(cached(ids, offsets), target).backward()
     assert not torch.equal(cached.weight, _weight())
 
 
@@ -218,7 +218,7 @@ def test_embedding_bag_keyword_arguments_at_supported_values_are_accepted():
     cached = _cached("sgd", weight=_weight(), sparse=True, scale_grad_by_freq=False, padding_idx=None,
                      max_norm=None, norm_type=2.0, dtype=torch.float32)
     reference = nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", sparse=True, _weight=_weight())
-    ids, offsets, _ = _batches(1)[0]
+    ids, offsets, _ = zipf_batches(1)[0]
     assert torch.equal(cached(ids, offsets), reference(ids, offsets))
 
 
@@ -247,5 +247,5 @@ def test_a_dtype_conversion_is_refused_at_the_conversion(convert, dtype):
         convert(model)
     assert cached.rows.cache_weight.dtype == torch.float32
     cached.float().to("cpu")  # no dtype change: fine
-    ids, offsets, _ = _batches(1)[0]
+    ids, offsets, _ = zipf_batches(1)[0]
     assert torch.equal(cached(ids, offsets), nn.EmbeddingBag(NUM_ROWS, DIM, mode="sum", _weight=_weight())(ids, offsets))

@@ -15,7 +15,7 @@ from bagpipe.train.checkpoints import valid_checkpoints
 from bagpipe.rundir import export
 from bagpipe.runtime.succession import Failure, JobRecord, replayed_from
 from bagpipe.runtime.world import World
-from test_runtime import alive, assert_same_parameters, job_config, reference_of
+from helpers.jobs import alive, assert_same_parameters, job_config, reference_of
 
 ITERATIONS = 150  # the faults come by plan 120 (planned ahead: trainers are some 20-30 iterations behind)
 PARITY = {"servers": 4, "parity": 3, "check_parity": True}  # the shape: 3 data servers and a parity server
@@ -145,7 +145,7 @@ def test_a_replacement_oracles_plan_messages_equal_the_lost_ones_and_each_traine
     from bagpipe.data.binary import open_dataset
     from bagpipe.runtime.oracle.feed import Sent
     from bagpipe.runtime.redo import REDO_DEPTH
-    from feeds import feed_of
+    from helpers.feeds import feed_of
 
     config = job_config(small_binary, tmp_path / "run", iterations=40)
     world = World(rank=0, world_size=5, num_trainers=2)

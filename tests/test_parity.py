@@ -16,20 +16,13 @@ from bagpipe.train.reference import build_model
 from bagpipe.storage import RowStore
 from bagpipe.storage.bits import row_bits
 from bagpipe.storage.parity import ParityGroups, ParityRows, StandIn, TwoLossesInAGroup, read_member, reconstruct
-from test_model_and_optim import layout_of
-
-SIZES = [50, 37, 64]  # 151 rows: shards of 51, 50 and 50 rows when split 3 ways
-
-
-def members(optimizer="adam", num_shards=3):
-    layout = layout_of(SIZES, 4)
-    row_optimizer = make_row_optimizer(optimizer, lr=0.1)
-    return [RowStore(layout=layout, space=0, optimizer=row_optimizer, seed=3, shard=s, num_shards=num_shards)
-            for s in range(num_shards)]
+from helpers.jobs import alive, assert_same_parameters, job_config, reference_of
+from helpers.layouts import PARITY_SIZES, layout_of, member_bits, members
 
 
-def member_bits(store):
-    return read_member(store, np.arange(store.num_rows))
+
+
+
 
 
 def test_the_parity_is_the_xor_of_its_members_whatever_order_deltas_arrive_in():
@@ -120,8 +113,8 @@ def test_a_stand_in_serves_its_rows_while_rebuilt_and_ends_bit_for_bit_the_lost_
     twin = members("adam")  # the same writes, never lost
     for version in range(10):
         for shard in range(3):
-            keys = rng.choice(SIZES[0], size=5, replace=False) * 3 + shard
-            keys = keys[keys < sum(SIZES)]
+            keys = rng.choice(PARITY_SIZES[0], size=5, replace=False) * 3 + shard
+            keys = keys[keys < sum(PARITY_SIZES)]
             rows, state = (torch.from_numpy(rng.standard_normal((len(keys), n)).astype(np.float32)) for n in (4, 9))
             groups.members[shard].write_back(keys, rows, state, version=version)
             twin[shard].write_back(keys, rows, state, version=version)
@@ -144,7 +137,7 @@ def test_a_stand_in_serves_its_rows_while_rebuilt_and_ends_bit_for_bit_the_lost_
 
 
 def test_a_second_loss_in_a_group_before_the_rebuild_is_refused_but_one_in_another_group_is_not():
-    layout = layout_of(SIZES, 4)
+    layout = layout_of(PARITY_SIZES, 4)
     row_optimizer = make_row_optimizer("sgd", lr=0.1)
     groups = ParityGroups(lambda shard: RowStore(layout=layout, space=0, optimizer=row_optimizer, seed=3,
                                                  shard=shard, num_shards=6), num_shards=6, k=3)
@@ -197,7 +190,7 @@ def layout_of_split(split, config):
 
 
 def test_initial_parity_made_from_the_seed_equals_the_parity_of_the_initialised_shards():
-    layout = layout_of(SIZES, 4)
+    layout = layout_of(PARITY_SIZES, 4)
     for optimizer in ("sgd", "adam"):
         width = make_row_optimizer(optimizer, lr=0.1).state_width(4)
         made = ParityRows.initial(layout, 0, shards=[3, 4, 5], num_shards=6, state_width=width, seed=3)
@@ -213,7 +206,6 @@ def test_a_job_with_parity_servers_trains_exactly_and_its_parity_matches_its_gro
                                                                                    optimizer):
     """3 data servers and 1 parity server: the same export as the sliced reference, bit for bit, and at the end
     the parity server's XOR equals its group's rows and optimizer state, versions too (--check-parity)."""
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     from bagpipe.rundir import export
     from bagpipe.runtime.launch import launch_local
@@ -240,7 +232,6 @@ def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(s
     """SIGKILL a data server mid-write-back (received, not stored; or stored with its delta sent, never
     acknowledged): its shard moves to the parity server, which serves it rebuilt from the group, and the job
     ends with the export of the sliced reference, bit for bit, its parity still equal to the group."""
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     from bagpipe.rundir import export
     from bagpipe.runtime.launch import launch_local
@@ -264,7 +255,6 @@ def test_a_job_goes_on_through_a_killed_server_and_ends_bit_for_bit_as_without(s
 def test_a_second_server_lost_in_a_group_fails_the_job_clearly_and_leaves_no_process(small_binary, tmp_path):
     """Two data servers of one group killed (the second while the first is served by the parity server):
     parity covers one loss per group, so the job fails, saying so and naming the way on."""
-    from test_runtime import alive, job_config
 
     from bagpipe.runtime.launch import JobFailed, launch_local
 
@@ -285,7 +275,6 @@ def test_checkpoints_after_a_server_was_lost_are_taken_from_its_stand_in(small_b
     the reference; a run resumed from such a checkpoint restores its parity from it."""
     from dataclasses import replace
 
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     from bagpipe.rundir import export
     from bagpipe.runtime.launch import launch_local
@@ -314,7 +303,6 @@ def test_a_checkpoint_whose_server_is_lost_while_writing_it_is_abandoned_and_the
     and the next delta holds everything since 10; a trainer killed at 43 (not covered) ends the job, which
     the launcher starts again from 40 (10's base, 30's and 40's deltas), or from 30 if 40 was not committed yet
     (it races the trainers' next 3 iterations): either way across the abandoned one, to the reference's export."""
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     from bagpipe.train.checkpoints import checkpoints_dir, step_name
     from bagpipe.rundir import export

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from bagpipe.planner import NEVER, PlannerConfig, plan
 from bagpipe.planner.belady import belady
+from helpers.layouts import PLAN_FIELDS
 
 
 @st.composite
@@ -103,8 +104,6 @@ def test_identical_inputs_give_identical_plans(stream, lookahead):
             assert np.array_equal(getattr(a, field), getattr(b, field))
 
 
-PLAN_FIELDS = ("fetch_keys", "fetch_versions", "fetch_slots", "evict_keys", "evict_writers", "evict_slots",
-               "sync_now_keys", "sync_later_keys", "sync_later_deadlines", "batch_keys", "batch_slots")
 
 
 @settings(max_examples=40, deadline=None)

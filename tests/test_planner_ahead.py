@@ -10,7 +10,7 @@ import pytest
 from bagpipe.planner import PlannerConfig, plan
 from bagpipe.planner.ahead import numbered_ahead
 from bagpipe.planner.plan import number_batches, plan_numbered
-from test_planner import PLAN_FIELDS
+from helpers.layouts import PLAN_FIELDS
 
 
 def _zipf_batches(num_rows: int, count: int, size: int, seed: int, *, spread: int = 1) -> list[np.ndarray]:

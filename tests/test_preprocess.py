@@ -40,20 +40,6 @@ def files_of(directory, *, skip=()):
 
 
 @pytest.fixture
-def conversions(monkeypatch):
-    """The directories ``preprocess`` converted, in order."""
-    calls = []
-
-    def spy(input_path, out_dir, **kwargs):
-        calls.append(input_path)
-        return real(input_path, out_dir, **kwargs)
-
-    real = pre.preprocess
-    monkeypatch.setattr(pre, "preprocess", spy)
-    return calls
-
-
-@pytest.fixture
 def info_log(caplog):
     caplog.set_level(logging.INFO, logger=pre.log.name)
     return caplog

@@ -150,7 +150,7 @@ def test_the_oracle_keeps_a_trainers_messages_from_before_its_last_step_and_tell
         small_binary):
     from bagpipe.runtime.protocol import StepMessage
     from bagpipe.runtime.world import World
-    from feeds import feed_of
+    from helpers.feeds import feed_of
 
     config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH, iterations=40, trainers=2,
                          model=ModelConfig(emb_dim=8, arch_mlp_bot="13-16-8", arch_mlp_top="16-1"))
@@ -219,7 +219,7 @@ def test_the_feed_counts_its_planners_time_apart_from_its_reading_and_every_id_i
     import threading
 
     from bagpipe.runtime.world import World
-    from feeds import feed_of
+    from helpers.feeds import feed_of
 
     config = TrainConfig(data=str(small_binary), run_dir="unused", batch_size=BATCH, iterations=12, trainers=2,
                          cache_rows=4000,

@@ -4,18 +4,12 @@ import pytest
 import torch
 
 from bagpipe.cli import main
-from bagpipe.config import ModelConfig, TrainConfig
 from bagpipe.train.reference import train_reference
 from bagpipe.rundir import export
 from bagpipe.synth import CRITEO_KAGGLE_TABLE_SIZES
+from helpers.jobs import small_config
 
 
-def small_config(data, run_dir, **overrides):
-    values = dict(data=str(data), run_dir=str(run_dir), batch_size=256, iterations=300, optimizer="adagrad",
-                  lr=0.05, seed=0, warmup_iterations=2, log_every=50,
-                  model=ModelConfig(emb_dim=8, arch_mlp_bot="13-32-8", arch_mlp_top="32-1"))
-    values.update(overrides)
-    return TrainConfig(**values)
 
 
 def test_reference_trainer_learns_the_planted_model(small_binary, tmp_path):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from bagpipe.storage.parity import ParityRows
-from test_parity import member_bits, members
+from helpers.jobs import alive, assert_same_parameters, job_config, reference_of
+from helpers.layouts import member_bits, members
 
 # Jobs sized to their faults. With a slower network (WRITEBACK_DELAY) an iteration takes ~35 ms here; a loss at
 # iteration 20-35 is recovered from ~4 s after training starts (1.7 s to the replacement joined, 1.5 s of them its
@@ -154,7 +155,6 @@ def _job_through_losses(data, tmp_path, *, optimizer: str, fault: str, iteration
     """A 2-trainer, 3+1-server job (--check-parity) with ``fault``: its summary, once its export is found equal to
     the sliced reference's bit for bit with no restart. The lost server's first replacement pauses PAUSE_S before it
     joins (a replacement forked by the launcher joins in a fraction of a second): training must go on meanwhile."""
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     from bagpipe.rundir import export
     from bagpipe.runtime.launch import launch_local
@@ -187,7 +187,6 @@ def _story(run_dir, summary: dict) -> str:
 def _went_on_and_left_nothing(tmp_path, summary: dict, *, server: int, losses: int) -> list[dict]:
     """Training went on while the first replacement started (iterations logged between the loss and its joining),
     ``server``'s log shows a replacement per loss, and no process of the job is left; the metrics records."""
-    from test_runtime import alive
 
     records = [json.loads(line) for line in (tmp_path / "bagpipe" / "metrics.jsonl").read_text().splitlines()]
     first = summary["failures"][0]

@@ -15,7 +15,7 @@ import pytest
 
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import JobFailed, launch_local
-from test_runtime import alive, assert_same_parameters, job_config, reference_of
+from helpers.jobs import alive, assert_same_parameters, job_config, reference_of
 
 
 @pytest.mark.parametrize("optimizer, parity, fault, cache_mode", [

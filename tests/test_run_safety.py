@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from bagpipe.config import resumed_config
 from bagpipe.files import WriteFailed, human_bytes, writing
 from bagpipe.rundir import export
 from bagpipe.runlock import LOCK, lock_run_dir
-from cli_processes import CliProcess, run_cli
-from test_checkpoint import same_export
+from helpers.cli_processes import CliProcess, run_cli
+from helpers.jobs import assert_same_parameters, job_config, reference_of, same_export
 
 SMALL = ["--iterations", "20", "--batch-size", "256", "--emb-dim", "8", "--arch-mlp-bot", "13-16-8",
          "--arch-mlp-top", "16-1", "--max-eval-rows", "1000", "--checkpoint-every", "5", "--log-every", "5",
@@ -160,7 +159,6 @@ def test_the_storage_check_names_small_sizes_and_a_read_only_directory(small_bin
 
     from bagpipe import preflight
     from bagpipe.data.binary import open_dataset
-    from test_runtime import job_config
 
     dataset = open_dataset(small_binary)
     config = job_config(small_binary, tmp_path / "run", storage="disk", storage_dir=str(tmp_path / "tables"))
@@ -182,7 +180,6 @@ def test_the_disk_checks_count_the_model_the_run_writes_at_its_end(small_binary,
     from bagpipe.data.binary import open_dataset
     from bagpipe.optim import make_row_optimizer
     from bagpipe.storage.disk import record_bytes
-    from test_runtime import job_config
 
     dataset = open_dataset(small_binary)
     on_disk = job_config(small_binary, tmp_path / "run", storage="disk", storage_dir=str(tmp_path / "tables"))
@@ -355,7 +352,6 @@ def test_a_signal_stops_a_bagpipe_job_every_process_and_working_file_with_it(sma
 @pytest.mark.processes
 def test_a_moved_bagpipe_run_dir_resumes_where_it_is(small_binary, tmp_path):
     from bagpipe.runtime.launch import JobFailed, launch_local
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     config = job_config(small_binary, tmp_path / "run", iterations=40, checkpoint_every=10)
     with pytest.raises(JobFailed, match="a fault injected at 'iteration 25'"):

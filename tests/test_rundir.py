@@ -8,8 +8,8 @@ import pytest
 
 from bagpipe.cli import main
 from bagpipe.rundir import SUMMARY, export, is_finished
-from test_reference import small_config
 from bagpipe.train.reference import train_reference
+from helpers.jobs import small_config
 
 
 def train_cli(data, run_dir, *extra: str) -> int:

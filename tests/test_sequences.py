@@ -30,7 +30,7 @@ from bagpipe.train.reference import build_model, build_tables, train_reference, 
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
 from bagpipe.synth_sequences import generate_sequences
-from test_runtime import assert_same_parameters, job_config, reference_of
+from helpers.jobs import assert_same_parameters, job_config, reference_of
 
 CASER = ModelConfig(name="caser", emb_dim=16, vertical_filters=4, horizontal_filters=8)
 LOG = [(7, 30, 5, 100), (7, 10, 3, 101), (9, 30, 4, 50), (7, 20, 1, 102), (9, 10, 2, 51), (7, 30, 5, 103),

@@ -7,13 +7,10 @@ import torch
 
 from bagpipe.cli import main
 from bagpipe.rundir import export
-from test_reference import small_config
 from bagpipe.train.reference import train_reference
+from helpers.jobs import exports_equal, small_config
 
 
-def _same(a: dict, b: dict) -> bool:
-    return (a["dense"].keys() == b["dense"].keys() and all(torch.equal(a["dense"][k], b["dense"][k]) for k in a["dense"])
-            and all(torch.equal(x, y) for x, y in zip(a["embeddings"], b["embeddings"], strict=True)))
 
 
 # --storage disk: the tables in files behind 16 KiB of DRAM (about 100 rows of 861, Adam's or Adagrad's records)
@@ -45,7 +42,7 @@ def test_single_mode_equals_the_reference_bit_for_bit(small_binary, tmp_path, po
         summary = train_reference(config, show_progress=False)
         runs[mode] = (summary, export(tmp_path / mode, tmp_path / f"{mode}.pt"))
     (reference, want), (single, got) = runs["reference"], runs["single"]
-    assert _same(want, got)
+    assert exports_equal(want, got)
     assert single["mode"] == "single" and single["eval_auc"] == reference["eval_auc"]
     assert single["device"].startswith(device) and reference["device"].startswith(device)
     assert single["cache_rows"] == 600 and single["total_rows"] == 861 and single["policy"] == policy
@@ -71,7 +68,7 @@ def test_single_mode_on_disk_resumes_from_its_checkpoints_as_in_memory(small_bin
     resumed = small_config(small_binary, tmp_path / "cut", iterations=40, checkpoint_every=5, **common, **ON_DISK)
     summary = train_reference(resumed, show_progress=False, resume=True)
     assert summary["resumed_at"] == 25
-    assert _same(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
+    assert exports_equal(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
 
 
 def test_a_failed_run_on_disk_deletes_its_files(small_binary, tmp_path, monkeypatch):
@@ -99,7 +96,7 @@ def test_single_mode_resumes_from_its_checkpoint_as_if_never_stopped(small_binar
                            cache_rows=600, lookahead=8, checkpoint_every=10)
     summary = train_reference(resumed, show_progress=False, resume=True)
     assert summary["resumed_at"] == 10
-    assert _same(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
+    assert exports_equal(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
 
 
 def test_single_mode_on_the_command_line(small_tsv, tmp_path, capsys):

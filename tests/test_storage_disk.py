@@ -16,7 +16,8 @@ import torch
 from bagpipe.optim import make_row_optimizer
 from bagpipe.storage import RowStore, StorageSpec
 from bagpipe.storage.disk import SLOT_OVERHEAD_BYTES
-from test_model_and_optim import layout_of
+from helpers.jobs import assert_same_parameters, job_config, reference_of
+from helpers.layouts import layout_of
 
 TABLES = [1000, 37, 2500]
 
@@ -115,7 +116,6 @@ def test_a_shard_four_times_its_budget_keeps_the_process_within_it(tmp_path):
         from bagpipe.optim import make_row_optimizer
         from bagpipe.storage import RowStore, StorageSpec
         from bagpipe.heap import bounded_heap
-        from test_model_and_optim import layout_of
 
         def status(field):
             line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
@@ -166,7 +166,6 @@ def test_a_job_on_the_disk_tier_trains_exactly_as_the_reference(small_binary, tm
     evicted to it), write-backs delayed so that fetches wait on disk too: the export equals the reference's."""
     from bagpipe.rundir import export
     from bagpipe.runtime.launch import launch_local
-    from test_runtime import assert_same_parameters, job_config, reference_of
 
     config = job_config(small_binary, tmp_path / "bagpipe", optimizer=optimizer, iterations=60, storage="disk",
                         storage_budget_mb=0.01, storage_dir=str(tmp_path / "storage"))
@@ -187,7 +186,6 @@ def test_the_memory_check_counts_the_servers_budgets_on_disk_and_the_disk_its_fr
 
     from bagpipe import preflight
     from bagpipe.data.binary import open_dataset
-    from test_runtime import job_config
 
     dataset = open_dataset(small_binary)
     memory = job_config(small_binary, tmp_path / "run")

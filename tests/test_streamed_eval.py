@@ -21,7 +21,7 @@ from bagpipe.train.reference import build_model, build_tables, train_reference
 from bagpipe.report import load_run, write_plots
 from bagpipe.runtime.launch import launch_local
 from bagpipe.runtime.server.data_server import Server
-from test_runtime import job_config
+from helpers.jobs import job_config
 
 ROWS = [50, 7]  # two embedding spaces
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bagpipe.rundir import export
-from test_runtime import alive, assert_same_parameters, job_config, reference_of
+from helpers.jobs import alive, assert_same_parameters, job_config, reference_of
 
 ITERATIONS = 100  # the faults come by iteration 45; the checkpoint case's last checkpoints are at 60 and 80
 
