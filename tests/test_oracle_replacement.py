@@ -190,7 +190,7 @@ def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(sm
     import os
 
     from bagpipe.runtime.world import free_port
-    from cli_processes import CliProcess
+    from helpers.cli_processes import CliProcess
 
     config = job_config(small_binary, tmp_path / "run", iterations=ITERATIONS, timeout=20.0)
     world = ["--world-size", "5", "--master-port", str(free_port()), "--timeout", "20", "--liveness-s", "4"]

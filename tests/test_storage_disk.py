@@ -116,6 +116,7 @@ def test_a_shard_four_times_its_budget_keeps_the_process_within_it(tmp_path):
         from bagpipe.optim import make_row_optimizer
         from bagpipe.storage import RowStore, StorageSpec
         from bagpipe.heap import bounded_heap
+        from helpers.layouts import layout_of
 
         def status(field):
             line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
