@@ -24,10 +24,11 @@ demo: $(BIN)/bagpipe
 test: $(BIN)/bagpipe
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --durations=15
 
-# The tests that start no process (no job, no CLI command in a child): a fast tier while working; `make test` runs
-# everything. A test that starts a process is marked `processes` (tests/conftest.py fails one that is not).
+# The tests that start no process (no job, no CLI command in a child): tests/unit, a fast tier while working;
+# `make test` runs tests/integration too. A test outside tests/integration that starts a process fails
+# (tests/conftest.py).
 test-unit: $(BIN)/bagpipe
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 -m "not processes" --durations=10
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 tests/unit --durations=10
 
 bench: $(BIN)/bagpipe
 	$(BIN)/python benchmarks/bench_reference.py
@@ -88,6 +89,7 @@ gpu-wheels: $(BIN)/bagpipe
 clean:
 	rm -rf $(VENV) .venv-torchrec runs
 
-# docs/cli.md: every command's --help, generated from the parser (tests/test_clidoc.py says when it is stale)
+# docs/cli.md: every command's --help, generated from the parser (tests/unit/project/test_clidoc.py says when it is
+# stale)
 docs-cli: $(BIN)/bagpipe
 	$(BIN)/python -m bagpipe.clidoc docs/cli.md

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_failover.py [--fault "server1@write-back 20:kill"] [--iterations 400]
         [--work-dir DIR]
 
-The tests' job (tests/test_replacement.py: DLRM on a small synthetic Criteo-shaped set, Adagrad, 2 trainers,
-`--servers 4 --parity 3`, lookahead 20, `--writeback-delay 0.01`), metrics logged every iteration, a data server
+The tests' job (tests/integration/test_replacement_jobs.py: DLRM on a small synthetic Criteo-shaped set, Adagrad,
+2 trainers, `--servers 4 --parity 3`, lookahead 20, `--writeback-delay 0.01`), metrics logged every iteration, a data server
 SIGKILLed by the fault. Prints every gap of more than 0.2 s between two logged iterations, in seconds from the
 loss, the metrics events (server lost, server back) and the job's wall time. Run it from a checkout, or with
 PYTHONPATH at another tree's src/ to compare two commits on the same data.

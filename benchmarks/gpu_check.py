@@ -8,8 +8,9 @@ own try block and reported as it ended: finding what breaks is the point of a fi
 1. the machine: torch, CUDA, the GPU, and which of the project's dependencies import (the GPU machine has torch
    preinstalled and no network: the project runs there from its source with PYTHONPATH=src);
 2. the tests that take a device, on CUDA (pytest; the CUDA cases are skipped on machines without one):
-   tests/test_device.py, tests/test_device_modes.py, tests/test_single.py, tests/test_nn.py,
-   tests/test_nn_pytorch.py; pass / fail / skip counts, and each failure's last lines;
+   tests/unit/test_device.py, tests/unit/train/test_device_modes.py (and its jobs' half in tests/integration/),
+   tests/unit/train/test_single.py, tests/unit/nn/test_nn.py, tests/unit/nn/test_nn_pytorch.py; pass / fail / skip
+   counts, and each failure's last lines;
 3. `bagpipe train` on CUDA: --mode reference (every table in GPU memory) against --mode single with caches of
    1% and 5% of the rows (the tables in host memory), alternated, median samples/s of --repeats runs each and
    the ratio to the reference; the same runs on the CPU for scale; and every CUDA run's waits of the host for the
@@ -26,7 +27,7 @@ own try block and reported as it ended: finding what breaks is the point of a fi
    allocations (reused staging buffers: a small number whatever the batches);
 7. `--compile` (the dense model's loss and backward through torch.compile): the reference, --mode single at 5%
    and one bagpipe trainer compiled, against the reference uncompiled (the exactness of compiled runs on CUDA:
-   step 2's tests/test_compile.py; `--skip tests,train,bagpipe,profile,nn` runs this step alone).
+   step 2's tests/integration/test_compile_jobs.py; `--skip tests,train,bagpipe,profile,nn` runs this step alone).
 
 Not here: NCCL among the trainers (refused: they sum in host memory over gloo; NCCL needs a GPU per trainer, and
 this machine has one). A trainer's fetched rows go to its GPU on a side stream of each cache's own, through reused
@@ -52,9 +53,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # (files, -k expression): whole files that take a device, and the CUDA cases of the bagpipe jobs' equality tests
-TESTS = [(["tests/test_device.py", "tests/test_device_modes.py", "tests/test_single.py", "tests/test_nn.py",
-           "tests/test_nn_pytorch.py"], ""), (["tests/test_compile.py"], "cuda"),
-         (["tests/test_runtime.py"], "cuda")]
+TESTS = [(["tests/unit/test_device.py", "tests/unit/train/test_device_modes.py",
+            "tests/integration/test_device_modes_jobs.py", "tests/unit/train/test_single.py", "tests/unit/nn/test_nn.py",
+            "tests/unit/nn/test_nn_pytorch.py"], ""), (["tests/integration/test_compile_jobs.py"], "cuda"),
+         (["tests/integration/test_runtime_jobs.py"], "cuda")]
 DEPENDENCIES = ["numpy", "tqdm", "matplotlib", "pyarrow", "orjson", "xxhash", "pytest", "xdist"]
 
 

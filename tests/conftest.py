@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 # Before torch loads libgomp: its idle OpenMP threads sleep instead of spinning. Two pytest workers and the jobs'
 # processes share the cores, and spinning threads took them from each other (test_sequences + test_models, -n 2:
@@ -99,9 +100,18 @@ def session_fork_server():
         forks.close_for_good()
 
 
-# -- the test tiers: a test that starts a process (a job, a CLI command in a child, git) is marked `processes`;
-# `make test-unit` runs the others. A test that starts one unmarked fails, so the tier stays what it says.
-# BAGPIPE_RECORD_PROCESS_TESTS=FILE lists such tests in FILE instead of failing them.
+# -- the test tiers: a test that starts a process (a job, a CLI command in a child, git) lives in tests/integration/,
+# whose tests are all marked `processes`; tests/unit/ (`make test-unit`) holds the others. A test elsewhere that
+# starts one fails, so the tier stays what it says. BAGPIPE_RECORD_PROCESS_TESTS=FILE lists such tests in FILE
+# instead of failing them.
+
+_INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if _INTEGRATION in Path(item.fspath).resolve().parents:
+            item.add_marker(pytest.mark.processes)
 
 _RECORD = os.environ.get("BAGPIPE_RECORD_PROCESS_TESTS")
 
@@ -133,8 +143,8 @@ def _processes_tier(request, monkeypatch):
             with open(_RECORD, "a") as record:
                 record.write(request.node.nodeid + "\n")
         else:
-            pytest.fail(f"started processes without the `processes` marker ({started[0]}, {len(started)} in all): "
-                        f"mark it @pytest.mark.processes (make test-unit runs the unmarked tests only)")
+            pytest.fail(f"started processes outside tests/integration ({started[0]}, {len(started)} in all): move it "
+                        f"there (make test-unit runs tests/unit, which start none)")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ Train recommendation models (DLRM, DCN, DeepFM, Wide & Deep, FGCNN, Caser) whose
 embedding tables are larger than a trainer's memory: in one process, or as the
 whole system (an oracle planning each trainer's cache, embedding servers,
 trainers)."""
-# README.md opens with the same lines (tests/test_examples.py)
+# README.md opens with the same lines (tests/unit/test_examples.py)
 QUICK_START = """\
 quick start (about a minute on 2 cores; README.md says more):
   bagpipe synth --out data --rows 50000 --max-rows-per-table 20000

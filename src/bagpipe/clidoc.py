@@ -16,7 +16,8 @@ HEADER = """\
 # The `bagpipe` command
 
 Every command and flag, as `bagpipe COMMAND --help` prints them. This page is generated from the parser
-(`make docs-cli`; tests/test_clidoc.py fails when it is stale): change the help in src/bagpipe/cli.py, not here.
+(`make docs-cli`; tests/unit/project/test_clidoc.py fails when it is stale): change the help in src/bagpipe/cli.py,
+not here.
 The README's quick start shows the commands at work; settings can also come from a TOML file (`--config`), whose
 keys are the flags' names with `_` for `-`.
 """

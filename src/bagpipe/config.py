@@ -335,7 +335,7 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 
 # A run's settings by section: a TOML file's tables ([cache], [job], ...; the model's are [model]), and what each
 # mode reads (RUN_MODES): a setting changed from its default in a section its mode does not read is warned
-# (preflight.ignored_settings). Every TrainConfig field but ``model`` is in exactly one (tests/test_config.py).
+# (preflight.ignored_settings). Every TrainConfig field but ``model`` is in exactly one (tests/unit/test_config.py).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("run_dir", "mode", "device", "compile", "iterations", "epochs", "batch_size", "seed", "warmup_iterations",
             "log_every"),
@@ -358,7 +358,7 @@ SECTION_OF = {name: section for section, names in SECTIONS.items() for name in n
 @dataclass(frozen=True)
 class Mode:
     """A way to train (``--mode``): the sections of settings it reads, what it is, and what the code asks of it
-    (no mode is named anywhere else: tests/test_registries.py)."""
+    (no mode is named anywhere else: tests/unit/project/test_registries.py)."""
 
     name: str
     sections: frozenset[str]

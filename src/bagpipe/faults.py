@@ -7,7 +7,7 @@ it has reported done, ``oracle@data ready:pause=8`` has the oracle sleep 8 s the
 is what the process was named with ``set_role`` (its world name); with the variable unset, nothing happens.
 A fault happens in the job's first attempt only; ``trainer1#1@iteration 40:kill`` names the launcher's
 first restart instead (``BAGPIPE_ATTEMPT``, which the launcher sets). Every point is declared in ``POINTS``
-(a fault at any other is refused, naming them; tests/test_faults.py checks that every ``inject_fault`` call
+(a fault at any other is refused, naming them; tests/unit/test_faults.py checks that every ``inject_fault`` call
 names a declared point and every declared point is called).
 """
 

@@ -1,4 +1,5 @@
-"""An entry point for tests/test_forkserver.py's fork server: does what its arguments say, in the forked child."""
+"""An entry point for tests/integration/test_forkserver.py's fork server: does what its arguments say, in the
+forked child."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     One lookup per width (space), not per table: a forward makes every table's rows of a width resident at once
     (one sort, one eviction choice), gathers them in one ``index_select`` and pools every table's bags in one
     ``embedding_bag``; the backward steps them in one fused update. The work dispatched per iteration does not
-    grow with the number of tables (tests/test_nn_collection.py counts it).
+    grow with the number of tables (tests/unit/nn/test_nn_collection.py counts it).
     """
 
     def __init__(self, tables: Sequence[tuple[int, int]], *, cache_rows: int | Sequence[int], mode: str = "sum",

@@ -3,7 +3,7 @@
 A caller imports this module, never the role that answers, so the oracle, the servers and the trainers do not
 import each other. Each role serves an object of handlers whose methods carry these names (the ``Oracle`` in
 runtime/oracle/service.py, ``ServerHandlers`` in runtime/server/handlers.py, ``TrainerHandlers`` in
-runtime/trainer/handlers.py; tests/test_imports.py checks that every endpoint has its handler).
+runtime/trainer/handlers.py; tests/unit/project/test_imports.py checks that every endpoint has its handler).
 """
 
 from __future__ import annotations
