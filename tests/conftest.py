@@ -17,7 +17,8 @@ import cli_processes  # noqa: E402
 from bagpipe.runtime import launch
 from bagpipe.runtime.forkserver import ForkServer
 
-from bagpipe.data.preprocess import ensure_preprocessed, preprocess
+from bagpipe.data.prepare import ensure_preprocessed
+from bagpipe.data.preprocess import preprocess
 from bagpipe.synth import generate, resolve_table_sizes
 from bagpipe.synth_sequences import generate_sequences
 
