@@ -255,7 +255,7 @@ def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_size
                     f"min_count times there, values it never shows, empty fields"},
         "made_from": {
             **conversion_settings(fmt=fmt, on_bad_row=on_bad_row, table_sizes_from=sizes_from,
-                        holdout=effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count),
+                                  holdout=effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count),
             "table_sizes": schema.cardinalities,
             "sources": {name: fingerprint(path, stat=stats[name], digest=digests.get(name))
                         for name, path in source_files(input_path, splits).items()},
@@ -396,7 +396,7 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
             "format": "bagpipe-binary", "source": {"log": str(splits["train"])}, "source_format": "movielens",
             "skipped_rows": 0, "skipped_by_reason": {},
             "made_from": {**conversion_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log",
-                                      holdout=None, vocab_min_count=0),
+                                                holdout=None, vocab_min_count=0),
                           "table_sizes": converted["table_sizes"], "sources": sources}}
     write_meta(out, meta)
     return meta
