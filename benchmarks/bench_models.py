@@ -35,7 +35,7 @@ from bench_scaling import BATCH, data_set
 
 import bagpipe
 from bagpipe.config import ModelConfig, TrainConfig
-from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.data.prepare import ensure_preprocessed
 from bagpipe.preflight import job_layout, prepare_data
 from bagpipe.train.reference import train_reference
 from bagpipe.runtime.launch import launch_local

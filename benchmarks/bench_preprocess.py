@@ -191,16 +191,18 @@ SETTINGS = {  # preprocess() settings of each set: Avazu with the vocabulary `tr
 def parse_rate(source: Path, name: str) -> dict:
     """Rows/s of the reader and parser alone (no hashing, no writing)."""
     import bagpipe.data.preprocess as pre
+    import bagpipe.data.sources as sources
 
     settings = SETTINGS[name]
-    splits = pre.find_splits(source)
+    splits = sources.find_splits(source)
     vocab_min_count = settings.get("vocab_min_count", 0)
-    sizes = None if vocab_min_count else pre.table_sizes_from(table_sizes=settings.get("table_sizes"), meta_file=None,
-                                                              input_path=source)[0]
+    sizes = None if vocab_min_count else sources.table_sizes_from(table_sizes=settings.get("table_sizes"),
+                                                                  meta_file=None, input_path=source)[0]
     started, cpu, rows = time.perf_counter(), time.process_time(), 0
     # With a vocabulary, its counting pass over the train split (in _text_parser) is part of the time.
-    parser, _ = pre._text_parser(pre.guess_format(splits["train"]), splits, sizes=sizes, vocab_min_count=vocab_min_count,
-                                 test_from=None, on_bad_row="error", show_progress=False)
+    parser, _ = pre._text_parser(sources.guess_format(splits["train"]), splits, sizes=sizes,
+                                 vocab_min_count=vocab_min_count, test_from=None, on_bad_row="error",
+                                 show_progress=False)
     for path in splits.values():
         for first_line, block in pre._read_chunks(path, show_progress=False, desc=""):
             rows += len(parser.parse(block, path=str(path), first_line=first_line, bad=None).labels)

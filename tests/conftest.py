@@ -18,7 +18,8 @@ from helpers import cli_processes  # noqa: E402
 from bagpipe.runtime import launch
 from bagpipe.runtime.forkserver import ForkServer
 
-from bagpipe.data.preprocess import ensure_preprocessed, preprocess
+from bagpipe.data.prepare import ensure_preprocessed
+from bagpipe.data.preprocess import preprocess
 from bagpipe.synth import generate, resolve_table_sizes
 from bagpipe.synth_sequences import generate_sequences
 
@@ -156,8 +157,8 @@ def conversions(monkeypatch):
         calls.append(input_path)
         return real(input_path, out_dir, **kwargs)
 
-    import bagpipe.data.preprocess as pre
+    import bagpipe.data.prepare as prepare
 
-    real = pre.preprocess
-    monkeypatch.setattr(pre, "preprocess", spy)
+    real = prepare.preprocess
+    monkeypatch.setattr(prepare, "preprocess", spy)
     return calls

@@ -597,7 +597,7 @@ def run_train(args) -> None:
         config = resumed_config(args.run_dir, args.config, overrides)
     else:
         config = load_train_config(args.config, overrides)
-        if not Path(config.data).exists():  # (as data.preprocess refuses it, before anything is loaded)
+        if not Path(config.data).exists():  # (as data.prepare refuses it, before anything is loaded)
             raise ValueError(f"--data: no such file or directory {config.data}")
     # A role runs one thread unless told otherwise, and a reference that computes as trainers do
     # (--slices) runs as many as each of them: some kernels' sums depend on the thread count.

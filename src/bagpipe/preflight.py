@@ -14,7 +14,8 @@ import numpy as np
 from bagpipe.config import RUN_MODES, SECTION_OF, Mode, ModelConfig, TrainConfig, default_config
 from bagpipe.data.batches import batches_per_epoch, epoch_rows, fresh_negatives, planned_iterations, read_batch
 from bagpipe.data.binary import BinaryDataset, open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed, physical_memory_bytes
+from bagpipe.data.prepare import ensure_preprocessed
+from bagpipe.data.preprocess import physical_memory_bytes
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
 from bagpipe.files import check_writable, human_bytes, mount_point
 from bagpipe.models import check_model, model_tables

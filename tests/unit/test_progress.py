@@ -75,7 +75,7 @@ def test_a_conversion_with_its_output_redirected_logs_its_progress(tmp_path, lin
     (under the first line's 3 s) says nothing."""
     import sys
 
-    from bagpipe.data.preprocess import ensure_preprocessed
+    from bagpipe.data.prepare import ensure_preprocessed
     from bagpipe.synth import generate
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)

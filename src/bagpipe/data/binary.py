@@ -3,6 +3,7 @@
 Layout of a data set directory::
 
     meta.json                  table sizes, source, skipped rows, and the synth metadata if any
+    vocab/                     the vocabularies the ids number, if any (data.vocab)
     train/header.json          {"rows", "num_dense", "features", "table_sizes", "id_dtype", ...}
     train/labels.f32           float32 [rows]
     train/dense.f32            float32 [rows, num_dense], already log(1 + max(x, 0))
@@ -14,6 +15,9 @@ Layout of a data set directory::
 
 ``features`` lists each sparse feature's name, cardinality and width; a header without it (the
 first version) has one one-hot feature per entry of ``table_sizes``.
+
+A data set is written into a hidden sibling directory (``partial_path``) and put in place only when
+complete (``move_into``, ``swap_in``).
 
 Integrity: the writer hashes each array as it writes it and records the hashes in the header
 (``checksums``), and every header and meta.json records the hash of its own other entries (``checksum``).
@@ -27,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +42,7 @@ import xxhash
 
 from bagpipe.data.formats import Chunk
 from bagpipe.data.schema import PAD, Feature, Schema
+from bagpipe.data.vocab import VOCAB_DIR
 from bagpipe.files import read_json
 
 FORMAT_VERSIONS = (1, 2)  # read; 2 is written
@@ -44,6 +51,7 @@ SPLITS = ("train", "valid", "test")  # valid: optional (next-item data has one)
 # 10 GB/s here, verifying costs a read of the data and little more.
 CHECKSUM = "xxh3_128"
 HASH_BLOCK_BYTES = 8 << 20  # verifying reads a file in blocks of this size: memory stays bounded
+META_FILE = "meta.json"  # a data set's record of itself (table sizes, sources, ...); without it, no data set
 
 
 class CorruptData(ValueError):
@@ -280,13 +288,58 @@ def is_preprocessed(directory: str | Path) -> bool:
     return (Path(directory) / "train" / "header.json").is_file()
 
 
+def read_meta(directory: Path) -> dict:
+    """The meta.json of the data set in ``directory`` (``read_record``), or {} if it has none."""
+    meta_path = directory / META_FILE
+    return read_record(meta_path) if meta_path.is_file() else {}
+
+
+def write_meta(directory: Path, meta: dict) -> None:
+    write_record(directory / META_FILE, meta)
+
+
+def partial_path(directory: Path) -> Path:
+    """A new hidden sibling of ``directory`` to write a data set into before it is put in place."""
+    return directory.with_name(f".{directory.name}.partial-{secrets.token_hex(4)}")
+
+
+def move_into(partial: Path, out: Path) -> None:
+    """The data set in ``partial`` in ``out``: ``partial`` renamed, if there is no ``out``; else in place of the
+    data set there, entry by entry (other files in ``out`` stay), its meta.json removed first (without one it is no
+    data set) and added last."""
+    if not out.exists():
+        partial.rename(out)
+        return
+    (out / META_FILE).unlink(missing_ok=True)
+    for name in (*SPLITS, VOCAB_DIR):
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)  # a split the new data set lacks must not stay behind
+        if (partial / name).exists():
+            (partial / name).rename(out / name)
+    (partial / META_FILE).rename(out / META_FILE)
+    partial.rmdir()
+
+
+def swap_in(partial: Path, directory: Path) -> None:
+    """The data set in ``partial`` as ``directory``, whole: renamed into its place, the one there (if any) renamed
+    away just before and removed after."""
+    if not directory.exists():
+        partial.rename(directory)
+        return
+    # Readers that mapped the old files keep them (an unlinked file lives while it is mapped).
+    old = directory.with_name(f".{directory.name}.old-{secrets.token_hex(4)}")
+    directory.rename(old)
+    partial.rename(directory)
+    shutil.rmtree(old)
+
+
 def open_dataset(directory: str | Path, *, verify: bool = False) -> BinaryDataset:
     """The data set in ``directory``, its headers and meta.json valid and its arrays of the right sizes.
     ``verify``: every array also read and checked against its checksum (``ensure_preprocessed`` does this for
     every run's data, once). CorruptData (a ValueError) names the first file at fault."""
     directory = Path(directory)
-    meta_path = directory / "meta.json"
-    meta = read_record(meta_path) if meta_path.is_file() else {}
+    meta_path = directory / META_FILE
+    meta = read_meta(directory)
     splits = {name: BinarySplit.open(directory / name, verify=verify) for name in SPLITS
               if name == "train" or (directory / name / "header.json").is_file()}
     recorded = meta.get("rows")

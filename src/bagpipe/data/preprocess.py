@@ -1,16 +1,12 @@
-"""Turn Criteo TSV, Avazu CSV or JSON-lines files (plain or gzip) into the binary format, with clear
-errors; ``ensure_preprocessed`` converts a data file or directory once, and again only when its
-sources or the settings change or the converted copy fails its checksums. Data without a test split
-has its last lines held out as one."""
+"""Convert Criteo TSV, Avazu CSV, JSON-lines files or an interaction log (plain or gzip) into the binary format
+(data.binary), with clear errors, recording what the conversion was made from (data.sources). Data without a test
+split has its last lines held out as one. It converts whenever asked: data.prepare decides when that is needed."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import secrets
 import shutil
-import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack, closing, contextmanager, suppress
 from pathlib import Path
@@ -18,171 +14,35 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from bagpipe.data.avazu import AvazuParser, is_avazu_header
-from bagpipe.data.binary import (SPLITS, CorruptData, SplitWriter, id_dtype_for, is_preprocessed, open_dataset,
-                                 read_json, read_record, write_record)
+from bagpipe.data.avazu import AvazuParser
+from bagpipe.data.binary import SplitWriter, id_dtype_for, move_into, partial_path, write_meta
 from bagpipe.data.blocks import count_lines, next_block, open_decompressed, read_ahead
 from bagpipe.data.blocks import first_line as read_first_line  # first_line: a line number here
 from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, TextBlock
-from bagpipe.data.sequences import (INTERACTION_FILES, SNIFF_LINES, SequenceSettings, convert_interactions,
-                                    is_atomic_header, is_interaction_log)
+from bagpipe.data.sequences import SequenceSettings, convert_interactions
+from bagpipe.data.sources import (DEFAULT_HOLDOUT, VOCAB_FORMATS, check_format, check_holdout, conversion_settings,
+                                  effective_holdout, find_splits, fingerprint, guess_format, source_files,
+                                  source_meta_path, stat_fields, table_sizes_from)
 from bagpipe.data.vocab import (OOV_ID, VOCAB_DIR, EncodedParser, HashedColumn, Vocabulary, check_vocab_min_count,
                                 count_values, write_vocabularies)
-from bagpipe.files import mount_point
+from bagpipe.files import mount_point, read_json
 from bagpipe.heap import kept_heap
 from bagpipe.progress import progress
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("criteo", "avazu", "jsonl", "movielens")
-SUFFIX_FORMATS = {".tsv": "criteo", ".txt": "criteo", ".csv": "avazu", ".jsonl": "jsonl", ".json": "jsonl"}
-VOCAB_FORMATS = ("criteo", "avazu")  # raw values that a vocabulary numbers (data.vocab)
-# train --data with Avazu and neither a vocabulary nor table sizes: every value of the train split gets an id.
-AVAZU_DEFAULT_MIN_COUNT = 1
 LINES_PER_CHUNK = 65_536
 BYTES_PER_CHUNK = 8 << 20  # and at most as many lines as fit in this many bytes (a longer line: just it)
 BAD_ROW_POLICIES = ("error", "skip")
-# a source's content fingerprint: non-cryptographic (it detects change, not tampering) and 13x as fast as
-# BLAKE2b here, which mattered: hashing every source competed with parsing for the same cores
-CONTENT_HASH = "xxh3_128"
-SNIFF_LINE_BYTES = 1 << 16  # enough of a first line to tell its format
-# Data without a test split: its last share of lines is held out as one. Criteo Kaggle's convention:
-# the last 1/7 of its rows is the last of its seven days.
-DEFAULT_HOLDOUT = 1 / 7
-# Bump when the same input and settings would convert to different output: older conversions
-# then no longer count as current.
-CONVERTER_VERSION = 2
-# A format's own, where its conversion changed since: an interaction log's 3 holds out a validation split (each
-# user's second-to-last item).
-CONVERTER_VERSIONS = {"movielens": 3}
-TEXT_SPLITS = ("train", "test")  # the splits a directory of text files may hold (train.tsv, test.tsv, ...)
-
-
-def find_splits(path: Path) -> dict[str, Path]:
-    """A file is a lone train split; a directory must hold ``train.*`` (and may hold ``test.*``)."""
-    if path.is_file():
-        return {"train": path}
-    if not path.is_dir():
-        raise ValueError(f"--input: no such file or directory: {path}")
-    splits = {}
-    for split in TEXT_SPLITS:
-        matches = sorted(p for p in path.glob(f"{split}.*") if _text_suffix(p) in SUFFIX_FORMATS)
-        if len(matches) > 1:
-            raise ValueError(f"{path}: several {split} files ({', '.join(m.name for m in matches)}); keep one")
-        if matches:
-            splits[split] = matches[0]
-    logs = [path / name for name in INTERACTION_FILES if (path / name).is_file()] + sorted(path.glob("*.inter"))
-    if "train" not in splits and len(logs) == 1:
-        return {"train": logs[0]}  # an interaction log: the test split is each user's last item
-    if "train" not in splits:
-        raise ValueError(f"{path}: no train split (expected a file such as train.tsv, train.csv, train.tsv.gz or "
-                         f"train.jsonl, "
-                         f"or one interaction log: {', '.join(INTERACTION_FILES)} or RecBole's NAME.inter)")
-    return splits
-
-
-def _text_suffix(path: Path) -> str:
-    """The suffix that names the text format: ``.tsv`` for both ``train.tsv`` and ``train.tsv.gz``."""
-    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
-
-
-def guess_format(path: Path) -> str:
-    """What the first non-empty lines show, whatever the file's name; else its suffix."""
-    # Content first: the original system's JSON-lines files are named .txt, RecBole's logs .inter.
-    fmt = _sniff(path) or SUFFIX_FORMATS.get(_text_suffix(path))
-    if fmt is None:
-        raise ValueError(f"{path}: cannot tell the format: its first line is neither a JSON object, nor "
-                         f"tab-separated, nor a CSV header with a 'click' column, nor an interaction log's "
-                         f"(user, item, rating, timestamp), and its suffix names no format; "
-                         f"pass --format criteo|avazu|jsonl|movielens")
-    return fmt
-
-
-def _sniff(path: Path) -> str | None:
-    """``jsonl`` if the first non-empty line starts with ``{``, ``avazu`` if it is a CSV header naming ``click``,
-    ``movielens`` if it and the next are an interaction log's or it is a RecBole atomic header (data.sequences;
-    reading one of another RecBole file says what it lacks), ``criteo`` if it holds a tab, else None."""
-    lines: list[tuple[int, str]] = []
-    try:
-        with ExitStack() as stack:
-            _, lines_in = open_decompressed(path, stack)
-            for number, line in enumerate(iter(lambda: lines_in.readline(SNIFF_LINE_BYTES), b""), start=1):
-                if line.strip():
-                    lines.append((number, line.decode("utf-8", "replace").rstrip("\r\n")))
-                if len(lines) == SNIFF_LINES:
-                    break
-    except (OSError, EOFError, zlib.error):
-        return None  # unreadable here: the suffix decides, and reading the file names the trouble
-    if not lines:
-        return None
-    first = lines[0][1]
-    if first.lstrip().startswith("{"):
-        return "jsonl"
-    if is_avazu_header(first):
-        return "avazu"
-    if is_interaction_log(lines) or is_atomic_header(first):
-        return "movielens"
-    return "criteo" if "\t" in first else None
-
-
-def check_format(fmt: str | None) -> None:
-    if fmt is not None and fmt not in FORMATS:
-        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-
-
-def check_holdout(holdout: float) -> None:
-    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
-        raise ValueError(f"--holdout must lie in [0, 1) (the share of lines held out as the test split of data "
-                         f"without one), got {holdout!r}")
 
 
 def _held_out_lines(splits: dict[str, Path], fmt: str, holdout: float) -> int | None:
     """The first line of the train file that goes to the test split instead, or None if none does."""
-    if not _effective_holdout(splits, fmt, holdout):
+    if not effective_holdout(splits, fmt, holdout):
         return None
     lines = count_lines(splits["train"])
     held = round(lines * holdout)
     return lines - held + 1 if held else None
-
-
-def _effective_holdout(splits: dict[str, Path], fmt: str, holdout: float) -> float | None:
-    """The holdout that shapes the output: none for data with a test split, or for an interaction log
-    (which holds out each user's last item)."""
-    return None if "test" in splits or fmt == "movielens" else holdout
-
-
-def table_sizes_from(*, table_sizes: str | list[int] | None, meta_file: str | Path | None,
-                     input_path: Path) -> tuple[list[int] | None, str]:
-    """Table sizes from --table-sizes, --meta, or a meta.json beside the input, and which of them.
-
-    Sizes are None, from "inferred", if none is given.
-    """
-    if table_sizes:
-        if isinstance(table_sizes, str):
-            try:
-                return [int(x) for x in table_sizes.split(",") if x.strip()], "--table-sizes"
-            except ValueError:
-                raise ValueError(f"--table-sizes: expected comma-separated integers, got {table_sizes!r}") from None
-        return list(table_sizes), "--table-sizes"
-    if meta_file:
-        if not Path(meta_file).is_file():
-            raise ValueError(f"--meta: no such file {meta_file}")
-        return _sizes_in(Path(meta_file)), f"--meta {meta_file}"
-    beside = _source_meta_path(input_path)
-    if beside.is_file():
-        return _sizes_in(beside), "meta.json"
-    return None, "inferred"
-
-
-def _sizes_in(meta_path: Path) -> list[int]:
-    sizes = read_json(meta_path).get("table_sizes")
-    if not sizes:
-        raise ValueError(f"{meta_path}: has no 'table_sizes'")
-    return [int(x) for x in sizes]
-
-
-def _source_meta_path(input_path: Path) -> Path:
-    return (input_path if input_path.is_dir() else input_path.parent) / "meta.json"
 
 
 def physical_memory_bytes() -> int:
@@ -274,29 +134,6 @@ def _read_chunks(path: Path, *, show_progress: bool, desc: str, digest=None) -> 
             stored_bytes_read = stored_bytes
 
 
-def _fingerprint(path: Path, *, stat: list[int] | None = None, digest=None) -> dict:
-    """What a converted file was made from: name, size, content hash and the stat fields of that moment.
-    ``digest``: the file's hash, made while it was read (with ``stat`` taken before that read), else it is
-    read here."""
-    stat = stat or _stat_fields(path)  # before hashing: a write during the hash then fails the next comparison
-    if digest is None:
-        with open(path, "rb") as handle:
-            digest = hashlib.file_digest(handle, xxhash.xxh3_128)
-    return {"file": path.name, "size": stat[0], CONTENT_HASH: digest.hexdigest(), "stat": stat}
-
-
-def _stat_fields(path: Path) -> list[int]:
-    """Changed by any write (ctime) or replacement (inode), so equal fields mean equal content."""
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-
-
-def _sources(input_path: Path, splits: dict[str, Path]) -> dict[str, Path]:
-    """The files a conversion reads: each split, and the meta.json beside them if there is one."""
-    meta_path = _source_meta_path(input_path)
-    return {**splits, **({"meta.json": meta_path} if meta_path.is_file() else {})}
-
-
 @kept_heap()  # its numpy temporaries, reused block after block: a fifth less CPU
 def preprocess(
     input_path: str | Path,
@@ -327,39 +164,23 @@ def preprocess(
 
 @contextmanager
 def _written_whole(out: Path) -> Iterator[Path]:
-    """A new sibling directory of ``out`` to write into, moved into ``out`` (``_move_into``) when the block ends
-    without an error; after one, removed, with the parent directories made for it."""
+    """A new sibling directory of ``out`` to write into, moved into ``out`` (data.binary's ``move_into``) when the
+    block ends without an error; after one, removed, with the parent directories made for it."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
     out = out.resolve()  # "." has no name to make a sibling of
     made = [parent for parent in out.parents if not parent.exists()]  # deepest first
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
+    partial = partial_path(out)
     try:
         yield partial
-        _move_into(partial, out)
+        move_into(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         for parent in made:
             with suppress(OSError):  # not empty: something else wrote there meanwhile
                 parent.rmdir()
         raise
-
-
-def _move_into(partial: Path, out: Path) -> None:
-    """``partial``'s conversion in ``out``: ``partial`` renamed, if there is no ``out``; else in place of the
-    conversion there, its meta.json removed first (without one it is no data set) and added last."""
-    if not out.exists():
-        partial.rename(out)
-        return
-    (out / "meta.json").unlink(missing_ok=True)
-    for name in (*SPLITS, VOCAB_DIR):
-        if (out / name).is_dir():
-            shutil.rmtree(out / name)  # a split the new conversion lacks must not stay behind
-        if (partial / name).exists():
-            (partial / name).rename(out / name)
-    (partial / "meta.json").rename(out / "meta.json")
-    partial.rmdir()
 
 
 def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_sizes: str | list[int] | None,
@@ -390,7 +211,7 @@ def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_size
                          f"split's values seen N times or more) or --table-sizes / --meta FILE (a meta.json; values "
                          f"hashed modulo the sizes)")
     # The splits are hashed by the reads that convert them; their stat fields are taken before.
-    stats = {name: _stat_fields(path) for name, path in _sources(input_path, splits).items()}
+    stats = {name: stat_fields(path) for name, path in source_files(input_path, splits).items()}
     test_from = _held_out_lines(splits, fmt, holdout)
 
     out.mkdir()
@@ -413,8 +234,8 @@ def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_size
     for writer in writers.values():
         writer.close(schema=schema)
 
-    source_meta_path = _source_meta_path(input_path)
-    source_meta = read_json(source_meta_path) if source_meta_path.is_file() else {}
+    beside = source_meta_path(input_path)
+    source_meta = read_json(beside) if beside.is_file() else {}
     meta = {
         **{k: v for k, v in source_meta.items() if k not in ("format", "table_sizes")},
         "format": "bagpipe-binary",
@@ -433,16 +254,16 @@ def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_size
             "note": f"ids 1.. by descending count in the train split; id {OOV_ID}: values seen fewer than "
                     f"min_count times there, values it never shows, empty fields"},
         "made_from": {
-            **_settings(fmt=fmt, on_bad_row=on_bad_row, table_sizes_from=sizes_from,
-                        holdout=_effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count),
+            **conversion_settings(fmt=fmt, on_bad_row=on_bad_row, table_sizes_from=sizes_from,
+                                  holdout=effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count),
             "table_sizes": schema.cardinalities,
-            "sources": {name: _fingerprint(path, stat=stats[name], digest=digests.get(name))
-                        for name, path in _sources(input_path, splits).items()},
+            "sources": {name: fingerprint(path, stat=stats[name], digest=digests.get(name))
+                        for name, path in source_files(input_path, splits).items()},
         },
     }
     if bad and bad.total:
         log.warning("skipped %d bad rows (%s); first: %s", bad.total, dict(bad.counts), bad.examples[0])
-    write_record(out / "meta.json", meta)
+    write_meta(out, meta)
     return meta
 
 
@@ -550,17 +371,6 @@ def _measure(splits: dict[str, Path], *, sizes: list[int] | None, on_bad_row: st
     return shape
 
 
-def _settings(*, fmt: str, on_bad_row: str, table_sizes_from: str, holdout: float | None,
-              vocab_min_count: int) -> dict:
-    """The settings besides the sources that shape a conversion's output (``holdout``: the one that applies)."""
-    return {"converter_version": CONVERTER_VERSIONS.get(fmt, CONVERTER_VERSION), "format": fmt, "on_bad_row": on_bad_row,
-            "table_sizes_from": table_sizes_from, "holdout": holdout, "vocab_min_count": vocab_min_count}
-
-
-# Settings recorded since a later version; a record without one was made with this value.
-_SETTINGS_BEFORE = {"vocab_min_count": 0}
-
-
 def sequence_settings(meta_path: Path | None) -> SequenceSettings:
     """A log's sample shape: the ``sequence`` entry of its meta.json (as ``bagpipe synth`` writes), else defaults."""
     if meta_path is None or not meta_path.is_file():
@@ -573,9 +383,9 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
     """An interaction log into next-item samples (data.sequences), with the same records as the text formats."""
     if set(splits) != {"train"}:
         raise ValueError(f"{input_path}: an interaction log is one file; its test split is each user's last item")
-    meta_path = Path(meta_file) if meta_file else _source_meta_path(input_path)
+    meta_path = Path(meta_file) if meta_file else source_meta_path(input_path)
     settings = sequence or sequence_settings(meta_path)
-    sources = {name: _fingerprint(path) for name, path in _sources(input_path, splits).items()}
+    sources = {name: fingerprint(path) for name, path in source_files(input_path, splits).items()}
     out.mkdir()
     converted = convert_interactions(splits["train"], out, settings)
     source_meta = read_json(meta_path) if meta_path.is_file() else {}
@@ -585,150 +395,8 @@ def _preprocess_interactions(input_path: Path, splits: dict[str, Path], out: Pat
     meta = {**{k: v for k, v in source_meta.items() if k not in ("format", "table_sizes")}, **converted,
             "format": "bagpipe-binary", "source": {"log": str(splits["train"])}, "source_format": "movielens",
             "skipped_rows": 0, "skipped_by_reason": {},
-            "made_from": {**_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log",
-                                      holdout=None, vocab_min_count=0),
+            "made_from": {**conversion_settings(fmt="movielens", on_bad_row="error", table_sizes_from="the log",
+                                                holdout=None, vocab_min_count=0),
                           "table_sizes": converted["table_sizes"], "sources": sources}}
-    write_record(out / "meta.json", meta)
+    write_meta(out, meta)
     return meta
-
-
-def converted_path(input_path: Path) -> Path:
-    """Where ``ensure_preprocessed`` keeps the converted copy: ``DIR/preprocessed``, or beside a lone
-    file as ``FILE.preprocessed``."""
-    if input_path.is_dir():
-        return input_path / "preprocessed"
-    return input_path.with_name(f"{input_path.name}.preprocessed")
-
-
-def ensure_preprocessed(path: str | Path, *, show_progress: bool = True, fmt: str | None = None,
-                        holdout: float = DEFAULT_HOLDOUT, vocab_min_count: int = 0) -> Path:
-    """Return a preprocessed data directory for ``path`` (a data directory, a lone data file, or a
-    preprocessed directory, returned as is), converting the text once.
-
-    The converted copy (``converted_path``) is reused as long as it was made, with the settings used
-    here (``fmt``: the format, None to detect it; ``holdout``: the share of lines held out as the test
-    split of data without one; ``vocab_min_count``: a vocabulary's, 0 for none), from the files now there
-    (same stat fields, or else same content hash), and while every file of it is as written (its checksum,
-    data.binary). Otherwise it is converted again, into a sibling swapped in only when complete; a copy
-    found corrupted is named in a warning. A preprocessed directory, which has no sources to convert
-    from, is verified the same way and refused (CorruptData, naming the file) if corrupted. Avazu data
-    with neither a vocabulary nor table sizes (a meta.json beside it) gets a vocabulary of min count
-    AVAZU_DEFAULT_MIN_COUNT.
-    """
-    path = Path(path)
-    check_format(fmt)
-    check_holdout(holdout)
-    check_vocab_min_count(vocab_min_count)
-    if not path.exists():
-        raise ValueError(f"--data: no such file or directory {path}")
-    if is_preprocessed(path):
-        if vocab_min_count:
-            log.warning("--vocab-min-count %d does nothing: %s is converted already", vocab_min_count, path)
-        if not open_dataset(path, verify=True).checksummed:  # with no sources to convert from, corruption refuses
-            log.debug("%s records no checksums (an older bagpipe converted it): used unverified", path)
-        return path
-    splits = find_splits(path)
-    fmt = fmt or guess_format(splits["train"])
-    if fmt == "avazu" and not vocab_min_count and not _has_sizes(_source_meta_path(path)):
-        vocab_min_count = AVAZU_DEFAULT_MIN_COUNT
-        log.info("Avazu data with no table sizes: ids from a vocabulary of min count %d (--vocab-min-count)",
-                 vocab_min_count)
-    cached = converted_path(path)
-    if is_preprocessed(cached):
-        try:
-            reason = (_why_stale(cached, path, splits, fmt=fmt, holdout=holdout, vocab_min_count=vocab_min_count)
-                      or _why_unverified(cached))
-        except CorruptData as err:
-            log.warning("%s: %s: converting it again from %s", err.path, err.reason, path)
-        else:
-            if reason is None:
-                return cached
-            log.info("%s: converting again", reason)
-    else:
-        log.info("preprocessing %s into %s (once)", path, cached)
-    _convert_and_swap(path, cached, show_progress=show_progress, fmt=fmt, holdout=holdout,
-                      vocab_min_count=vocab_min_count)
-    return cached
-
-
-def _why_unverified(cached: Path) -> str | None:
-    """Why ``cached`` cannot be verified, or None once every array matches its checksum (CorruptData if one
-    does not, or a file is unreadable or of the wrong size)."""
-    if not open_dataset(cached, verify=True).checksummed:
-        return f"{cached} was made by an older version of bagpipe that recorded no checksums"
-    return None
-
-
-def _has_sizes(meta_path: Path) -> bool:
-    return meta_path.is_file() and bool(read_json(meta_path).get("table_sizes"))
-
-
-def _why_stale(cached: Path, input_path: Path, splits: dict[str, Path], *, fmt: str, holdout: float,
-               vocab_min_count: int) -> str | None:
-    """Why ``cached`` is not the conversion of ``input_path`` as it is now, with these settings, or None if it is.
-
-    Files whose stat fields changed are hashed; if their content did not, the new fields are
-    recorded, so that the next start takes the fast path again.
-    """
-    meta_path = cached / "meta.json"
-    meta = read_record(meta_path) if meta_path.is_file() else {}
-    made_from = meta.get("made_from")
-    if made_from is None:
-        return f"{cached} was made by an older version of bagpipe that kept no record of its sources"
-    sources, recorded = _sources(input_path, splits), made_from["sources"]
-    # Files gone or new first: they also change the holdout that applies.
-    for name in sorted(recorded.keys() - sources.keys()):
-        gone = _source_meta_path(input_path).parent / recorded[name]["file"]
-        return f"{gone} is gone since {cached} was made from it"
-    for name in sorted(sources.keys() - recorded.keys()):
-        return f"{sources[name]} is new since {cached} was made"
-    sizes_from = ("the log" if fmt == "movielens" else "vocabulary" if vocab_min_count
-                  else "meta.json" if _source_meta_path(input_path).is_file() else "inferred")
-    current = _settings(fmt=fmt, on_bad_row="error", table_sizes_from=sizes_from,
-                        holdout=_effective_holdout(splits, fmt, holdout), vocab_min_count=vocab_min_count)
-    for key, value in current.items():
-        recorded_value = made_from.get(key, _SETTINGS_BEFORE.get(key))
-        if recorded_value != value:
-            return f"{cached} was made with {key} {recorded_value!r}, not {value!r}"
-    for name, path in sources.items():
-        if path.name != recorded[name]["file"]:
-            return f"{cached} was made from {recorded[name]['file']}, not {path.name}"
-    moved = [name for name, path in sources.items() if _stat_fields(path) != recorded[name]["stat"]]
-    for name in moved:
-        if CONTENT_HASH not in recorded[name]:
-            return f"{cached} was fingerprinted by an earlier version (another hash), so it is converted again"
-        now = _fingerprint(sources[name])
-        if (now["size"], now[CONTENT_HASH]) != (recorded[name]["size"], recorded[name][CONTENT_HASH]):
-            return f"{sources[name]} changed since {cached} was made from it (content differs)"
-        recorded[name]["stat"] = now["stat"]
-    if moved:
-        _refresh_meta(meta_path, meta)
-    return None
-
-
-def _refresh_meta(meta_path: Path, meta: dict) -> None:
-    try:
-        write_record(meta_path, meta)
-    except OSError as err:  # a read-only data set is still current: it is only hashed on every start
-        log.info("could not record the new stat fields in %s (%s)", meta_path, err)
-
-
-def _convert_and_swap(input_path: Path, cached: Path, *, show_progress: bool, fmt: str, holdout: float,
-                      vocab_min_count: int) -> None:
-    """Convert into a sibling of ``cached`` and swap it in only when complete and readable."""
-    partial = cached.with_name(f".{cached.name}.partial-{secrets.token_hex(4)}")
-    try:
-        preprocess(input_path, partial, show_progress=show_progress, fmt=fmt, holdout=holdout,
-                   vocab_min_count=vocab_min_count)
-        open_dataset(partial)  # fail here, not mid-training, if anything is inconsistent
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if not cached.exists():
-        partial.rename(cached)
-        return
-    # Readers that mapped the old files keep them (an unlinked file lives while it is mapped).
-    old = cached.with_name(f".{cached.name}.old-{secrets.token_hex(4)}")
-    cached.rename(old)
-    partial.rename(cached)
-    shutil.rmtree(old)

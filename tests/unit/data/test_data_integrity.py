@@ -11,10 +11,11 @@ import pytest
 import xxhash
 
 import bagpipe.data.binary as binary
-import bagpipe.data.preprocess as pre
+import bagpipe.data.prepare as prepare
 from bagpipe.config import TrainConfig
 from bagpipe.data.binary import open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed, preprocess
+from bagpipe.data.prepare import ensure_preprocessed
+from bagpipe.data.preprocess import preprocess
 from bagpipe.preflight import prepare_data
 from bagpipe.synth import generate
 
@@ -31,7 +32,7 @@ def data(tmp_path):
 
 @pytest.fixture
 def warnings(caplog):
-    caplog.set_level(logging.INFO, logger=pre.log.name)
+    caplog.set_level(logging.INFO, logger=prepare.log.name)
     return lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -141,7 +142,7 @@ def as_written_before_checksums(directory):
 
 def test_data_converted_before_checksums_opens_unverified_or_is_converted_again_from_its_sources(
         data, tmp_path, conversions, caplog):
-    caplog.set_level(logging.DEBUG, logger=pre.log.name)
+    caplog.set_level(logging.DEBUG, logger=prepare.log.name)
     out = tmp_path / "bin"
     preprocess(data, out, show_progress=False)
     as_written_before_checksums(out)

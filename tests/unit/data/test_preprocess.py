@@ -9,10 +9,13 @@ import shutil
 import numpy as np
 import pytest
 
+import bagpipe.data.prepare as prepare
 import bagpipe.data.preprocess as pre
+import bagpipe.data.sources as sources
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.formats import CriteoParser
-from bagpipe.data.preprocess import ensure_preprocessed, preprocess
+from bagpipe.data.prepare import ensure_preprocessed
+from bagpipe.data.preprocess import preprocess
 from bagpipe.synth import generate
 
 SIZES = [7, 30, 5]
@@ -41,7 +44,7 @@ def files_of(directory, *, skip=()):
 
 @pytest.fixture
 def info_log(caplog):
-    caplog.set_level(logging.INFO, logger=pre.log.name)
+    caplog.set_level(logging.INFO, logger=prepare.log.name)
     return caplog
 
 
@@ -80,7 +83,7 @@ def test_same_content_rewrite_is_reused_and_the_next_start_does_not_hash(tmp_pat
     def no_hashing(path):
         raise AssertionError(f"hashed {path} although its stat fields were recorded")
 
-    monkeypatch.setattr(pre, "_fingerprint", no_hashing)
+    monkeypatch.setattr(sources, "fingerprint", no_hashing)
     assert ensure_preprocessed(data, show_progress=False) == cached
     assert len(conversions) == 1
 
@@ -93,7 +96,7 @@ def test_a_removed_or_added_split_means_converting_again(tmp_path, conversions, 
 
     (data / "test.tsv").unlink()
     ensure_preprocessed(data, show_progress=False)
-    held = round(200 * pre.DEFAULT_HOLDOUT)  # no test split: the train file's last lines are one
+    held = round(200 * sources.DEFAULT_HOLDOUT)  # no test split: the train file's last lines are one
     assert len(conversions) == 2 and open_dataset(cached).test.rows == held
     assert open_dataset(cached).train.rows == 200 - held
     assert f"{data / 'test.tsv'} is gone since {cached} was made from it" in info_log.text
@@ -169,8 +172,8 @@ def test_the_hash_made_while_converting_is_the_files_own(tmp_path, compressed):
     meta = preprocess(data, tmp_path / "out", show_progress=False)
     recorded = meta["made_from"]["sources"]
     assert sorted(recorded) == ["meta.json", "test", "train"]
-    for name, path in pre._sources(data, pre.find_splits(data)).items():
-        assert recorded[name] == pre._fingerprint(path)
+    for name, path in sources.source_files(data, sources.find_splits(data)).items():
+        assert recorded[name] == sources.fingerprint(path)
 
 
 def test_a_crash_mid_conversion_leaves_the_earlier_copy_in_use(tmp_path, conversions, monkeypatch):

@@ -14,7 +14,9 @@ from bagpipe.data.batches import iterate_batches, read_batch
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.formats import DataError
 from bagpipe.data.negatives import FreshNegatives
-from bagpipe.data.preprocess import ensure_preprocessed, guess_format, preprocess
+from bagpipe.data.prepare import ensure_preprocessed
+from bagpipe.data.preprocess import preprocess
+from bagpipe.data.sources import guess_format
 from bagpipe.data.schema import PAD
 from bagpipe.data.sequences import SequenceSettings, build_samples, dense_ids, read_interactions
 from bagpipe.embeddings import EmbeddingLayout

@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+import bagpipe.data.prepare as prepare
 import bagpipe.data.preprocess as pre
 import bagpipe.data.vocab as vocab
 from bagpipe.cli import main
@@ -16,7 +17,8 @@ from bagpipe.config import TrainConfig
 from bagpipe.data.avazu import COLUMNS
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.formats import DataError
-from bagpipe.data.preprocess import ensure_preprocessed, preprocess
+from bagpipe.data.prepare import ensure_preprocessed
+from bagpipe.data.preprocess import preprocess
 from bagpipe.data.vocab import OOV_ID, ValueCounts, Vocabulary
 
 FEATURES = COLUMNS[2:]  # all but id and click
@@ -234,5 +236,5 @@ def test_train_on_avazu_end_to_end(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["iterations"] == 5
     converted = open_dataset(tmp_path / "data" / "preprocessed")
-    assert converted.meta["made_from"]["vocab_min_count"] == pre.AVAZU_DEFAULT_MIN_COUNT  # neither vocab nor sizes
+    assert converted.meta["made_from"]["vocab_min_count"] == prepare.AVAZU_DEFAULT_MIN_COUNT  # neither vocab nor sizes
     assert converted.train.rows == 600 and converted.test.rows == 100  # the last 1/7 held out
