@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from bagpipe.data.batches import fresh_negatives
 from bagpipe.data.binary import open_dataset
-from bagpipe.data.preprocess import ensure_preprocessed
+from bagpipe.data.prepare import ensure_preprocessed
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
 from bagpipe.synth_sequences import generate_sequences
