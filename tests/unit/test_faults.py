@@ -9,13 +9,15 @@ import pytest
 
 from bagpipe.faults import POINTS, _parse, point_form
 from helpers.paths import SRC
+from helpers.source_tree import modules
 
 
 def _called_points() -> dict[str, list[str]]:
     """Every point an ``inject_fault`` call in src/ names, in POINTS' form (an f-string's fields as N), with where."""
     called: dict[str, list[str]] = {}
-    for path in SRC.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for module in modules(SRC):
+        path = module.where
+        for node in ast.walk(module.tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "inject_fault":
                 (arg,) = node.args
                 if isinstance(arg, ast.Constant):
@@ -23,7 +25,7 @@ def _called_points() -> dict[str, list[str]]:
                 else:
                     assert isinstance(arg, ast.JoinedStr), f"{path}:{node.lineno}: a point must be a literal"
                     form = "".join(v.value if isinstance(v, ast.Constant) else "N" for v in arg.values)
-                called.setdefault(form, []).append(f"{path.relative_to(SRC)}:{node.lineno}")
+                called.setdefault(form, []).append(f"{path}:{node.lineno}")
     return called
 
 

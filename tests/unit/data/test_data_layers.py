@@ -7,8 +7,10 @@ Checked on the source text (ast), so the check can be shown to fail on a made-up
 from __future__ import annotations
 
 import ast
+import sys
 
 from helpers.paths import SRC
+from helpers.source_tree import made_up_tree, modules
 
 # Each module of the preparation path by its layer, top first; every other module of data/ (the format readers,
 # the binary layout, what reads batches) lies beneath them all.
@@ -50,9 +52,8 @@ def layering_faults() -> list[str]:
     """Every import of a module above the importer, call of a decision outside its places, and layout detail in
     the deciding module, under SRC."""
     faults = []
-    for path in sorted(SRC.rglob("*.py")):
-        where = str(path.relative_to(SRC))
-        tree = ast.parse(path.read_text(), filename=where)
+    for module in modules(SRC):
+        where, tree = module.where, module.tree
         prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # docstrings
         if where.startswith("data/"):
             for target in sorted(_data_imports(tree)):
@@ -77,16 +78,14 @@ def test_data_preparation_is_layered_one_way():
 
 def test_the_check_finds_each_kind_of_fault(tmp_path, monkeypatch):
     """(The check itself can fail.)"""
-    fake = tmp_path / "bagpipe"
-    (fake / "data").mkdir(parents=True)
-    (fake / "data" / "binary.py").write_text("from bagpipe.data.prepare import converted_path\n")
-    (fake / "data" / "sources.py").write_text("from bagpipe.data import preprocess\n"
-                                              "def f(path):\n    return preprocess.preprocess(path, path)\n")
-    (fake / "data" / "prepare.py").write_text("from bagpipe.data.binary import read_record\n"
-                                              "def f(cached):\n    return read_record(cached / 'meta.json')\n")
-    (fake / "runner.py").write_text("from bagpipe.data.sources import why_stale\n"
-                                    "def g():\n    return why_stale(None)\n")
-    monkeypatch.setattr(__import__(__name__), "SRC", fake)
+    fake = made_up_tree(tmp_path, {
+        "data/binary.py": "from bagpipe.data.prepare import converted_path\n",
+        "data/sources.py": "from bagpipe.data import preprocess\n"
+                           "def f(path):\n    return preprocess.preprocess(path, path)\n",
+        "data/prepare.py": "from bagpipe.data.binary import read_record\n"
+                           "def f(cached):\n    return read_record(cached / 'meta.json')\n",
+        "runner.py": "from bagpipe.data.sources import why_stale\ndef g():\n    return why_stale(None)\n"})
+    monkeypatch.setattr(sys.modules[__name__], "SRC", fake)
     assert layering_faults() == [
         "data/binary.py imports data/prepare.py, which lies above it",
         "data/prepare.py:3 calls read_record: the layout's own (data/binary.py)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 from helpers.paths import SRC
+from helpers.source_tree import modules
 
 MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem", "clear", "remove",
             "discard", "appendleft", "popleft"}
@@ -25,9 +26,8 @@ ALLOWED = {
 def module_state() -> dict[str, list[str]]:
     """Each module-level name that a function of its module rebinds (``global``) or mutates, with where."""
     found: dict[str, list[str]] = {}
-    for path in sorted(SRC.rglob("*.py")):
-        where = str(path.relative_to(SRC))
-        tree = ast.parse(path.read_text(), filename=where)
+    for module in modules(SRC):
+        where, tree = module.where, module.tree
         names = {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
                  for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
                  if isinstance(target, ast.Name)}

@@ -6,10 +6,12 @@ one is then added in its registry alone."""
 from __future__ import annotations
 
 import ast
+import sys
 
 from bagpipe.config import CACHE_MODES, MODES, OPTIMIZERS, POLICIES, STORAGE_KINDS
 from bagpipe.models import CARDS
 from helpers.paths import SRC
+from helpers.source_tree import made_up_tree, modules
 
 # name kind -> (its names, words that mark an expression as one of them, the files that may compare them)
 REGISTRIES = {
@@ -33,10 +35,9 @@ def _strings(node: ast.AST) -> set[str]:
 def comparisons_of_names() -> list[str]:
     """Every comparison in src/ of an expression about a mode, a tier or a policy with one of their names."""
     found = []
-    for path in sorted(SRC.rglob("*.py")):
-        where = str(path.relative_to(SRC))
-        source = path.read_text()
-        for node in ast.walk(ast.parse(source, filename=where)):
+    for module in modules(SRC):
+        where, source = module.where, module.source
+        for node in ast.walk(module.tree):
             if not isinstance(node, ast.Compare):
                 continue
             operands = [node.left, *node.comparators]
@@ -58,11 +59,9 @@ def test_no_mode_tier_or_policy_is_compared_by_name_outside_its_registry():
 
 def test_the_check_finds_a_comparison_by_name(tmp_path, monkeypatch):
     """(The check itself can fail.)"""
-    fake = tmp_path / "bagpipe"
-    fake.mkdir()
-    (fake / "x.py").write_text('def f(config):\n    return config.mode == "bagpipe" or config.storage in ("disk",) '
-                               'or config.model.name != "external"\n')
-    monkeypatch.setattr(__import__(__name__), "SRC", fake)
+    fake = made_up_tree(tmp_path, {"x.py": 'def f(config):\n    return config.mode == "bagpipe" or config.storage in '
+                                           '("disk",) or config.model.name != "external"\n'})
+    monkeypatch.setattr(sys.modules[__name__], "SRC", fake)
     assert [line.split(": ")[1] for line in comparisons_of_names()] == ["a mode compared by name",
                                                                        "a storage kind compared by name",
                                                                        "a model compared by name"]

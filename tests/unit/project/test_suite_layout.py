@@ -5,25 +5,25 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
 from helpers.paths import TESTS
+from helpers.source_tree import modules
 
 
 def imports_of_test_modules(root: Path) -> list[str]:
-    """Every import, anywhere in a module under ``root``, of a test module (``test_*``) or of a top-level helper
-    module that is not in the helpers package."""
+    """Every import, anywhere in a module under ``root`` (in a function too), of a test module (``test_*``)."""
     found = []
-    for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
+    for module in modules(root):
+        for node in ast.walk(module.tree):
             if isinstance(node, ast.Import):
-                modules = [alias.name for alias in node.names]
+                names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                modules = [node.module]
+                names = [node.module]
             else:
                 continue
-            for module in modules:
-                if module.split(".")[-1].startswith("test_") or module.split(".")[0].startswith("test_"):
-                    found.append(f"{path.relative_to(root)}:{node.lineno}: imports {module}")
+            for name in names:
+                if name.split(".")[-1].startswith("test_") or name.split(".")[0].startswith("test_"):
+                    found.append(f"{module.where}:{node.lineno}: imports {name}")
     return found
 
 
