@@ -9,7 +9,8 @@ same bytes per trainer as a ring. Those two steps run on a thread of the group's
 the other in the order they were started, so the group's collectives come in the same order on every
 trainer whatever order the sums are waited for in (a lost trainer's replacement starts the sums it
 joins in the order they were started, not waited for). The thread lives as long as its group: a
-``TrainerGroup`` holds both, and closing it (a re-formed world's old group) ends the thread.
+``TrainerGroup`` holds both, and closing it (a re-formed world's old group) ends the thread and lets the gloo
+group go, whose own threads end with it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bagpipe.threads import Background
+
 
 class TrainerGroup:
     """The trainers' gloo ``group`` and, with three trainers or more, the thread that carries out its sums in the
@@ -30,10 +33,12 @@ class TrainerGroup:
     are the group's."""
 
     def __init__(self, group: dist.ProcessGroup, *, timeout: float) -> None:
-        self.group = group
+        self.group: dist.ProcessGroup | None = group
         self._sequencer = _Sequencer(group, timedelta(seconds=timeout)) if group.size() > 2 else None
 
     def __getattr__(self, name: str):  # (only for what the instance lacks: the group's own methods)
+        if self.group is None:
+            raise RuntimeError("the trainers' group was closed (the world re-formed around a replacement)")
         return getattr(self.group, name)
 
     def ordered(self) -> "_Sequencer":
@@ -43,10 +48,17 @@ class TrainerGroup:
         return self._sequencer
 
     def close(self) -> None:
-        """End its sums' thread once the sums submitted are done; a sum started after is refused (raised by its
-        ``wait``, as on a broken group). The group itself is left as it is (work on it may hang)."""
+        """End its sums' thread once the sums submitted are done (a sum started after is refused, raised by its
+        ``wait`` as on a broken group), and let the gloo group go. Its threads (two workers and a TCP loop) end when
+        the last reference to it does, once the work queued on it is over: on a thread of its own, as a sum still
+        waiting on a stopped peer holds them until the group's timeout. (Kept instead, every re-formation left three
+        more threads in each survivor.)"""
         if self._sequencer is not None:
             self._sequencer.close()
+        if self.group is not None:
+            held = [self.group]
+            self.group = None
+            Background(held.clear, name="old trainers' group")
 
 
 class Mean:
@@ -229,6 +241,7 @@ class _Sequencer:
                 self._broken = self._broken or err
                 ordered.error = err
             ordered.done.set()
+        self.group = None  # closed and done: the gloo group goes with its last reference (TrainerGroup.close)
 
     def _sum(self, padded: torch.Tensor) -> torch.Tensor:
         received = torch.empty_like(padded)

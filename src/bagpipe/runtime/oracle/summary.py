@@ -65,6 +65,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
     if not config.checkpoints:  # those taken to evaluate from (--eval-every) served their purpose
         shutil.rmtree(checkpoints_dir(config.run_dir), ignore_errors=True)
     all_stats = list(stats.values())
+    recoveries = {f"trainer{t}": s.extra["recoveries"] for t, s in sorted(stats.items()) if "recoveries" in s.extra}
     batch_rows = sum(s.batch_rows for s in all_stats)
     summary = {
         "mode": "bagpipe",
@@ -136,6 +137,9 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
         **{key: {f"trainer{t}": s.extra[key] for t, s in sorted(stats.items()) if key in s.extra}
            for key in ("ops_per_iteration", "host_reads_per_iteration", "device_syncs_per_iteration",
                        "device_sync_sites") if any(key in s.extra for s in stats.values())},
+        # each trainer's re-formations of the trainers' group around a replacement: when, how long, and its live
+        # threads after each (bounded: nothing of an old group stays behind)
+        **({"recoveries": recoveries} if recoveries else {}),
         "peak_rss_bytes": _per_role("peak_rss_bytes", peak_rss_bytes(), shards, stats),
         # CPU seconds per role up to the end of training (the oracle's: before evaluation)
         "cpu_s": _per_role("cpu_s", train_cpu_s, shards, stats),

@@ -39,18 +39,16 @@ class GradientSync:
     def __init__(self, group, *, caches: list[RowCache], stats: TrainerStats, timeout: float,
                  recover: Callable[[BaseException], bool]) -> None:
         self.group = group
-        self.old_groups: list = []  # groups a lost trainer broke: kept, not destroyed (their work may hang)
         self.caches, self.stats, self.timeout, self.recover = caches, stats, timeout, recover
         self.sums: list[Mean] = []  # the sums started and not yet waited for, in the order started
         # per space, lazily synced updates: (iteration, slots, grads, mean)
         self.pending: list[deque] = [deque() for _ in caches]
 
     def regroup(self, group) -> None:
-        """Sum in ``group`` from now on (re-formed with a lost trainer's replacement); the old one is kept, its sums'
-        thread closed (ending once the sums it was given fail or finish)."""
+        """Sum in ``group`` from now on (re-formed with a lost trainer's replacement); the old one closed (its sums'
+        thread and gloo's end once the sums it was given fail or finish)."""
         if self.group is not None:
             self.group.close()
-            self.old_groups.append(self.group)
         self.group = group
 
     def start(self, buffer: torch.Tensor, what: tuple | None = None) -> Mean:

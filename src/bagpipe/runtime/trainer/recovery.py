@@ -27,6 +27,7 @@ from bagpipe.runtime.protocol import PULL_MAX_STEPS, StepMessage
 from bagpipe.runtime.reduce import Mean
 from bagpipe.runtime.redo import REDO_DEPTH, Kept, Recomputer, RedoLog, Shares, agree_on_sums, sum_order
 from bagpipe.runtime.world import World, trainer_group
+from bagpipe.threads import live_threads
 
 if TYPE_CHECKING:
     from bagpipe.runtime.trainer.runtime import TrainerRuntime
@@ -188,7 +189,7 @@ class LostTrainers:
             mean.wait()
         runtime.stats.extra.setdefault("recoveries", []).append(
             {"trainer": lost[0], "epoch": epoch, "sums_again": len(todo), "at_iteration": step.iteration,
-             "seconds": round(time.perf_counter() - started, 3)})
+             "seconds": round(time.perf_counter() - started, 3), "threads": live_threads()})
         log.warning("trainer %d: the trainers' group is re-formed with trainer %d's replacement (epoch %d); %d sums "
                     "done again", runtime.index, lost[0], epoch, len(todo))
         return True
