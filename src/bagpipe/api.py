@@ -191,7 +191,7 @@ def init_cache(lookahead_value: int = 200, emb_size: int = 1, ln_emb=(), cache_s
     if role != "trainer" or index != training_worker_id:
         raise ValueError(f"worker_id {worker_id} is the {role} {index} of this world (0: oracle, 1..{world.num_trainers}"
                          f": trainers, then servers), but training_worker_id is {training_worker_id}")
-    device = resolve_device(device)
+    device = resolve_device(device, fallback=True)  # (the original's scripts say cuda:0 on CPU-only machines too)
     given = {"kind": "script", "emb_dim": int(emb_size), "cache_rows": int(cache_size)}
     if len(ln_emb):
         given["table_sizes"] = [int(n) for n in ln_emb]

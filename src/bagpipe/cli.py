@@ -161,10 +161,11 @@ def _add_train(sub) -> None:
     p.add_argument("--mode", default=None, help="reference (one process, all tables in memory), bagpipe "
                    "(oracle, servers and trainers started on this machine) or single (one process, the tables in "
                    "host memory behind a cache of --cache-rows rows, bagpipe.nn's)" + _default("mode"))
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where --mode reference keeps its model and "
-                   "tables, --mode single its model and cache (the full tables stay in host memory or on disk), "
-                   "--mode bagpipe its trainers' models and caches (all on that device); without CUDA the CPU, with "
-                   "a warning" + _default("device"))
+    p.add_argument("--device", default=None, help="cpu, auto, cuda or cuda:N: where --mode reference keeps its "
+                   "model and tables, --mode single its model and cache (the full tables stay in host memory or on "
+                   "disk), --mode bagpipe its trainers' models and caches (all on that device); a GPU where CUDA is "
+                   "not available is refused, auto takes a GPU where there is one and the CPU elsewhere"
+                   + _default("device"))
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the dense model's forward and backward through torch.compile, in every mode and "
                    "trainer alike (compiled runs equal each other bit for bit, not an uncompiled one; the first "
@@ -406,9 +407,9 @@ def _add_roles(sub) -> None:
     p.add_argument("--dist-backend", choices=("gloo", "nccl"), default="gloo",
                    help="the trainers' gradient-sync backend (default gloo; nccl is refused: the sums run in "
                         "host memory over gloo, whatever --device)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N: where the trainer's cache and model live; "
-                   "a GPU falls back to the CPU, with a warning, when there is none (default: the job's --device, "
-                   "cpu unless the oracle's --config says otherwise)")
+    p.add_argument("--device", default=None, help="cpu, auto, cuda or cuda:N: where the trainer's cache and model "
+                   "live; as in the original's command lines, a GPU falls back to the CPU, with a warning, when there "
+                   "is none (default: the job's --device, cpu unless the oracle's --config says otherwise)")
     _add_ignored_flags(p, "--dist-master-ip", "--master-port-ccom", "--logging-prefix", "--cleanup-batch-proportion")
     p.add_argument("--writeback-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
 

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 STORAGE_KINDS = ("memory", "disk")  # the tables' tiers (bagpipe.storage): the servers', --mode single's
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
-DEVICE_SPEC = re.compile(r"cpu|cuda(?::(\d+))?")  # --device: cpu, cuda or cuda:N (N: group 1); device.resolve_device
+# --device: cpu, auto (a GPU if there is one), cuda or cuda:N (N: group 1); device.resolve_device
+DEVICE_SPEC = re.compile(r"cpu|auto|cuda(?::(\d+))?")
 CACHE_MODES = ("replicated", "partitioned")  # --mode bagpipe: every trainer holds every planned row, or its own
 SINGLE_POLICIES = ("lookahead", *ONLINE_POLICIES)  # --mode single: the planner, or an online policy (nn.SlotIndex)
 DATA_FORMATS = ("criteo", "avazu", "jsonl", "movielens")  # the readers in bagpipe.data
@@ -240,7 +241,7 @@ class TrainConfig:
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a positive, finite number, got {getattr(self, name)}")
         if not DEVICE_SPEC.fullmatch(self.device):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+            raise ValueError(f"device must be cpu, auto, cuda or cuda:N, got {self.device!r}")
         if self.compile and self.model.dropout:
             raise ValueError("compile with dropout: a compiled graph draws its own random numbers, not the dropout "
                              "masks every mode and trainer draw alike from (seed, iteration, slice); use --dropout 0 "

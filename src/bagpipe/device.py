@@ -13,16 +13,24 @@ from bagpipe.config import DEVICE_SPEC
 log = logging.getLogger(__name__)
 
 
-def resolve_device(spec: str | torch.device | None) -> torch.device:
-    """``None`` or "cpu": the CPU; "cuda" or "cuda:N": that GPU, or the CPU with a warning where CUDA is not
-    available (the original system's command lines say ``--device cuda:0`` and must run on CPU-only machines).
+def resolve_device(spec: str | torch.device | None, *, fallback: bool = False) -> torch.device:
+    """``None`` or "cpu": the CPU; "auto": the first GPU where CUDA is available, else the CPU; "cuda" or
+    "cuda:N": that GPU. A GPU asked for where CUDA is not available is a ValueError naming ``--device auto``, as
+    PyTorch refuses it, unless ``fallback``: the original system's trainer commands and ``init_cache``, whose
+    command lines say ``--device cuda:0`` and must run on CPU-only machines too, train on the CPU with a warning.
     A GPU index this machine lacks, or any other spec, is a ValueError."""
     if spec is None or str(spec) == "cpu":
         return torch.device("cpu")
+    if str(spec) == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     match = DEVICE_SPEC.fullmatch(str(spec))
     if match is None:
-        raise ValueError(f"unknown device {str(spec)!r}: expected 'cpu', 'cuda' or 'cuda:N' (N a GPU index)")
+        raise ValueError(f"unknown device {str(spec)!r}: expected 'cpu', 'auto', 'cuda' or 'cuda:N' (N a GPU index)")
     if not torch.cuda.is_available():
+        if not fallback:
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"--device {spec}: CUDA is not available here ({why}); --device auto trains on a GPU "
+                             f"where there is one and on the CPU elsewhere, --device cpu on the CPU")
         log.warning("device %s requested but CUDA is not available: running on the CPU", spec)
         return torch.device("cpu")
     if match.group(1) is None:

@@ -16,6 +16,7 @@ from bagpipe.data.batches import batches_per_epoch, epoch_rows, fresh_negatives,
 from bagpipe.data.binary import BinaryDataset, open_dataset
 from bagpipe.data.prepare import ensure_preprocessed
 from bagpipe.data.preprocess import physical_memory_bytes
+from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, valid_keys
 from bagpipe.files import check_writable, human_bytes, mount_point
 from bagpipe.models import check_model, model_tables
@@ -35,7 +36,8 @@ def default_cache_rows(table_sizes: list[int]) -> int:
 def prepare_job(config: TrainConfig, *, overwrite: bool = False, show_progress: bool = False) -> BinaryDataset:
     """What comes before a run starts, in this order: the data (converted if its sources changed),
     every check of the job against it, and only then the run dir (an earlier run there is cleared
-    only now, so a run refused at start loses nothing)."""
+    only now, so a run refused at start loses nothing). A device the machine lacks is refused first."""
+    resolve_device(config.device)
     dataset = prepare_data(config, show_progress=show_progress)
     claim(config, dataset, overwrite=overwrite, show_progress=show_progress)
     return dataset

@@ -28,17 +28,47 @@ def test_cpu_and_none_resolve_to_the_cpu():
 
 
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:3"])
-def test_cuda_falls_back_to_the_cpu_with_a_warning_without_cuda(spec, monkeypatch, caplog):
+def test_a_gpu_where_cuda_is_not_available_is_refused_naming_auto(spec, monkeypatch):
+    """As PyTorch refuses it (issue 46's W4: it trained on the CPU, config.json saying cuda, summary.json cpu)."""
+    _no_cuda(monkeypatch)
+    with pytest.raises(ValueError, match=rf"--device {spec}: CUDA is not available here .*--device auto"):
+        resolve_device(spec)
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:3"])
+def test_the_originals_flags_fall_back_to_the_cpu_with_a_warning_without_cuda(spec, monkeypatch, caplog):
+    """The original system's trainer commands and init_cache say --device cuda:0 and ran on CPU-only machines."""
     _no_cuda(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="bagpipe.device"):
-        assert resolve_device(spec) == torch.device("cpu")
+        assert resolve_device(spec, fallback=True) == torch.device("cpu")
     assert f"device {spec} requested but CUDA is not available: running on the CPU" in caplog.text
+
+
+def test_auto_takes_a_gpu_where_there_is_one_and_the_cpu_elsewhere(monkeypatch, caplog):
+    _no_cuda(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="bagpipe.device"):
+        assert resolve_device("auto") == torch.device("cpu")
+    assert caplog.text == ""  # asked for: no warning
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+
+
+@pytest.mark.parametrize("mode", ["reference", "single", "bagpipe"])
+def test_train_with_a_gpu_where_there_is_none_is_refused_before_anything_runs(small_binary, tmp_path, monkeypatch,
+                                                                              capsys, mode):
+    from bagpipe.cli import main
+
+    _no_cuda(monkeypatch)
+    code = main(["train", "--data", str(small_binary), "--run-dir", str(tmp_path / "run"), "--mode", mode,
+                 "--device", "cuda", "--no-progress"])
+    assert code != 0 and "--device cuda: CUDA is not available here" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cuda:", "cuda:-1", "CUDA", "cpu:0", "", "cuda0"])
 def test_unknown_specs_are_refused(spec, monkeypatch):
     _no_cuda(monkeypatch)  # refused before any fallback
-    with pytest.raises(ValueError, match="expected 'cpu', 'cuda' or 'cuda:N'"):
+    with pytest.raises(ValueError, match="expected 'cpu', 'auto', 'cuda' or 'cuda:N'"):
         resolve_device(spec)
 
 

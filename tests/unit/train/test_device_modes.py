@@ -20,9 +20,9 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 CROSS_DEVICE_REL = 1e-4
 
 
-@pytest.mark.parametrize("value", ["gpu", "cuda:", "cuda:x", "CUDA", "cpu:0", ""])
-def test_a_device_that_is_not_cpu_cuda_or_cuda_n_is_refused(small_binary, tmp_path, value):
-    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N"):
+@pytest.mark.parametrize("value", ["gpu", "cuda:", "cuda:x", "CUDA", "cpu:0", "", "Auto"])
+def test_a_device_that_is_not_cpu_auto_cuda_or_cuda_n_is_refused(small_binary, tmp_path, value):
+    with pytest.raises(ValueError, match="device must be cpu, auto, cuda or cuda:N"):
         small_config(small_binary, tmp_path, device=value)
 
 
@@ -33,13 +33,17 @@ def test_a_batch_for_a_device_moves_its_features_and_targets_and_keeps_its_ids_o
     assert moved.dense_x.device.type == moved.target.device.type == "meta" and moved.ids is batch.ids
 
 
-def test_a_gpu_asked_for_on_a_machine_without_one_trains_on_the_cpu_and_says_so(small_binary, tmp_path, caplog,
-                                                                                monkeypatch):
+def test_a_gpu_asked_for_on_a_machine_without_one_is_refused_and_auto_trains_on_the_cpu(small_binary, tmp_path,
+                                                                                        caplog, monkeypatch):
+    """(Issue 46's W4: --device cuda used to train on the CPU with a warning, config.json saying cuda.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with caplog.at_level(logging.WARNING):
-        summary = train_reference(small_config(small_binary, tmp_path / "run", device="cuda:0", iterations=5),
-                                  show_progress=False)
-    assert summary["device"] == "cpu" and "CUDA is not available" in caplog.text
+    with pytest.raises(ValueError, match="--device cuda:0: CUDA is not available here"):
+        train_reference(small_config(small_binary, tmp_path / "refused", device="cuda:0", iterations=5),
+                        show_progress=False)
+    assert not (tmp_path / "refused").exists()
+    summary = train_reference(small_config(small_binary, tmp_path / "run", device="auto", iterations=5),
+                              show_progress=False)
+    assert summary["device"] == "cpu"
 
 
 @CUDA

@@ -36,12 +36,13 @@ def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple
 
 def run_trainer(world: World, *, given: dict | None = None, device: str | None = None,
                 writeback_delay: float = 0.0) -> None:
-    """``device``: this trainer's (cpu, cuda, cuda:N); None: the job's ``--device``."""
+    """``device``: this trainer's (cpu, auto, cuda, cuda:N: the original's trainer flag, a GPU falling back to the
+    CPU where there is none); None: the job's ``--device``."""
     # 1. the job, as every role agreed on it, in the RPC world (a replacement's: re-formed around it)
     world, store, liveness, job = join_as_trainer(world, given={"kind": "model", **(given or {})})
     # 2. the model, then the runtime around it (caches, prefetch and write-back, gradient sync, recovery), on the
     # device: the dense model and the row caches there; plans, fetched rows, write-backs and sums in host memory
-    device = resolve_device(device or job.config.device)
+    device = resolve_device(device, fallback=True) if device else resolve_device(job.config.device)
     dense = DenseModel(job.config, job.layout, part=world.role[1], device=device)
     runtime = TrainerRuntime(world, store, job=job, liveness=liveness, model=dense.hooks(), device=device,
                              writeback_delay=writeback_delay, replacing=bool(world.epoch))
