@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from bagpipe.progress import setup_logging
-from bagpipe.runtime.exit_status import ExitStatus, record_exit
+from bagpipe.runtime.exit_status import ExitStatus, Terminated, record_exit
 from bagpipe.runtime.succession import NOT_REPLACEABLE_EXIT_CODE, NotReplaceable
 
 log = logging.getLogger("bagpipe")
@@ -852,11 +852,6 @@ def _exit_on_interrupt() -> None:
         os._exit(130)
 
     threading.Thread(target=watch, name="interrupt", daemon=True).start()
-
-
-class Terminated(BaseException):
-    """SIGTERM, the way schedulers, systemd, ``timeout`` and Kubernetes stop a job: raised in the main thread as
-    Ctrl-C's KeyboardInterrupt is, so that the same clean-up runs (roles stopped, working files removed)."""
 
 
 def _terminate(signum, frame) -> None:

@@ -148,6 +148,27 @@ def test_a_signal_stops_a_bagpipe_job_every_process_and_working_file_with_it(sma
     lock_run_dir(run_dir).release()  # no role holds the run dir any more
 
 
+def test_ctrl_c_to_the_whole_job_exits_130_interrupted_blaming_no_role(small_binary, tmp_path):
+    """Ctrl-C at a terminal reaches every process of the job: the roles end with 130 before the launcher's own
+    interrupt is seen (here: the roles signalled first). The job was interrupted: exit 130, no role blamed (it
+    exited 1 blaming "trainer 1 ... failed (exit code 130) ... its own error"; issue 46's W2)."""
+    run_dir = tmp_path / "run"
+    running = _cli("train", "--data", str(small_binary), "--run-dir", str(run_dir), *SMALL, "--mode", "bagpipe",
+                   "--trainers", "2", "--servers", "1", "--cache-rows", "800",
+                   faults_spec="trainer0@iteration 12:pause=60")
+    _wait_for(lambda: _logged_iteration(run_dir, 10), timeout=120)
+    roles = json.loads((run_dir / "pids.json").read_text())
+    for pid in roles.values():
+        os.kill(pid, signal.SIGINT)
+    time.sleep(1.0)  # the roles' ends seen first
+    running.send_signal(signal.SIGINT)
+    _, err = running.communicate(timeout=60)
+    assert running.returncode == 130, err[-3000:]
+    assert err.count("interrupted (Ctrl-C)") >= 1 and " failed (" not in err, err[-3000:]
+    assert not [name for name, pid in roles.items() if _alive(pid)]
+    lock_run_dir(run_dir).release()
+
+
 def test_a_moved_bagpipe_run_dir_resumes_where_it_is(small_binary, tmp_path):
     from bagpipe.runtime.launch import JobFailed, launch_local
 

@@ -203,7 +203,7 @@ def test_writing_names_the_device_and_the_file(tmp_path):
 def test_an_interrupt_while_waiting_for_background_work_is_not_taken_for_its_error():
     """Ctrl-C or SIGTERM met while the main thread waits for a checkpoint write is raised as itself (it was
     reported as "writing a checkpoint failed: " with exit 1); the work's own errors still say what failed."""
-    from bagpipe.cli import Terminated
+    from bagpipe.runtime.exit_status import Terminated
     from bagpipe.threads import Background
 
     def interrupt(signum, frame):

@@ -21,6 +21,11 @@ STATUS_FILE_ENV = "BAGPIPE_STATUS_FILE"
 Cause = Literal["error", "lost_peer", "interrupted"]
 
 
+class Terminated(BaseException):
+    """SIGTERM, the way schedulers, systemd, ``timeout`` and Kubernetes stop a job: raised in the main thread as
+    Ctrl-C's KeyboardInterrupt is, so that the same clean-up runs (roles stopped, working files removed)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerLost:
     """A peer this role needs is lost: which (its rank; None when the failure could not tell), and why.

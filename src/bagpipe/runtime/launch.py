@@ -31,7 +31,7 @@ from bagpipe.preflight import check_job, check_same_data, prepare_data, prepare_
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, WARNING, forget_metrics_after, sweep_working_files, write_json_atomic
 from bagpipe.runlock import lock_run_dir
-from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, read_exit
+from bagpipe.runtime.exit_status import STATUS_FILE_ENV, ExitStatus, Terminated, read_exit
 from bagpipe.runtime.forkserver import ForkedProcess, ForkServer
 from bagpipe.runtime.names import EXITED_PREFIX, REPLACE_PREFIX, RESUMED, STOP_KEY
 from bagpipe.runtime.liveness import LOST_EXIT_CODE
@@ -468,6 +468,7 @@ def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *
                     excused.add(child.rank)
             failed = needed
             if failed:
+                _raise_if_interrupted(failed)
                 message, restartable = _blame(children, failed)
                 raise JobFailed(f"{message}; logs in {failed[0].log_path.parent}", restartable=restartable,
                                 iteration=metrics.iteration)
@@ -498,6 +499,16 @@ def _done_with(child: Child, state: _JobState) -> bool:
     if child.role == "oracle":
         return False
     return state.trained or (child.role == "trainer" and child.index in state.trainers_done)
+
+
+def _raise_if_interrupted(failed: list[Child]) -> None:
+    """The job interrupted, as by the launcher's own Ctrl-C or SIGTERM, where a role ended by one itself (its exit
+    status says so): a terminal's Ctrl-C and a scheduler's SIGTERM reach every process of the job, and a role's end
+    can be seen before the launcher's own signal is. No role failed, and none is blamed."""
+    for child in failed:
+        status = child.status()
+        if status is not None and status.cause == "interrupted":
+            raise KeyboardInterrupt if child.process.returncode == 130 else Terminated()
 
 
 def _blame(children: list[Child], failed: list[Child]) -> tuple[str, bool]:
