@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+from bagpipe.files import WriteFailed
 from bagpipe.progress import setup_logging
 from bagpipe.runtime.exit_status import ExitStatus, Terminated, record_exit
 from bagpipe.runtime.succession import NOT_REPLACEABLE_EXIT_CODE, NotReplaceable
@@ -877,9 +878,19 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _met_a_full_disk(err: BaseException | None) -> bool:
+    """Whether ``err`` is, or was raised from, a write that met a full disk (a background write's error comes
+    wrapped: threads.Background.join)."""
+    while err is not None:
+        if isinstance(err, WriteFailed) and err.full:
+            return True
+        err = err.__cause__
+    return False
+
+
 def _run_command(args) -> int:
     """Run ``args``' command; its exit status (a failed role leaves at once, with it)."""
-    code, failure = 0, ""
+    code, failure, cause = 0, "", None
     profile_dir = os.environ.get("BAGPIPE_PROFILE_DIR") if args.command in ROLES else None
     try:
         if profile_dir:  # a cProfile of this role, for finding where its time goes
@@ -903,14 +914,20 @@ def _run_command(args) -> int:
     except NotReplaceable as err:  # a lost oracle's replacement that cannot take over: the launcher restarts the job
         code, failure = NOT_REPLACEABLE_EXIT_CODE, str(err)
         log.error("%s", failure)
-    except (RuntimeError, TimeoutError, ConnectionError) as err:
-        code, failure = 1, str(err)
+    except (WriteFailed, RuntimeError, TimeoutError, ConnectionError) as err:  # (WriteFailed: a full or read-only
+        code, failure = 1, str(err)                                             # disk, the user's to fix)
+        if _met_a_full_disk(err):
+            cause = "no_space"
+            if args.command == "train" and getattr(args, "run_dir", None):
+                from bagpipe.train.checkpoints import after_a_full_disk
+
+                failure += f"; {after_a_full_disk(args.run_dir)}"
         log.error("%s", failure)
     except Exception as err:
         code, failure = 1, f"{type(err).__name__}: {err}"
         log.exception("%s", failure)
     if code and args.command in ROLES:
-        record_exit(ExitStatus(cause="interrupted" if code in (130, 143) else "error", message=failure))
+        record_exit(ExitStatus(cause=cause or ("interrupted" if code in (130, 143) else "error"), message=failure))
         # A failed role leaves at once: tearing down RPC with peers gone can hang or abort.
         logging.shutdown()
         sys.stdout.flush()

@@ -72,6 +72,11 @@ class WriteFailed(OSError):
     def __str__(self) -> str:
         return self.strerror
 
+    @property
+    def full(self) -> bool:
+        """The disk (or the user's quota) is full: freeing space and resuming goes on."""
+        return self.errno in FULL
+
 
 @contextlib.contextmanager
 def writing(path: str | Path):

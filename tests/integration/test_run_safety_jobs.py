@@ -51,15 +51,23 @@ def test_a_read_only_storage_dir_is_refused_before_the_run_dir_is_claimed(small_
     assert not run_dir.exists()  # nothing to --overwrite later
 
 
-def test_a_full_disk_while_checkpointing_is_named(small_binary, tmp_path, tmpfs, capsys):
+def test_a_full_disk_while_checkpointing_is_named_and_the_run_resumes_once_there_is_room(small_binary, tmp_path,
+                                                                                          tmpfs, capsys):
+    """Named as the user's to fix, saying what to do next (issue 46's W3), which then works. (A run with a
+    checkpoint written is told to --resume: tests/unit/runtime/test_launch_decisions.py.)"""
     disk = tmpfs("small", "size=4m")
     stat = os.statvfs(disk)
     (disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 160 * 1024))  # room for the logs only
     assert train(small_binary, disk / "run") == 1
     err = capsys.readouterr().err
     assert f"no space left on tmpfs (mounted at {disk}) while writing {disk / 'run' / 'checkpoints'}" in err, err
-    assert "enforce fail" not in err
+    # (its first checkpoint, at iteration 5, met the full disk: nothing to resume from)
+    assert f"free space there, then start the run again (`bagpipe train ... --run-dir {disk / 'run'} --overwrite`)" \
+        in err, err
+    assert "enforce fail" not in err and "Traceback" not in err
     assert not list((disk / "run" / "checkpoints").glob("*.tmp"))  # the torn write swept
+    (disk / "filler").unlink()
+    assert train(small_binary, disk / "run", "--overwrite") == 0
 
 
 # -- processes: a lock held by a live run, released by the kernel at its death; signals ------------------------

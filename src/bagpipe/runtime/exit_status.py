@@ -18,7 +18,8 @@ from typing import Literal
 
 STATUS_FILE_ENV = "BAGPIPE_STATUS_FILE"
 
-Cause = Literal["error", "lost_peer", "interrupted"]
+# no_space: a write met a full disk (or quota): freeing space and resuming goes on, as a restart alone would not
+Cause = Literal["error", "lost_peer", "interrupted", "no_space"]
 
 
 class Terminated(BaseException):

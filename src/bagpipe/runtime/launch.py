@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bagpipe.train.checkpoints import resumable_checkpoint, valid_checkpoints
+from bagpipe.train.checkpoints import after_a_full_disk, resumable_checkpoint, valid_checkpoints
 from bagpipe.config import TrainConfig, dump_toml
 from bagpipe.data.batches import planned_iterations
 from bagpipe.preflight import check_job, check_same_data, prepare_data, prepare_job
@@ -47,12 +47,13 @@ GRACE_S = 5.0
 
 class JobFailed(RuntimeError):
     """A role failed: the job ended. ``restartable``: the cause was a process lost (killed, or hung), not an
-    error of its own; ``iteration``: the last iteration the job logged before; ``seen_at``: when the launcher
-    saw it (wall time)."""
+    error of its own; ``no_space``: a role met a full disk (freeing space and resuming goes on); ``iteration``: the
+    last iteration the job logged before; ``seen_at``: when the launcher saw it (wall time)."""
 
-    def __init__(self, message: str, *, restartable: bool = False, iteration: int = 0) -> None:
+    def __init__(self, message: str, *, restartable: bool = False, no_space: bool = False,
+                 iteration: int = 0) -> None:
         super().__init__(message)
-        self.restartable, self.iteration = restartable, iteration
+        self.restartable, self.no_space, self.iteration = restartable, no_space, iteration
         self.seen_at = time.time()
 
 
@@ -237,6 +238,8 @@ def _restart(config: TrainConfig, failed: JobFailed, *, done: int) -> dict:
     """The record of the restart that follows ``failed`` (``done`` restarts before it), its checkpoint's
     metrics kept and the later ones forgotten; ``failed`` raised again, saying why, if the job cannot go on."""
     why, boundary = None, None
+    if failed.no_space:  # not the job's own error: it goes on once there is room
+        raise JobFailed(f"{failed}; the disk is full: {after_a_full_disk(config.run_dir)}", no_space=True) from None
     if not failed.restartable:
         why = "it failed by its own error, which a restart would meet again"
     elif done >= config.max_restarts:
@@ -470,8 +473,9 @@ def _supervise(children: list[Child], metrics: _MetricsTail, state: _JobState, *
             if failed:
                 _raise_if_interrupted(failed)
                 message, restartable = _blame(children, failed)
+                no_space = any((status := c.status()) is not None and status.cause == "no_space" for c in failed)
                 raise JobFailed(f"{message}; logs in {failed[0].log_path.parent}", restartable=restartable,
-                                iteration=metrics.iteration)
+                                no_space=no_space, iteration=metrics.iteration)
             if all(code is not None for code in codes.values()):
                 break
             time.sleep(0.1)

@@ -368,6 +368,17 @@ def valid_checkpoints(run_dir: str | Path, *, newest_only: bool = False) -> list
     return found
 
 
+def after_a_full_disk(run_dir: str | Path) -> str:
+    """What a run that met a full disk does once there is room: resume from its newest intact checkpoint, or start
+    again where it wrote none yet."""
+    found = valid_checkpoints(run_dir, newest_only=True)
+    if not found:
+        return (f"free space there, then start the run again (`bagpipe train ... --run-dir {run_dir} --overwrite`): "
+                f"it had written no checkpoint yet")
+    return (f"free space there, then `bagpipe train --run-dir {run_dir} --resume` continues the run from its "
+            f"checkpoint at iteration {found[0][1][-1]['iteration']}")
+
+
 def resumable_checkpoint(run_dir: str | Path, *, iterations: int, every: int = 0,
                          every_s: float = 0.0) -> tuple[Path, list[dict]]:
     """The checkpoint ``--resume`` continues ``run_dir`` from (its newest intact one) to train up to

@@ -177,3 +177,22 @@ def test_a_killed_trainer_the_oracle_does_not_replace_fails_the_job_after_the_gr
     with pytest.raises(JobFailed, match=r"trainer 1 \(rank 2\) failed \(killed by SIGKILL\)"):
         job.supervise(grace_s=0.4)
     assert time.monotonic() - started >= 0.4 and job.replaced == []
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_a_full_disk_is_named_as_resumable_not_as_an_error_a_restart_would_meet_again(tmp_path, checkpoints):
+    """(Issue 46's W3: a full disk ended the job "not restarted: it failed by its own error, which a restart would
+    meet again", though freeing space and resuming goes on.)"""
+    from bagpipe.config import TrainConfig
+    from bagpipe.runtime.launch import _restart
+
+    config = TrainConfig(data="d", run_dir=str(tmp_path / "run"), mode="bagpipe", max_restarts=2,
+                         checkpoint_every=10 if checkpoints else 0)
+    full = JobFailed("oracle 0 (rank 0) failed (exit code 1): no space left on /dev/x while writing f", no_space=True)
+    with pytest.raises(JobFailed) as ended:
+        _restart(config, full, done=0)
+    assert "the disk is full: free space there, then" in str(ended.value)
+    assert "start the run again (`bagpipe train ... --run-dir" in str(ended.value)  # (no checkpoint written here)
+    assert "would meet again" not in str(ended.value) and ended.value.no_space
+    with pytest.raises(JobFailed, match="would meet again" if checkpoints else "exit code 1"):  # its own error
+        _restart(config, JobFailed("trainer 0 (rank 1) failed (exit code 1): ValueError: x"), done=0)

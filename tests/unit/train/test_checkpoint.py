@@ -264,3 +264,16 @@ def test_a_run_killed_before_its_first_checkpoint_is_refused_saying_when_that_wa
         resumable_checkpoint(tmp_path / "run", iterations=100, every=20, every_s=30.0)
     with pytest.raises(ValueError, match=r"it wrote none \(a run checkpoints with --checkpoint-every N"):
         resumable_checkpoint(tmp_path / "run", iterations=100)
+
+
+def test_a_run_that_met_a_full_disk_is_told_to_resume_from_its_newest_checkpoint_or_start_again(small_binary,
+                                                                                                tmp_path):
+    from bagpipe.train.checkpoints import after_a_full_disk
+    from bagpipe.train.reference import train_reference
+    from helpers.jobs import small_config
+
+    run_dir = tmp_path / "run"
+    assert "start the run again" in after_a_full_disk(run_dir) and "--overwrite" in after_a_full_disk(run_dir)
+    train_reference(small_config(small_binary, run_dir, iterations=12, checkpoint_every=5), show_progress=False)
+    assert after_a_full_disk(run_dir) == (f"free space there, then `bagpipe train --run-dir {run_dir} --resume` "
+                                          f"continues the run from its checkpoint at iteration 10")
