@@ -5,7 +5,12 @@ and sends each trainer only what it does not have. The job ends bit for bit as t
 restart; what it cannot take over restarts the job from its newest checkpoint, as before."""
 
 import json
+import os
+import signal
+import threading
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +150,52 @@ def test_a_hand_started_oracle_lost_is_replaced_by_starting_its_command_again(sm
     assert [f["role"] for f in summary["failures"]] == ["oracle"] and summary["failures"][0]["replaced"]
     assert "start the same `bagpipe oracle` command again" in logs["store"].read_text()
     assert "every role has left: the job's store closes" in logs["store"].read_text()
+
+
+def _numbering_process(run) -> int | None:
+    """The pid of the oracle's numbering process (planner/ahead.py), once the job has started it."""
+    try:
+        oracle = json.loads((run / "pids.json").read_text())["oracle0"]
+    except (OSError, ValueError, KeyError):
+        return None
+    for proc in Path("/proc").iterdir():
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == oracle and b"bagpipe.planner.ahead" in (proc / "cmdline").read_bytes():
+                return int(proc.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def test_a_killed_numbering_process_loses_the_oracle_which_is_replaced_and_the_job_ends_bit_for_bit(small_binary,
+                                                                                                     tmp_path):
+    """With --planner-processes 2 the oracle numbers batches in a process of its own: SIGKILLed, it ended the job
+    ("failed by its own error, which a restart would meet again"; issue 46's W1). The oracle now ends as a killed
+    one ends, and its replacement takes the job over."""
+    from bagpipe.runtime.launch import launch_local
+
+    run = tmp_path / "bagpipe"
+    config = job_config(small_binary, run, iterations=300, timeout=20.0, planner_processes=2, servers=2)
+    killed: list[int] = []
+
+    def kill_the_numbering_process() -> None:
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            pid = _numbering_process(run)
+            if pid is not None:
+                time.sleep(1.0)  # (numbering ahead of a trainer held at iteration 10)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_the_numbering_process, daemon=True)
+    watcher.start()
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer0@iteration 10:pause=6"})
+    watcher.join(timeout=5)
+    assert killed, "the numbering process was never seen"
+    assert "restarts" not in summary
+    assert [f["role"] for f in summary["failures"]] == ["oracle"] and summary["failures"][0]["replaced"]
+    assert "the oracle's numbering process was lost" in (run / "logs" / "oracle0.log").read_text()
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    _no_process_left(run)

@@ -37,6 +37,10 @@ DEPTH = 2 * _NEXT_USE_BLOCK  # numbered batches held ahead of the decisions (the
 _END = None
 
 
+class NumberingLost(RuntimeError):
+    """The numbering process was killed (a signal, not an error of its own): its caller lost a part of itself."""
+
+
 class _Failure(tuple):
     """An error in the child or in the batches: (kind, text), raised by the consumer."""
 
@@ -96,8 +100,9 @@ def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int =
                     return
         except (EOFError, OSError):
             if not stopping.is_set():
-                ready.put(_Failure(("RuntimeError", f"the numbering process ended unexpectedly (exit code "
-                                                    f"{child.wait()})")))
+                code = child.wait()
+                ready.put(_Failure(("NumberingLost" if code < 0 else "RuntimeError",
+                                    f"the numbering process ended unexpectedly (exit code {code})")))
         except BaseException as err:  # noqa: BLE001 - an answer that did not unpickle: raised by the consumer
             ready.put(_Failure(("RuntimeError", f"the numbering process's answer could not be read: {err!r}")))
 
@@ -112,7 +117,7 @@ def numbered_ahead(batches: Iterable[np.ndarray], *, num_rows: int, depth: int =
                 break
             if isinstance(item, _Failure):
                 kind, text = item
-                raise (ValueError if kind == "ValueError" else RuntimeError)(text)
+                raise {"ValueError": ValueError, "NumberingLost": NumberingLost}.get(kind, RuntimeError)(text)
             yield item
     finally:
         stopping.set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Callable
@@ -32,6 +33,15 @@ def exit_on_lost(lost: PeerLost) -> None:
     record_exit(ExitStatus.lost(lost))
     logging.shutdown()
     os._exit(LOST_EXIT_CODE)
+
+
+def end_as_lost(reason: str) -> None:
+    """End this process as a killed one ends (SIGKILL: no exit status): a part of it that it cannot replace in place
+    was lost (the oracle's numbering process, planner/ahead.py). Whoever replaces a killed role then replaces it:
+    the local launcher, or the same command started again by hand."""
+    log.error("%s", reason)
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Liveness:

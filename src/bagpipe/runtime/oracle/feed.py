@@ -26,9 +26,10 @@ from bagpipe.data.binary import BinaryDataset
 from bagpipe.embeddings import valid_keys
 from bagpipe.faults import inject_fault
 from bagpipe.planner import PlannerConfig, plan_spaces
-from bagpipe.planner.ahead import plan_spaces_ahead
+from bagpipe.planner.ahead import NumberingLost, plan_spaces_ahead
 from bagpipe.planner.partitioned import TrainerStep, plan_partitioned_spaces
 from bagpipe.planner.plan import PlanStep
+from bagpipe.runtime.liveness import end_as_lost
 from bagpipe.runtime.oracle.checkpointing import JobCheckpoints
 from bagpipe.runtime.oracle.state import JobState
 from bagpipe.runtime.protocol import PULL_MAX_STEPS, JobInfo, Pulled, part_messages, slice_messages
@@ -89,6 +90,9 @@ class Feed:
         says it)."""
         try:
             self._produce()
+        except NumberingLost as err:  # a part of the oracle killed: the oracle is lost as a killed one is, replaced
+            end_as_lost(f"the oracle's numbering process was lost ({err}): the oracle ends as a lost one, for its "
+                        f"replacement to take the job over")
         except BaseException as err:  # noqa: BLE001 - handed to the trainers' next pull and to the main thread
             self.state.fail(err)
         finally:
