@@ -914,8 +914,9 @@ def _run_command(args) -> int:
     except NotReplaceable as err:  # a lost oracle's replacement that cannot take over: the launcher restarts the job
         code, failure = NOT_REPLACEABLE_EXIT_CODE, str(err)
         log.error("%s", failure)
-    except (WriteFailed, RuntimeError, TimeoutError, ConnectionError) as err:  # (WriteFailed: a full or read-only
-        code, failure = 1, str(err)                                             # disk, the user's to fix)
+    # (WriteFailed: a full or read-only disk, named, the user's to fix: no traceback)
+    except (WriteFailed, RuntimeError, TimeoutError, ConnectionError) as err:
+        code, failure = 1, str(err)
         if _met_a_full_disk(err):
             cause = "no_space"
             if args.command == "train" and getattr(args, "run_dir", None):

@@ -60,7 +60,7 @@ class Setting:
         if self.below is not None and not self.low <= value < self.below:
             raise ValueError(f"{self.name} must be in [{self.low:g}, {self.below:g}), got {value}")
         if self.below is None and self.low is not None and value < self.low:
-            what = "be positive" if self.low == 1 else "not be negative" if self.low == 0 else f"be at least {self.low:g}"
+            what = {1: "be positive", 0: "not be negative"}.get(self.low, f"be at least {self.low:g}")
             raise ValueError(f"{self.name} must {what}, got {value}")
 
 
