@@ -147,13 +147,15 @@ def check_torch(version: str = torch.__version__) -> None:
                            f"<{high_major}.{high_minor + 1}")
 
 
-def init_rpc(name: str, *, rank: int, world_size: int, store: dist.Store, timeout: float, loopback: bool,
+def init_rpc(name: str, *, rank: int, world_size: int, store: dist.Store, timeout: float, interface: str | None,
              epoch: int = 0, transports: tuple[str, ...] = ("uv",), channels: tuple[str, ...] = ()) -> None:
-    """Join the RPC world (TensorPipe) of ``epoch`` as ``name`` through ``store``; loopback only when the master
-    is (``loopback``). ``transports``, ``channels``: TensorPipe's, by name (``channels`` empty: its own choice)."""
+    """Join the RPC world (TensorPipe) of ``epoch`` as ``name`` through ``store``, listening on ``interface``'s
+    address (None: TensorPipe's choice; TP_SOCKET_IFNAME, where set, wins). ``transports``, ``channels``:
+    TensorPipe's, by name (``channels`` empty: its own choice)."""
     check_torch()
-    if loopback:
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    if interface is not None:  # (GLOO_: the gloo group that torch's RPC makes at init takes its devices from it)
+        os.environ.setdefault("TP_SOCKET_IFNAME", interface)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     _RENDEZVOUS["store"] = (store, rank, world_size, epoch)
     # torch prefixes each init_rpc of a process with how many it made before, and numbers the all-gathers it
     # makes (one in init_rpc) per process: a replacement's first init must meet the survivors' second, so the
@@ -179,12 +181,14 @@ def shutdown_rpc() -> None:
 
 
 def gloo_group(store: dist.Store, prefix: str, rank: int, size: int, *, timeout: float,
-               loopback: bool) -> dist.ProcessGroup:
-    """A gloo group of ``size`` ranks meeting under ``prefix`` in ``store``, apart from any default process group."""
+               interface: str | None) -> dist.ProcessGroup:
+    """A gloo group of ``size`` ranks meeting under ``prefix`` in ``store``, apart from any default process group,
+    on ``interface`` (None: gloo's default device; GLOO_SOCKET_IFNAME, where set, wins)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout)
-    if loopback:
-        options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+    chosen = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name] or [interface]
+    if chosen != [None]:
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=name) for name in chosen]
     else:
         options._devices = [dist.ProcessGroupGloo.create_default_device()]
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)

@@ -10,12 +10,17 @@ may create itself. One port in all: under torchrun, the agent's store on MASTER_
 
 RPC and c10d have no authentication and unpickle what arrives: the default address is loopback,
 where the store, TensorPipe and gloo listen on 127.0.0.1 only; a job spanning machines belongs on
-a trusted network.
+a trusted network. Each process listens (TensorPipe, gloo) on the address it reaches the master from:
+the interface the kernel routes the master's address through (``reach``), so that a job whose machines
+are joined by loopback-range addresses on links of their own (the hosts of ``bagpipe.hosts``) or by
+a network whose host names resolve to 127.0.1.1 (Debian's default) still meets; GLOO_SOCKET_IFNAME and
+TP_SOCKET_IFNAME, where set, choose instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import ipaddress
 import json
 import logging
@@ -167,6 +172,37 @@ class World:
         except OSError:
             return False
 
+    @property
+    def interface(self) -> str | None:
+        """The network interface this process reaches the master through: where it listens for the other
+        processes (None where it cannot tell: the libraries' own choice)."""
+        return reach(self.master_addr)[1]
+
+
+def reach(address: str) -> tuple[str | None, str | None]:
+    """This machine's address towards ``address`` (the source address the kernel picks for it) and the network
+    interface holding it; (None, None) where either cannot be told (no route, IPv6, a name that does not resolve)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(address), 9))  # a UDP connect sends nothing: it only routes
+            own = probe.getsockname()[0]
+    except OSError:
+        return None, None
+    for _, name in socket.if_nameindex():
+        if _address_of(name) == own:
+            return own, name
+    return own, None
+
+
+def _address_of(interface: str) -> str | None:
+    """``interface``'s IPv4 address (its first), None if it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), 0x8915, interface.encode()[:15].ljust(256, b"\0"))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
 
 def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: int | None,
                    master_addr: str | None, master_port: int | None, timeout: float, liveness: float = 0.0,
@@ -243,18 +279,20 @@ def _host_store(world: World, wait: timedelta) -> dist.TCPStore:
 
 
 def _serve(world: World, wait: timedelta) -> tuple[dist.TCPStore, socket.socket | None]:
-    """A TCPStore server on the world's master address, and the socket it listens on (loopback: 127.0.0.1 only)."""
+    """A TCPStore server on the world's master address, and the socket it listens on (a loopback-range address: that
+    address only, 127.0.0.1 on one machine)."""
     if not world.is_loopback:
         return dist.TCPStore(world.master_addr, world.master_port, None, True, wait, wait_for_workers=False), None
+    address = socket.gethostbyname(world.master_addr)
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((LOOPBACK, world.master_port))
+        listener.bind((address, world.master_port))
     except OSError as err:
         listener.close()
-        raise ConnectionError(f"cannot listen on {LOOPBACK}:{world.master_port}: {err}") from None
+        raise ConnectionError(f"cannot listen on {address}:{world.master_port}: {err}") from None
     listener.listen(1024)
-    return dist.TCPStore(LOOPBACK, world.master_port, None, True, wait, wait_for_workers=False,
+    return dist.TCPStore(address, world.master_port, None, True, wait, wait_for_workers=False,
                          master_listen_fd=listener.fileno()), listener
 
 
@@ -459,7 +497,7 @@ def init_rpc(world: World, store: dist.Store, *, epoch: int = 0) -> None:
     """Join the RPC world of ``epoch`` as ``world``'s rank, through ``store`` (runtime/transport.py)."""
     transports, channels = rpc_lists(world.rpc_transports, world.rpc_channels, names=RPC_FLAGS)
     transport.init_rpc(world.name, rank=world.rank, world_size=world.world_size, store=store, timeout=world.timeout,
-                       loopback=world.is_loopback, epoch=epoch, transports=transports, channels=channels)
+                       interface=world.interface, epoch=epoch, transports=transports, channels=channels)
 
 
 def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0) -> TrainerGroup | None:
@@ -469,7 +507,7 @@ def trainer_group(world: World, store: dist.Store, index: int, *, epoch: int = 0
     if world.num_trainers == 1:
         return None
     group = transport.gloo_group(store, "bagpipe/trainers" if not epoch else f"bagpipe/trainers/{epoch}", index,
-                                 world.num_trainers, timeout=world.timeout, loopback=world.is_loopback)
+                                 world.num_trainers, timeout=world.timeout, interface=world.interface)
     return TrainerGroup(group, timeout=world.timeout)
 
 

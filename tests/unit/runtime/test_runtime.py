@@ -125,3 +125,12 @@ def test_a_torch_outside_the_supported_range_is_refused_naming_it():
         with pytest.raises(RuntimeError, match=rf"supports torch {low_major}.{low_minor} to {high_major}.{high_minor}, "
                                                rf"this is torch {outside}: install torch>="):
             check_torch(outside)
+
+
+def test_a_process_listens_where_it_reaches_the_master_from():
+    from bagpipe.runtime.world import World, reach
+
+    assert reach("127.0.0.1") == ("127.0.0.1", "lo")
+    assert reach("localhost")[1] == "lo"
+    assert World(rank=1, world_size=3, num_trainers=1).interface == "lo"
+    assert reach("no-such-host.invalid") == (None, None)  # the libraries' own choice then

@@ -23,7 +23,7 @@ def on_trainers(trainers: int, body, *, store=None, prefix: str = "sums", kept: 
     store, results, errors = store or dist.HashStore(), {}, []
 
     def trainer(rank: int) -> None:
-        group = TrainerGroup(gloo_group(store, prefix, rank, trainers, timeout=20.0, loopback=True), timeout=20.0)
+        group = TrainerGroup(gloo_group(store, prefix, rank, trainers, timeout=20.0, interface="lo"), timeout=20.0)
         try:
             results[rank] = body(rank, group)
         except BaseException as err:  # noqa: BLE001 - the test's thread: reported below
