@@ -39,7 +39,7 @@ import torch.distributed as dist
 from bagpipe.config import check_liveness, rpc_lists
 from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime import transport
-from bagpipe.runtime.names import (EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
+from bagpipe.runtime.names import (BEAT_PREFIX, EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
                                    ROUTE_PREFIX, SHAPE_KEY, STATUS_KEY, STOP_KEY)
 from bagpipe.runtime.reduce import TrainerGroup
 from bagpipe.runtime.transport import AgentAnswers, Endpoint
@@ -403,7 +403,7 @@ def check_in(world: World, role: str, *, given: dict | None = None) -> tuple[dis
     world = dataclasses.replace(world, num_trainers=theirs["trainers"])
     _check_role(world, role)
     set_role(world.name)
-    epoch = _claim(world, store)
+    epoch = _claim(world, store, wait_s=world.takeover_s)  # (started again by hand, maybe at once)
     if epoch:  # a replacement: faults meant for it name it NAME/EPOCH (faults.py)
         set_role(f"{world.name}/{epoch}")
         inject_fault("joining")
@@ -435,15 +435,19 @@ def _shape(world: World) -> str:
 def _claim(world: World, store: dist.Store, *, wait_s: float = 0.0) -> int:
     """Refuse a second process that checks in with a rank another one already holds, unless the oracle awaits
     a replacement for that rank's lost process: then the epoch of the RPC world the replacement joins. ``wait_s``:
-    how long a process started again soon after a loss waits for the loss to be told (``bagpipe store`` tells an
-    oracle's once its heartbeat has been silent for the liveness window)."""
+    how long a process started again soon after a loss waits for the loss to be told (the oracle asks for a
+    replacement once the lost one's heartbeat has been silent for the liveness window, and a server's once its
+    parity server stands in; ``bagpipe store`` tells an oracle's): cut short, refused, while the holder still beats
+    (two processes given one --worker-id)."""
     if store.add(f"bagpipe/claim/{world.rank}", 1) > 1:
         wanted = f"{REPLACE_PREFIX}{world.rank}"
+        beats = f"{BEAT_PREFIX}{world.rank}"
+        first_beat = store.add(beats, 0)
         deadline = time.monotonic() + wait_s
         while True:
             if store.check([wanted]) and not store.check([f"{JOINING_PREFIX}{world.rank}"]):
                 return int(store.get(wanted))
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or store.add(beats, 0) != first_beat:
                 break
             time.sleep(0.2)
         raise ValueError(f"--worker-id {world.rank} ({world.label(world.rank)}) is already taken by another "

@@ -134,3 +134,33 @@ def test_a_process_listens_where_it_reaches_the_master_from():
     assert reach("localhost")[1] == "lo"
     assert World(rank=1, world_size=3, num_trainers=1).interface == "lo"
     assert reach("no-such-host.invalid") == (None, None)  # the libraries' own choice then
+
+
+def test_a_rank_started_again_at_once_waits_for_its_loss_to_be_told_and_a_live_holders_is_refused():
+    import threading
+
+    import torch.distributed as dist
+
+    from bagpipe.runtime.names import BEAT_PREFIX, REPLACE_PREFIX
+    from bagpipe.runtime.world import World, _claim
+
+    world = World(rank=2, world_size=4, num_trainers=2)
+    store = dist.HashStore()
+    assert _claim(world, store, wait_s=5.0) == 0  # the first process of rank 2
+    store.add(f"{BEAT_PREFIX}2", 1)
+    # started again by hand while the loss is not yet told (its heartbeat silent): waits, then joins as the replacement
+    threading.Timer(0.6, lambda: store.set(f"{REPLACE_PREFIX}2", "3")).start()
+    started = time.monotonic()
+    assert _claim(world, store, wait_s=5.0) == 3
+    assert 0.5 < time.monotonic() - started < 3.0
+    store.delete_key(f"{REPLACE_PREFIX}2")
+    # a second process given the same --worker-id while the first still beats: refused within a beat, not the wait
+    beating = threading.Timer(0.5, lambda: store.add(f"{BEAT_PREFIX}2", 1))
+    beating.start()
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="is already taken by another process of this job"):
+        _claim(world, store, wait_s=20.0)
+    assert time.monotonic() - started < 3.0
+    # and where nobody asks for a replacement, refused after the wait
+    with pytest.raises(ValueError, match="is already taken"):
+        _claim(world, store, wait_s=0.5)
