@@ -22,7 +22,8 @@ from pathlib import Path
 
 from bagpipe.hosts import Hosts
 
-ORACLE_HOST = "oracle"  # also the store's
+ORACLE_HOST = "oracle"  # also the store's, unless JobShape.store_apart
+STORE_HOST = "store"
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,19 @@ class JobShape:
     servers: int = 1
     parity: int = 0
     options: tuple[str, ...] = ()
+    store_apart: bool = False  # the store on a host of its own ("store"), so that the oracle's host may be lost
 
     @property
     def world_size(self) -> int:
         return 1 + self.trainers + self.servers
 
+    @property
+    def store_host(self) -> str:
+        return STORE_HOST if self.store_apart else ORACLE_HOST
+
     def hosts(self) -> list[str]:
-        return ([ORACLE_HOST] + [f"trainer{t}" for t in range(self.trainers)]
-                + [f"server{s}" for s in range(self.servers)])
+        return ([self.store_host] + ([ORACLE_HOST] if self.store_apart else [])
+                + [f"trainer{t}" for t in range(self.trainers)] + [f"server{s}" for s in range(self.servers)])
 
 
 @dataclass
@@ -64,10 +70,12 @@ class HostJob:
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("OMP_NUM_THREADS", "1")
         (self.cwd / "logs").mkdir(parents=True, exist_ok=True)
-        master = hosts.address(ORACLE_HOST)
+        master = hosts.address(shape.store_host)
         world = ["--world-size", str(shape.world_size), "--master-ip", master]
         bagpipe = [sys.executable, "-m", "bagpipe.cli"]
-        self.roles = [Role("store", ORACLE_HOST, [*bagpipe, "store", *world]),
+        store_flags = [flag for pair in zip(shape.options[::2], shape.options[1::2])
+                       if pair[0] in ("--timeout", "--liveness-s") for flag in pair]
+        self.roles = [Role("store", shape.store_host, [*bagpipe, "store", *world, *store_flags]),
                       Role("oracle", ORACLE_HOST, [*bagpipe, "oracle", "--worker-id", "0", *world, "--store-served",
                                                    "--world-size-trainers", str(shape.trainers), "--data", str(data),
                                                    "--run-dir", str(self.run_dir),
@@ -156,3 +164,156 @@ class HostJob:
     def log(self, name: str, tail: int = 3000) -> str:
         path = self.cwd / "logs" / f"{name}.log"
         return path.read_text(errors="replace")[-tail:] if path.exists() else ""
+
+
+# -- the scenarios -----------------------------------------------------------------------------------------------------
+
+# 80 iterations of 256 samples on small data (tests/conftest.py's: 26 tables of <= 40 rows, 861 rows); a cache
+# short of the rows, so that rows move every iteration; a liveness window of 3 s
+OPTIONS = ("--mini-batch-size", "256", "--iterations", "80", "--cache-size", "800", "--liveness-s", "3",
+           "--timeout", "20", "--log-every", "5")
+FAULT_AT = 20  # the iteration after which a scenario's fault is injected
+DOWN_SHORT_S, DOWN_LONG_S = 1.5, 8.0  # against the 3 s window
+EXACT, RESUMED = "exact", "failed, resumed exact"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A fault injected from outside a running job (``fault(hosts)``), and what it must give: ``EXACT`` (the job
+    ends by itself, bit for bit the reference, the roles on the ``faulted`` hosts started again by the operator
+    where they end) or ``RESUMED`` (the job ends with an error naming the loss; resumed from its newest
+    checkpoint, it ends bit for bit)."""
+    name: str
+    what: str
+    fault: Callable[[Hosts], None]
+    faulted: tuple[str, ...]
+    shape: JobShape = JobShape(options=OPTIONS)
+    expect: str = EXACT
+    packets: bool = False  # needs iptables
+
+
+def _down(host: str, seconds: float) -> Callable[[Hosts], None]:
+    def fault(hosts: Hosts) -> None:
+        hosts.link_down(host)
+        time.sleep(seconds)
+        hosts.link_up(host)
+    return fault
+
+
+def _loss(host: str, probability: float) -> Callable[[Hosts], None]:
+    return lambda hosts: hosts.drop(host, probability)
+
+
+def _partition(host: str, others: tuple[str, ...], seconds: float) -> Callable[[Hosts], None]:
+    def fault(hosts: Hosts) -> None:
+        hosts.isolate(host, others)
+        time.sleep(seconds)
+        hosts.isolate(host, ())
+    return fault
+
+
+PARITY = JobShape(servers=2, parity=1, options=OPTIONS)
+PARTITIONED = JobShape(options=(*OPTIONS, "--cache-mode", "partitioned", "--checkpoint-every", "10"))
+CHECKPOINTED = JobShape(options=(*OPTIONS, "--checkpoint-every", "10"))
+APART = JobShape(options=OPTIONS, store_apart=True)
+
+SCENARIOS = [
+    Scenario("trainer link down 1.5 s", "a trainer's link down for half the liveness window, then up",
+             _down("trainer1", DOWN_SHORT_S), ()),
+    Scenario("server link down 1.5 s", "the server's link down for half the liveness window, then up",
+             _down("server0", DOWN_SHORT_S), ()),
+    Scenario("trainer link down 8 s", "a trainer's link down past the window: it ends itself, started again",
+             _down("trainer1", DOWN_LONG_S), ("trainer1",)),
+    Scenario("server link down 8 s, parity", "a data server's link down past the window under --parity 1",
+             _down("server0", DOWN_LONG_S), ("server0",), shape=PARITY),
+    Scenario("server link down 8 s, no parity", "the only server cut off past the window, checkpoints every 10",
+             _down("server0", DOWN_LONG_S), (), shape=CHECKPOINTED, expect=RESUMED),
+    Scenario("trainer host lost", "every process of a trainer's host killed at once",
+             lambda hosts: hosts.lose("trainer1"), ("trainer1",)),
+    Scenario("trainer host lost, partitioned", "a trainer's host lost under --cache-mode partitioned",
+             lambda hosts: hosts.lose("trainer1"), (), shape=PARTITIONED, expect=RESUMED),
+    Scenario("server host lost, parity", "a data server's host lost, its parity server on another host",
+             lambda hosts: hosts.lose("server0"), ("server0",), shape=PARITY),
+    Scenario("oracle host lost, store apart", "the oracle's host lost, the job's store on a host of its own",
+             lambda hosts: hosts.lose(ORACLE_HOST), (ORACLE_HOST,), shape=APART),
+    Scenario("1% loss, trainer", "1% of the packets in and out of a trainer's host lost",
+             _loss("trainer1", 0.01), (), packets=True),
+    Scenario("5% loss, trainer", "5% of the packets in and out of a trainer's host lost",
+             _loss("trainer1", 0.05), (), packets=True),
+    Scenario("5% loss, trainer, partitioned", "5% loss on a trainer's link under --cache-mode partitioned",
+             _loss("trainer1", 0.05), (), shape=PARTITIONED, packets=True),
+    Scenario("5% loss, server", "5% of the packets in and out of the server's host lost",
+             _loss("server0", 0.05), (), packets=True),
+    Scenario("partition oracle | trainers 8 s", "the oracle (and store) cut off from every trainer past the window",
+             _partition(ORACLE_HOST, ("trainer0", "trainer1"), DOWN_LONG_S), (), shape=CHECKPOINTED, expect=RESUMED,
+             packets=True),
+]
+SHORTEST = ("trainer link down 1.5 s", "trainer host lost", "server host lost, parity")  # run by the tests
+
+
+def scenario(name: str) -> Scenario:
+    return next(s for s in SCENARIOS if s.name == name)
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    outcome: str  # EXACT, RESUMED, or what went wrong
+    passed: bool
+    wall_s: float  # the job's, from its start to its end (with a resume: both runs')
+    samples_per_s: float | None  # summary.json's steady state
+    recovered_s: float | None  # summary.json's failures: the longest recovered_in_s / joined_in_s
+    restarts: int  # roles started again by the operator
+    detail: str = ""
+
+
+def run_scenario(item: Scenario | None, *, data: str | Path, cwd: Path, same_as: Callable[[Path], bool],
+                 timeout: float = 240.0) -> Outcome:
+    """``item`` (None: the job unfaulted) run across fresh hosts in ``cwd``; ``same_as(run_dir)``: whether the run's
+    model is bit for bit the reference's."""
+    shape = item.shape if item is not None else JobShape(options=OPTIONS)
+    name = item.name if item is not None else "no fault"
+    faulted = set(item.faulted) if item is not None else set()
+    Path(cwd).mkdir(parents=True, exist_ok=True)
+    with Hosts(shape.hosts()) as hosts:
+        job = HostJob(hosts, shape, data=data, cwd=cwd)
+        job.start_all()
+        if item is not None:
+            job.wait_for_iteration(FAULT_AT, timeout=timeout)
+            item.fault(hosts)
+
+        def replace(role: Role, code: int) -> bool:
+            return role.host in faulted and role.name != "store" and role.starts < 3
+
+        ended = job.supervise(replace=replace, timeout=timeout)
+        wall = time.monotonic() - job.started_at
+    restarts = sum(role.starts - 1 for role in job.roles)
+    failed_roles = {role.name: role.exits for role in job.roles if role.exits and role.exits[-1] != 0}
+    expect = item.expect if item is not None else EXACT
+    if ended:
+        summary = json.loads((job.run_dir / "summary.json").read_text())
+        exact = same_as(job.run_dir)
+        outcome = EXACT if exact else "ended, not exact"
+        return Outcome(name, outcome, outcome == expect, wall, summary.get("samples_per_s"), _recovered(summary),
+                       restarts)
+    errors = [line for role in job.roles for line in job.log(role.name).splitlines() if " ERROR " in line]
+    if expect != RESUMED:
+        return Outcome(name, "failed", False, wall, None, None, restarts, detail=f"{failed_roles}: {errors[:3]}")
+    started = time.monotonic()
+    resumed = subprocess.run([sys.executable, "-m", "bagpipe.cli", "train", "--run-dir", str(job.run_dir), "--resume",
+                              "--no-progress"], capture_output=True, text=True, cwd=cwd,
+                             env={**job.env, "OMP_NUM_THREADS": "1"})
+    wall += time.monotonic() - started
+    if resumed.returncode:
+        return Outcome(name, "failed, resume failed", False, wall, None, None, restarts,
+                       detail=resumed.stderr[-500:])
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    exact = same_as(job.run_dir)
+    return Outcome(name, RESUMED if exact else "failed, resumed not exact", exact, wall, summary.get("samples_per_s"),
+                   _recovered(summary), restarts, detail=errors[0] if errors else "")
+
+
+def _recovered(summary: dict) -> float | None:
+    times = [failure.get(key) for failure in summary.get("failures", [])
+             for key in ("recovered_in_s", "joined_in_s") if failure.get(key) is not None]
+    return max(times) if times else None

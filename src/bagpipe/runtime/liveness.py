@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from bagpipe.runtime.exit_status import ExitStatus, PeerLost, record_exit
-from bagpipe.runtime.names import BEAT_PREFIX, EXITED_PREFIX, JOINING_PREFIX, LEFT_PREFIX
+from bagpipe.runtime.names import BEAT_PREFIX, EXITED_PREFIX, JOINING_PREFIX, LEFT_PREFIX, REPLACE_PREFIX
 from bagpipe.runtime.world import World, connect_store, store_served_apart, uses_agent_store
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,10 @@ class Liveness:
         self._store = connect_store(world, timeout=world.timeout)
         for target, name in ((self._beat, "heartbeat"), (self._judge, "liveness")):
             threading.Thread(target=target, name=name, daemon=True).start()
+
+    def adopt(self, world: World) -> None:
+        """Judge by the job's ``world`` (its liveness window: job_world) from now on."""
+        self.world = world
 
     def stop(self) -> None:
         """Stop beating and say so (peers stop watching this role), once its part of the job is done."""
@@ -152,9 +156,18 @@ class Liveness:
 
     def _beat_until_stopped(self) -> None:
         key = f"{BEAT_PREFIX}{self.world.rank}"
+        replacing = f"{REPLACE_PREFIX}{self.world.rank}"
         while not self._stop.is_set():
             self._asking_since = time.monotonic()
             self._store.add(key, 1)
+            if self._store.check([replacing]) and int(self._store.get(replacing)) > self.world.epoch:
+                # taken for lost while cut off (a link down longer than the liveness window, a pause) and back: a
+                # replacement is asked for, so this process must not go on beside it; ended as a killed one is
+                # ended, it is replaced as one (the local launcher; elsewhere, its command started again)
+                end_as_lost(f"{self.world.label(self.world.rank)} (rank {self.world.rank}) was taken for lost (its "
+                            f"heartbeat did not reach the job's store for the liveness window, "
+                            f"{self.world.liveness_s:g} s) and the job asks for its replacement: ending so that the "
+                            f"replacement takes its place")
             for rank in self.watch:
                 if rank in self.left or rank in self.lost:
                     continue
@@ -170,8 +183,8 @@ class Liveness:
             self._stop.wait(self.world.beat_s)
 
     def _judge(self) -> None:
-        limit = self.world.liveness_s
         while not self._stop.wait(self.world.beat_s / 2):
+            limit = self.world.liveness_s  # (the job's, once adopted)
             now = time.monotonic()
             asking = self._asking_since
             if asking is not None and now - asking > limit:
@@ -197,7 +210,7 @@ class Liveness:
         if store_served_apart():
             return f"lost the job's store at {where} (served apart from the oracle): no answer for {seconds:.0f} s"
         return (f"lost the oracle (rank 0): the job's store it serves at {where} has not answered for "
-                f"{seconds:.0f} s: it is stopped, hung or gone")
+                f"{seconds:.0f} s: it is stopped, hung or gone, or the network to it is down")
 
     def _lose(self, rank: int, message: str, *, recoverable: bool = True) -> None:
         """``recoverable``: False when the store itself failed (nothing can be replaced without it)."""

@@ -140,7 +140,7 @@ class World:
     def liveness_s(self) -> float:
         """Silence after which a peer counts as lost: --liveness-s, else well inside the timeout of any wait on it
         (half of it, within 3-10 s)."""
-        return self.liveness or max(3.0, min(10.0, self.timeout / 2))
+        return liveness_window(self.timeout, self.liveness)
 
     @property
     def beat_s(self) -> float:
@@ -230,15 +230,27 @@ def world_from_env(*, rank: int | None, world_size: int | None, num_trainers: in
                  rpc_transports=rpc_transports, rpc_channels=rpc_channels)
 
 
+def liveness_window(timeout: float, liveness: float) -> float:
+    """Silence after which a peer counts as lost: ``liveness`` (--liveness-s), else well inside the timeout of any
+    wait on it (half of it, within 3-10 s)."""
+    return liveness or max(3.0, min(10.0, timeout / 2))
+
+
 def job_world(world: World, config) -> World:
-    """``world`` as the job (``config``, the oracle's) has it: its parity, and its RPC transports and channels,
-    which every process of a job shares; a ValueError if this process was given other ones."""
+    """``world`` as the job (``config``, the oracle's) has it: its parity, its liveness window (every process judges
+    silence alike: a process cut off longer than the window ends by itself as the others take it for lost), and
+    its RPC transports and channels, which every process of a job shares; a ValueError if this process was given
+    other ones."""
     for name, flag in zip(("rpc_transports", "rpc_channels"), RPC_FLAGS):
         mine, theirs = getattr(world, name), getattr(config, name)
         if mine is not None and mine != theirs:
             raise ValueError(f"{flag} {mine!r}: the job runs with {theirs!r} (every process of a job takes the same; "
                              f"leave it out to take the job's)")
-    return dataclasses.replace(world, parity=config.parity, rpc_transports=config.rpc_transports,
+    window = liveness_window(config.timeout, config.liveness_s)
+    if world.liveness and world.liveness != window:
+        raise ValueError(f"--liveness-s {world.liveness:g}: the job runs with {window:g} s (every process of a job "
+                         f"takes the same; leave it out to take the job's)")
+    return dataclasses.replace(world, parity=config.parity, liveness=window, rpc_transports=config.rpc_transports,
                                rpc_channels=config.rpc_channels)
 
 

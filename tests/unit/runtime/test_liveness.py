@@ -5,6 +5,7 @@ named point, and the test asserts which role the job names and how soon.
 """
 
 
+import dataclasses
 import json
 import time
 
@@ -113,3 +114,47 @@ def test_a_second_loss_that_could_not_be_recovered_from_says_why(tmp_path):
     message, restartable = _blame([oracle, server], [oracle])  # (the server, covered by parity, was excused)
     assert message == ("server 0 (rank 3) failed (killed by SIGKILL): it logged no error; oracle 0 (rank 0): server 0 "
                        "gone; a second loss in a group") and restartable, message
+
+
+def test_every_process_judges_silence_by_the_jobs_liveness_window():
+    from bagpipe.config import TrainConfig
+    from bagpipe.runtime.world import World, job_world
+
+    trainer = World(rank=1, world_size=4, num_trainers=2)  # a trainer's command line gives no --liveness-s
+    assert trainer.liveness_s == 10.0  # from its own --timeout (60 s)
+    config = TrainConfig(data="d", run_dir="r", timeout=20.0, liveness_s=3.0)
+    assert job_world(trainer, config).liveness_s == 3.0
+    assert job_world(trainer, dataclasses.replace(config, liveness_s=0.0)).liveness_s == 10.0  # half of 20 s
+    with pytest.raises(ValueError, match=r"--liveness-s 5: the job runs with 3 s"):
+        job_world(dataclasses.replace(trainer, liveness=5.0), config)
+
+
+def test_a_process_taken_for_lost_ends_itself_once_it_sees_its_replacement_asked_for(monkeypatch):
+    from datetime import timedelta
+
+    from bagpipe.runtime import liveness as liveness_module
+    from bagpipe.runtime.names import REPLACE_PREFIX
+    from bagpipe.runtime.world import World, _host_store, free_port
+
+    ended = []
+    monkeypatch.setattr(liveness_module, "end_as_lost", ended.append)
+    port = free_port()
+    store = _host_store(World(rank=0, world_size=4, num_trainers=2, master_port=port), timedelta(seconds=5))
+    world = World(rank=2, world_size=4, num_trainers=2, master_port=port, liveness=1.0)
+    watching = liveness_module.Liveness(world, watch=[])
+    try:
+        time.sleep(0.6)
+        assert ended == []
+        store.set(f"{REPLACE_PREFIX}2", "1")  # the oracle took rank 2 for lost: RPC world 1 awaits its replacement
+        deadline = time.monotonic() + 3.0
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ended and "trainer 1 (rank 2) was taken for lost" in ended[0]
+    finally:
+        watching.stop()
+    # the replacement itself (joined in RPC world 1) goes on
+    ended.clear()
+    replacement = liveness_module.Liveness(dataclasses.replace(world, epoch=1), watch=[])
+    time.sleep(0.8)
+    replacement.stop()
+    assert ended == []

@@ -38,6 +38,7 @@ def run_server(world: World, *, given: dict | None = None) -> None:
     liveness = Liveness(world, watch=[0])
     job = JobInfo.from_json(wait_for_job(world, store))
     world = job_world(world, job.config)
+    liveness.adopt(world)
     liveness.recover = functools.partial(liveness.goes_on_without, replace_oracle=job.replace_oracle)
     # 2. become what this rank is: a data server or a parity server, or a lost one's replacement (which is made
     # ready before the RPC world is re-formed around it, while training goes on)

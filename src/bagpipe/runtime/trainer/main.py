@@ -27,6 +27,7 @@ def join_as_trainer(world: World, *, given: dict, on_lost=exit_on_lost) -> tuple
                         on_lost=on_lost)
     job = JobInfo.from_json(wait_for_job(world, store))
     world = job_world(world, job.config)
+    liveness.adopt(world)
     if world.epoch:  # a lost trainer's replacement: in the RPC world the oracle re-forms around it
         if not await_reformation(world, store):
             raise RuntimeError("training ended before this trainer's replacement joined")
