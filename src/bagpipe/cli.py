@@ -478,6 +478,11 @@ def _add_oracle_flags(p) -> None:
     g.add_argument("--lookahead-value", "--lookahead", dest="lookahead", type=int, default=None,
                    help="batches planned ahead" + _default("lookahead"))
     g.add_argument("--policy", default=None, help=_policies() + _default("policy"))
+    g.add_argument("--cache-mode", default=None, choices=_cache_modes(), help="replicated: every trainer caches "
+                   "every row the plan keeps; partitioned: each trainer only the rows its slices use (see bagpipe "
+                   "train --help)" + _default("cache_mode"))
+    g.add_argument("--keep-within", type=int, default=None, help="--cache-mode partitioned: a trainer keeps a row "
+                   "another updates when its own next use is at most N iterations away" + _default("keep_within"))
     g.add_argument("--cleanup-batch-proportion", "--cleanup-fraction", dest="cleanup_fraction", type=float,
                    default=None, help="when evicting, also free this share of the cache" + _default("cleanup_fraction"))
     g.add_argument("--prefetch-depth", type=int, default=None,

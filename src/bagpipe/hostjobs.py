@@ -53,38 +53,47 @@ class JobShape:
 class Role:
     name: str  # "store", "oracle", "trainer0", "server1"
     host: str
-    argv: list[str]
+    args: list[str]  # its command: `bagpipe ARGS`
     process: subprocess.Popen | None = None
     starts: int = 0
     exits: list[int] = field(default_factory=list)  # the exit codes of the processes it had, in order
 
 
+Starter = Callable[..., "subprocess.Popen"]  # (hosts, host, args, *, cwd, env, output) -> a process
+
+
+def fresh_interpreter(hosts: Hosts, host: str, args: list[str], *, cwd: Path, env: dict[str, str], output):
+    """`bagpipe ARGS` started on ``host`` as a user would start it there: a fresh interpreter."""
+    return hosts.popen(host, [sys.executable, "-m", "bagpipe.cli", *args], cwd=cwd, env=env, stdout=output,
+                       stderr=subprocess.STDOUT)
+
+
 class HostJob:
     """``shape`` as a job across ``hosts`` (made with ``shape.hosts()``), training ``data`` into ``cwd``/run. Roles'
-    logs in ``cwd``/logs/ (a role started again appends)."""
+    logs in ``cwd``/logs/ (a role started again appends). ``start``: how a role's command is started on its host
+    (the tests start it from their fork server, in the host's namespace)."""
 
     def __init__(self, hosts: Hosts, shape: JobShape, *, data: str | Path, cwd: Path,
-                 env: dict[str, str] | None = None) -> None:
-        self.hosts, self.shape, self.cwd = hosts, shape, Path(cwd)
+                 env: dict[str, str] | None = None, start: Starter = fresh_interpreter) -> None:
+        self.hosts, self.shape, self.cwd, self._starter = hosts, shape, Path(cwd), start
         self.run_dir = self.cwd / "run"
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("OMP_NUM_THREADS", "1")
         (self.cwd / "logs").mkdir(parents=True, exist_ok=True)
         master = hosts.address(shape.store_host)
         world = ["--world-size", str(shape.world_size), "--master-ip", master]
-        bagpipe = [sys.executable, "-m", "bagpipe.cli"]
         store_flags = [flag for pair in zip(shape.options[::2], shape.options[1::2])
                        if pair[0] in ("--timeout", "--liveness-s") for flag in pair]
-        self.roles = [Role("store", shape.store_host, [*bagpipe, "store", *world, *store_flags]),
-                      Role("oracle", ORACLE_HOST, [*bagpipe, "oracle", "--worker-id", "0", *world, "--store-served",
+        self.roles = [Role("store", shape.store_host, ["store", *world, *store_flags]),
+                      Role("oracle", ORACLE_HOST, ["oracle", "--worker-id", "0", *world, "--store-served",
                                                    "--world-size-trainers", str(shape.trainers), "--data", str(data),
                                                    "--run-dir", str(self.run_dir),
                                                    *(["--parity", str(shape.parity)] if shape.parity else []),
                                                    *shape.options])]
-        self.roles += [Role(f"trainer{t}", f"trainer{t}", [*bagpipe, "trainer", "--worker-id", str(1 + t), *world])
+        self.roles += [Role(f"trainer{t}", f"trainer{t}", ["trainer", "--worker-id", str(1 + t), *world])
                        for t in range(shape.trainers)]
         self.roles += [Role(f"server{s}", f"server{s}",
-                            [*bagpipe, "server", "--worker-id", str(1 + shape.trainers + s), *world])
+                            ["server", "--worker-id", str(1 + shape.trainers + s), *world])
                        for s in range(shape.servers)]
         self.started_at = 0.0
 
@@ -97,8 +106,7 @@ class HostJob:
             if role.starts:
                 log.write(f"=== started again ({role.starts + 1}) ===\n")
                 log.flush()
-            role.process = self.hosts.popen(role.host, role.argv, cwd=self.cwd, env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT)
+            role.process = self._starter(self.hosts, role.host, role.args, cwd=self.cwd, env=self.env, output=log)
         role.starts += 1
 
     def start_all(self) -> None:
@@ -189,7 +197,7 @@ class Scenario:
     faulted: tuple[str, ...]
     shape: JobShape = JobShape(options=OPTIONS)
     expect: str = EXACT
-    packets: bool = False  # needs iptables
+    needs: str | None = None  # a tool the fault needs beyond iproute2 (iptables, ethtool)
 
 
 def _down(host: str, seconds: float) -> Callable[[Hosts], None]:
@@ -237,16 +245,20 @@ SCENARIOS = [
     Scenario("oracle host lost, store apart", "the oracle's host lost, the job's store on a host of its own",
              lambda hosts: hosts.lose(ORACLE_HOST), (ORACLE_HOST,), shape=APART),
     Scenario("1% loss, trainer", "1% of the packets in and out of a trainer's host lost",
-             _loss("trainer1", 0.01), (), packets=True),
+             _loss("trainer1", 0.01), (), needs="iptables"),
     Scenario("5% loss, trainer", "5% of the packets in and out of a trainer's host lost",
-             _loss("trainer1", 0.05), (), packets=True),
+             _loss("trainer1", 0.05), (), needs="iptables"),
     Scenario("5% loss, trainer, partitioned", "5% loss on a trainer's link under --cache-mode partitioned",
-             _loss("trainer1", 0.05), (), shape=PARTITIONED, packets=True),
+             _loss("trainer1", 0.05), (), shape=PARTITIONED, needs="iptables"),
     Scenario("5% loss, server", "5% of the packets in and out of the server's host lost",
-             _loss("server0", 0.05), (), packets=True),
+             _loss("server0", 0.05), (), needs="iptables"),
+    Scenario("50 +- 20 ms delay, trainer", "every frame in and out of a trainer's host held 30-70 ms (a relay)",
+             lambda hosts: hosts.delay("trainer1", 50, 20), (), needs="ethtool"),
+    Scenario("50 +- 20 ms delay, server", "every frame in and out of the server's host held 30-70 ms (a relay)",
+             lambda hosts: hosts.delay("server0", 50, 20), (), needs="ethtool"),
     Scenario("partition oracle | trainers 8 s", "the oracle (and store) cut off from every trainer past the window",
              _partition(ORACLE_HOST, ("trainer0", "trainer1"), DOWN_LONG_S), (), shape=CHECKPOINTED, expect=RESUMED,
-             packets=True),
+             needs="iptables"),
 ]
 SHORTEST = ("trainer link down 1.5 s", "trainer host lost", "server host lost, parity")  # run by the tests
 
@@ -268,15 +280,15 @@ class Outcome:
 
 
 def run_scenario(item: Scenario | None, *, data: str | Path, cwd: Path, same_as: Callable[[Path], bool],
-                 timeout: float = 240.0) -> Outcome:
+                 timeout: float = 240.0, start: Starter = fresh_interpreter) -> Outcome:
     """``item`` (None: the job unfaulted) run across fresh hosts in ``cwd``; ``same_as(run_dir)``: whether the run's
-    model is bit for bit the reference's."""
+    model is bit for bit the reference's; ``start``: as HostJob's."""
     shape = item.shape if item is not None else JobShape(options=OPTIONS)
     name = item.name if item is not None else "no fault"
     faulted = set(item.faulted) if item is not None else set()
     Path(cwd).mkdir(parents=True, exist_ok=True)
     with Hosts(shape.hosts()) as hosts:
-        job = HostJob(hosts, shape, data=data, cwd=cwd)
+        job = HostJob(hosts, shape, data=data, cwd=cwd, start=start)
         job.start_all()
         if item is not None:
             job.wait_for_iteration(FAULT_AT, timeout=timeout)

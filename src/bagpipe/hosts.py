@@ -101,6 +101,8 @@ class Hosts:
         self.switch = f"{self._owner}-switch"
         self.hosts = {name: Host(name, index, f"{self._owner}-{name}") for index, name in enumerate(names, start=1)}
         self._processes: list[subprocess.Popen] = []
+        self._rates: dict[str, str | None] = {}
+        self._relays: dict[str, tuple[str, subprocess.Popen]] = {}  # host -> (relay namespace, relay process)
         self._closed = False
         atexit.register(self.close)
         try:
@@ -139,7 +141,7 @@ class Hosts:
         self._closed = True
         atexit.unregister(self.close)
         namespaces = [host.namespace for host in self.hosts.values()] + [self.switch]
-        _remove(namespaces)
+        _remove(namespaces + [namespace for namespace, _ in self._relays.values()])
         for process in self._processes:
             if process.poll() is None:
                 process.kill()
@@ -184,6 +186,7 @@ class Hosts:
     def shape(self, name: str, rate: str | None) -> None:
         """Host ``name``'s link at ``rate`` in each direction (None: unshaped)."""
         host = self.hosts[name]
+        self._rates[name] = rate
         for namespace, device in ((host.namespace, LINK), (self.switch, host.port)):
             if rate is None:
                 subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"],
@@ -224,6 +227,42 @@ class Hosts:
         self.run(name, [*table, "-F", chain])
         for rule in rules:
             self.run(name, [*table, "-A", chain, *rule])
+
+    def delay(self, name: str, mean_ms: float, jitter_ms: float = 0.0, *, seed: int = 0) -> None:
+        """Every frame into and out of host ``name`` held ``mean_ms`` +- ``jitter_ms`` (uniform), in order in each
+        direction, by a relay of our own on its link (this kernel has no netem): the link's switch end moves into a
+        namespace of the relay's, joined to the switch by a veth pair of its own. Once per host; the relay goes with
+        the hosts. Checksum and segmentation offloads are turned off on every host's link (ethtool), so that the
+        frames it copies are whole."""
+        if name in self._relays:
+            raise ValueError(f"host {name}'s link is delayed already")
+        if shutil.which("ethtool") is None:
+            raise HostsUnavailable("delaying a link needs ethtool (apt-get install ethtool)")
+        host = self.hosts[name]
+        relay = f"{self._owner}-relay-{name}"
+        _ip("netns", "add", relay)
+        self._relays[name] = (relay, None)
+        _ip("-n", self.switch, "link", "set", host.port, "netns", relay)  # the host's cable, now into the relay
+        _ip("-n", self.switch, "link", "add", host.port, "type", "veth", "peer", "name", "uplink", "netns", relay)
+        _ip("-n", self.switch, "link", "set", host.port, "master", "switch")
+        _ip("-n", self.switch, "link", "set", host.port, "up")
+        for device in (host.port, "uplink", "lo"):
+            _ip("-n", relay, "link", "set", device, "up")
+        # a relay copies frames as they are: every host computes its checksums itself (no offload to the device,
+        # which a frame read off a veth would carry unfilled) and sends no frame longer than the wire takes
+        links = [(other.namespace, LINK) for other in self.hosts.values()]
+        for namespace, device in links + [(relay, host.port), (relay, "uplink")]:
+            subprocess.run(["ip", "netns", "exec", namespace, "ethtool", "-K", device, "tx", "off", "tso", "off",
+                            "gso", "off", "gro", "off"], capture_output=True)
+        if self._rates.get(name):
+            self.shape(name, self._rates[name])
+        process = subprocess.Popen(["ip", "netns", "exec", relay, sys.executable, "-m", "bagpipe.hosts", "relay",
+                                    host.port, "uplink", repr(mean_ms / 1e3), repr(jitter_ms / 1e3), str(seed)])
+        self._relays[name] = (relay, process)
+        self._processes.append(process)
+        time.sleep(0.2)
+        if process.poll() is not None:
+            raise RuntimeError(f"the relay on host {name}'s link ended at once (exit code {process.returncode})")
 
     def lose(self, name: str) -> list[int]:
         """Every process in host ``name`` killed at once (SIGKILL), as a machine losing power; the pids killed."""
@@ -282,15 +321,14 @@ def machines(steps: Sequence[Step]) -> list[str]:
 
 
 def placed(steps: Sequence[Step], hosts: Hosts) -> list[tuple[str, list[str]]]:
-    """Each step as (host, argv) on ``hosts`` (named after the recipe's machines): every machine's address in it
-    replaced by its host's, ``bagpipe`` by this interpreter's."""
+    """Each step as (host, the arguments of its ``bagpipe`` command) on ``hosts`` (named after the recipe's
+    machines), every machine's address in it replaced by its host's."""
     addresses = {step.address: hosts.address(step.machine) for step in steps}
     runs = []
     for step in steps:
-        argv = [addresses.get(word, word) for word in step.argv]
-        if argv[0] == "bagpipe":
-            argv = [sys.executable, "-m", "bagpipe.cli", *argv[1:]]
-        runs.append((step.machine, argv))
+        if step.argv[0] != "bagpipe":
+            raise ValueError(f"a recipe's commands are bagpipe's: {' '.join(step.argv)}")
+        runs.append((step.machine, [addresses.get(word, word) for word in step.argv[1:]]))
     return runs
 
 
@@ -349,3 +387,56 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     if done.returncode:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
     return done
+
+
+def relay(first: str, second: str, mean_s: float, jitter_s: float, seed: int) -> None:
+    """Forward every frame arriving on interface ``first`` out of ``second`` and back, each held ``mean_s`` +-
+    ``jitter_s`` (uniform; a frame never overtakes the one before it in its direction). Runs until killed."""
+    import heapq
+    import random
+    import select
+    import socket
+
+    everything = 0x0003  # ETH_P_ALL
+    sockets = []
+    for device in (first, second):
+        raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(everything))
+        raw.bind((device, 0))
+        raw.setblocking(False)
+        sockets.append(raw)
+    onward = {sockets[0]: sockets[1], sockets[1]: sockets[0]}
+    draw = random.Random(seed)
+    due: list[tuple[float, int, socket.socket, bytes]] = []
+    last = {raw: 0.0 for raw in sockets}
+    count = 0
+    while True:
+        wait = max(0.0, due[0][0] - time.monotonic()) if due else None
+        ready, _, _ = select.select(sockets, [], [], wait)
+        now = time.monotonic()
+        for raw in ready:
+            while True:
+                try:
+                    frame, address = raw.recvfrom(65535)
+                except BlockingIOError:
+                    break
+                if address[2] == socket.PACKET_OUTGOING:  # our own sends, seen on the way out
+                    continue
+                out = onward[raw]
+                at = max(now + mean_s + draw.uniform(-jitter_s, jitter_s), last[out])
+                last[out] = at
+                count += 1
+                heapq.heappush(due, (at, count, out, frame))
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            _, _, out, frame = heapq.heappop(due)
+            try:
+                out.send(frame)
+            except OSError:  # the link is down, or a frame the device will not take: lost, as on a wire
+                pass
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "relay":
+        relay(sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6]))
+    else:
+        sys.exit("usage: python -m bagpipe.hosts relay FIRST SECOND MEAN_S JITTER_S SEED")

@@ -33,10 +33,11 @@ def use(forks: ForkServer) -> None:
 class CliProcess:
     """``bagpipe.cli`` run with ``args`` in a forked child (``script``: that Python file instead, as
     ``python SCRIPT ARGS...`` runs it). ``output``: a file both streams go to (as ``stdout=f, stderr=STDOUT``);
-    by default they are captured for ``communicate``."""
+    by default they are captured for ``communicate``. ``netns``: in that network namespace (a host of
+    bagpipe.hosts), as ``ip netns exec NAME`` would run it."""
 
     def __init__(self, args: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 output: IO | None = None, script: str | Path | None = None) -> None:
+                 output: IO | None = None, script: str | Path | None = None, netns: str | None = None) -> None:
         env = dict(os.environ if env is None else env)
         env.setdefault("OMP_NUM_THREADS", str(FRESH_THREADS))
         if output is None:
@@ -47,7 +48,8 @@ class CliProcess:
             streams = {"stdout": output.fileno(), "stderr": None}
         self.args = list(args)
         self._process = _SESSION["forks"].start(self.args, env=env, cwd=None if cwd is None else str(cwd),
-                                                script=None if script is None else str(script), **streams)
+                                                script=None if script is None else str(script), netns=netns,
+                                                **streams)
         self.pid = self._process.pid
 
     @property
@@ -96,3 +98,9 @@ def run_cli(args: list[str], *, env: dict[str, str] | None = None, cwd: str | Pa
             process.kill()
             process.wait()
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def in_host(hosts, host: str, args: list[str], *, cwd, env: dict[str, str], output: IO) -> CliProcess:
+    """``bagpipe ARGS`` in ``host`` of ``hosts`` (bagpipe.hosts), forked from the session's fork server into the
+    host's network namespace: bagpipe.hostjobs's starter for the tests."""
+    return CliProcess(args, env=env, cwd=cwd, output=output, netns=hosts[host].namespace)

@@ -16,6 +16,7 @@ from bagpipe import hosts as hosts_module
 from bagpipe.config import config_from_dict
 from bagpipe.hosts import Hosts, machines, placed, read_recipe
 from bagpipe.rundir import export
+from helpers.cli_processes import in_host
 from helpers.jobs import assert_same_parameters, reference_of
 from helpers.paths import REPO
 
@@ -80,9 +81,9 @@ def test_the_multi_machine_recipe_runs_as_written_across_hosts(can_make_hosts, s
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with Hosts(machines(steps)) as hosts:
         roles = []
-        for host, argv in placed(steps, hosts):
-            log = open(tmp_path / f"{argv[3]}-{host}.log", "w")
-            roles.append(hosts.popen(host, argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+        for host, args in placed(steps, hosts):
+            with open(tmp_path / f"{args[0]}-{host}.log", "w") as log:
+                roles.append(in_host(hosts, host, args, cwd=tmp_path, env=env, output=log))
         codes = [role.wait(timeout=240) for role in roles]
     logs = {path.name: path.read_text()[-2000:] for path in tmp_path.glob("*.log")}
     assert codes == [0] * len(roles), logs

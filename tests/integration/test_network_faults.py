@@ -13,6 +13,7 @@ from bagpipe import hosts as hosts_module
 from bagpipe.config import config_from_dict
 from bagpipe.hostjobs import EXACT, SHORTEST, run_scenario, scenario
 from bagpipe.rundir import export
+from helpers.cli_processes import in_host
 from helpers.jobs import assert_same_parameters, reference_of
 
 RESTARTS = {"trainer link down 1.5 s": 0, "trainer host lost": 1, "server host lost, parity": 1}
@@ -33,7 +34,8 @@ def test_the_shortest_network_fault_scenarios_end_bit_for_bit(name, can_make_hos
         assert_same_parameters(export(run_dir, tmp_path / "export.pt"), reference)  # (says which tensors differ)
         return True
 
-    outcome = run_scenario(scenario(name), data=small_binary, cwd=tmp_path / "job", same_as=same_as)
+    outcome = run_scenario(scenario(name), data=small_binary, cwd=tmp_path / "job", same_as=same_as,
+                           start=in_host)
     assert (outcome.outcome, outcome.passed) == (EXACT, True), outcome
     # a link down within the liveness window loses nobody; a host lost, its role (the command started again)
     assert outcome.restarts == RESTARTS[name]

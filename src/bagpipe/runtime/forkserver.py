@@ -47,6 +47,7 @@ START_TIMEOUT_S = 120.0  # for the first answer, which waits for the server's im
 _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 64
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_CLONE_NEWNET = 0x40000000  # setns: the network namespace
 
 
 class ForkServerError(RuntimeError):
@@ -88,18 +89,20 @@ class ForkServer:
 
     def start(self, argv: list[str], *, env: dict[str, str], stdout: int | None = None,
               stderr: int | None = None, stdin: int | None = None, cwd: str | None = None,
-              pass_fds: tuple[int, ...] = (), name: str | None = None, script: str | None = None) -> "ForkedProcess":
+              pass_fds: tuple[int, ...] = (), name: str | None = None, script: str | None = None,
+              netns: str | None = None) -> "ForkedProcess":
         """Run ``argv`` (the entry point's arguments) in a fresh child; ``stdout``/``stderr``/``stdin``:
         descriptors for it (None: /dev/null, stderr None: stdout's); ``pass_fds``: descriptors it keeps open
         (under numbers of their own); ``name``: what ps and top call it; ``script``: run this Python file with
-        ``argv`` instead of the entry point, as ``python SCRIPT ARGV...`` would (a user's training script)."""
+        ``argv`` instead of the entry point, as ``python SCRIPT ARGV...`` would (a user's training script);
+        ``netns``: in that named network namespace (``ip netns``: a host of bagpipe.hosts), as ``ip netns exec``."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDWR)
         try:
             fds = [theirs.fileno(), null if stdin is None else stdin, null if stdout is None else stdout]
             fds.append(fds[2] if stderr is None else stderr)
             fds += list(pass_fds)
-            request = {"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(), "name": name,
+            request = {"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(), "name": name, "netns": netns,
                        "script": None if script is None else os.path.abspath(os.path.join(cwd or os.getcwd(), script))}
             with self._lock:
                 try:
@@ -335,6 +338,11 @@ def _run_child(request: dict, fds: list[int], server_pid: int, entry: str, *, cl
             os._exit(1)
         if request.get("name"):
             libc.prctl(_PR_SET_NAME, request["name"].encode()[:15])
+        if request.get("netns"):
+            namespace = os.open(f"/run/netns/{request['netns']}", os.O_RDONLY)
+            if libc.setns(namespace, _CLONE_NEWNET):
+                raise OSError(ctypes.get_errno(), f"cannot enter network namespace {request['netns']}")
+            os.close(namespace)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

@@ -121,6 +121,7 @@ class LostTrainers:
         self.runtime, self.model = runtime, model
         self.replaceable = replaceable and model is not None
         self.recovery: Recovery | None = None  # what a lost trainer's replacement is given (by the lowest survivor)
+        self.group_epoch = runtime.world.epoch  # the RPC world in which the trainers' group now summing was formed
 
     def recover(self, err: BaseException) -> bool:
         """A sum over trainers failed (``err``): if the job replaces a lost trainer, wait for the RPC world to be
@@ -135,20 +136,24 @@ class LostTrainers:
             return False
         runtime = self.runtime
         world, store, grads, epochs = runtime.world, runtime.store, runtime.grads, runtime.epochs
-        failed_in, started = epochs.epoch, time.perf_counter()
+        started = time.perf_counter()
         log.warning("trainer %d: a gradient sum failed (%s): waiting for a lost trainer's replacement", runtime.index,
                     str(err).splitlines()[0])
+        # The group failed is the one formed in ``group_epoch``; the world may have been re-formed around a lost
+        # trainer's replacement already (over a link that was down, the loss reaches the sum after the oracle
+        # judged it), so the replacement is looked for in any later epoch, not only one still to come.
         deadline = time.monotonic() + 2 * world.timeout  # the loss's detection, then the replacement's start
-        while epochs.epoch <= failed_in:
+        while epochs.epoch <= self.group_epoch:
             if time.monotonic() > deadline or store.check([STOP_KEY]) or runtime.stopping.is_set():
                 return False
             time.sleep(0.05)
-        epoch = epochs.epoch
-        lost = [t for t in range(world.num_trainers) if t != runtime.index
-                and store.check([f"{REPLACE_PREFIX}{world.trainer_rank(t)}"])
-                and int(store.get(f"{REPLACE_PREFIX}{world.trainer_rank(t)}")) == epoch]
-        if not lost:  # the world was re-formed for a server: the sum failed for a reason of its own
+        replaced = {t: int(store.get(f"{REPLACE_PREFIX}{world.trainer_rank(t)}")) for t in range(world.num_trainers)
+                    if t != runtime.index and store.check([f"{REPLACE_PREFIX}{world.trainer_rank(t)}"])}
+        replaced = {t: epoch for t, epoch in replaced.items() if self.group_epoch < epoch <= epochs.epoch}
+        if not replaced:  # the world was re-formed for a server: the sum failed for a reason of its own
             return False
+        epoch = max(replaced.values())  # the replacement's: the group the trainers form again meets under it
+        lost = [t for t, at in replaced.items() if at == epoch]
         runtime.resend_others_evicted()  # (a repeat is a no-op where it arrived)
         step = runtime.step
         own = {mean.what: mean for mean in grads.sums}
@@ -175,6 +180,7 @@ class LostTrainers:
                                      kept={iteration: redo.kept(iteration).to("cpu")
                                            for iteration in sorted({what[1] for what in todo})})
         grads.regroup(trainer_group(world, store, runtime.index, epoch=epoch))
+        self.group_epoch = epoch
         shares = {iteration: self.model.recompute(redo.kept(iteration), self.message(iteration))
                   for iteration in iterations}
         finished_here = []
