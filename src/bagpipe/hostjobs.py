@@ -256,7 +256,7 @@ SCENARIOS = [
              lambda hosts: hosts.delay("trainer1", 50, 20), (), needs="ethtool"),
     Scenario("50 +- 20 ms delay, server", "every frame in and out of the server's host held 30-70 ms (a relay)",
              lambda hosts: hosts.delay("server0", 50, 20), (), needs="ethtool"),
-    Scenario("partition oracle | trainers 8 s", "the oracle (and store) cut off from every trainer past the window",
+    Scenario("partition oracle / trainers 8 s", "the oracle (and store) cut off from every trainer past the window",
              _partition(ORACLE_HOST, ("trainer0", "trainer1"), DOWN_LONG_S), (), shape=CHECKPOINTED, expect=RESUMED,
              needs="iptables"),
 ]
