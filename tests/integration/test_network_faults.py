@@ -52,7 +52,7 @@ def test_a_trainer_cut_off_past_the_liveness_window_ends_itself_and_its_command_
     """The scenario that found two faults: the cut-off trainer judged silence by its own 10 s window (none given on
     its command line) and trained on beside its awaited replacement; and a survivor whose sum failed only once the
     world was re-formed (the loss crossed the link when it came back) waited for an epoch still to come."""
-    outcome = run_scenario(scenario("trainer link down 8 s"), data=small_binary, cwd=tmp_path / "job",
+    outcome = run_scenario(scenario("trainer link down 10 s"), data=small_binary, cwd=tmp_path / "job",
                            same_as=_same_as_reference(small_binary, tmp_path), start=in_host)
     assert (outcome.outcome, outcome.passed, outcome.restarts) == (EXACT, True, 1), outcome
     log = (tmp_path / "job" / "logs" / "trainer1.log").read_text()
