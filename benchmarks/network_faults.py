@@ -2,7 +2,7 @@
 longer than the liveness window, packet loss, whole hosts lost, a partition), each on fresh hosts (bagpipe.hosts:
 network namespaces joined by a bridge), each checked bit for bit against the one-process reference.
 
-    sudo .venv/bin/python benchmarks/network_faults.py [--only NAME,NAME] [--repeats 1] [--out FILE.jsonl]
+    sudo .venv/bin/python benchmarks/network_faults.py [--only NAME [--only NAME ...]] [--repeats 1] [--out FILE.jsonl]
 
 Prints one Markdown row per scenario: its outcome ("exact": the job ended by itself, bit for bit the reference;
 "failed, resumed exact": it ended with an error naming the loss and `bagpipe train --resume` from its newest
@@ -74,7 +74,8 @@ def reference_checker(work: Path, data: Path):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="", help="comma-separated scenario names (default: every one)")
+    parser.add_argument("--only", action="append", default=[], help="a scenario's name; repeated for several "
+                        "(default: every one)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each scenario")
     parser.add_argument("--work-dir", default=None, help="where the data and runs go (default: a temporary dir)")
     parser.add_argument("--out", default=None, help="append each run's record to this JSONL file")
@@ -86,8 +87,8 @@ def main() -> int:
     if not ok:
         print(f"network_faults: cannot make hosts here ({why}); nothing run")
         return 0
-    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
-    unknown = set(filter(None, args.only.split(","))) - {s.name for s in SCENARIOS}
+    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
+    unknown = set(args.only) - {s.name for s in SCENARIOS}
     if unknown:
         parser.error(f"no scenario {sorted(unknown)}; there are: {[s.name for s in SCENARIOS]}")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="network-faults-"))

@@ -246,6 +246,9 @@ SCENARIOS = [
              lambda hosts: hosts.lose("server0"), ("server0",), shape=PARITY),
     Scenario("oracle host lost, store apart", "the oracle's host lost, the job's store on a host of its own",
              lambda hosts: hosts.lose(ORACLE_HOST), (ORACLE_HOST,), shape=APART),
+    Scenario("oracle link down 10 s, store apart", "the oracle cut off from the job and its store past the window: "
+             "it ends itself, started again; never two oracles", _down(ORACLE_HOST, DOWN_LONG_S), (ORACLE_HOST,),
+             shape=APART),
     Scenario("1% loss, trainer", "1% of the packets in and out of a trainer's host lost",
              _loss("trainer1", 0.01), (), needs="iptables"),
     Scenario("5% loss, trainer", "5% of the packets in and out of a trainer's host lost",
