@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -93,3 +94,28 @@ def test_the_multi_machine_recipe_runs_as_written_across_hosts(can_make_hosts, s
     assert json.loads((run_dir / "summary.json").read_text())["iterations"] > 10
     config = dataclasses.replace(config, data=str(small_binary))  # the recipe's is relative to the roles' directory
     assert_same_parameters(export(run_dir, tmp_path / "export.pt"), reference_of(config, tmp_path / "reference"))
+
+
+def test_a_hosts_link_can_be_cut_from_some_hosts_and_delayed(can_make_hosts):
+    if not hosts_module.can_drop() or shutil.which("ethtool") is None:
+        pytest.skip("partitions need iptables and delay ethtool (apt-get install iptables ethtool)")
+    with Hosts(["a", "b", "c"]) as hosts:
+        for host in ("a", "c"):
+            hosts.popen(host, [sys.executable, "-c", f"import socket\ns = socket.socket()\n"
+                                                     f"s.bind(({hosts.address(host)!r}, 9000))\ns.listen()\n"
+                                                     f"while True: s.accept()[0].close()"])
+        deadline = time.monotonic() + 20
+        while not (_connects(hosts, "b", "a", 9000) and _connects(hosts, "b", "c", 9000)):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        hosts.isolate("b", ["a"])  # a partition between b and a alone
+        assert not _connects(hosts, "b", "a", 9000) and _connects(hosts, "b", "c", 9000)
+        hosts.isolate("b", [])
+        assert _connects(hosts, "b", "a", 9000, timeout=5.0)
+        timing = ("import socket, time\nstarted = time.perf_counter()\n"
+                  f"socket.create_connection(({hosts.address('a')!r}, 9000), timeout=5)\n"
+                  "print(time.perf_counter() - started)")
+        before = float(hosts.run("b", [sys.executable, "-c", timing]).stdout)
+        hosts.delay("b", 50.0)  # each way: a connection's handshake crosses b's link twice
+        after = sorted(float(hosts.run("b", [sys.executable, "-c", timing]).stdout) for _ in range(3))
+        assert before < 0.05 and 0.09 < after[1] < 0.5, (before, after)
