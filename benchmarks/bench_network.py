@@ -4,6 +4,7 @@ and the one-process reference, each job in a network namespace of its own whose 
     sudo .venv/bin/python benchmarks/bench_network.py [--rates 100mbit,1gbit,10gbit,none] [--dims 16,128]
         [--systems bagpipe-partitioned,bagpipe,bagpipe-none,torchrec-tw,torchrec-rw,reference]
         [--repeats 3] [--iterations 60] [--warmup 10] [--cache-fraction 0.1] [--work-dir DIR] [--out FILE.jsonl]
+        [--layout loopback|hosts] [--trainers 2,4]
     .venv/bin/python benchmarks/bench_network.py --report FILE.jsonl ...     # the tables of recorded runs
     .venv/bin/python benchmarks/bench_network.py --project FILE.jsonl ...    # the projection against them
 
@@ -33,11 +34,19 @@ inside the namespace: from the job's start to its end, start-up and evaluation i
 alone, read every 5 ms and interpolated over the job's `timed_window`) per iteration, and for bagpipe each role's
 stall and time breakdown. Prints a Markdown table per (rate, dim): medians of the repeats.
 Needs root, `unshare` and `tc`; says so and exits 0 where it cannot make a namespace (no test depends on it).
+
+`--layout hosts` runs each process on a host of its own instead (bagpipe.hosts: network namespaces joined by a
+bridge, each host's link shaped to the rate in both directions, as each machine of a cluster has its own link):
+bagpipe's store and oracle on one host, its server on one, each trainer on one, started by their own command lines
+(bagpipe.hostjobs); `--trainers 2,4`. Link bytes are every host's transmitted bytes, and each host's apart
+(`host_bytes`). TorchRec's ranks (as many as the trainers) each on a host of its own too, over gloo on the hosts'
+links (benchmarks/peer/torchrec_dlrm.py --rank-netns); the reference in this process (no network).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -224,13 +233,81 @@ def run_in_namespace(args, *, system: str, rate: str, dim: int) -> dict:
     return json.loads(rows[-1])
 
 
+def run_on_hosts(args, *, system: str, rate: str, dim: int, trainers: int) -> dict:
+    """One bagpipe job across hosts, each with its own link shaped to ``rate`` (none: unshaped); or the reference, in
+    this process (it has no network)."""
+    data = bench_peers.make_data(Path(args.work_dir), iterations=args.iterations)
+    cache_rows = int(args.cache_fraction * bench_peers.TABLES * bench_peers.ROWS_PER_TABLE)
+    run_dir = Path(args.work_dir) / f"hosts_{system}"
+    if system == "reference":
+        row = run_one(argparse.Namespace(**{**vars(args), "system": system, "dim": dim}), data, run_dir, cache_rows)
+        return {**row, "link_bytes": 0}
+    from bagpipe.hostjobs import HostJob, JobShape
+    from bagpipe.hosts import LINK, Hosts
+
+    def sent(hosts: Hosts) -> dict[str, int]:
+        """Each host's bytes sent on its link so far (what it receives is not counted)."""
+        return {name: int(hosts.run(name, ["cat", f"/sys/class/net/{LINK}/statistics/tx_bytes"]).stdout)
+                for name in hosts.hosts}
+
+    if system in ("torchrec-tw", "torchrec-rw"):  # each rank on a host of its own
+        peers = argparse.Namespace(iterations=args.iterations, warmup=args.warmup, optimizer=args.optimizer,
+                                   lr=args.lr, dim=dim, torchrec_sharding="table_wise" if system == "torchrec-tw"
+                                   else "row_wise")
+        with Hosts([f"rank{r}" for r in range(trainers)], rate=None if rate == "none" else rate) as hosts:
+            before = sent(hosts)
+            row = bench_peers.run_torchrec(peers, data, run_dir, cache_rows, processes=trainers, placed=[
+                "--rank-netns", ",".join(hosts[f"rank{r}"].namespace for r in range(trainers)),
+                "--master-addr", hosts.address("rank0")])
+            after = sent(hosts)
+        host_bytes = {name: after[name] - before[name] for name in after}
+        return {**row, "link_bytes": sum(host_bytes.values()), "host_bytes": host_bytes}
+
+    options = ["--iterations", str(args.iterations), "--mini-batch-size", str(bench_peers.BATCH),
+               "--optimizer", args.optimizer, "--lr", str(args.lr), "--seed", "0",
+               "--warmup-iterations", str(args.warmup), "--log-every", "20", "--max-eval-rows", str(bench_peers.BATCH),
+               "--emb-dim", str(dim), "--arch-mlp-bot", bench_peers.bottom(dim), "--arch-mlp-top", bench_peers.TOP,
+               "--cache-size", str(cache_rows), "--lookahead", "200", "--timeout", "120",
+               # tensors by TCP, as between machines: between namespaces of one machine TensorPipe could move them
+               # by cross-memory attach, past the links
+               "--rpc-channels", "basic",
+               "--policy", "none" if system == "bagpipe-none" else "lookahead",
+               "--cache-mode", "partitioned" if system == "bagpipe-partitioned" else "replicated"]
+    if system == "bagpipe-partitioned":
+        options += ["--keep-within", str(args.keep_within)]
+    shape = JobShape(trainers=trainers, servers=1, options=tuple(options))
+    cwd = run_dir.parent / f"{run_dir.name}_t{trainers}_{rate}_{dim}"
+    shutil.rmtree(cwd, ignore_errors=True)
+    cwd.mkdir(parents=True)
+    with Hosts(shape.hosts(), rate=None if rate == "none" else rate) as hosts:
+        before = sent(hosts)
+        job = HostJob(hosts, shape, data=data, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        job.start_all()
+        if not job.supervise(replace=lambda role, code: False, timeout=args.run_timeout):
+            raise RuntimeError(f"{system} on hosts at {rate}, dim {dim}, {trainers} trainers failed: "
+                               + " | ".join(job.log(role.name, 600) for role in job.roles if role.exits[-1]))
+        after = sent(hosts)
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    host_bytes = {name: after[name] - before[name] for name in after}
+    return {"samples_per_s": summary["samples_per_s"], "startup_s": summary["startup_s"],
+            "timed_window": summary["timed_window"], "final_loss": summary["final_train_loss"],
+            "embedding_stall_fraction": summary["embedding_stall_fraction"],
+            "time_breakdown_ms": summary["time_breakdown_ms"],
+            "allreduce_bytes_per_iteration": summary["allreduce_bytes_per_iteration"],
+            "allreduce_main_bytes_per_iteration": summary["allreduce_main_bytes_per_iteration"],
+            "rows_exchanged_per_iteration": summary["rows_exchanged_per_iteration"],
+            "link_bytes": sum(host_bytes.values()), "host_bytes": host_bytes}
+
+
 def table(rows: list[dict], *, rate: str, dim: int, args) -> str:
     by_system: dict[str, list[dict]] = {}
     for row in rows:
         by_system.setdefault(row["system"], []).append(row)
     medians = {s: statistics.median(r["samples_per_s"] for r in runs) for s, runs in by_system.items()}
     base = next((s for s in ("torchrec-tw", "torchrec-rw") if s in medians), None)
-    lines = [f"\n**{'unshaped' if rate == 'none' else rate}, dim {dim}** ({args.iterations} iterations, "
+    where = f", {rows[0]['trainers']} trainers, each process on a host of its own" \
+        if rows and rows[0].get("layout") == "hosts" else ""
+    lines = [f"\n**{'unshaped' if rate == 'none' else rate}, dim {dim}{where}** ({args.iterations} iterations, "
              f"{args.warmup} warm-up, medians of {args.repeats}; link MB: the whole job's, start-up and evaluation "
              f"included, over its iterations, and the steady state's per timed iteration)\n",
              f"| system | samples/s | runs | vs {base or '-'} | link MB / iteration: job / steady | embedding stall | "
@@ -286,6 +363,13 @@ def blocking_bytes(row: dict, trainers: int = 2) -> float | None:
     return blocking + trainers * row.get("rows_exchanged_per_iteration", 0.0) * row["dim"] * 4
 
 
+def iteration_ms(compute_ms: float, blocking: float, busiest: float, rate: str) -> float:
+    """The model's iteration at ``rate``: max(C + K / R, L / R), K the bytes the iteration waits for and L those of
+    the busiest link (the rest hides behind the compute until that link is busy all the time)."""
+    per_ms = rate_bits(rate) / 8 / 1e3  # bytes the link carries in a millisecond
+    return max(compute_ms + blocking / per_ms, busiest / per_ms)
+
+
 def project(paths: list[str], *, trainers: int = 2) -> list[str]:
     """The projection's model held against the runs of ``paths``: each system's iteration at each rate R predicted
     from its unshaped runs and the bytes it moves, against the measured one.
@@ -322,15 +406,51 @@ def project(paths: list[str], *, trainers: int = 2) -> list[str]:
         for rate, measured in ms.items():
             if rate == "none":
                 continue
-            per_ms = rate_bits(rate) / 8 / 1e3  # bytes the link carries in a millisecond
-            shared = max(compute + blocking / per_ms, steady / per_ms)
-            own = max(compute + blocking / trainers / per_ms, steady / trainers / per_ms)
+            shared = iteration_ms(compute, blocking, steady, rate)
+            own = iteration_ms(compute, blocking / trainers, steady / trainers, rate)
             worst = max(worst, abs(shared / measured - 1))
             lines.append(f"| {system} | {dim} | {rate} | {measured:,.1f} | {compute:.1f} | {steady / 1e6:.2f} | "
                          f"{blocking / 1e6:.2f} | {shared:,.1f} | {shared / measured - 1:+.0%} | {own:,.1f} | "
                          f"{own / measured - 1:+.0%} |")
     lines.append(f"\nlargest error of the shared-link model: {worst:.0%}")
     return lines
+
+
+def project_hosts(paths: list[str]) -> list[str]:
+    """The projection held against runs with a link per host (``--layout hosts``): an iteration at rate R takes
+    max(C + K / R, L / R), where C is the same job's iteration on unshaped links (the veths' own speed, tens of
+    Gbit/s: what crosses them costs C next to nothing), K the bytes a trainer waits for on its own link
+    (``blocking_bytes`` over the trainers; TorchRec: all of its busiest link's), and L the bytes per iteration of
+    the busiest host's link (each host's transmitted bytes over the whole job, start-up and evaluation included:
+    the server's, for bagpipe). The model of the one shared loopback (``project``) gives every byte of the job to
+    one link instead."""
+    rows = [r for r in read_rows(paths) if r.get("layout") == "hosts" and r["system"] not in NO_NETWORK]
+    groups: dict[tuple[str, int, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["dim"], row["trainers"]), []).append(row)
+    lines = ["| system | dim | trainers | rate | measured ms / iteration | C ms | K MB | L MB (busiest link) | "
+             "projected | error |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    worst = 0.0
+    for (system, dim, trainers), runs in groups.items():
+        by_rate = {rate: [r for r in runs if r["rate"] == rate] for rate in dict.fromkeys(r["rate"] for r in runs)}
+        if "none" not in by_rate:
+            continue
+        compute = statistics.median(1e3 * bench_peers.BATCH / r["samples_per_s"] for r in by_rate["none"])
+        for rate, shaped in by_rate.items():
+            if rate == "none":
+                continue
+            busiest = statistics.median(max(r["host_bytes"].values()) / r["iterations"] for r in shaped)
+            if system.startswith("torchrec"):
+                blocking = busiest
+            else:
+                blocking = statistics.median(blocking_bytes(r, trainers) for r in shaped) / trainers
+            measured = statistics.median(1e3 * bench_peers.BATCH / r["samples_per_s"] for r in shaped)
+            projected = iteration_ms(compute, blocking, busiest, rate)
+            worst = max(worst, abs(projected / measured - 1))
+            cells = (system, dim, trainers, rate, f"{measured:,.1f}", f"{compute:.1f}", f"{blocking / 1e6:.2f}",
+                     f"{busiest / 1e6:.2f}", f"{projected:,.1f}", f"{projected / measured - 1:+.0%}")
+            lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    return [*lines, f"\nlargest error of the link-per-host model: {worst:.0%}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fraction", type=float, default=0.10, help="rows each bagpipe trainer caches")
     p.add_argument("--keep-within", type=int, default=4, help="bagpipe-partitioned's --keep-within")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one job may take")
+    p.add_argument("--layout", choices=("loopback", "hosts"), default="loopback",
+                   help="loopback: a job's processes share one shaped loopback; hosts: each on a host with a link "
+                        "of its own")
+    p.add_argument("--trainers", default="2", help="--layout hosts: trainer counts, comma-separated (2,4)")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--out", default=None, help="every run as JSON lines (appended)")
     p.add_argument("--report", nargs="+", default=None, metavar="FILE.jsonl",
@@ -365,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         report(args.report)
         return 0
     if args.project:
-        print("\n".join(project(args.project)))
+        hosts = any(r.get("layout") == "hosts" for r in read_rows(args.project))
+        print("\n".join(project_hosts(args.project) if hosts else project(args.project)))
         return 0
     rates, dims, systems = args.rates.split(","), [int(d) for d in args.dims.split(",")], args.systems.split(",")
     for rate in rates:
@@ -374,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown systems {unknown}: any of {', '.join(SYSTEMS)}")
     why = cannot_shape()
+    if args.layout == "hosts":
+        from bagpipe.hosts import available
+
+        why = None if available()[0] else available()[1]
     if why:
         print(f"bench_network: skipped: {why}", file=sys.stderr)
         return 0
@@ -383,24 +512,28 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["bash", str(HERE / "peer" / "setup_torchrec.sh")], check=True, stdout=sys.stderr)
     out = open(args.out, "a") if args.out else None
     tables = []
-    for rate in rates:
-        for dim in dims:
-            rows = []
-            for repeat in range(args.repeats):
-                for system in systems:
+    counts = [int(t) for t in args.trainers.split(",")] if args.layout == "hosts" else [2]
+    for rate, dim, trainers in itertools.product(rates, dims, counts):
+        rows = []
+        for repeat in range(args.repeats):
+            for system in systems:
+                if args.layout == "hosts":
+                    row = run_on_hosts(args, system=system, rate=rate, dim=dim, trainers=trainers)
+                else:
                     row = run_in_namespace(args, system=system, rate=rate, dim=dim)
-                    row.update(system=system, rate=rate, dim=dim, repeat=repeat, iterations=args.iterations,
-                               warmup=args.warmup)
-                    rows.append(row)
-                    print(f"{rate} dim {dim} repeat {repeat} {system}: {row['samples_per_s']:,.0f} samples/s, "
-                          f"{row['link_bytes'] / args.iterations / 1e6:.2f} MB/iteration on the link "
-                          f"({row.get('steady_link_bytes_per_iteration', 0) / 1e6:.2f} in the steady state)",
-                          flush=True)
-                    if out:
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
-            tables.append(table(rows, rate=rate, dim=dim, args=args))
-            print(tables[-1], flush=True)
+                row.update(system=system, rate=rate, dim=dim, repeat=repeat, iterations=args.iterations,
+                           warmup=args.warmup, layout=args.layout, trainers=trainers)
+                rows.append(row)
+                steady = row.get("steady_link_bytes_per_iteration")
+                print(f"{rate} dim {dim} {trainers} trainers repeat {repeat} {system}: "
+                      f"{row['samples_per_s']:,.0f} samples/s, {row['link_bytes'] / args.iterations / 1e6:.2f} "
+                      f"MB/iteration on the link" + (f" ({steady / 1e6:.2f} in the steady state)" if steady else ""),
+                      flush=True)
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+        tables.append(table(rows, rate=rate, dim=dim, args=args))
+        print(tables[-1], flush=True)
     print("\n".join(tables))
     return 0
 

@@ -196,11 +196,13 @@ def run_reference(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
             "time_breakdown_ms": summary["time_breakdown_ms"]}
 
 
-def run_torchrec(args, data: Path, run_dir: Path, cache_rows: int) -> dict:
+def run_torchrec(args, data: Path, run_dir: Path, cache_rows: int, *, processes: int = 2,
+                 placed: list[str] | None = None) -> dict:
+    """``placed``: TorchRec's launcher's --rank-netns and --master-addr (each rank on a host of its own)."""
     command = [str(TORCHREC_PYTHON), str(ROOT / "benchmarks" / "peer" / "torchrec_dlrm.py"), "--data", str(data),
-               "--processes", "2", "--sharding", args.torchrec_sharding, "--optimizer", args.optimizer,
+               "--processes", str(processes), "--sharding", args.torchrec_sharding, "--optimizer", args.optimizer,
                "--lr", str(args.lr), "--dim", str(args.dim), "--batch-size", str(BATCH),
-               "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
+               "--iterations", str(args.iterations), "--warmup", str(args.warmup), *(placed or [])]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise RuntimeError(f"torchrec run failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="keep TorchRec's warnings")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     parser.add_argument("--pg-timeout", type=float, default=120.0, help="seconds for one collective")
+    parser.add_argument("--rank-netns", default="",
+                        help="network namespaces, comma-separated, one per rank: each rank runs in its own (a host of "
+                             "bagpipe.hosts, `ip netns exec`; root), meeting at --master-addr over the hosts' links")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address (with --rank-netns: its host's)")
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error("--processes must be at least 1")
@@ -85,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need --iterations >= 1 and 0 <= --warmup < --iterations")
     if args.threads < 1 or args.dim < 1:
         parser.error("--threads and --dim must be positive")
+    if args.rank_netns and len(args.rank_netns.split(",")) != args.processes:
+        parser.error(f"--rank-netns names {len(args.rank_netns.split(','))} namespaces for {args.processes} processes")
     return args
 
 
@@ -150,7 +156,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         result_path = Path(tmp) / "result.json"
         env_common = {
             **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": args.master_addr,
             "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": str(args.processes),
             "LOCAL_WORLD_SIZE": str(args.processes),
@@ -168,10 +174,14 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         try:
+            namespaces = args.rank_netns.split(",") if args.rank_netns else []
             for rank in range(args.processes):
                 env = {**env_common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", *argv],
-                                              env=env, stdout=sys.stderr, preexec_fn=die_with_parent))
+                command = [sys.executable, os.path.abspath(__file__), "--worker", *argv]
+                if namespaces:  # a host of its own: gloo on the host's link
+                    command = ["ip", "netns", "exec", namespaces[rank], *command]
+                    env.update(GLOO_SOCKET_IFNAME="eth0", LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+                procs.append(subprocess.Popen(command, env=env, stdout=sys.stderr, preexec_fn=die_with_parent))
             deadline = time.monotonic() + args.timeout
             while True:
                 codes = [proc.poll() for proc in procs]
