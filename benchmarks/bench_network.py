@@ -66,30 +66,14 @@ sys.path.insert(0, str(HERE))
 
 import bench_peers  # noqa: E402  (the data, model and each system's runner)
 
+from bagpipe.hosts import LATENCY, burst_bytes, rate_bits  # noqa: E402  (tc's rates, as the hosts shape them)
+
 SYSTEMS = ("bagpipe-partitioned", "bagpipe", "bagpipe-none", "torchrec-tw", "torchrec-rw", "reference")
 NO_NETWORK = ("reference",)
-LATENCY = "100ms"
 # Set inside a shaped namespace: there a bagpipe job's RPC must carry tensors over TCP (TensorPipe's "basic" channel),
 # as between machines; left to choose, TensorPipe moves them between processes of one machine by cross-memory attach
 # (the "cma" channel), past the link (bench_peers.run_bagpipe reads it).
 SHAPED_ENV = "BAGPIPE_SHAPED_LINK"
-
-
-def rate_bits(rate: str) -> float | None:
-    """tc's rate ("100mbit", "1gbit", "500kbit") in bits/s; None for "none" (unshaped)."""
-    if rate == "none":
-        return None
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return float(rate[:-len(unit)]) * scale
-    raise ValueError(f"a rate is a number of kbit, mbit or gbit (e.g. 1gbit), or none; got {rate!r}")
-
-
-def burst_bytes(rate: str) -> int:
-    """tbf's bucket: 512 KiB (as measured on this machine at 200 Mbit/s and 1 Gbit/s), or 4 ms at the rate where
-    that is more (a bucket smaller than the rate over a timer tick caps the rate below the one asked for)."""
-    return max(512 * 1024, int(rate_bits(rate) / 8 / 250))
 
 
 def shaped(command: list[str], rate: str) -> list[str]:

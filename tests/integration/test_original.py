@@ -48,6 +48,12 @@ def write_lines(path: Path, rows) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def finished_run(cwd: Path) -> tuple[dict, dict]:
+    """The summary and config of the one run the job wrote under ``cwd``/runs (the oracle's default run dir)."""
+    run_dir = next((cwd / "runs").glob("oracle-*"))
+    return json.loads((run_dir / "summary.json").read_text()), json.loads((run_dir / "config.json").read_text())
+
+
 def write_sizes(root: Path, sizes: list[int]) -> None:
     for folder in (root, root / "a"):
         (folder / "emb_table_info.txt").write_text("".join(f"{n}\n" for n in sizes))
@@ -96,12 +102,11 @@ def test_dlrm_on_two_nodes_as_written(criteo_arrays, tmp_path):
                      "--worker-id 0 --world-size 4 --cache --master-ip 127.0.0.1 --world-size-trainers 2 "
                      "--processed-csv ../../kaggle_criteo_weekly.txt --cache-size 5000000"),
     ], cwd=cwd)
-    summary = json.loads(next((cwd / "runs").glob("oracle-*/summary.json")).read_text())
+    summary, config = finished_run(cwd)
     # the trainers' DLRM, evaluated; whether it learns is tested elsewhere (4 steps of Adam at 1e-3, DLRM's default,
     # through the original's wide MLPs end at about 0.48 here)
     assert summary["model"] == "dlrm" and 0.0 < summary["eval_auc"] < 1.0
     assert summary["eval_rows"] == round(ROWS / 7)
-    config = json.loads(next((cwd / "runs").glob("oracle-*/config.json")).read_text())
     assert config["model"]["arch_mlp_bot"] == "13-1024-1024-512-256-64-48" and config["model"]["emb_dim"] == 48
     assert "running on the CPU" in texts[0] or "on the CPU" in texts[0]  # --device cuda:0 without a GPU
 
@@ -129,9 +134,7 @@ def test_fgcnn_as_written(criteo_arrays, tmp_path):
                      "--emb-info-file ../../emb_table_info.txt --processed-csv ../../parsed_train.txt "
                      "--cache-size 8000000"),
     ], cwd=cwd)
-    run_dir = next((cwd / "runs").glob("oracle-*"))
-    summary = json.loads((run_dir / "summary.json").read_text())
-    config = json.loads((run_dir / "config.json").read_text())
+    summary, config = finished_run(cwd)
     assert summary["model"] == "fgcnn" and config["model"]["conv_channels"] == "14-16-18-20"
     assert summary["total_rows"] == sum(sizes) and 0.0 <= summary["eval_auc"] <= 1.0
 
@@ -159,9 +162,7 @@ def test_caser_as_written(tmp_path):
                      "--emb-info-file ../../emb_table_info.txt --processed-csv ../../parsed_caser.txt "
                      "--cache-size 8000000"),
     ], cwd=cwd)
-    run_dir = next((cwd / "runs").glob("oracle-*"))
-    summary = json.loads((run_dir / "summary.json").read_text())
-    config = json.loads((run_dir / "config.json").read_text())
+    summary, config = finished_run(cwd)
     assert summary["model"] == "caser" and config["model"]["emb_dim"] == 50  # the server's --emb-size
     assert 0.0 <= summary["eval_hr10"] <= 1.0
 

@@ -186,11 +186,10 @@ def gloo_group(store: dist.Store, prefix: str, rank: int, size: int, *, timeout:
     on ``interface`` (None: gloo's default device; GLOO_SOCKET_IFNAME, where set, wins)."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout)
-    chosen = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name] or [interface]
-    if chosen != [None]:
-        options._devices = [dist.ProcessGroupGloo.create_device(interface=name) for name in chosen]
-    else:
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    chosen = ([name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+              or ([interface] if interface is not None else []))
+    options._devices = ([dist.ProcessGroupGloo.create_device(interface=name) for name in chosen]
+                        or [dist.ProcessGroupGloo.create_default_device()])
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
 

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from bagpipe.config import check_liveness, rpc_lists
 from bagpipe.faults import inject_fault, set_role
 from bagpipe.runtime import transport
-from bagpipe.runtime.names import (BEAT_PREFIX, EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY, REPLACE_PREFIX,
-                                   ROUTE_PREFIX, SHAPE_KEY, STATUS_KEY, STOP_KEY)
+from bagpipe.runtime.names import (BEAT_PREFIX, EPOCH_KEY, HELLO_PREFIX, JOB_KEY, JOINING_PREFIX, REFUSED_KEY,
+                                   REPLACE_PREFIX, ROUTE_PREFIX, SHAPE_KEY, STATUS_KEY, STOP_KEY)
 from bagpipe.runtime.reduce import TrainerGroup
 from bagpipe.runtime.transport import AgentAnswers, Endpoint
 from bagpipe.threads import Background
