@@ -111,9 +111,10 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "dependencies": found}
 
 
-def run(command: list[str], *, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                       **(env or {}))
+def run(command: list[str], *, timeout: float, env: dict | None = None, src: str = "") -> subprocess.CompletedProcess:
+    """``command`` with the project imported from ``src`` (default this checkout's src/)."""
+    first = str(Path(src).resolve()) if src else str(ROOT / "src")
+    environment = dict(os.environ, PYTHONPATH=first + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
@@ -147,11 +148,12 @@ def train_command(run_dir: Path, data: Path, *, device: str, mode: str, cache_ro
 
 
 def train_once(work: Path, data: Path, name: str, *, device: str, mode: str, cache_rows: int, args,
-               trainers: int = 1, compiled: bool = False) -> dict:
+               trainers: int = 1, compiled: bool = False, src: str = "") -> dict:
+    """One `bagpipe train` run's figures; ``src``: the project's source to run it from (default this one's)."""
     run_dir = work / name
     command = train_command(run_dir, data, device=device, mode=mode, cache_rows=cache_rows, args=args,
                             trainers=trainers, compiled=compiled)
-    done = run(command, timeout=args.step_timeout)
+    done = run(command, timeout=args.step_timeout, src=src)
     if done.returncode:
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -184,15 +186,18 @@ def synth_data(args) -> tuple[Path, int]:
 
 
 def compare(args, cases: list[tuple], *, base: str) -> dict:
-    """Each case (name, device, mode, cache rows, trainers[, compiled]) run --repeats times, alternated (a slow
-    moment of the machine falls on every case alike); median samples/s against ``base``'s."""
+    """Each case (name, device, mode, cache rows, trainers[, options]) run --repeats times, alternated (a slow
+    moment of the machine falls on every case alike); median samples/s against ``base``'s. Options: ``compiled``
+    (--compile), ``src`` (another checkout's source, as --before's)."""
     data, total = synth_data(args)
     work = Path(args.work)
+    keep = set(filter(None, args.cases.split(","))) if getattr(args, "cases", "") else None
+    cases = [case for case in cases if keep is None or case[0] in keep or case[0] == base]
     runs: dict[str, list[dict]] = {name: [] for name, *_ in cases}
     for _ in range(args.repeats):
-        for name, device, mode, cache_rows, trainers, *compiled in cases:
+        for name, device, mode, cache_rows, trainers, *options in cases:
             runs[name].append(train_once(work, data, name, device=device, mode=mode, cache_rows=cache_rows,
-                                         args=args, trainers=trainers, compiled=bool(compiled and compiled[0])))
+                                         args=args, trainers=trainers, **(options[0] if options else {})))
     medians = {name: statistics.median(r["samples_per_s"] for r in results) for name, results in runs.items()}
     lines = [f"| case | ran on | median samples/s | vs {base} | rows to the device / trainer / iteration | stall "
              "| pinned allocations / trainer | device syncs / iteration |",
@@ -211,15 +216,24 @@ def compare(args, cases: list[tuple], *, base: str) -> dict:
             "medians": medians, "table": "\n".join(lines), "runs": runs}
 
 
+def ratio(medians: dict, case: str, base: str) -> float | None:
+    """``case``'s median samples/s over ``base``'s (None where --cases left either out)."""
+    return round(medians[case] / medians[base], 3) if case in medians and base in medians else None
+
+
 def single_against_reference(args) -> dict:
     _, total = synth_data(args)
     result = compare(args, [("reference-cuda", "cuda", "reference", 0, 1),
                             ("single-1%-cuda", "cuda", "single", total // 100, 1),
                             ("single-5%-cuda", "cuda", "single", total // 20, 1),
-                            ("reference-cpu", "cpu", "reference", 0, 1)], base="reference-cuda")
+                            ("reference-cpu", "cpu", "reference", 0, 1),
+                            *([("reference-cuda-before", "cuda", "reference", 0, 1, {"src": args.before})]
+                              if args.before else [])], base="reference-cuda")
     medians = result["medians"]
-    return {**result, "single_5%_vs_reference": round(medians["single-5%-cuda"] / medians["reference-cuda"], 3),
-            "target": "single at 5% >= 0.9x the reference with every table in GPU memory"}
+    before = {"reference_vs_before": ratio(medians, "reference-cuda", "reference-cuda-before")} if args.before else {}
+    return {**result, "single_5%_vs_reference": ratio(medians, "single-5%-cuda", "reference-cuda"),
+            **before, "target": "single at 5% >= 0.9x the reference with every table in GPU memory; the reference "
+            ">= 3x its samples/s before issue 43 (--before)"}
 
 
 def bagpipe_against_reference(args) -> dict:
@@ -228,8 +242,7 @@ def bagpipe_against_reference(args) -> dict:
                             ("bagpipe-1-trainer-cuda", "cuda", "bagpipe", total // 20, 1),
                             ("bagpipe-2-trainers-cuda", "cuda", "bagpipe", total // 20, 2)], base="reference-cuda")
     medians = result["medians"]
-    return {**result, "one_trainer_vs_reference": round(medians["bagpipe-1-trainer-cuda"]
-                                                        / medians["reference-cuda"], 3),
+    return {**result, "one_trainer_vs_reference": ratio(medians, "bagpipe-1-trainer-cuda", "reference-cuda"),
             "target": "bagpipe with one GPU trainer within 15% of the reference on the GPU (>= 0.85x)"}
 
 
@@ -239,12 +252,13 @@ def compiled_against_eager(args) -> dict:
     compiles, and the warm-up iterations leave it out of samples/s)."""
     _, total = synth_data(args)
     result = compare(args, [("reference-cuda", "cuda", "reference", 0, 1),
-                            ("reference-cuda-compiled", "cuda", "reference", 0, 1, True),
-                            ("single-5%-cuda-compiled", "cuda", "single", total // 20, 1, True),
-                            ("bagpipe-1-trainer-cuda-compiled", "cuda", "bagpipe", total // 20, 1, True)],
+                            ("reference-cuda-compiled", "cuda", "reference", 0, 1, {"compiled": True}),
+                            ("single-5%-cuda-compiled", "cuda", "single", total // 20, 1, {"compiled": True}),
+                            ("bagpipe-1-trainer-cuda-compiled", "cuda", "bagpipe", total // 20, 1,
+                             {"compiled": True})],
                      base="reference-cuda")
     medians = result["medians"]
-    return {**result, "compiled_vs_eager": round(medians["reference-cuda-compiled"] / medians["reference-cuda"], 3),
+    return {**result, "compiled_vs_eager": ratio(medians, "reference-cuda-compiled", "reference-cuda"),
             "target": "--compile on by default on a GPU where it pays (config.TrainConfig.compile)"}
 
 
@@ -345,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma-separated steps to leave out: tests, train, bagpipe, profile, "
                    "nn, compile")
     p.add_argument("--py-spy", default="", help="py-spy's path (default: on PATH or beside this Python)")
+    p.add_argument("--before", default="", help="another checkout's src/ (e.g. from before issue 43): its reference "
+                   "on the GPU is one more case of the train step, and the report gives today's reference against it")
+    p.add_argument("--cases", default="", help="comma-separated cases to run (default all; each step's base "
+                   "case always runs), e.g. reference-cuda-before,single-5%%-cuda,bagpipe-1-trainer-cuda")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (to try the script itself)")
     args = p.parse_args(argv)
     args.work = args.work or str(Path(args.out) / "work")

@@ -115,6 +115,9 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.processes)
 
 _RECORD = os.environ.get("BAGPIPE_RECORD_PROCESS_TESTS")
+# programs a library starts on its own, once per machine, whichever test first imports it: matplotlib lists the
+# fonts (fc-list) to build its font cache (seen on a fresh GPU machine, in test_single's command-line test)
+_NOT_OURS = frozenset({"fc-list"})
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +126,9 @@ def _processes_tier(request, monkeypatch):
     real_popen_init, real_fork, real_start = subprocess.Popen.__init__, os.fork, ForkServer.start
 
     def popen_init(self, *args, **kwargs):
-        started.append(f"subprocess {args[0] if args else kwargs.get('args')!r}")
+        command = args[0] if args else kwargs.get("args")
+        if not (isinstance(command, (list, tuple)) and command and command[0] in _NOT_OURS):
+            started.append(f"subprocess {command!r}")
         real_popen_init(self, *args, **kwargs)
 
     def fork():

@@ -70,13 +70,13 @@ class CachedTableModule(nn.Module):
         if ids.dtype not in (torch.int64, torch.int32):  # (a float id would be truncated silently)
             raise ValueError(f"input must hold integer ids (torch.int64 or torch.int32), got {ids.dtype}")
         keys, slots, positions = self.rows.resident_positions(ids.cpu().numpy().reshape(-1))
-        device = self.rows.cache_weight.device
-        rows = self.rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
+        on_device, at = self.rows.slots.to_device(slots, positions.reshape(ids.shape))  # (at: int32 while copied)
+        rows = self.rows.cache_weight.index_select(0, on_device)
         if torch.is_grad_enabled() and self.requires_grad:
             rows.requires_grad_(True)
             rows.register_hook(functools.partial(self.rows.fused_step, keys, slots=slots,
                                                  as_of=self.rows.index.version))
-        return rows, torch.from_numpy(positions.reshape(ids.shape)).to(device).long()  # (int32 while copied)
+        return rows, at.long()
 
     @property
     def weight(self) -> torch.Tensor:

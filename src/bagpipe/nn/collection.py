@@ -99,14 +99,14 @@ class CachedEmbeddingBagCollection(nn.Module):
             # one lookup for the space: its tables' keys are disjoint ranges, so one sort numbers them all
             keys, slots, positions = rows.resident_positions(
                 np.concatenate([ids[t] + self.offset_of[t] for t in members]))
-            device = rows.cache_weight.device
-            leaf = rows.cache_weight.index_select(0, torch.from_numpy(slots).to(device))
+            on_device, positions = rows.slots.to_device(slots, positions)  # (positions: int32 while copied)
+            leaf = rows.cache_weight.index_select(0, on_device)
             if torch.is_grad_enabled():
                 leaf.requires_grad_(True)
                 leaf.register_hook(functools.partial(  # one step for the space
                     rows.fused_step, keys, tables=[(self.offset_of[t], self.tables[t][0]) for t in members],
                     slots=slots, as_of=rows.index.version))
-            positions = torch.from_numpy(positions).to(device).long()  # (int32 while copied)
+            positions = positions.long()
             # the tables pooled in one embedding_bag (one per kind, with or without per-sample weights): their
             # bags one after the other, each's starts moved past the ids of the tables before it
             groups = [[t for t in members if weights[t] is None], [t for t in members if weights[t] is not None]]
@@ -115,12 +115,12 @@ class CachedEmbeddingBagCollection(nn.Module):
             for group in filter(None, groups):
                 if len(group) < len(members):
                     at = np.concatenate([np.arange(first_of[t], first_of[t] + len(ids[t])) for t in group])
-                    group_positions = positions[torch.from_numpy(at).to(device)]
+                    group_positions = positions[rows.slots.to_device(at)[0]]
                     starts = np.cumsum([0] + [len(ids[t]) for t in group])[:-1]
                 else:
                     group_positions, starts = positions, firsts[:-1]
                 bag_starts = np.concatenate([bags[t] + start for t, start in zip(group, starts)])
-                pooled = F.embedding_bag(group_positions, leaf, torch.from_numpy(bag_starts).to(device),
+                pooled = F.embedding_bag(group_positions, leaf, rows.slots.to_device(bag_starts)[0],
                                          mode=self.mode, sparse=True,
                                          per_sample_weights=None if weights[group[0]] is None
                                          else _flat_cat([weights[t] for t in group]))

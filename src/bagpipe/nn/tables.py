@@ -94,9 +94,8 @@ class CachedTables:
             distinct, positions = planned or distinct_positions(flat, padded=space.padded,
                                                                 keys=None if keys is None else keys[s])
             rows = self.spaces[s]
-            slots = torch.from_numpy(rows.make_resident(distinct.numpy())).to(rows.cache_weight.device)
-            block, lookup = gather(rows.cache_weight, slots, positions.to(rows.cache_weight.device),
-                                   padded=space.padded)
+            slots, positions = rows.slots.to_device(rows.make_resident(distinct.numpy()), positions)
+            block, lookup = gather(rows.cache_weight, slots, positions, padded=space.padded)
             blocks.append(block)
             lookups.append(lookup)
             self._keys.append(distinct.numpy())

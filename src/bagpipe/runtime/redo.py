@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, Lookup, gather
-from bagpipe.device import model_device
+from bagpipe.device import HostStaging, model_device
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.runtime.protocol import StepMessage
 
@@ -60,12 +60,16 @@ class Shares:
 
 
 def backward_slice(model: nn.Module, message: StepMessage, embeddings: Embeddings, *, seed: int, part: int,
-                   lap=None) -> torch.Tensor:
+                   lap=None, staging: HostStaging | None = None) -> torch.Tensor:
     """Trainer ``part``'s forward and backward of its slice: every gradient in place (the model's ``.grad``, each
-    lookup's leaf); returns the slice's loss (detached). ``lap(phase)`` is called after each (the loop's clock)."""
+    lookup's leaf); returns the slice's loss (detached). ``lap(phase)`` is called after each (the loop's clock).
+    The plan message arrives in host memory: its inputs go to the model's device through ``staging`` where given
+    (reused pinned buffers: the host does not wait for the device), else by a plain copy."""
     set_dropout_step(model, seed=seed, iteration=message.iteration, part=part)
-    device = model_device(model)  # (the plan message arrives in host memory)
-    loss = model.training_loss(message.dense_x.to(device), embeddings, message.target.to(device))
+    device = model_device(model)
+    dense_x, target = (staging.to_device(message.dense_x, message.target) if staging is not None
+                       else (message.dense_x.to(device), message.target.to(device)))
+    loss = model.training_loss(dense_x, embeddings, target)
     if lap is not None:
         lap("forward")
     for p in model.parameters():

@@ -11,6 +11,7 @@ import torch
 
 from bagpipe.train.checkpoints import cloned_state, load_dense, resume_chain
 from bagpipe.config import TrainConfig
+from bagpipe.device import HostStaging
 from bagpipe.faults import inject_fault
 from bagpipe.health import LossWatch
 from bagpipe.metrics import CounterWindow, share
@@ -46,6 +47,8 @@ class DenseModel:
         # judged by ``settle`` (the loop's) at each log, checkpoint and hand-over
         self.pending = PendingLosses()
         self.settle: Callable[[], None] = lambda: None
+        # each step's inputs (dense features, targets) to the device through reused pinned buffers (on a GPU)
+        self.staging = HostStaging(self.device, slots=4)
 
     def make(self) -> torch.nn.Module:
         """A fresh copy of the model, from the run's seed, on the trainer's device."""
@@ -136,7 +139,8 @@ def train_loop(runtime: TrainerRuntime, dense: DenseModel) -> None:
         embeddings, lookups = runtime.lookup()
         clock.lap("lookup")
         early.reset()
-        local_loss = backward_slice(model, message, embeddings, seed=config.seed, part=runtime.index, lap=clock.lap)
+        local_loss = backward_slice(model, message, embeddings, seed=config.seed, part=runtime.index, lap=clock.lap,
+                                    staging=dense.staging)
         if job.replace_trainers:  # before the step: a lost trainer's replacement may need this slice again (in a
             dense.redo.keep(message.iteration, lookups)  # job that replaces none, a lone or partitioned trainer's)
         inject_fault(f"backward {message.iteration}")
