@@ -93,6 +93,13 @@ def _add_synth(sub) -> None:
                    "(default: the preset)")
     g.add_argument("--max-rows-per-table", type=int, default=0,
                    help="cap every table at this many rows (default 0: no cap)")
+    g.add_argument("--raw-ids", action="store_true", help="63-bit ids that keep arriving: each period's ids a "
+                   "window of the table's size that slides, a share --new-share of them new (preprocess them "
+                   "with --raw-ids, or modulo the meta.json's table sizes)")
+    g.add_argument("--periods", type=int, default=10, help="--raw-ids: periods of the train rows, in file order; "
+                   "the test rows are the next one (default 10)")
+    g.add_argument("--new-share", type=float, default=0.1, help="--raw-ids: the share of a period's ids that are "
+                   "new (default 0.1)")
     g = p.add_argument_group("--kind sequences")
     g.add_argument("--users", type=int, default=8000, help="users (default 8000)")
     g.add_argument("--items", type=int, default=300, help="items (default 300)")
@@ -131,6 +138,9 @@ def _add_preprocess(sub) -> None:
                    "a meta.json beside the input; JSON lines only: the largest id + 1)")
     p.add_argument("--meta", default=None, help="a meta.json holding table_sizes, as `bagpipe synth` writes "
                    "(default: the one beside the input, if any)")
+    p.add_argument("--raw-ids", action="store_true", help="criteo, avazu, jsonl: keep each categorical value as a "
+                   "63-bit key of its own (a stable mix of table and value), in one pass: no vocabulary, no table "
+                   "sizes, no two values of a table sharing a row (docs/data.md, 'Raw ids')")
     p.add_argument("--on-bad-row", choices=("error", "skip"), default="error",
                    help="stop at a malformed row naming its file and line, or skip and count it (default error)")
     _add_sequence_flags(p.add_argument_group("an interaction log's samples (default: its meta.json's, else these)"))
@@ -561,7 +571,8 @@ def run_synth(args) -> None:
                                 max_rows_per_table=args.max_rows_per_table)
     test_rows = args.test_rows if args.test_rows is not None else max(args.rows // 10, 1)
     meta = generate(args.out, rows=args.rows, test_rows=test_rows, seed=args.seed, table_sizes=sizes,
-                    zipf=args.zipf if args.zipf is not None else DEFAULT_ZIPF)
+                    zipf=args.zipf if args.zipf is not None else DEFAULT_ZIPF, raw_ids=args.raw_ids,
+                    periods=args.periods, new_share=args.new_share)
     log.info("wrote %d train and %d test rows to %s (best achievable AUC %.4f)", meta["train_rows"],
              meta["test_rows"], args.out, meta.get("best_auc", math.nan))
 
@@ -579,7 +590,7 @@ def run_preprocess(args) -> None:
     given = any(getattr(args, name) for name in ("history", "targets", "negatives"))
     meta = preprocess(args.input, args.out, fmt=args.format, table_sizes=args.table_sizes,
                       meta_file=args.meta, on_bad_row=args.on_bad_row, vocab_min_count=args.vocab_min_count,
-                      sequence=_sequence_settings(args) if given else None)
+                      sequence=_sequence_settings(args) if given else None, raw_ids=args.raw_ids)
     print(json.dumps({k: meta[k] for k in ("rows", "table_sizes", "skipped_rows", "skipped_by_reason")}))
 
 

@@ -47,6 +47,11 @@ def prepare_data(config: TrainConfig, *, show_progress: bool = False) -> BinaryD
     """The job's data set, converted first if its sources changed."""
     dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress, fmt=config.data_format or None,
                                                holdout=config.holdout, vocab_min_count=config.vocab_min_count))
+    if dataset.meta.get("raw_ids"):
+        raise ValueError(f"{config.data} holds raw ids (bagpipe preprocess --raw-ids: each value a 63-bit key, no "
+                         f"table sizes), which train only into tables that grow with the data, not in this version "
+                         f"of bagpipe. To train on it, convert the source with --table-sizes (values hashed "
+                         f"modulo them) or --vocab-min-count N")
     held = dataset.meta.get("held_out")
     if held:
         log.info("%s has no test split: its last %d rows (%.1f%%, --holdout %.4g) are held out for evaluation",

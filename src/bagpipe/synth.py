@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from bagpipe.data.formats import NUM_DENSE, dense_transform
+from bagpipe.data.rawids import mix63
 from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.progress import progress
 
@@ -129,13 +130,42 @@ def _dense_values(count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.
     return values, empty
 
 
-def _format_rows(labels, dense, dense_empty, hashes, cat_empty) -> str:
+class ArrivingIds:
+    """Raw ids that keep arriving (``bagpipe synth --raw-ids``): table by table, each period's ids are a window of
+    ``active`` indices that slides by ``new`` a period, so that a share ``new / active`` of a period's ids were never
+    seen before. A Zipf draw picks a window position (``ZipfSampler``'s scattered rank); index ``i`` sits at position
+    ``i mod active`` as long as the window holds it, so an id keeps its popularity for its life, and the ids that
+    arrive take the positions (and popularity) of those that leave. An index is written as a 63-bit id,
+    ``mix63(index ^ salt)`` (a bijection: no two indices share an id), as 16 hex digits."""
+
+    EMPTY_INDEX = 1 << 62  # the planted model's index of an empty field (written as no value): no real id's
+
+    def __init__(self, *, active: list[int], new_share: float, seed: int) -> None:
+        self.active = np.asarray(active, dtype=np.int64)
+        self.new = np.array([max(1, round(new_share * n)) if new_share > 0 else 0 for n in active], dtype=np.int64)
+        self.salts = np.random.default_rng([seed, 2]).integers(1, 2**62, len(active), dtype=np.uint64)
+
+    def indices(self, table: int, positions: np.ndarray, periods: np.ndarray) -> np.ndarray:
+        """The ids' indices at window ``positions`` in each row's period."""
+        start = periods * self.new[table]
+        return start + (positions - start) % self.active[table]
+
+    def written(self, table: int, indices: np.ndarray) -> np.ndarray:
+        """The ids as written (uint64 below 2**63)."""
+        return mix63(indices.astype(np.uint64) ^ self.salts[table])
+
+    def ids_up_to(self, periods: int) -> list[int]:
+        """Per table, the indices any of ``periods`` periods can draw."""
+        return (self.active + (periods - 1) * self.new).tolist()
+
+
+def _format_rows(labels, dense, dense_empty, hashes, cat_empty, *, hex_digits: int = 8) -> str:
     dense_cols = [
         ["" if e else str(v) for v, e in zip(dense[:, j].tolist(), dense_empty[:, j].tolist())]
         for j in range(dense.shape[1])
     ]
     cat_cols = [
-        ["" if e else f"{v:08x}" for v, e in zip(hashes[:, t].tolist(), cat_empty[:, t].tolist())]
+        ["" if e else f"{v:0{hex_digits}x}" for v, e in zip(hashes[:, t].tolist(), cat_empty[:, t].tolist())]
         for t in range(hashes.shape[1])
     ]
     label_col = [str(int(v)) for v in labels.tolist()]
@@ -152,20 +182,34 @@ def generate(
     table_sizes: list[int],
     zipf: float = DEFAULT_ZIPF,
     show_progress: bool = True,
+    raw_ids: bool = False,
+    periods: int = 10,
+    new_share: float = 0.1,
 ) -> dict:
-    """Write train.tsv, test.tsv and meta.json into ``out_dir``; return the metadata."""
+    """Write train.tsv, test.tsv and meta.json into ``out_dir``; return the metadata.
+
+    ``raw_ids``: 63-bit ids that keep arriving (``ArrivingIds``): the train rows are ``periods`` periods in file
+    order and the test rows the next one, each period's ids a share ``new_share`` new (``table_sizes``: each
+    table's ids active in a period). ``meta.json``'s table_sizes are then the distinct ids each table's train rows
+    hold (hashing the ids modulo them gives fixed tables of as many rows as tables that grow with the data make)."""
     if rows <= 0:
         raise ValueError(f"--rows must be positive, got {rows}")
     if test_rows < 0:
         raise ValueError(f"--test-rows must not be negative, got {test_rows}")
     if not zipf > 0:
         raise ValueError(f"--zipf must be positive, got {zipf}")
+    if raw_ids and periods < 1:
+        raise ValueError(f"--periods must be at least 1, got {periods}")
+    if raw_ids and not 0 <= new_share <= 1:
+        raise ValueError(f"--new-share must lie in [0, 1], got {new_share}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng([seed, 0])
     samplers = [ZipfSampler(num_rows=n, exponent=zipf, rng=rng) for n in table_sizes]
     planted = PlantedModel(table_sizes=table_sizes, seed=seed)
     sizes = np.asarray(table_sizes, dtype=np.uint64)
+    arriving = ArrivingIds(active=table_sizes, new_share=new_share, seed=seed) if raw_ids else None
+    seen = [np.zeros(n, dtype=bool) for n in arriving.ids_up_to(periods)] if raw_ids else None
     test_labels, test_probs = [], []
     bar = progress(total=rows + test_rows, desc="synth", unit="rows", enabled=show_progress)
     for split, count in (("train", rows), ("test", test_rows)):
@@ -175,13 +219,24 @@ def generate(
                 dense, dense_empty = _dense_values(n, rng)
                 ids = np.stack([s.sample(n, rng) for s in samplers], axis=1).astype(np.int64)
                 cat_empty = rng.random(ids.shape) < EMPTY_CATEGORICAL
-                ids[cat_empty] = 0
-                # A 32-bit hash value that the reader's "hex mod table size" maps back to the id.
-                wraps = (np.uint64(1 << 32) - 1 - ids.astype(np.uint64)) // sizes
-                hashes = ids.astype(np.uint64) + (rng.random(ids.shape) * wraps).astype(np.uint64) * sizes
+                if arriving is not None:
+                    row_periods = (np.full(n, periods) if split == "test"
+                                   else (np.arange(start, start + n) * periods) // count)
+                    ids = np.stack([arriving.indices(t, ids[:, t], row_periods) for t in range(ids.shape[1])], axis=1)
+                    hashes = np.stack([arriving.written(t, ids[:, t]) for t in range(ids.shape[1])], axis=1)
+                    if split == "train":
+                        for t, table_seen in enumerate(seen):
+                            table_seen[ids[~cat_empty[:, t], t]] = True
+                    ids[cat_empty] = ArrivingIds.EMPTY_INDEX
+                else:
+                    ids[cat_empty] = 0
+                    # A 32-bit hash value that the reader's "hex mod table size" maps back to the id.
+                    wraps = (np.uint64(1 << 32) - 1 - ids.astype(np.uint64)) // sizes
+                    hashes = ids.astype(np.uint64) + (rng.random(ids.shape) * wraps).astype(np.uint64) * sizes
                 probs = 1.0 / (1.0 + np.exp(-planted.logits(dense_transform(dense), ids)))
                 labels = (rng.random(n) < probs).astype(np.int64)
-                handle.write(_format_rows(labels, dense, dense_empty, hashes, cat_empty))
+                handle.write(_format_rows(labels, dense, dense_empty, hashes, cat_empty,
+                                          hex_digits=16 if raw_ids else 8))
                 if split == "test":
                     test_labels.append(labels)
                     test_probs.append(probs)
@@ -196,6 +251,14 @@ def generate(
         "seed": seed,
         "zipf": zipf,
     }
+    if raw_ids:
+        distinct = [int(np.count_nonzero(table_seen)) + 1 for table_seen in seen]  # (+1: the empty field's row)
+        meta["table_sizes"] = distinct
+        meta["raw_ids"] = {"periods": periods, "new_share": new_share, "active_ids": list(table_sizes),
+                           "ids_per_table": arriving.ids_up_to(periods + 1), "train_distinct_ids": distinct,
+                           "note": "ids of 63 bits, as 16 hex digits; train rows are periods 0.. in file order, "
+                                   "the test rows the next period; table_sizes: the distinct values (the empty one "
+                                   "included) of each table's train rows"}
     if test_rows:
         labels, probs = np.concatenate(test_labels), np.concatenate(test_probs)
         meta["best_auc"] = roc_auc(labels, probs)

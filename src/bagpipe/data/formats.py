@@ -176,7 +176,7 @@ class CriteoParser:
     """
 
     def __init__(self, table_sizes: list[int] | None = None, *, num_tables: int | None = None) -> None:
-        self.table_sizes = np.asarray(table_sizes or [], dtype=np.int64)
+        self.table_sizes = np.asarray(table_sizes or [], dtype=np.uint64)  # (raw ids: 2**63, beyond int64)
         self.num_tables = len(table_sizes) if table_sizes else num_tables
         assert self.num_tables, "table sizes or a number of tables"
         self.num_columns = 1 + NUM_DENSE + self.num_tables

@@ -12,6 +12,7 @@ from contextlib import ExitStack, closing, contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
+import orjson
 import xxhash
 
 from bagpipe.data.avazu import AvazuParser
@@ -19,6 +20,7 @@ from bagpipe.data.binary import SplitWriter, id_dtype_for, move_into, partial_pa
 from bagpipe.data.blocks import count_lines, next_block, open_decompressed, read_ahead
 from bagpipe.data.blocks import first_line as read_first_line  # first_line: a line number here
 from bagpipe.data.formats import NUM_DENSE, BadRows, CriteoParser, DataError, JsonlParser, NeedsWidths, TextBlock
+from bagpipe.data.rawids import KEY_BITS, KEY_SPACE, RawIdParser
 from bagpipe.data.sequences import SequenceSettings, convert_interactions
 from bagpipe.data.sources import (DEFAULT_HOLDOUT, VOCAB_FORMATS, check_format, check_holdout, conversion_settings,
                                   effective_holdout, find_splits, fingerprint, guess_format, source_files,
@@ -147,19 +149,21 @@ def preprocess(
     sequence: SequenceSettings | None = None,
     holdout: float = DEFAULT_HOLDOUT,
     vocab_min_count: int = 0,
+    raw_ids: bool = False,
 ) -> dict:
     """Preprocess every split under ``input_path`` into ``out_dir``; return the written meta.
 
     Without a test split (a lone file, or no ``test.*``) the last ``round(lines * holdout)`` lines of
     the train file are the test split; an interaction log holds out each user's last item instead.
     ``vocab_min_count`` > 0 numbers Criteo's or Avazu's raw values by a vocabulary of the train split
-    (data.vocab), written to ``out_dir/vocab``; else their values are hashed modulo the table sizes.
+    (data.vocab), written to ``out_dir/vocab``; ``raw_ids`` keeps each value as a 63-bit key of its own
+    (data.rawids: no vocabulary, no table sizes); else their values are hashed modulo the table sizes.
     A conversion that fails leaves ``out_dir`` as it was, or absent if it was (``_written_whole``).
     """
     with _written_whole(Path(out_dir)) as partial:
         return _preprocess_into(Path(input_path), partial, fmt=fmt, table_sizes=table_sizes, meta_file=meta_file,
                                 on_bad_row=on_bad_row, show_progress=show_progress, sequence=sequence,
-                                holdout=holdout, vocab_min_count=vocab_min_count)
+                                holdout=holdout, vocab_min_count=vocab_min_count, raw_ids=raw_ids)
 
 
 @contextmanager
@@ -185,7 +189,8 @@ def _written_whole(out: Path) -> Iterator[Path]:
 
 def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_sizes: str | list[int] | None,
                      meta_file: str | Path | None, on_bad_row: str, show_progress: bool,
-                     sequence: SequenceSettings | None, holdout: float, vocab_min_count: int) -> dict:
+                     sequence: SequenceSettings | None, holdout: float, vocab_min_count: int,
+                     raw_ids: bool = False) -> dict:
     """``preprocess``, into ``out``, a directory not there yet."""
     if on_bad_row not in BAD_ROW_POLICIES:
         raise ValueError(f"--on-bad-row must be one of {', '.join(BAD_ROW_POLICIES)}, got {on_bad_row!r}")
@@ -197,13 +202,22 @@ def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_size
     if vocab_min_count and fmt not in VOCAB_FORMATS:
         raise ValueError(f"--vocab-min-count: {fmt} data holds ids already; a vocabulary numbers the raw values of "
                          f"{' and '.join(VOCAB_FORMATS)} data")
+    if raw_ids and fmt == "movielens":
+        raise ValueError("--raw-ids: an interaction log's users and items are numbered by popularity (next-item "
+                         "samples need them dense); raw ids apply to click logs (criteo, avazu, jsonl)")
+    if raw_ids and (vocab_min_count or table_sizes or meta_file):
+        raise ValueError("--raw-ids keeps every value as a key of its own, with no table sizes: give it without "
+                         "--vocab-min-count, --table-sizes and --meta")
     if fmt == "movielens":
         return _preprocess_interactions(input_path, splits, out, meta_file=meta_file, sequence=sequence)
     if vocab_min_count and (table_sizes or meta_file):
         raise ValueError("give either --vocab-min-count (table sizes from the vocabulary) or --table-sizes / --meta "
                          "(values hashed modulo the sizes), not both")
-    sizes, sizes_from = (None, "vocabulary") if vocab_min_count else table_sizes_from(
-        table_sizes=table_sizes, meta_file=meta_file, input_path=input_path)
+    if raw_ids:
+        sizes, sizes_from = [KEY_SPACE] * _raw_tables(fmt, splits), "raw ids"
+    else:
+        sizes, sizes_from = (None, "vocabulary") if vocab_min_count else table_sizes_from(
+            table_sizes=table_sizes, meta_file=meta_file, input_path=input_path)
     if sizes is not None and (not sizes or any(s <= 0 for s in sizes)):
         raise ValueError(f"table sizes must be positive integers, got {sizes}")
     if fmt in VOCAB_FORMATS and sizes is None and not vocab_min_count:
@@ -217,13 +231,18 @@ def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_size
     out.mkdir()
     parser, vocabularies = _text_parser(fmt, splits, sizes=sizes, vocab_min_count=vocab_min_count,
                                         test_from=test_from, on_bad_row=on_bad_row, show_progress=show_progress)
-    if isinstance(parser, EncodedParser):
+    if raw_ids:
+        parser = RawIdParser(parser)
+    elif isinstance(parser, EncodedParser):
         sizes = [encoder.size for encoder in parser.encoders]
     convert = {"sizes": sizes, "test_from": test_from, "on_bad_row": on_bad_row, "show_progress": show_progress}
     digests = {name: xxhash.xxh3_128() for name in splits}
     try:
         writers, bad, sizes = _convert_splits(splits, out, parser, digests=digests, **convert)
     except NeedsWidths as first:
+        if raw_ids:
+            raise ValueError(f"--raw-ids: multi-valued features (first at {first}) are not supported yet: one id "
+                             f"per feature and row") from None
         # Lists need their widths before anything is written: a first pass over every split finds them.
         log.info("%s: multi-valued rows (first at %s): measuring the input first", input_path, first)
         parser = JsonlParser(sizes, shape=_measure(splits, sizes=sizes, on_bad_row=on_bad_row,
@@ -246,6 +265,9 @@ def _preprocess_into(input_path: Path, out: Path, *, fmt: str | None, table_size
         "held_out": None if test_from is None else {
             "holdout": holdout, "from_line": test_from, "rows": writers["test"].rows,
             "note": f"the test split is lines {test_from}.. of {splits['train']}"},
+        **({"raw_ids": {"key_bits": KEY_BITS, "note": "each categorical value stored as a 63-bit key of its own "
+                        "(bagpipe.data.rawids.raw_keys of the value and its table): no vocabulary, no table size; "
+                        "table_sizes is the key space"}} if raw_ids else {}),
         "skipped_rows": bad.total if bad else 0,
         "skipped_by_reason": dict(bad.counts) if bad else {},
         "vocabulary": None if vocabularies is None else {
@@ -295,6 +317,20 @@ def _text_parser(fmt: str, splits: dict[str, Path], *, sizes: list[int] | None, 
         log.warning("%s: no value seen %d times or more in the train split of %s: every id there is the "
                     "out-of-vocabulary id %d", ", ".join(empty), vocab_min_count, train, OOV_ID)
     return EncodedParser(base, vocabularies), vocabularies
+
+
+def _raw_tables(fmt: str, splits: dict[str, Path]) -> int:
+    """The number of tables of raw-id data, read from the train split's first line."""
+    train = splits["train"]
+    if fmt == "criteo":
+        return _criteo_tables(train)
+    if fmt == "avazu":
+        return AvazuParser({str(train): read_first_line(train)}).num_tables
+    try:
+        sparse = orjson.loads(read_first_line(train))["sparse"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise DataError(str(train), 1, "--raw-ids: the first line is not a JSON object with \"sparse\" ids") from None
+    return len(sparse)
 
 
 def _criteo_tables(path: Path) -> int:
