@@ -10,6 +10,9 @@ over the train split, then the conversion) and against the values hashed modulo 
 Prints, per path, the median rows/s of the whole call (train and test rows over its wall time) and its ratio to
 the vocabulary path's; and, from the converted data, each path's rows: the distinct keys of the train split
 against its distinct values (hashing into fixed tables shares rows between values; the other two never do).
+
+``--epochs N`` (default 1; 0: none) then trains `--mode reference` on each path's data alike (DLRM, batch
+--batch-size, Adagrad) and gives each one's test AUC beside the planted model's best: what sharing rows costs.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows-per-table", type=int, default=200_000)
     parser.add_argument("--work-dir", default="runs/bench_rawids")
     parser.add_argument("--out", default="runs/bench_rawids/result.json")
+    parser.add_argument("--epochs", type=int, default=1, help="train each path's data this long (0: no training)")
+    parser.add_argument("--batch-size", type=int, default=2048)
     args = parser.parse_args(argv)
     work = Path(args.work_dir)
     data = work / f"data-{args.rows}"
@@ -72,6 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in PATHS:
         print(f"| {name} | {medians[name]:,.0f} | {result['vs_vocabulary'][name]:.2f}x | {distinct[name]:,} |")
     print(f"distinct values in the train split: {result['train_distinct_values']:,}")
+    if args.epochs:
+        result["test_auc"] = {}
+        for name in PATHS:
+            run = work / f"run-{name}"
+            bagpipe("train", "--data", str(work / name), "--run-dir", str(run), "--overwrite", "--no-progress",
+                    "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--optimizer", "adagrad")
+            summary = json.loads((run / "summary.json").read_text())
+            result["test_auc"][name] = summary["eval_auc"]
+            print(f"{name}: test AUC {summary['eval_auc']:.4f} (best {meta['best_auc']:.4f})", flush=True)
+        result["best_auc"] = meta["best_auc"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

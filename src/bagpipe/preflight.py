@@ -48,10 +48,7 @@ def prepare_data(config: TrainConfig, *, show_progress: bool = False) -> BinaryD
     dataset = open_dataset(ensure_preprocessed(config.data, show_progress=show_progress, fmt=config.data_format or None,
                                                holdout=config.holdout, vocab_min_count=config.vocab_min_count))
     if dataset.meta.get("raw_ids"):
-        raise ValueError(f"{config.data} holds raw ids (bagpipe preprocess --raw-ids: each value a 63-bit key, no "
-                         f"table sizes), which train only into tables that grow with the data, not in this version "
-                         f"of bagpipe. To train on it, convert the source with --table-sizes (values hashed "
-                         f"modulo them) or --vocab-min-count N")
+        dataset = numbered_run_data(config, dataset)
     held = dataset.meta.get("held_out")
     if held:
         log.info("%s has no test split: its last %d rows (%.1f%%, --holdout %.4g) are held out for evaluation",
@@ -59,6 +56,29 @@ def prepare_data(config: TrainConfig, *, show_progress: bool = False) -> BinaryD
     elif dataset.test is None:
         log.info("%s has no test split (--holdout 0): the run is not evaluated", config.data)
     return dataset
+
+
+def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryDataset:
+    """Raw-id data as the run reads it: each table's keys that the run's batches look up given rows of their own
+    (embeddings.dynamic), every other key the table's default row."""
+    from bagpipe.data.batches import batch_rows
+    from bagpipe.embeddings.dynamic import RowNumbering, numbered_dataset
+
+    from bagpipe.storage.tiers import tier_class
+
+    if not config.run_mode.raw_ids or tier_class(config.storage).files:
+        modes = " and ".join(name for name, mode in RUN_MODES.items() if mode.raw_ids)
+        raise ValueError(f"{config.data} holds raw ids (bagpipe preprocess --raw-ids: each value a 63-bit key, no "
+                         f"table sizes): tables that grow with the data train so far in --mode {modes} with the "
+                         f"tables in memory, not --mode {config.mode} with --storage {config.storage}. Convert the "
+                         f"source with --table-sizes (values hashed modulo them) or --vocab-min-count N to train it "
+                         f"otherwise")
+    selectors = batch_rows(dataset.train, batch_size=config.batch_size, iterations=planned_iterations(
+        config, dataset.train), shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
+    numbering = RowNumbering.of_run(dataset.train, selectors)
+    log.info("raw ids: %d rows made for the keys the run's batches look up (largest table %d), a default row a table "
+             "for the others", sum(numbering.rows_made), max(numbering.rows_made))
+    return dataclasses.replace(numbered_dataset(dataset, numbering), numbering=numbering)
 
 
 def claim(config: TrainConfig, dataset: BinaryDataset, *, overwrite: bool, show_progress: bool = False) -> None:

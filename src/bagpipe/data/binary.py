@@ -257,6 +257,8 @@ class BinaryDataset:
     train: BinarySplit
     test: BinarySplit | None
     valid: BinarySplit | None = None  # what evaluations during training are judged by, if the data has one
+    # raw-id data as a run reads it: the rows its tables make (an embeddings.dynamic.RowNumbering); else None
+    numbering: object | None = None
 
     @property
     def table_sizes(self) -> list[int]:

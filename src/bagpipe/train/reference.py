@@ -8,11 +8,13 @@ optimizer step per iteration.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -90,13 +92,26 @@ def build_model(config: TrainConfig, schema: Schema) -> nn.Module:
     return model
 
 
-def build_run_tables(config: TrainConfig, schema: Schema, *,
-                     device: torch.device | str = "cpu") -> EmbeddingTables | CachedTables:
+def check_same_batches(config: TrainConfig) -> None:
+    """A resumed run on raw ids must plan the batches it started with: its tables' rows are those its batches make
+    (embeddings.dynamic), so more or fewer iterations would number them otherwise."""
+    saved = json.loads((Path(config.run_dir) / "config.json").read_text())
+    for name in ("iterations", "epochs"):
+        if saved.get(name) != getattr(config, name):
+            raise ValueError(f"--resume: the run in {config.run_dir} trains raw ids, whose rows are the ones its "
+                             f"batches make; it was started with {name}={saved.get(name)!r}, and resuming it with "
+                             f"{getattr(config, name)!r} is not supported yet (leave the flag out)")
+
+
+def build_run_tables(config: TrainConfig, schema: Schema, *, device: torch.device | str = "cpu",
+                     numbering=None) -> EmbeddingTables | CachedTables:
     """The tables a run trains: in memory on ``device`` (--mode reference), or behind a cache on ``device``
     (--mode single), the host tables in memory or, with --storage disk, in files in --storage-dir (default
-    RUN_DIR/storage)."""
+    RUN_DIR/storage). Raw-id data's tables (``numbering``: the rows the run makes) start from each row's keyed
+    initial value (embeddings.dynamic)."""
+    weights = None if numbering is None else keyed_weights(config, schema, numbering)
     if not config.run_mode.cached:
-        return build_tables(config, schema, device=device)
+        return build_tables(config, schema, device=device, weights=weights)
     layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
     options = {"cache_rows": cache_rows_of(config, layout), "cleanup_fraction": single_cleanup_fraction(config),
                "policy": index_policy(config.policy), "device": device}
@@ -105,7 +120,23 @@ def build_run_tables(config: TrainConfig, schema: Schema, *,
     if storage.files:
         return CachedTables.on_disk(layout, make_row_optimizer(config.optimizer, lr=config.lr), seed=config.seed,
                                     storage=storage, **options)
-    return CachedTables.over(build_tables(config, schema), **options)
+    return CachedTables.over(build_tables(config, schema, weights=weights), **options)
+
+
+def keyed_weights(config: TrainConfig, schema: Schema, numbering) -> list[torch.Tensor]:
+    """Each space's initial rows for raw-id data: table by table, each row's value a function of (seed, table, key)
+    (the table's default row first)."""
+    layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
+    spaces = []
+    for space in layout.spaces:
+        parts = []
+        for index in space.tables:
+            table = layout.tables[index]
+            if len(table.features) != 1:
+                raise ValueError(f"table {table.name} embeds {len(table.features)} features: a raw-id table embeds one")
+            parts.append(numbering.initial_table(table.features[0], seed=config.seed, dim=table.dim, init=table.init))
+        spaces.append(torch.cat(parts))
+    return spaces
 
 
 def single_cleanup_fraction(config: TrainConfig) -> float:
@@ -266,6 +297,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         dataset = prepare_data(config, show_progress=show_progress)
         check_same_data(config.run_dir, dataset)
         iterations = planned_iterations(config, dataset.train)
+        if dataset.numbering is not None:
+            check_same_batches(config)
         checkpoint = resumable_checkpoint(config.run_dir, iterations=iterations, every=config.checkpoint_every,
                                           every_s=config.checkpoint_every_s)
         for warning in check_job(config, dataset, show_progress=show_progress):
@@ -287,7 +320,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     # --mode single keeps the same tables in host memory or on disk behind a cache (bagpipe.nn).
     device = resolve_device(config.device)
     model = build_model(config, dataset.schema).to(device)
-    tables = build_run_tables(config, dataset.schema, device=device)
+    tables = build_run_tables(config, dataset.schema, device=device, numbering=dataset.numbering)
     if isinstance(tables, CachedTables):
         cleanup.callback(tables.close)  # (tables on disk: their files are this run's working copies)
     cleanup_fraction = single_cleanup_fraction(config)
@@ -377,6 +410,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
                                        "torch_threads": torch.get_num_threads()}), full=full)
         if config.eval_every and testable and iteration + 1 < iterations and (iteration + 1) % config.eval_every == 0:
             settle()
+            if dataset.numbering is not None:  # (raw ids: the keys whose rows are made later use the default row)
+                dataset.numbering.as_of = iteration + 1
             eval_s += _evaluate_at(iteration + 1, model, tables, evaluated, run, config, watch)[1]
             tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
@@ -389,6 +424,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
 
     metrics = no_evaluation(model)
     if testable:
+        if dataset.numbering is not None:
+            dataset.numbering.as_of = iterations
         metrics, seconds = _evaluate_at(iterations, model, tables, evaluated, run, config, watch, final=True)
         eval_s += seconds
     else:
@@ -406,6 +443,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         "final_train_loss": loss if iterations > start else run.last_train_loss(),
         **metrics,
         **best_metrics(dataset.meta),
+        **({"raw_ids": dataset.numbering.summary(dataset.test)} if dataset.numbering is not None else {}),
         **health_summary(config, run, watch),
         "setup_s": setup_s,
         "startup_s": first_iteration_s,

@@ -1,0 +1,183 @@
+"""Tables that grow with the data: raw-id tables (``bagpipe preprocess --raw-ids``), rows made for the keys a run
+trains on, and a default row for every other key.
+
+A raw-id table has no size: its ids are 63-bit keys (data.rawids). A run gives a row to each key its planned
+batches look up, made on first use: ``RowNumbering.of_run`` reads the run's batch selectors (the same that training
+reads: ``data.batches.batch_rows``) before training and numbers each table's keys 1, 2, ... in the order the
+batches first look them up; row 0 is the table's default row, which every key without a row uses (a test split's
+new ids, or, in an evaluation during training, a key whose row is made later).
+Every mode reads its batches through the numbering (``numbered_dataset``: the splits' ids numbered as they are
+read), so from the layout on a raw-id table is an ordinary table of ``rows_made + 1`` rows, and reference, single,
+a resume (which numbers the same batches again) and any later mode see the same rows.
+
+A row's initial value is a function of (seed, table, key) alone (``init_keyed``), so whichever process makes the
+row, and whatever else it makes, it makes the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from bagpipe.data.rawids import KEY_SPACE
+from bagpipe.data.schema import Schema
+
+DEFAULT_KEY = KEY_SPACE  # the default row's key: no raw key is this (keys lie below 2**63)
+
+
+def _mix64(words: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (a fixed pseudo-random function of uint64 words)."""
+    with np.errstate(over="ignore"):
+        z = words + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def init_keyed(keys: np.ndarray, *, seed: int, table: int, dim: int, num_rows: int, init: str = "uniform"
+               ) -> torch.Tensor:
+    """The initial rows of ``keys`` (uint64-able: raw keys, or DEFAULT_KEY) of table ``table``: each a function of
+    (seed, table, key) alone, so any process makes the same row. ``init`` as the fixed tables' (data-sized by
+    ``num_rows``): uniform in +-1/sqrt(num_rows), normal with standard deviation 1/dim, or zeros."""
+    keys = np.asarray(keys).astype(np.uint64)
+    if init == "zeros":
+        return torch.zeros(len(keys), dim)
+    with np.errstate(over="ignore"):
+        salt = _mix64(np.array([seed * 1_000_003 + table], dtype=np.uint64))[0]
+        words = (_mix64(keys ^ salt)[:, None] + np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03))
+    bits = _mix64(words)
+    uniform = ((bits >> np.uint64(40)).astype(np.float64) + 0.5) / float(1 << 24)  # (0, 1), 24 bits: exact in f32
+    if init == "normal":
+        second = ((_mix64(bits) >> np.uint64(40)).astype(np.float64) + 0.5) / float(1 << 24)
+        values = np.sqrt(-2.0 * np.log(uniform)) * np.cos(2.0 * math.pi * second) / dim  # Box-Muller
+    else:
+        values = (uniform * 2.0 - 1.0) * math.sqrt(1.0 / num_rows)
+    return torch.from_numpy(values.astype(np.float32))
+
+
+class RowNumbering:
+    """The rows a run makes in its raw-id tables: each table's keys numbered 1, 2, ... in the order the run's
+    batches first look them up (row 0: the default row), with the iteration each row is made at.
+
+    ``numbered`` gives a key its row; for evaluation, ``as_of`` (set by the training loop before each evaluation)
+    gives the rows made before that iteration, every other key the default row, as rows made on first use would.
+    Rows are made in the order of their numbers, so "made by iteration i" is a prefix of each table's rows."""
+
+    def __init__(self, sorted_keys: list[np.ndarray], rows: list[np.ndarray], made_at: list[np.ndarray]) -> None:
+        self.sorted_keys = sorted_keys  # per table, its keys with rows, sorted
+        self.rows = rows  # per table, the row of each of those keys
+        self.made_at = made_at  # per table, by row - 1: the iteration the row is made at (non-decreasing)
+        self.as_of: int | None = None  # evaluations: the iteration they see the rows of (None: every row)
+
+    @classmethod
+    def of_run(cls, split, selectors) -> "RowNumbering":
+        """The rows the batches of ``selectors`` (``data.batches.batch_rows``, from iteration 0) make from
+        ``split``'s raw ids: a key's row is made at the first iteration that looks it up (within a batch, in the
+        order of its rows)."""
+        order, iterations = [], []  # every look-up's row of the split, in the run's order, and its iteration
+        for iteration, rows in enumerate(selectors):
+            rows = np.arange(split.rows)[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
+            order.append(rows)
+            iterations.append(np.full(len(rows), iteration, dtype=np.int64))
+        order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
+        at = np.concatenate(iterations) if iterations else np.zeros(0, dtype=np.int64)
+        sorted_keys, rows, made_at = [], [], []
+        for table in range(split.ids.shape[1]):  # a column at a time: memory of the look-ups, not of the batches
+            keys, first = np.unique(np.asarray(split.ids[:, table], dtype=np.int64)[order], return_index=True)
+            by_first_use = np.argsort(first, kind="stable")
+            row = np.empty(len(keys), dtype=np.int64)
+            row[by_first_use] = np.arange(1, len(keys) + 1)
+            sorted_keys.append(keys)
+            rows.append(row)
+            made_at.append(at[first[by_first_use]])
+        return cls(sorted_keys, rows, made_at)
+
+    @property
+    def rows_made(self) -> list[int]:
+        """Per table, the rows made for keys (the default row not counted)."""
+        return [len(keys) for keys in self.sorted_keys]
+
+    @property
+    def table_rows(self) -> list[int]:
+        """Per table, its rows: those made and the default row."""
+        return [len(keys) + 1 for keys in self.sorted_keys]
+
+    def made_by(self, iteration: int) -> list[int]:
+        """Per table, the rows made before ``iteration``."""
+        return [int(np.searchsorted(made, iteration)) for made in self.made_at]
+
+    def numbered(self, ids: np.ndarray, *, as_of: int | None = None) -> np.ndarray:
+        """Raw ids ``[B, T]`` as rows: a key's own (made before ``as_of``, if given), else 0, the default row."""
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = np.zeros(ids.shape, dtype=np.int64)
+        limits = self.made_by(as_of) if as_of is not None else self.rows_made
+        for table, (keys, table_rows) in enumerate(zip(self.sorted_keys, self.rows)):
+            if not len(keys):
+                continue
+            column = ids[..., table]
+            at = np.minimum(np.searchsorted(keys, column), len(keys) - 1)
+            row = table_rows[at]
+            rows[..., table] = np.where((keys[at] == column) & (row <= limits[table]), row, 0)
+        return rows
+
+    def summary(self, test) -> dict:
+        """What summary.json says of the rows: made, per table, and the share of ``test``'s look-ups (a split of
+        raw ids, numbered) that had no row of their own and used the default row."""
+        figures = {"rows_made": sum(self.rows_made), "rows_made_per_table": self.rows_made}
+        if test is not None and test.rows:
+            figures["test_lookups_on_the_default_row"] = float(np.mean(self.numbered(test.ids.raw[:]) == 0))
+        return figures
+
+    def row_keys(self, table: int) -> np.ndarray:
+        """Table ``table``'s key of each row (uint64; the default row's is DEFAULT_KEY)."""
+        keys = np.empty(len(self.sorted_keys[table]) + 1, dtype=np.uint64)
+        keys[0] = DEFAULT_KEY
+        keys[self.rows[table]] = self.sorted_keys[table].astype(np.uint64)
+        return keys
+
+    def initial_table(self, table: int, *, seed: int, dim: int, init: str = "uniform") -> torch.Tensor:
+        return init_keyed(self.row_keys(table), seed=seed, table=table, dim=dim, num_rows=self.table_rows[table],
+                          init=init)
+
+
+class NumberedIds:
+    """A split's raw ids read as rows: indexing reads the raw ids asked for and numbers them (``RowNumbering``)."""
+
+    def __init__(self, raw, numbering: RowNumbering, *, evaluated: bool) -> None:
+        self.raw, self.numbering, self.evaluated = raw, numbering, evaluated  # evaluated: read as of numbering.as_of
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.raw.shape
+
+    dtype = np.dtype(np.int64)
+
+    @property
+    def size(self) -> int:
+        return self.raw.size
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        return self.numbering.numbered(np.asarray(self.raw[rows], dtype=np.int64),
+                                       as_of=self.numbering.as_of if self.evaluated else None)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self[:], dtype=dtype)
+
+
+def numbered_dataset(dataset, numbering: RowNumbering):
+    """``dataset`` (raw ids) as a run reads it: every split's ids numbered, the tables ``numbering``'s sizes."""
+    schema = dataset.schema
+    if len(numbering.sorted_keys) != len(schema.features) or any(f.width != 1 for f in schema.features):
+        raise ValueError("raw-id data holds one id a feature")
+    numbered = Schema(num_dense=schema.num_dense, features=tuple(
+        dataclasses.replace(feature, cardinality=rows) for feature, rows in zip(schema.features, numbering.table_rows)))
+    return dataclasses.replace(dataset, **{name: dataclasses.replace(split, schema=numbered,
+                                                                     ids=NumberedIds(split.ids, numbering,
+                                                                                     evaluated=name != "train"))
+                                           for name, split in dataset.splits().items()})

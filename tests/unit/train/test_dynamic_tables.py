@@ -1,0 +1,123 @@
+"""Tables that grow with the data (embeddings.dynamic): raw-id data trains with a row made for each key the run's
+batches look up, the same rows in --mode reference and --mode single, bit for bit, and through a resume."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from bagpipe.data.binary import open_dataset
+from bagpipe.data.batches import batch_rows
+from bagpipe.data.preprocess import preprocess
+from bagpipe.embeddings.dynamic import DEFAULT_KEY, RowNumbering, init_keyed
+from bagpipe.rundir import export
+from bagpipe.synth import generate
+from bagpipe.train.reference import train_reference
+from helpers.jobs import exports_equal, small_config
+
+
+def test_a_keys_initial_row_is_a_function_of_seed_table_and_key_alone():
+    keys = np.array([5, 2**62 + 7, 11, DEFAULT_KEY], dtype=np.uint64)
+    rows = init_keyed(keys, seed=1, table=3, dim=8, num_rows=100)
+    assert torch.equal(init_keyed(keys[[2, 0]], seed=1, table=3, dim=8, num_rows=100), rows[[2, 0]])  # alone
+    assert rows.dtype == torch.float32 and rows.abs().max() <= 0.1 and len(torch.unique(rows)) == rows.numel()
+    for other in (dict(seed=2, table=3), dict(seed=1, table=4)):
+        assert not torch.equal(init_keyed(keys, dim=8, num_rows=100, **other), rows)
+    normal = init_keyed(np.arange(4000), seed=0, table=0, dim=16, num_rows=1, init="normal")
+    assert abs(float(normal.std()) - 1 / 16) < 0.005 and abs(float(normal.mean())) < 0.002
+    assert not init_keyed(keys, seed=1, table=3, dim=8, num_rows=100, init="zeros").any()
+
+
+class FakeSplit:
+    def __init__(self, ids):
+        self.ids, self.rows = np.asarray(ids, dtype=np.int64), len(ids)
+
+
+def test_rows_are_made_in_the_order_keys_are_first_looked_up_and_evaluations_see_those_made_so_far():
+    split = FakeSplit([[90, 7], [40, 7], [90, 8], [60, 9], [40, 5], [10, 5]])
+    numbering = RowNumbering.of_run(split, [slice(0, 2), slice(2, 4), np.array([4, 5])])
+    assert numbering.rows_made == [4, 4] and numbering.table_rows == [5, 5]
+    np.testing.assert_array_equal(numbering.numbered(split.ids), [[1, 1], [2, 1], [1, 2], [3, 3], [2, 4], [4, 4]])
+    np.testing.assert_array_equal(numbering.row_keys(0), [DEFAULT_KEY, 90, 40, 60, 10])
+    assert numbering.made_by(1) == [2, 1] and numbering.made_by(2) == [3, 3] and numbering.made_by(3) == [4, 4]
+    # a key no batch looks up, and (as of iteration 1) a key whose row is made later: the default row
+    np.testing.assert_array_equal(numbering.numbered([[60, 7], [33, 9]], as_of=1), [[0, 1], [0, 0]])
+    np.testing.assert_array_equal(numbering.numbered([[60, 7], [33, 9]]), [[3, 1], [0, 3]])
+
+
+@pytest.fixture(scope="module")
+def raw_data(tmp_path_factory):
+    """Raw-id data whose ids keep arriving (5 periods, a fifth new each), converted with --raw-ids."""
+    out = tmp_path_factory.mktemp("raw_ids")
+    generate(out / "synth", rows=4_000, test_rows=800, seed=5, table_sizes=[200] * 6 + [30] * 20, raw_ids=True,
+             periods=5, new_share=0.2, show_progress=False)
+    preprocess(out / "synth", out / "data", raw_ids=True, show_progress=False)
+    return out / "data"
+
+
+@pytest.mark.parametrize("policy, optimizer, slices", [("lookahead", "adagrad", 1), ("lru", "adam", 2),
+                                                       ("lfu", "sgd", 1)])
+def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, policy, optimizer, slices):
+    runs = {}
+    for mode in ("reference", "single"):
+        config = small_config(raw_data, tmp_path / mode, mode=mode, iterations=50, batch_size=64, optimizer=optimizer,
+                              policy=policy, cache_rows=1000, lookahead=8, slices=slices, eval_every=25, shuffle=True,
+                              shuffle_seed=2)
+        summary = train_reference(config, show_progress=False)
+        metrics = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        runs[mode] = (summary, [m["eval_auc"] for m in metrics if "eval_auc" in m],
+                      export(tmp_path / mode, tmp_path / f"{mode}.pt"))
+    (reference, ref_evals, want), (single, single_evals, got) = runs["reference"], runs["single"]
+    assert exports_equal(want, got)
+    assert single_evals == ref_evals and len(ref_evals) == 2  # the evaluation during training too
+    assert single["raw_ids"] == reference["raw_ids"]
+    made = reference["raw_ids"]["rows_made_per_table"]
+    assert single["total_rows"] == sum(made) + 26 and len(want["embeddings"][0]) == made[0] + 1
+    assert 0 < reference["raw_ids"]["test_lookups_on_the_default_row"] < 1  # the test period's new ids, at least
+    assert single["cache"]["rows_written_back"] > 0  # rows made were evicted and fetched again
+
+
+def test_a_run_on_raw_ids_resumes_from_its_checkpoint_as_if_never_stopped(raw_data, tmp_path, monkeypatch):
+    from bagpipe import faults
+
+    common = dict(iterations=40, batch_size=64, optimizer="adam", shuffle=True, shuffle_seed=1)
+    train_reference(small_config(raw_data, tmp_path / "whole", **common), show_progress=False)
+    cut = small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **common)
+    monkeypatch.setattr(faults, "_FAULTS", {("reference", "iteration 27"): ("fail", 0.0)})
+    monkeypatch.setattr(faults, "_ROLE", "reference")
+    with pytest.raises(faults.InjectedFault):
+        train_reference(cut, show_progress=False)
+    monkeypatch.setattr(faults, "_FAULTS", {})
+    assert train_reference(cut, show_progress=False, resume=True)["resumed_at"] == 25
+    assert exports_equal(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
+    longer = small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **{**common, "iterations": 60})
+    with pytest.raises(ValueError, match="trains raw ids, whose rows are the ones its batches make"):
+        train_reference(longer, show_progress=False, resume=True)
+
+
+def test_the_rows_made_follow_the_batches_and_the_memory_the_rows(raw_data, tmp_path):
+    """Fewer iterations make fewer rows: the tables hold the rows the run makes, not a declared size."""
+    dataset = open_dataset(raw_data)
+    made = {}
+    for iterations in (10, 60):
+        summary = train_reference(small_config(raw_data, tmp_path / str(iterations), iterations=iterations,
+                                               batch_size=64), show_progress=False)
+        made[iterations] = summary["raw_ids"]["rows_made"]
+        selectors = list(batch_rows(dataset.train, batch_size=64, iterations=iterations, shuffle=False,
+                                    shuffle_seed=0))
+        looked_up = np.concatenate([np.asarray(dataset.train.ids[rows]) for rows in selectors])
+        assert made[iterations] == sum(len(np.unique(looked_up[:, t])) for t in range(26))
+        tables = export(tmp_path / str(iterations), tmp_path / f"{iterations}.pt")["embeddings"]
+        assert [len(table) for table in tables] == [made_t + 1 for made_t in summary["raw_ids"]["rows_made_per_table"]]
+    assert made[10] < made[60]
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (dict(mode="bagpipe"), "--mode bagpipe with --storage memory"),
+    (dict(mode="single", storage="disk", cache_rows=500), "--mode single with --storage disk")])
+def test_modes_that_do_not_train_raw_ids_yet_refuse_them_saying_so(raw_data, tmp_path, flags, refused):
+    from bagpipe.preflight import prepare_data
+
+    with pytest.raises(ValueError, match=f"raw ids .* not {refused}"):
+        prepare_data(small_config(raw_data, tmp_path / "run", iterations=10, **flags))
