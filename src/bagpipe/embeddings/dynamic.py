@@ -26,6 +26,7 @@ from bagpipe.data.rawids import KEY_SPACE
 from bagpipe.data.schema import Schema
 
 DEFAULT_KEY = KEY_SPACE  # the default row's key: no raw key is this (keys lie below 2**63)
+INIT_CHUNK_KEYS = 1 << 16  # keys whose initial rows are drawn at once (their words: keys x dim x 8 bytes, twice)
 
 
 def _mix64(words: np.ndarray) -> np.ndarray:
@@ -45,6 +46,9 @@ def init_keyed(keys: np.ndarray, *, seed: int, table: int, dim: int, num_rows: i
     keys = np.asarray(keys).astype(np.uint64)
     if init == "zeros":
         return torch.zeros(len(keys), dim)
+    if len(keys) > INIT_CHUNK_KEYS:  # (a row's value depends on its key alone: made a chunk at a time, the same)
+        return torch.cat([init_keyed(keys[start:start + INIT_CHUNK_KEYS], seed=seed, table=table, dim=dim,
+                                     num_rows=num_rows, init=init) for start in range(0, len(keys), INIT_CHUNK_KEYS)])
     with np.errstate(over="ignore"):
         salt = _mix64(np.array([seed * 1_000_003 + table], dtype=np.uint64))[0]
         words = (_mix64(keys ^ salt)[:, None] + np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03))

@@ -27,6 +27,9 @@ def test_a_keys_initial_row_is_a_function_of_seed_table_and_key_alone():
     normal = init_keyed(np.arange(4000), seed=0, table=0, dim=16, num_rows=1, init="normal")
     assert abs(float(normal.std()) - 1 / 16) < 0.005 and abs(float(normal.mean())) < 0.002
     assert not init_keyed(keys, seed=1, table=3, dim=8, num_rows=100, init="zeros").any()
+    many = np.arange(3 * 2**16 + 5, dtype=np.uint64)  # drawn in chunks: each row as if drawn alone
+    assert torch.equal(init_keyed(many, seed=1, table=3, dim=2, num_rows=9)[[7, 2**16 + 1, -1]],
+                       init_keyed(many[[7, 2**16 + 1, -1]], seed=1, table=3, dim=2, num_rows=9))
 
 
 class FakeSplit:
