@@ -279,6 +279,9 @@ def _add_vocab_flag(p) -> None:
     p.add_argument("--vocab-min-count", type=int, default=None, help="criteo, avazu text: ids by a vocabulary of "
                    "the train split's values seen N times or more (the rest share id 0); 0: values hashed modulo "
                    "the table sizes, and Avazu with none gets min count 1" + _default("vocab_min_count"))
+    p.add_argument("--row-min-count", type=int, default=None, help="raw-id data (preprocess --raw-ids): look-ups "
+                   "a key needs before it gets a row of its own; until then it uses its table's default row "
+                   "(admission)" + _default("row_min_count"))
 
 
 def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:

@@ -164,6 +164,9 @@ class TrainConfig:
     # criteo, avazu text: ids by a vocabulary of the train split's values seen this often (the rest share
     # id 0); 0: none, values hashed modulo the table sizes (avazu without table sizes: a vocabulary, min count 1)
     vocab_min_count: int = 0
+    # raw-id data (preprocess --raw-ids): look-ups a key needs before it gets a row of its own; until then, and
+    # for keys that never do, the table's default row (admission: embeddings.dynamic)
+    row_min_count: int = 1
     # checkpoints during training (RUN_DIR/checkpoints; --resume continues from the newest): every this many
     # iterations and/or seconds (0: not by that measure), the newest keep_checkpoints kept
     checkpoint_every: int = 0
@@ -230,7 +233,7 @@ class TrainConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        for name in ("batch_size", "eval_batch_size", "log_every", "epochs"):
+        for name in ("batch_size", "eval_batch_size", "log_every", "epochs", "row_min_count"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every",
@@ -340,7 +343,8 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("run_dir", "mode", "device", "compile", "iterations", "epochs", "batch_size", "seed", "warmup_iterations",
             "log_every"),
-    "data": ("data", "data_format", "holdout", "vocab_min_count", "shuffle", "shuffle_seed", "fresh_negatives"),
+    "data": ("data", "data_format", "holdout", "vocab_min_count", "row_min_count", "shuffle", "shuffle_seed",
+             "fresh_negatives"),
     "optimizer": ("optimizer", "lr"),
     "evaluation": ("eval_batch_size", "max_eval_rows", "eval_every", "eval_protocol", "keep_best"),
     "checkpoint": ("checkpoint_every", "checkpoint_every_s", "keep_checkpoints"),

@@ -75,12 +75,16 @@ class RowNumbering:
         self.rows = rows  # per table, the row of each of those keys
         self.made_at = made_at  # per table, by row - 1: the iteration the row is made at (non-decreasing)
         self.as_of: int | None = None  # evaluations: the iteration they see the rows of (None: every row)
+        self.default_lookups = 0  # training look-ups of a default row so far (``as_made``; this process's)
 
     @classmethod
-    def of_run(cls, split, selectors) -> "RowNumbering":
+    def of_run(cls, split, selectors, *, min_count: int = 1) -> "RowNumbering":
         """The rows the batches of ``selectors`` (``data.batches.batch_rows``, from iteration 0) make from
-        ``split``'s raw ids: a key's row is made at the first iteration that looks it up (within a batch, in the
-        order of its rows)."""
+        ``split``'s raw ids: a key's row is made at the iteration whose batch brings its look-ups to ``min_count``
+        (admission; 1: its first), numbered in that order (within a batch, by the row of that look-up). A key
+        looked up fewer times has no row."""
+        if min_count < 1:
+            raise ValueError(f"row_min_count must be at least 1, got {min_count}")
         order, iterations = [], []  # every look-up's row of the split, in the run's order, and its iteration
         for iteration, rows in enumerate(selectors):
             rows = np.arange(split.rows)[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
@@ -90,13 +94,17 @@ class RowNumbering:
         at = np.concatenate(iterations) if iterations else np.zeros(0, dtype=np.int64)
         sorted_keys, rows, made_at = [], [], []
         for table in range(split.ids.shape[1]):  # a column at a time: memory of the look-ups, not of the batches
-            keys, first = np.unique(np.asarray(split.ids[:, table], dtype=np.int64)[order], return_index=True)
-            by_first_use = np.argsort(first, kind="stable")
+            looked_up = np.asarray(split.ids[:, table], dtype=np.int64)[order]
+            by_key = np.argsort(looked_up, kind="stable")  # each key's look-ups together, in the run's order
+            keys, starts, counts = np.unique(looked_up[by_key], return_index=True, return_counts=True)
+            admitted = counts >= min_count
+            keys, made_by_look_up = keys[admitted], by_key[starts[admitted] + min_count - 1]  # its min_count-th
+            in_made_order = np.argsort(made_by_look_up, kind="stable")
             row = np.empty(len(keys), dtype=np.int64)
-            row[by_first_use] = np.arange(1, len(keys) + 1)
+            row[in_made_order] = np.arange(1, len(keys) + 1)
             sorted_keys.append(keys)
             rows.append(row)
-            made_at.append(at[first[by_first_use]])
+            made_at.append(at[made_by_look_up[in_made_order]])
         return cls(sorted_keys, rows, made_at)
 
     @property
@@ -127,10 +135,25 @@ class RowNumbering:
             rows[..., table] = np.where((keys[at] == column) & (row <= limits[table]), row, 0)
         return rows
 
+    def made_only(self, rows: np.ndarray, as_of: int) -> np.ndarray:
+        """Numbered ids ``[B, T]`` with the rows not made before iteration ``as_of`` as the default row (0)."""
+        limits = np.asarray(self.made_by(as_of), dtype=np.int64)
+        return np.where(rows <= limits, rows, 0)
+
+    def as_made(self, batches, *, start: int):
+        """The training batches (from iteration ``start``) each with the rows made by its own iteration: a key
+        not admitted yet looks its table's default row up (a no-op without admission: every key a batch looks up
+        has its row by then). Counts the look-ups of the default row (``default_lookups``)."""
+        for iteration, batch in enumerate(batches, start=start):
+            ids = self.made_only(batch.ids.numpy(), iteration + 1)
+            self.default_lookups += int(np.count_nonzero(ids == 0))
+            yield dataclasses.replace(batch, ids=torch.from_numpy(ids))
+
     def summary(self, test) -> dict:
         """What summary.json says of the rows: made, per table, and the share of ``test``'s look-ups (a split of
         raw ids, numbered) that had no row of their own and used the default row."""
-        figures = {"rows_made": sum(self.rows_made), "rows_made_per_table": self.rows_made}
+        figures = {"rows_made": sum(self.rows_made), "rows_made_per_table": self.rows_made,
+                   "training_lookups_on_the_default_row": self.default_lookups}
         if test is not None and test.rows:
             figures["test_lookups_on_the_default_row"] = float(np.mean(self.numbered(test.ids.raw[:]) == 0))
         return figures

@@ -364,6 +364,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     batches = iterate_batches(dataset.train, batch_size=config.batch_size, iterations=iterations,
                               shuffle=config.shuffle, shuffle_seed=config.shuffle_seed, start=start,
                               negatives=fresh_negatives(config, dataset.train))
+    if dataset.numbering is not None:  # (raw ids: a key not admitted yet looks its table's default row up)
+        batches = dataset.numbering.as_made(batches, start=start)
     if config.run_mode.cached and plans_ahead(config.policy):
         batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
                             cleanup_fraction=cleanup_fraction)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bagpipe.data.binary import open_dataset
-from bagpipe.data.batches import batch_rows
+from bagpipe.data.batches import Batch, batch_rows
 from bagpipe.data.preprocess import preprocess
 from bagpipe.embeddings.dynamic import DEFAULT_KEY, RowNumbering, init_keyed
 from bagpipe.rundir import export
@@ -49,6 +49,23 @@ def test_rows_are_made_in_the_order_keys_are_first_looked_up_and_evaluations_see
     np.testing.assert_array_equal(numbering.numbered([[60, 7], [33, 9]]), [[3, 1], [0, 3]])
 
 
+def test_admission_makes_a_keys_row_at_the_batch_that_brings_its_look_ups_to_the_minimum_count():
+    split = FakeSplit([[90], [40], [90], [40], [60], [40], [10], [10], [60], [90]])
+    selectors = [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10)]
+    numbering = RowNumbering.of_run(split, selectors, min_count=2)
+    # 90 and 40 reach two look-ups at iteration 1 (90 first in the batch), 10 at 3, 60 at 4
+    assert numbering.rows_made == [4] and [list(m) for m in numbering.made_at] == [[1, 1, 3, 4]]
+    np.testing.assert_array_equal(numbering.row_keys(0), [DEFAULT_KEY, 90, 40, 10, 60])
+    batches = [Batch(dense_x=torch.zeros(2, 1), ids=torch.from_numpy(numbering.numbered(split.ids[rows])),
+                     target=torch.zeros(2)) for rows in selectors]  # (as the numbered train split reads them)
+    seen = [batch.ids[:, 0].tolist() for batch in numbering.as_made(batches, start=0)]
+    assert seen == [[0, 0], [1, 2], [0, 2], [3, 3], [4, 1]]  # before its row: the default row
+    assert numbering.default_lookups == 3
+    assert RowNumbering.of_run(split, selectors, min_count=4).rows_made == [0]  # none looked up four times
+    with pytest.raises(ValueError, match="row_min_count must be at least 1"):
+        RowNumbering.of_run(split, selectors, min_count=0)
+
+
 @pytest.fixture(scope="module")
 def raw_data(tmp_path_factory):
     """Raw-id data whose ids keep arriving (5 periods, a fifth new each), converted with --raw-ids."""
@@ -59,14 +76,16 @@ def raw_data(tmp_path_factory):
     return out / "data"
 
 
-@pytest.mark.parametrize("policy, optimizer, slices", [("lookahead", "adagrad", 1), ("lru", "adam", 2),
-                                                       ("lfu", "sgd", 1)])
-def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, policy, optimizer, slices):
+@pytest.mark.parametrize("policy, optimizer, slices, min_count", [
+    ("lookahead", "adagrad", 1, 1), ("lru", "adam", 2, 1), ("lfu", "sgd", 1, 1), ("lookahead", "adam", 1, 2),
+    ("lru", "adagrad", 2, 3)])
+def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, policy, optimizer, slices,
+                                                                 min_count):
     runs = {}
     for mode in ("reference", "single"):
         config = small_config(raw_data, tmp_path / mode, mode=mode, iterations=50, batch_size=64, optimizer=optimizer,
                               policy=policy, cache_rows=1000, lookahead=8, slices=slices, eval_every=25, shuffle=True,
-                              shuffle_seed=2)
+                              shuffle_seed=2, row_min_count=min_count)
         summary = train_reference(config, show_progress=False)
         metrics = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
         runs[mode] = (summary, [m["eval_auc"] for m in metrics if "eval_auc" in m],
@@ -79,6 +98,10 @@ def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_p
     assert single["total_rows"] == sum(made) + 26 and len(want["embeddings"][0]) == made[0] + 1
     assert 0 < reference["raw_ids"]["test_lookups_on_the_default_row"] < 1  # the test period's new ids, at least
     assert single["cache"]["rows_written_back"] > 0  # rows made were evicted and fetched again
+    # admission: the keys looked up fewer than min_count times so far look the default row up, which trains
+    assert (reference["raw_ids"]["training_lookups_on_the_default_row"] > 0) == (min_count > 1)
+    initial = init_keyed(np.array([DEFAULT_KEY]), seed=0, table=0, dim=8, num_rows=made[0] + 1)[0]
+    assert torch.equal(want["embeddings"][0][0], initial) == (min_count == 1)  # trained only under admission
 
 
 def test_a_run_on_raw_ids_resumes_from_its_checkpoint_as_if_never_stopped(raw_data, tmp_path, monkeypatch):
