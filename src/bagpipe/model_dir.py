@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 MODEL_DIR = "model"
 META = "model.json"
 DENSE = "dense.safetensors"
+ROW_KEYS = "row_keys.safetensors"  # a model of raw ids: each table's key of each row
 TENSOR = "weight"  # the name of a table file's one tensor
 FORMAT = 1
 BLOCK_BYTES = 1 << 24  # rows streamed into a table file at a time (16 MiB)
@@ -112,10 +113,11 @@ def table_blocks(source: RowSource, *, space: int, offset: int, num_rows: int, d
 
 
 def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout: EmbeddingLayout, source: RowSource,
-                    info: dict) -> Path:
+                    info: dict, row_keys: list[np.ndarray] | None = None) -> Path:
     """Write the model into ``path`` (replacing one there) table by table from ``source``; atomic: written
     under ``path.tmp``, every file fsynced and hashed, model.json last, then renamed into place.
-    ``info``: what model.json records beside the tables (iteration, mode, ...)."""
+    ``info``: what model.json records beside the tables (iteration, mode, ...). ``row_keys``: raw-id tables'
+    key of each row (int64, the default row's -1), written to ROW_KEYS: what a model of raw ids is looked up by."""
     from safetensors.torch import save
 
     path = Path(path)
@@ -133,7 +135,13 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
             tmp / name, num_rows=table.num_rows, dim=table.dim, metadata={"table": table.name, "index": str(index)},
             blocks=table_blocks(source, space=space, offset=offset, num_rows=table.num_rows, dim=table.dim))
         tables.append({"name": table.name, "file": name, "rows": table.num_rows, "dim": table.dim})
-    meta = {"format": FORMAT, **info, "dense": DENSE, "dense_keys": list(dense), "tables": tables, "files": files}
+    if row_keys is not None:
+        keys_file = HashedFile(tmp / ROW_KEYS)
+        keys_file.write(save({str(index): torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64))
+                              for index, keys in enumerate(row_keys)}))
+        files[ROW_KEYS] = keys_file.close()
+    meta = {"format": FORMAT, **info, "dense": DENSE, "dense_keys": list(dense), "tables": tables, "files": files,
+            **({"row_keys": ROW_KEYS} if row_keys is not None else {})}
     with open(tmp / META, "w") as handle:
         handle.write(json.dumps(meta, indent=2) + "\n")
         handle.flush()
@@ -276,11 +284,23 @@ class ModelDir:
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         return np.frombuffer(mapped, dtype="<f4", count=rows * dim, offset=start).reshape(rows, dim)
 
+    def row_keys(self) -> list[torch.Tensor] | None:
+        """A model of raw ids: each table's key of each row (int64; the default row's -1); else None."""
+        if "row_keys" not in self.meta:
+            return None
+        from safetensors.torch import load_file
+
+        loaded = load_file(self._checked(self.meta["row_keys"]))
+        return [loaded[str(index)] for index in range(self.num_tables)]
+
     def load(self) -> dict:
         """``{"dense": state_dict, "embeddings": [one tensor per table]}``, every table read into memory
-        (small models: what ``bagpipe export`` writes as one .pt)."""
+        (small models: what ``bagpipe export`` writes as one .pt), and, for a model of raw ids, ``"row_keys"``: each
+        table's key of each row (the default row's -1)."""
+        keys = self.row_keys()
         return {"dense": self.dense(),
-                "embeddings": [torch.from_numpy(self.table(t).copy()) for t in range(self.num_tables)]}
+                "embeddings": [torch.from_numpy(self.table(t).copy()) for t in range(self.num_tables)],
+                **({"row_keys": keys} if keys is not None else {})}
 
 
 class ModelRows:

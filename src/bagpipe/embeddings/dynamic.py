@@ -51,7 +51,8 @@ def init_keyed(keys: np.ndarray, *, seed: int, table: int, dim: int, num_rows: i
                                      num_rows=num_rows, init=init) for start in range(0, len(keys), INIT_CHUNK_KEYS)])
     with np.errstate(over="ignore"):
         salt = _mix64(np.array([seed * 1_000_003 + table], dtype=np.uint64))[0]
-        words = (_mix64(keys ^ salt)[:, None] + np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03))
+        columns = np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
+        words = _mix64(keys ^ salt)[:, None] + columns
     bits = _mix64(words)
     uniform = ((bits >> np.uint64(40)).astype(np.float64) + 0.5) / float(1 << 24)  # (0, 1), 24 bits: exact in f32
     if init == "normal":
@@ -164,6 +165,13 @@ class RowNumbering:
         keys[0] = DEFAULT_KEY
         keys[self.rows[table]] = self.sorted_keys[table].astype(np.uint64)
         return keys
+
+    def stored_row_keys(self) -> list[np.ndarray]:
+        """Each table's key of each row as the model directory stores them: int64, the default row's -1."""
+        stored = [self.row_keys(table).view(np.int64).copy() for table in range(len(self.sorted_keys))]
+        for keys in stored:
+            keys[0] = -1
+        return stored
 
     def initial_table(self, table: int, *, seed: int, dim: int, init: str = "uniform") -> torch.Tensor:
         return init_keyed(self.row_keys(table), seed=seed, table=table, dim=dim, num_rows=self.table_rows[table],

@@ -321,6 +321,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     device = resolve_device(config.device)
     model = build_model(config, dataset.schema).to(device)
     tables = build_run_tables(config, dataset.schema, device=device, numbering=dataset.numbering)
+    # raw ids: each table's key of each row, written with the model (a model of raw ids is looked up by key)
+    row_keys = dataset.numbering.stored_row_keys() if dataset.numbering is not None else None
     if isinstance(tables, CachedTables):
         cleanup.callback(tables.close)  # (tables on disk: their files are this run's working copies)
     cleanup_fraction = single_cleanup_fraction(config)
@@ -414,7 +416,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
             settle()
             if dataset.numbering is not None:  # (raw ids: the keys whose rows are made later use the default row)
                 dataset.numbering.as_of = iteration + 1
-            eval_s += _evaluate_at(iteration + 1, model, tables, evaluated, run, config, watch)[1]
+            eval_s += _evaluate_at(iteration + 1, model, tables, evaluated, run, config, watch, row_keys=row_keys)[1]
             tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
         step_ops.begin(iteration + 1)
@@ -428,13 +430,14 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     if testable:
         if dataset.numbering is not None:
             dataset.numbering.as_of = iterations
-        metrics, seconds = _evaluate_at(iterations, model, tables, evaluated, run, config, watch, final=True)
+        metrics, seconds = _evaluate_at(iterations, model, tables, evaluated, run, config, watch, final=True,
+                                        row_keys=row_keys)
         eval_s += seconds
     else:
         log.warning("%s has no test split: skipping evaluation", dataset.directory)
 
     if keeps_final(config, watch, iterations):
-        write_model(run, config, iterations, metrics, dense=model.state_dict(), layout=tables.layout,
+        write_model(run, config, iterations, metrics, dense=model.state_dict(), layout=tables.layout, row_keys=row_keys,
                     source=TableRows(tables))
     summary = {
         "mode": config.mode,
@@ -489,7 +492,8 @@ def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dic
 
 
 def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, splits: list[EvaluatedSplit],
-                 run: RunDir, config: TrainConfig, watch: EvaluationWatch, *, final: bool = False) -> tuple[dict, float]:
+                 run: RunDir, config: TrainConfig, watch: EvaluationWatch, *, final: bool = False,
+                 row_keys: list[np.ndarray] | None = None) -> tuple[dict, float]:
     """Evaluate the state after ``iteration`` iterations, logged as a metrics point, judged by ``watch`` and, with
     --keep-best, kept in model/ if it is the best so far (the ``final`` state: by the caller); its metrics and
     seconds."""
@@ -497,7 +501,8 @@ def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, spli
     metrics = evaluate_splits(model, tables.layout, TableRows(tables), splits, batch_size=config.eval_batch_size,
                               max_rows=config.max_eval_rows)
     record_evaluation(config, run, watch, iteration, metrics, final=final, keep=lambda: write_model(
-        run, config, iteration, metrics, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables)))
+        run, config, iteration, metrics, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables),
+        row_keys=row_keys))
     return metrics, time.perf_counter() - started
 
 
@@ -543,9 +548,10 @@ def keeps_final(config: TrainConfig, watch: EvaluationWatch, iterations: int) ->
 
 
 def write_model(run: RunDir, config: TrainConfig, iteration: int, metrics: dict, *, dense: dict, layout: EmbeddingLayout,
-                source: RowSource) -> None:
-    """The state after ``iteration`` iterations written to the run's model/, with its evaluation."""
-    write_model_dir(run.path / MODEL_DIR, dense=dense, layout=layout, source=source,
+                source: RowSource, row_keys: list[np.ndarray] | None = None) -> None:
+    """The state after ``iteration`` iterations written to the run's model/, with its evaluation (and, for raw
+    ids, each table's key of each row)."""
+    write_model_dir(run.path / MODEL_DIR, dense=dense, layout=layout, source=source, row_keys=row_keys,
                     info={"iteration": iteration, "mode": config.mode, "model": config.model.name, "metrics": metrics})
 
 

@@ -134,8 +134,14 @@ def test_the_rows_made_follow_the_batches_and_the_memory_the_rows(raw_data, tmp_
                                     shuffle_seed=0))
         looked_up = np.concatenate([np.asarray(dataset.train.ids[rows]) for rows in selectors])
         assert made[iterations] == sum(len(np.unique(looked_up[:, t])) for t in range(26))
-        tables = export(tmp_path / str(iterations), tmp_path / f"{iterations}.pt")["embeddings"]
+        exported = export(tmp_path / str(iterations), tmp_path / f"{iterations}.pt")
+        tables = exported["embeddings"]
         assert [len(table) for table in tables] == [made_t + 1 for made_t in summary["raw_ids"]["rows_made_per_table"]]
+        # the model holds each row's key (the default row's -1): the first key looked up has row 1, and so on
+        keys = exported["row_keys"]
+        assert [len(k) for k in keys] == [len(t) for t in tables] and all(int(k[0]) == -1 for k in keys)
+        first_seen = list(dict.fromkeys(looked_up[:, 0].tolist()))
+        assert keys[0][1:].tolist() == first_seen
     assert made[10] < made[60]
 
 
