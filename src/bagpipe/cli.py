@@ -709,7 +709,11 @@ def run_plan_stats(args) -> None:
 
     if args.emb_dim <= 0:
         raise ValueError(f"--emb-dim must be positive, got {args.emb_dim}")
-    split = open_dataset(args.data).train
+    dataset = open_dataset(args.data)
+    if dataset.meta.get("raw_ids"):
+        raise ValueError(f"{args.data} holds raw ids (bagpipe preprocess --raw-ids): plan-stats reads ids as rows of "
+                         f"fixed tables, and raw ids get theirs only in a run (bagpipe train); not supported yet")
+    split = dataset.train
     stats = plan_stats(split, batch_size=args.batch_size, cache_rows=args.cache_rows, lookahead=args.lookahead,
                        policy=args.policy, iterations=args.iterations, num_trainers=args.trainers,
                        cleanup_fraction=args.cleanup_fraction, processes=args.planner_processes)

@@ -137,7 +137,7 @@ def write_model_dir(path: str | Path, *, dense: dict[str, torch.Tensor], layout:
         tables.append({"name": table.name, "file": name, "rows": table.num_rows, "dim": table.dim})
     if row_keys is not None:
         keys_file = HashedFile(tmp / ROW_KEYS)
-        keys_file.write(save({str(index): torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64))
+        keys_file.write(save({str(index): torch.from_numpy(np.array(keys, dtype=np.int64))  # (a copy each)
                               for index, keys in enumerate(row_keys)}))
         files[ROW_KEYS] = keys_file.close()
     meta = {"format": FORMAT, **info, "dense": DENSE, "dense_keys": list(dense), "tables": tables, "files": files,

@@ -66,13 +66,16 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
 
     from bagpipe.storage.tiers import tier_class
 
-    if not config.run_mode.raw_ids or tier_class(config.storage).files:
-        modes = " and ".join(name for name, mode in RUN_MODES.items() if mode.raw_ids)
+    mode = config.run_mode
+    on_disk = mode.cached and tier_class(config.storage).files
+    if not mode.raw_ids or on_disk:
+        modes = " and ".join(name for name, each in RUN_MODES.items() if each.raw_ids)
         raise ValueError(f"{config.data} holds raw ids (bagpipe preprocess --raw-ids: each value a 63-bit key, no "
                          f"table sizes): tables that grow with the data train so far in --mode {modes} with the "
-                         f"tables in memory, not --mode {config.mode} with --storage {config.storage}. Convert the "
-                         f"source with --table-sizes (values hashed modulo them) or --vocab-min-count N to train it "
-                         f"otherwise")
+                         f"tables in memory, not " + (f"with --storage {config.storage}" if on_disk else
+                                                      f"in --mode {config.mode}") +
+                         ". Convert the source with --table-sizes (values hashed modulo them) or --vocab-min-count N "
+                         "to train it otherwise")
     selectors = batch_rows(dataset.train, batch_size=config.batch_size, iterations=planned_iterations(
         config, dataset.train), shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
     numbering = RowNumbering.of_run(dataset.train, selectors, min_count=config.row_min_count)
@@ -268,6 +271,8 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
         ids = np.array(split.ids[selector], dtype=np.int64)
         if negatives is not None:
             negatives.apply(ids, selector, epoch)
+        if dataset.numbering is not None:  # (raw ids: a key not admitted yet looks the default row up)
+            ids = dataset.numbering.made_only(ids, iteration + 1)
         if ((ids < lowest) | (ids >= cardinalities)).any():
             bar.close()
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table

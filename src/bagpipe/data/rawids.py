@@ -2,10 +2,11 @@
 
 ``bagpipe preprocess --raw-ids`` stores, for every categorical field, ``raw_keys(value, table)``: the value (a hex
 value of Criteo's, a JSON id, a string's stable 64-bit hash) mixed with its table by a bijection of 63-bit words.
-So two values of one table below 2**63 (every Criteo value, every JSON id) never share a key, keys of different
-tables are unrelated, and hot values spread evenly over any split of the key space (a server's shard, say).
-Values of 64 bits (a string's hash) are folded to 63 first: two of them share a key with probability 2**-63 a
-pair. Keys are never negative: -1 stays the padding of multi-valued features.
+So two values of one table below 2**63 (Criteo's 8-digit hex values, every JSON id) never share a key, keys of
+different tables are unrelated, and hot values spread evenly over any split of the key space (a server's shard,
+say). Wider values are taken modulo 2**63 by the readers first (a 16-digit hex value v >= 2**63 shares its key with
+v - 2**63; a string's 64-bit hash: two strings share a key with probability 2**-63 a pair), and an empty field is
+the value 0, as in the other paths. Keys are never negative: -1 stays the padding of multi-valued features.
 
 Tables of raw-id data have no fixed size: ``meta.json`` marks them (``raw_ids``), with ``table_sizes`` the key
 space (2**63 rows each). The functions are pure numpy, the same in every process and run.

@@ -50,7 +50,7 @@ def init_keyed(keys: np.ndarray, *, seed: int, table: int, dim: int, num_rows: i
         return torch.cat([init_keyed(keys[start:start + INIT_CHUNK_KEYS], seed=seed, table=table, dim=dim,
                                      num_rows=num_rows, init=init) for start in range(0, len(keys), INIT_CHUNK_KEYS)])
     with np.errstate(over="ignore"):
-        salt = _mix64(np.array([seed * 1_000_003 + table], dtype=np.uint64))[0]
+        salt = _mix64(np.array([(seed * 1_000_003 + table) % 2**64], dtype=np.uint64))[0]
         columns = np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
         words = _mix64(keys ^ salt)[:, None] + columns
     bits = _mix64(words)
@@ -71,12 +71,13 @@ class RowNumbering:
     gives the rows made before that iteration, every other key the default row, as rows made on first use would.
     Rows are made in the order of their numbers, so "made by iteration i" is a prefix of each table's rows."""
 
-    def __init__(self, sorted_keys: list[np.ndarray], rows: list[np.ndarray], made_at: list[np.ndarray]) -> None:
+    def __init__(self, sorted_keys: list[np.ndarray], rows: list[np.ndarray], made_at: list[np.ndarray], *,
+                 default_lookups: int = 0) -> None:
         self.sorted_keys = sorted_keys  # per table, its keys with rows, sorted
         self.rows = rows  # per table, the row of each of those keys
         self.made_at = made_at  # per table, by row - 1: the iteration the row is made at (non-decreasing)
         self.as_of: int | None = None  # evaluations: the iteration they see the rows of (None: every row)
-        self.default_lookups = 0  # training look-ups of a default row so far (``as_made``; this process's)
+        self.default_lookups = default_lookups  # the run's training look-ups of a default row (all its batches')
 
     @classmethod
     def of_run(cls, split, selectors, *, min_count: int = 1) -> "RowNumbering":
@@ -88,17 +89,21 @@ class RowNumbering:
             raise ValueError(f"row_min_count must be at least 1, got {min_count}")
         order, iterations = [], []  # every look-up's row of the split, in the run's order, and its iteration
         for iteration, rows in enumerate(selectors):
-            rows = np.arange(split.rows)[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
+            rows = np.arange(*rows.indices(split.rows)) if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
             order.append(rows)
             iterations.append(np.full(len(rows), iteration, dtype=np.int64))
         order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
         at = np.concatenate(iterations) if iterations else np.zeros(0, dtype=np.int64)
-        sorted_keys, rows, made_at = [], [], []
+        sorted_keys, rows, made_at, default_lookups = [], [], [], 0
         for table in range(split.ids.shape[1]):  # a column at a time: memory of the look-ups, not of the batches
             looked_up = np.asarray(split.ids[:, table], dtype=np.int64)[order]
             by_key = np.argsort(looked_up, kind="stable")  # each key's look-ups together, in the run's order
             keys, starts, counts = np.unique(looked_up[by_key], return_index=True, return_counts=True)
             admitted = counts >= min_count
+            # the look-ups of the default row: a key's before the iteration its row is made at, or all of them
+            made_iteration = np.full(len(keys), np.iinfo(np.int64).max)
+            made_iteration[admitted] = at[by_key[starts[admitted] + min_count - 1]]
+            default_lookups += int(np.count_nonzero(at[by_key] < np.repeat(made_iteration, counts)))
             keys, made_by_look_up = keys[admitted], by_key[starts[admitted] + min_count - 1]  # its min_count-th
             in_made_order = np.argsort(made_by_look_up, kind="stable")
             row = np.empty(len(keys), dtype=np.int64)
@@ -106,7 +111,7 @@ class RowNumbering:
             sorted_keys.append(keys)
             rows.append(row)
             made_at.append(at[made_by_look_up[in_made_order]])
-        return cls(sorted_keys, rows, made_at)
+        return cls(sorted_keys, rows, made_at, default_lookups=default_lookups)
 
     @property
     def rows_made(self) -> list[int]:
@@ -144,10 +149,9 @@ class RowNumbering:
     def as_made(self, batches, *, start: int):
         """The training batches (from iteration ``start``) each with the rows made by its own iteration: a key
         not admitted yet looks its table's default row up (a no-op without admission: every key a batch looks up
-        has its row by then). Counts the look-ups of the default row (``default_lookups``)."""
+        has its row by then)."""
         for iteration, batch in enumerate(batches, start=start):
             ids = self.made_only(batch.ids.numpy(), iteration + 1)
-            self.default_lookups += int(np.count_nonzero(ids == 0))
             yield dataclasses.replace(batch, ids=torch.from_numpy(ids))
 
     def summary(self, test) -> dict:
@@ -166,15 +170,19 @@ class RowNumbering:
         keys[self.rows[table]] = self.sorted_keys[table].astype(np.uint64)
         return keys
 
-    def stored_row_keys(self) -> list[np.ndarray]:
-        """Each table's key of each row as the model directory stores them: int64, the default row's -1."""
+    def stored_row_keys(self, as_of: int | None = None) -> list[np.ndarray]:
+        """Each table's key of each row as the model directory stores them: int64, -1 for the default row and,
+        ``as_of`` an iteration, for the rows made from it on (the state then looked their keys up on the default row)."""
         stored = [self.row_keys(table).view(np.int64).copy() for table in range(len(self.sorted_keys))]
-        for keys in stored:
+        made = self.made_by(as_of) if as_of is not None else self.rows_made
+        for keys, rows in zip(stored, made):
             keys[0] = -1
+            keys[rows + 1:] = -1
         return stored
 
-    def initial_table(self, table: int, *, seed: int, dim: int, init: str = "uniform") -> torch.Tensor:
-        return init_keyed(self.row_keys(table), seed=seed, table=table, dim=dim, num_rows=self.table_rows[table],
+    def initial_table(self, feature: int, *, table: int, seed: int, dim: int, init: str = "uniform") -> torch.Tensor:
+        """The initial rows of model table ``table``, which embeds raw-id feature ``feature``."""
+        return init_keyed(self.row_keys(feature), seed=seed, table=table, dim=dim, num_rows=self.table_rows[feature],
                           init=init)
 
 
@@ -198,6 +206,8 @@ class NumberedIds:
         return len(self.raw)
 
     def __getitem__(self, rows) -> np.ndarray:
+        if isinstance(rows, tuple):  # (its columns are tables: a column selection would number them otherwise)
+            raise TypeError("numbered raw ids are read by rows only (split.ids[rows])")
         return self.numbering.numbered(np.asarray(self.raw[rows], dtype=np.int64),
                                        as_of=self.numbering.as_of if self.evaluated else None)
 

@@ -8,6 +8,7 @@ optimizer step per iteration.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -92,6 +93,12 @@ def build_model(config: TrainConfig, schema: Schema) -> nn.Module:
     return model
 
 
+def model_row_keys(numbering, layout: EmbeddingLayout, iteration: int) -> list[np.ndarray]:
+    """Each model table's key of each row for the state after ``iteration`` iterations (rows made later: -1)."""
+    stored = numbering.stored_row_keys(as_of=iteration)
+    return [stored[table.features[0]] for table in layout.tables]
+
+
 def check_same_batches(config: TrainConfig) -> None:
     """A resumed run on raw ids must plan the batches it started with: its tables' rows are those its batches make
     (embeddings.dynamic), so more or fewer iterations would number them otherwise."""
@@ -134,7 +141,8 @@ def keyed_weights(config: TrainConfig, schema: Schema, numbering) -> list[torch.
             table = layout.tables[index]
             if len(table.features) != 1:
                 raise ValueError(f"table {table.name} embeds {len(table.features)} features: a raw-id table embeds one")
-            parts.append(numbering.initial_table(table.features[0], seed=config.seed, dim=table.dim, init=table.init))
+            parts.append(numbering.initial_table(table.features[0], table=index, seed=config.seed, dim=table.dim,
+                                                 init=table.init))
         spaces.append(torch.cat(parts))
     return spaces
 
@@ -322,7 +330,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     model = build_model(config, dataset.schema).to(device)
     tables = build_run_tables(config, dataset.schema, device=device, numbering=dataset.numbering)
     # raw ids: each table's key of each row, written with the model (a model of raw ids is looked up by key)
-    row_keys = dataset.numbering.stored_row_keys() if dataset.numbering is not None else None
+    row_keys = (None if dataset.numbering is None else
+                functools.partial(model_row_keys, dataset.numbering, tables.layout))
     if isinstance(tables, CachedTables):
         cleanup.callback(tables.close)  # (tables on disk: their files are this run's working copies)
     cleanup_fraction = single_cleanup_fraction(config)
@@ -437,7 +446,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         log.warning("%s has no test split: skipping evaluation", dataset.directory)
 
     if keeps_final(config, watch, iterations):
-        write_model(run, config, iterations, metrics, dense=model.state_dict(), layout=tables.layout, row_keys=row_keys,
+        write_model(run, config, iterations, metrics, dense=model.state_dict(), layout=tables.layout,
+                    row_keys=row_keys and row_keys(iterations),
                     source=TableRows(tables))
     summary = {
         "mode": config.mode,
@@ -493,7 +503,7 @@ def _cache_summary(tables: CachedTables, iterations: int, *, policy: str) -> dic
 
 def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, splits: list[EvaluatedSplit],
                  run: RunDir, config: TrainConfig, watch: EvaluationWatch, *, final: bool = False,
-                 row_keys: list[np.ndarray] | None = None) -> tuple[dict, float]:
+                 row_keys: Callable[[int], list[np.ndarray]] | None = None) -> tuple[dict, float]:
     """Evaluate the state after ``iteration`` iterations, logged as a metrics point, judged by ``watch`` and, with
     --keep-best, kept in model/ if it is the best so far (the ``final`` state: by the caller); its metrics and
     seconds."""
@@ -502,7 +512,7 @@ def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, spli
                               max_rows=config.max_eval_rows)
     record_evaluation(config, run, watch, iteration, metrics, final=final, keep=lambda: write_model(
         run, config, iteration, metrics, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables),
-        row_keys=row_keys))
+        row_keys=row_keys and row_keys(iteration)))
     return metrics, time.perf_counter() - started
 
 

@@ -143,3 +143,10 @@ def test_a_mode_that_does_not_train_raw_ids_yet_refuses_them_on_the_command_line
                  "--mode", "single", "--storage", "disk"])
     assert code != 0 and not (tmp_path / "run" / "summary.json").exists()
     assert "tables that grow with the data train so far in --mode reference and single" in capsys.readouterr().err
+
+
+def test_plan_stats_refuses_raw_ids_saying_why(arriving, tmp_path, capsys):
+    out, _ = arriving
+    preprocess(out / "data", tmp_path / "raw", raw_ids=True, show_progress=False)
+    assert main(["plan-stats", "--data", str(tmp_path / "raw"), "--cache-rows", "500", "--batch-size", "64"]) != 0
+    assert "plan-stats reads ids as rows of fixed tables" in capsys.readouterr().err

@@ -56,11 +56,13 @@ def test_admission_makes_a_keys_row_at_the_batch_that_brings_its_look_ups_to_the
     # 90 and 40 reach two look-ups at iteration 1 (90 first in the batch), 10 at 3, 60 at 4
     assert numbering.rows_made == [4] and [list(m) for m in numbering.made_at] == [[1, 1, 3, 4]]
     np.testing.assert_array_equal(numbering.row_keys(0), [DEFAULT_KEY, 90, 40, 10, 60])
+    # a model kept after iteration 3 holds the keys of the rows made before it (the others: -1, the default row's)
+    np.testing.assert_array_equal(numbering.stored_row_keys(as_of=3)[0], [-1, 90, 40, -1, -1])
     batches = [Batch(dense_x=torch.zeros(2, 1), ids=torch.from_numpy(numbering.numbered(split.ids[rows])),
                      target=torch.zeros(2)) for rows in selectors]  # (as the numbered train split reads them)
     seen = [batch.ids[:, 0].tolist() for batch in numbering.as_made(batches, start=0)]
     assert seen == [[0, 0], [1, 2], [0, 2], [3, 3], [4, 1]]  # before its row: the default row
-    assert numbering.default_lookups == 3
+    assert numbering.default_lookups == 3  # (counted over the run's batches when it is numbered)
     assert RowNumbering.of_run(split, selectors, min_count=4).rows_made == [0]  # none looked up four times
     with pytest.raises(ValueError, match="row_min_count must be at least 1"):
         RowNumbering.of_run(split, selectors, min_count=0)
@@ -107,15 +109,16 @@ def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_p
 def test_a_run_on_raw_ids_resumes_from_its_checkpoint_as_if_never_stopped(raw_data, tmp_path, monkeypatch):
     from bagpipe import faults
 
-    common = dict(iterations=40, batch_size=64, optimizer="adam", shuffle=True, shuffle_seed=1)
-    train_reference(small_config(raw_data, tmp_path / "whole", **common), show_progress=False)
+    common = dict(iterations=40, batch_size=64, optimizer="adam", shuffle=True, shuffle_seed=1, row_min_count=2)
+    whole = train_reference(small_config(raw_data, tmp_path / "whole", **common), show_progress=False)
     cut = small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **common)
     monkeypatch.setattr(faults, "_FAULTS", {("reference", "iteration 27"): ("fail", 0.0)})
     monkeypatch.setattr(faults, "_ROLE", "reference")
     with pytest.raises(faults.InjectedFault):
         train_reference(cut, show_progress=False)
     monkeypatch.setattr(faults, "_FAULTS", {})
-    assert train_reference(cut, show_progress=False, resume=True)["resumed_at"] == 25
+    resumed = train_reference(cut, show_progress=False, resume=True)
+    assert resumed["resumed_at"] == 25 and resumed["raw_ids"] == whole["raw_ids"]
     assert exports_equal(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
     longer = small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **{**common, "iterations": 60})
     with pytest.raises(ValueError, match="trains raw ids, whose rows are the ones its batches make"):
@@ -145,11 +148,25 @@ def test_the_rows_made_follow_the_batches_and_the_memory_the_rows(raw_data, tmp_
     assert made[10] < made[60]
 
 
-@pytest.mark.parametrize("flags, refused", [
-    (dict(mode="bagpipe"), "--mode bagpipe with --storage memory"),
-    (dict(mode="single", storage="disk", cache_rows=500), "--mode single with --storage disk")])
+@pytest.mark.parametrize("flags, refused", [(dict(mode="bagpipe"), "in --mode bagpipe"),
+                                            (dict(mode="single", storage="disk", cache_rows=500),
+                                             "with --storage disk")])
 def test_modes_that_do_not_train_raw_ids_yet_refuse_them_saying_so(raw_data, tmp_path, flags, refused):
     from bagpipe.preflight import prepare_data
 
     with pytest.raises(ValueError, match=f"raw ids .* not {refused}"):
         prepare_data(small_config(raw_data, tmp_path / "run", iterations=10, **flags))
+    # the reference reads no storage setting: one left in a config file is no reason to refuse
+    assert prepare_data(small_config(raw_data, tmp_path / "run", iterations=10, storage="disk")).numbering
+
+
+def test_a_wide_and_deep_model_of_raw_ids_keys_both_tables_of_a_feature(raw_data, tmp_path):
+    from bagpipe.config import ModelConfig
+
+    config = small_config(raw_data, tmp_path / "wd", iterations=5, batch_size=64, seed=2**45,  # (a large seed too)
+                          model=ModelConfig(name="wide-deep", emb_dim=8, arch_mlp_bot="13-32-8", arch_mlp_top="32-1"))
+    train_reference(config, show_progress=False)
+    exported = export(tmp_path / "wd", tmp_path / "wd.pt")
+    keys, tables = exported["row_keys"], exported["embeddings"]
+    assert len(keys) == len(tables) == 52 and [len(k) for k in keys] == [len(t) for t in tables]
+    assert torch.equal(keys[0], keys[26]) or torch.equal(keys[0], keys[1])  # a feature's two tables, one numbering
