@@ -63,7 +63,6 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
     (embeddings.dynamic), every other key the table's default row."""
     from bagpipe.data.batches import batch_rows
     from bagpipe.embeddings.dynamic import RowNumbering, numbered_dataset
-
     from bagpipe.storage.tiers import tier_class
 
     mode = config.run_mode

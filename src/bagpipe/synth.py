@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from bagpipe.data.formats import NUM_DENSE, dense_transform
-from bagpipe.data.rawids import mix63
+from bagpipe.data.rawids import mix63, mix64
 from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.progress import progress
 
@@ -52,14 +52,6 @@ def resolve_table_sizes(*, tables: str | None, table_sizes: str | None, max_rows
     return sizes
 
 
-def _mix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser: a fixed pseudo-random function of uint64 values."""
-    z = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 class PlantedModel:
     """The logistic model that generates labels: dense weights plus one effect per (table, row)."""
 
@@ -76,7 +68,7 @@ class PlantedModel:
         """Effect in [-1, 1) of each row, computed by hashing so no table-sized array is kept."""
         with np.errstate(over="ignore"):
             key = ids.astype(np.uint64) * np.uint64(len(self.table_sizes)) + np.uint64(table)
-            bits = _mix64(key ^ self.salt)
+            bits = mix64(key ^ self.salt)
         return (bits >> np.uint64(11)).astype(np.float64) / float(1 << 53) * 2.0 - 1.0
 
     def logits(self, dense_features: np.ndarray, ids: np.ndarray) -> np.ndarray:

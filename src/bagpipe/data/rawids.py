@@ -23,6 +23,16 @@ _MULTIPLIERS = (np.uint64(0xBF58476D1CE4E5B9 & (KEY_SPACE - 1)), np.uint64(0x94D
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+def mix64(words: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fixed pseudo-random function of uint64 words (synthetic data's planted effects,
+    dynamic tables' keyed initial rows)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(words).astype(np.uint64) + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
 def mix63(words: np.ndarray) -> np.ndarray:
     """A bijection of 63-bit words (uint64 below 2**63 in, the same out): xor-shifts and odd multipliers modulo
     2**63, each invertible, in splitmix64's pattern."""

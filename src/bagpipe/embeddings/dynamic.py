@@ -22,20 +22,11 @@ import math
 import numpy as np
 import torch
 
-from bagpipe.data.rawids import KEY_SPACE
+from bagpipe.data.rawids import KEY_SPACE, mix64
 from bagpipe.data.schema import Schema
 
 DEFAULT_KEY = KEY_SPACE  # the default row's key: no raw key is this (keys lie below 2**63)
 INIT_CHUNK_KEYS = 1 << 16  # keys whose initial rows are drawn at once (their words: keys x dim x 8 bytes, twice)
-
-
-def _mix64(words: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (a fixed pseudo-random function of uint64 words)."""
-    with np.errstate(over="ignore"):
-        z = words + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
 
 
 def init_keyed(keys: np.ndarray, *, seed: int, table: int, dim: int, num_rows: int, init: str = "uniform"
@@ -50,13 +41,13 @@ def init_keyed(keys: np.ndarray, *, seed: int, table: int, dim: int, num_rows: i
         return torch.cat([init_keyed(keys[start:start + INIT_CHUNK_KEYS], seed=seed, table=table, dim=dim,
                                      num_rows=num_rows, init=init) for start in range(0, len(keys), INIT_CHUNK_KEYS)])
     with np.errstate(over="ignore"):
-        salt = _mix64(np.array([(seed * 1_000_003 + table) % 2**64], dtype=np.uint64))[0]
+        salt = mix64(np.array([(seed * 1_000_003 + table) % 2**64], dtype=np.uint64))[0]
         columns = np.arange(dim, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
-        words = _mix64(keys ^ salt)[:, None] + columns
-    bits = _mix64(words)
+        words = mix64(keys ^ salt)[:, None] + columns
+    bits = mix64(words)
     uniform = ((bits >> np.uint64(40)).astype(np.float64) + 0.5) / float(1 << 24)  # (0, 1), 24 bits: exact in f32
     if init == "normal":
-        second = ((_mix64(bits) >> np.uint64(40)).astype(np.float64) + 0.5) / float(1 << 24)
+        second = ((mix64(bits) >> np.uint64(40)).astype(np.float64) + 0.5) / float(1 << 24)
         values = np.sqrt(-2.0 * np.log(uniform)) * np.cos(2.0 * math.pi * second) / dim  # Box-Muller
     else:
         values = (uniform * 2.0 - 1.0) * math.sqrt(1.0 / num_rows)
@@ -100,11 +91,11 @@ class RowNumbering:
             by_key = np.argsort(looked_up, kind="stable")  # each key's look-ups together, in the run's order
             keys, starts, counts = np.unique(looked_up[by_key], return_index=True, return_counts=True)
             admitted = counts >= min_count
-            # the look-ups of the default row: a key's before the iteration its row is made at, or all of them
-            made_iteration = np.full(len(keys), np.iinfo(np.int64).max)
-            made_iteration[admitted] = at[by_key[starts[admitted] + min_count - 1]]
-            default_lookups += int(np.count_nonzero(at[by_key] < np.repeat(made_iteration, counts)))
             keys, made_by_look_up = keys[admitted], by_key[starts[admitted] + min_count - 1]  # its min_count-th
+            # the look-ups of the default row: a key's before the iteration its row is made at, or all of them
+            made_iteration = np.full(len(counts), np.iinfo(np.int64).max)
+            made_iteration[admitted] = at[made_by_look_up]
+            default_lookups += int(np.count_nonzero(at[by_key] < np.repeat(made_iteration, counts)))
             in_made_order = np.argsort(made_by_look_up, kind="stable")
             row = np.empty(len(keys), dtype=np.int64)
             row[in_made_order] = np.arange(1, len(keys) + 1)
@@ -131,15 +122,13 @@ class RowNumbering:
         """Raw ids ``[B, T]`` as rows: a key's own (made before ``as_of``, if given), else 0, the default row."""
         ids = np.asarray(ids, dtype=np.int64)
         rows = np.zeros(ids.shape, dtype=np.int64)
-        limits = self.made_by(as_of) if as_of is not None else self.rows_made
         for table, (keys, table_rows) in enumerate(zip(self.sorted_keys, self.rows)):
             if not len(keys):
                 continue
             column = ids[..., table]
             at = np.minimum(np.searchsorted(keys, column), len(keys) - 1)
-            row = table_rows[at]
-            rows[..., table] = np.where((keys[at] == column) & (row <= limits[table]), row, 0)
-        return rows
+            rows[..., table] = np.where(keys[at] == column, table_rows[at], 0)
+        return rows if as_of is None else self.made_only(rows, as_of)
 
     def made_only(self, rows: np.ndarray, as_of: int) -> np.ndarray:
         """Numbered ids ``[B, T]`` with the rows not made before iteration ``as_of`` as the default row (0)."""

@@ -116,10 +116,10 @@ def build_run_tables(config: TrainConfig, schema: Schema, *, device: torch.devic
     (--mode single), the host tables in memory or, with --storage disk, in files in --storage-dir (default
     RUN_DIR/storage). Raw-id data's tables (``numbering``: the rows the run makes) start from each row's keyed
     initial value (embeddings.dynamic)."""
-    weights = None if numbering is None else keyed_weights(config, schema, numbering)
+    layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
+    weights = None if numbering is None else keyed_weights(config, layout, numbering)
     if not config.run_mode.cached:
         return build_tables(config, schema, device=device, weights=weights)
-    layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
     options = {"cache_rows": cache_rows_of(config, layout), "cleanup_fraction": single_cleanup_fraction(config),
                "policy": index_policy(config.policy), "device": device}
     storage = StorageSpec.of(config.storage, storage_path(config.storage_dir, config.run_dir),
@@ -130,10 +130,9 @@ def build_run_tables(config: TrainConfig, schema: Schema, *, device: torch.devic
     return CachedTables.over(build_tables(config, schema, weights=weights), **options)
 
 
-def keyed_weights(config: TrainConfig, schema: Schema, numbering) -> list[torch.Tensor]:
-    """Each space's initial rows for raw-id data: table by table, each row's value a function of (seed, table, key)
-    (the table's default row first)."""
-    layout = EmbeddingLayout(models.model_tables(config.model, schema), schema)
+def keyed_weights(config: TrainConfig, layout: EmbeddingLayout, numbering) -> list[torch.Tensor]:
+    """Each space of ``layout``'s initial rows for raw-id data: table by table, each row's value a function of
+    (seed, table, key) (the table's default row first)."""
     spaces = []
     for space in layout.spaces:
         parts = []
