@@ -383,7 +383,7 @@ RUN_MODES: dict[str, Mode] = {mode.name: mode for mode in (
          raw_ids=True),
     Mode("bagpipe", frozenset(_EVERY_MODE | {"cache", "storage", "job", "fault_tolerance", "rpc"}),
          "an oracle, embedding servers and trainers as processes, each trainer training from its planned cache",
-         cached=True, processes=True, policies=POLICIES),
+         cached=True, processes=True, policies=POLICIES, raw_ids=True),
     Mode("single", frozenset(_EVERY_MODE | {"cache", "storage"}),
          "one process, the tables in host memory or on disk behind a planned cache", cached=True,
          policies=SINGLE_POLICIES, raw_ids=True),

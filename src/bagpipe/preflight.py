@@ -68,7 +68,8 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
     mode = config.run_mode
     on_disk = mode.cached and tier_class(config.storage).files
     if not mode.raw_ids or on_disk:
-        modes = " and ".join(name for name, each in RUN_MODES.items() if each.raw_ids)
+        names = [name for name, each in RUN_MODES.items() if each.raw_ids]
+        modes = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
         raise ValueError(f"{config.data} holds raw ids (bagpipe preprocess --raw-ids: each value a 63-bit key, no "
                          f"table sizes): tables that grow with the data train so far in --mode {modes} with the "
                          f"tables in memory, not " + (f"with --storage {config.storage}" if on_disk else
@@ -81,6 +82,19 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
     log.info("raw ids: %d rows made for the keys the run's batches look up (largest table %d), a default row a table "
              "for the others", sum(numbering.rows_made), max(numbering.rows_made))
     return dataclasses.replace(numbered_dataset(dataset, numbering), numbering=numbering)
+
+
+def check_same_batches(config: TrainConfig, dataset: BinaryDataset) -> None:
+    """A resumed run on raw ids must plan the batches it started with: its tables' rows are those its batches make
+    (embeddings.dynamic), so more or fewer iterations would number them otherwise."""
+    if dataset.numbering is None:
+        return
+    saved = json.loads((Path(config.run_dir) / "config.json").read_text())
+    for name in ("iterations", "epochs"):
+        if saved.get(name) != getattr(config, name):
+            raise ValueError(f"--resume: the run in {config.run_dir} trains raw ids, whose rows are the ones its "
+                             f"batches make; it was started with {name}={saved.get(name)!r}, and resuming it with "
+                             f"{getattr(config, name)!r} is not supported yet (leave the flag out)")
 
 
 def claim(config: TrainConfig, dataset: BinaryDataset, *, overwrite: bool, show_progress: bool = False) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -58,16 +59,15 @@ class RowNumbering:
     """The rows a run makes in its raw-id tables: each table's keys numbered 1, 2, ... in the order the run's
     batches first look them up (row 0: the default row), with the iteration each row is made at.
 
-    ``numbered`` gives a key its row; for evaluation, ``as_of`` (set by the training loop before each evaluation)
-    gives the rows made before that iteration, every other key the default row, as rows made on first use would.
-    Rows are made in the order of their numbers, so "made by iteration i" is a prefix of each table's rows."""
+    ``numbered`` gives a key its row; for an evaluation during training, ``as_of`` an iteration gives the rows
+    made before it, every other key the default row, as rows made on first use would (``split_as_of``). Rows are
+    made in the order of their numbers, so "made by iteration i" is a prefix of each table's rows."""
 
     def __init__(self, sorted_keys: list[np.ndarray], rows: list[np.ndarray], made_at: list[np.ndarray], *,
                  default_lookups: int = 0) -> None:
         self.sorted_keys = sorted_keys  # per table, its keys with rows, sorted
         self.rows = rows  # per table, the row of each of those keys
         self.made_at = made_at  # per table, by row - 1: the iteration the row is made at (non-decreasing)
-        self.as_of: int | None = None  # evaluations: the iteration they see the rows of (None: every row)
         self.default_lookups = default_lookups  # the run's training look-ups of a default row (all its batches')
 
     @classmethod
@@ -140,8 +140,11 @@ class RowNumbering:
         not admitted yet looks its table's default row up (a no-op without admission: every key a batch looks up
         has its row by then)."""
         for iteration, batch in enumerate(batches, start=start):
-            ids = self.made_only(batch.ids.numpy(), iteration + 1)
-            yield dataclasses.replace(batch, ids=torch.from_numpy(ids))
+            yield self.batch_as_made(batch, iteration)
+
+    def batch_as_made(self, batch, iteration: int):
+        """Iteration ``iteration``'s training batch with the rows made by then (``as_made``)."""
+        return dataclasses.replace(batch, ids=torch.from_numpy(self.made_only(batch.ids.numpy(), iteration + 1)))
 
     def summary(self, test) -> dict:
         """What summary.json says of the rows: made, per table, and the share of ``test``'s look-ups (a split of
@@ -169,17 +172,33 @@ class RowNumbering:
             keys[rows + 1:] = -1
         return stored
 
-    def initial_table(self, feature: int, *, table: int, seed: int, dim: int, init: str = "uniform") -> torch.Tensor:
-        """The initial rows of model table ``table``, which embeds raw-id feature ``feature``."""
-        return init_keyed(self.row_keys(feature), seed=seed, table=table, dim=dim, num_rows=self.table_rows[feature],
-                          init=init)
+    def model_table_keys(self, layout) -> list[np.ndarray]:
+        """Each table of ``layout`` (an EmbeddingLayout over this numbering's data)'s key of each row (uint64; the
+        default row's DEFAULT_KEY): what its initial rows are made from (``keyed_blocks``)."""
+        keys = []
+        for table in layout.tables:
+            if len(table.features) != 1:
+                raise ValueError(f"table {table.name} embeds {len(table.features)} features: a raw-id table embeds "
+                                 f"one")
+            keys.append(self.row_keys(table.features[0]))
+        return keys
+
+
+def keyed_blocks(keys: np.ndarray, *, table_index: int, table, seed: int) -> Iterator[torch.Tensor]:
+    """The initial rows of ``keys`` (some of table ``table_index``'s row keys: ``RowNumbering.model_table_keys``,
+    or a shard's every n-th of them) of ``table`` (a TableConfig), a chunk at a time: each row a function of
+    (seed, table, key) alone, so a server's shard holds the rows the reference's whole table does."""
+    for start in range(0, len(keys), INIT_CHUNK_KEYS):
+        yield init_keyed(keys[start:start + INIT_CHUNK_KEYS], seed=seed, table=table_index, dim=table.dim,
+                         num_rows=table.num_rows, init=table.init)
 
 
 class NumberedIds:
-    """A split's raw ids read as rows: indexing reads the raw ids asked for and numbers them (``RowNumbering``)."""
+    """A split's raw ids read as rows: indexing reads the raw ids asked for and numbers them (``RowNumbering``),
+    as of iteration ``as_of`` if given (an evaluation during training: rows made later are the default row)."""
 
-    def __init__(self, raw, numbering: RowNumbering, *, evaluated: bool) -> None:
-        self.raw, self.numbering, self.evaluated = raw, numbering, evaluated  # evaluated: read as of numbering.as_of
+    def __init__(self, raw, numbering: RowNumbering, *, as_of: int | None = None) -> None:
+        self.raw, self.numbering, self.as_of = raw, numbering, as_of
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -197,8 +216,7 @@ class NumberedIds:
     def __getitem__(self, rows) -> np.ndarray:
         if isinstance(rows, tuple):  # (its columns are tables: a column selection would number them otherwise)
             raise TypeError("numbered raw ids are read by rows only (split.ids[rows])")
-        return self.numbering.numbered(np.asarray(self.raw[rows], dtype=np.int64),
-                                       as_of=self.numbering.as_of if self.evaluated else None)
+        return self.numbering.numbered(np.asarray(self.raw[rows], dtype=np.int64), as_of=self.as_of)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return np.asarray(self[:], dtype=dtype)
@@ -212,6 +230,14 @@ def numbered_dataset(dataset, numbering: RowNumbering):
     numbered = Schema(num_dense=schema.num_dense, features=tuple(
         dataclasses.replace(feature, cardinality=rows) for feature, rows in zip(schema.features, numbering.table_rows)))
     return dataclasses.replace(dataset, **{name: dataclasses.replace(split, schema=numbered,
-                                                                     ids=NumberedIds(split.ids, numbering,
-                                                                                     evaluated=name != "train"))
+                                                                     ids=NumberedIds(split.ids, numbering))
                                            for name, split in dataset.splits().items()})
+
+
+def split_as_of(split, iteration: int | None):
+    """``split`` as an evaluation of the state after ``iteration`` iterations reads it: a split of raw ids with
+    the rows made before then, every other key on its table's default row (None: the final state, every row);
+    any other split as it is."""
+    if iteration is None or not isinstance(split.ids, NumberedIds):
+        return split
+    return dataclasses.replace(split, ids=NumberedIds(split.ids.raw, split.ids.numbering, as_of=iteration))

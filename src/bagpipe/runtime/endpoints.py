@@ -21,6 +21,7 @@ class OracleEndpoints:
     trainer_done = Endpoint("oracle", "trainer_done")  # (trainer, stats, dense_state)
     # (boundary, trainer, dense, dense_optimizer, parts, extra): a trainer's part of a checkpoint
     checkpoint_cache = Endpoint("oracle", "checkpoint_cache")
+    row_keys = Endpoint("oracle", "row_keys")  # (space, shard) -> raw ids: the keys of a shard's rows, per table
 
 
 class ServerEndpoints:

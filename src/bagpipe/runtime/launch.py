@@ -27,7 +27,7 @@ from pathlib import Path
 from bagpipe.train.checkpoints import after_a_full_disk, resumable_checkpoint, valid_checkpoints
 from bagpipe.config import TrainConfig, dump_toml
 from bagpipe.data.batches import planned_iterations
-from bagpipe.preflight import check_job, check_same_data, prepare_data, prepare_job
+from bagpipe.preflight import check_job, check_same_batches, check_same_data, prepare_data, prepare_job
 from bagpipe.progress import progress
 from bagpipe.rundir import SUMMARY, WARNING, forget_metrics_after, sweep_working_files, write_json_atomic
 from bagpipe.runlock import lock_run_dir
@@ -147,6 +147,7 @@ def _prepare(config: TrainConfig, *, overwrite: bool, resume: bool, show_progres
         return iterations
     dataset = prepare_data(config, show_progress=show_progress)
     check_same_data(config.run_dir, dataset)
+    check_same_batches(config, dataset)
     iterations = planned_iterations(config, dataset.train)
     directory, chain = resumable_checkpoint(config.run_dir, iterations=iterations, every=config.checkpoint_every,
                                             every_s=config.checkpoint_every_s)

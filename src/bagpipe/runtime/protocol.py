@@ -50,6 +50,9 @@ class JobInfo:
     start: int = 0  # the iteration training starts with (the checkpoint's boundary when resuming)
     replace_trainers: bool = False  # a lost trainer is replaced while training goes on (see runtime/redo.py)
     replace_oracle: bool = False  # a lost oracle is replaced (the local launcher serves the store): roles wait for it
+    # raw-id data (embeddings.dynamic): the tables' rows are those the oracle numbered, each made from its key,
+    # which a server asks the oracle for (ORACLE.row_keys)
+    raw_ids: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))  # (the config as config_to_dict writes it)

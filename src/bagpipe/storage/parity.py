@@ -102,15 +102,17 @@ class ParityRows:
 
     @classmethod
     def initial(cls, layout, space: int, *, shards: list[int], num_shards: int, state_width: int,
-                seed: int) -> "ParityRows":
+                seed: int, keys_of: Callable[[int], list[np.ndarray] | None] | None = None) -> "ParityRows":
         """The parity of data shards ``shards`` (of ``num_shards``) as initialised, made block by block from the
-        seed as each shard makes its rows: no member is ever held whole. Optimizer state starts at zero."""
+        seed as each shard makes its rows: no member is ever held whole. Optimizer state starts at zero.
+        ``keys_of(shard)``: raw-id tables, the shard's row keys (rowstore.shard_keys)."""
         dim = layout.spaces[space].dim
         counts = [shard_num_rows(layout, space, shard, num_shards) for shard in shards]
         parity = cls(num_rows=max(counts), width=dim + state_width, k=len(shards))
         for shard in shards:
             start = 0
-            for block in initial_blocks(layout, space, shard, num_shards, seed=seed):
+            keys = keys_of(shard) if keys_of is not None else None
+            for block in initial_blocks(layout, space, shard, num_shards, seed=seed, keys=keys):
                 parity.bits[start:start + len(block), :dim] ^= block.numpy().view(BITS)
                 start += len(block)
         return parity

@@ -23,6 +23,7 @@ import torch
 
 from bagpipe.config import STORAGE_KINDS
 from bagpipe.embeddings import EmbeddingLayout, init_row_blocks
+from bagpipe.embeddings.dynamic import keyed_blocks
 from bagpipe.optim import RowOptimizer
 from bagpipe.storage.bits import row_bits
 from bagpipe.storage.tiers import open_tier, tier_class
@@ -77,17 +78,32 @@ def shard_num_rows(layout: EmbeddingLayout, space: int, shard: int, num_shards: 
                for table, first in shard_tables(layout, space, shard, num_shards))
 
 
-def initial_blocks(layout: EmbeddingLayout, space: int, shard: int, num_shards: int, *, seed: int):
-    """A shard's initial rows in its local order, one initialisation block at a time."""
-    for table, first in shard_tables(layout, space, shard, num_shards):
-        yield from init_row_blocks(table, layout.tables[table], seed=seed, first=first, step=num_shards)
+def shard_keys(layout: EmbeddingLayout, table_keys: list[np.ndarray], space: int, shard: int,
+               num_shards: int) -> list[np.ndarray]:
+    """Raw-id tables (``table_keys``: each model table's key of each row, embeddings.dynamic): the keys of the
+    rows a shard of ``space`` holds, per table in the shard's order (``shard_tables``)."""
+    return [np.ascontiguousarray(table_keys[table][first::num_shards])
+            for table, first in shard_tables(layout, space, shard, num_shards)]
+
+
+def initial_blocks(layout: EmbeddingLayout, space: int, shard: int, num_shards: int, *, seed: int,
+                   keys: list[np.ndarray] | None = None):
+    """A shard's initial rows in its local order, one initialisation block at a time: from the seed, or for
+    raw-id tables from each row's key (``keys``: the shard's, ``shard_keys``)."""
+    for place, (table, first) in enumerate(shard_tables(layout, space, shard, num_shards)):
+        if keys is not None:
+            yield from keyed_blocks(keys[place], table_index=table, table=layout.tables[table], seed=seed)
+        else:
+            yield from init_row_blocks(table, layout.tables[table], seed=seed, first=first, step=num_shards)
 
 
 class RowStore:
-    """One shard of one embedding space (the tables of one width), initialised as the reference's."""
+    """One shard of one embedding space (the tables of one width), initialised as the reference's (raw-id tables:
+    from its rows' ``keys``, ``shard_keys``)."""
 
     def __init__(self, *, layout: EmbeddingLayout, space: int, optimizer: RowOptimizer, seed: int,
-                 shard: int = 0, num_shards: int = 1, storage: StorageSpec | None = None) -> None:
+                 shard: int = 0, num_shards: int = 1, storage: StorageSpec | None = None,
+                 keys: list[np.ndarray] | None = None) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside [0, {num_shards})")
         members = layout.spaces[space]
@@ -96,7 +112,7 @@ class RowStore:
         self.rows = open_tier(storage or StorageSpec(), name=f"shard{shard}.space{space}",
                               num_rows=shard_num_rows(layout, space, shard, num_shards), dim=self.dim,
                               state_width=self.state_width,
-                              blocks=initial_blocks(layout, space, shard, num_shards, seed=seed))
+                              blocks=initial_blocks(layout, space, shard, num_shards, seed=seed, keys=keys))
         self.num_rows = self.rows.num_rows
         self.received: Counter = Counter()  # rows written back, by version
         self.counts_write_backs = True  # False: someone else counts them into ``received`` (a parity's stand-in)

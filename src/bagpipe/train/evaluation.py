@@ -25,6 +25,7 @@ from bagpipe.data.batches import read_batch
 from bagpipe.data.binary import BinarySplit
 from bagpipe.device import model_device
 from bagpipe.embeddings import EmbeddingLayout, Embeddings, gather, positions_in
+from bagpipe.embeddings.dynamic import split_as_of
 from bagpipe.health import SPLIT_PREFIXES
 from bagpipe.metrics import log_loss, roc_auc
 from bagpipe.model_dir import RowSource
@@ -73,14 +74,16 @@ def watched_metric(task: str, splits: list[EvaluatedSplit]) -> str:
 
 
 def evaluate_splits(model: nn.Module, layout: EmbeddingLayout, source: RowSource, splits: list[EvaluatedSplit], *,
-                    batch_size: int, max_rows: int = 0) -> dict:
+                    batch_size: int, max_rows: int = 0, iteration: int | None = None) -> dict:
     """Every split's metrics (``evaluate``), each under its prefix, in one dict (a next-item model's item tables
-    read once for them all)."""
+    read once for them all). ``iteration``: the state evaluated is the one after that many iterations (raw ids: a
+    key whose row is made later is looked up on its table's default row, ``split_as_of``)."""
     items = (_item_tables(layout, source, device=model_device(model))
              if splits and model.task == "next-item" else None)
     metrics = {}
     for evaluated in splits:
-        metrics.update(evaluate(model, layout, source, evaluated.split, batch_size=batch_size, max_rows=max_rows,
+        metrics.update(evaluate(model, layout, source, split_as_of(evaluated.split, iteration), batch_size=batch_size,
+                                max_rows=max_rows,
                                 ranking=evaluated.ranking, prefix=evaluated.prefix, items=items))
     return metrics
 
@@ -201,7 +204,7 @@ class BackgroundEvaluations:
             try:
                 self.model.load_state_dict(dense)
                 metrics = evaluate_splits(self.model, self.layout, source, self.splits, batch_size=self.batch_size,
-                                          max_rows=self.max_rows)
+                                          max_rows=self.max_rows, iteration=iteration)
                 self.results[iteration] = metrics
                 self.on_result(iteration, metrics, dense, source)
             except BaseException as err:  # noqa: BLE001 - raised on the caller's thread by submit() / close()

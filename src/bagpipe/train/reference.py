@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -31,6 +29,7 @@ from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
+from bagpipe.embeddings.dynamic import keyed_blocks
 from bagpipe.train.evaluation import EvaluatedSplit, evaluate_splits, evaluated_splits, no_evaluation, watched_metric
 from bagpipe.health import Best, EvaluationWatch, LossWatch, RunWarning
 from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
@@ -40,7 +39,8 @@ from bagpipe.metrics import CounterWindow, share
 from bagpipe.optim import make_row_optimizer
 from bagpipe.nn import CLEANUP_FRACTION, CachedTables, Lookahead
 from bagpipe.opcount import StepCount
-from bagpipe.preflight import cache_rows_of, check_job, check_same_data, prepare_data, prepare_job
+from bagpipe.preflight import (cache_rows_of, check_job, check_same_batches, check_same_data, prepare_data,
+                               prepare_job)
 from bagpipe.progress import progress
 from bagpipe.rundir import RunDir, sweep_working_files
 from bagpipe.runlock import lock_run_dir
@@ -99,17 +99,6 @@ def model_row_keys(numbering, layout: EmbeddingLayout, iteration: int) -> list[n
     return [stored[table.features[0]] for table in layout.tables]
 
 
-def check_same_batches(config: TrainConfig) -> None:
-    """A resumed run on raw ids must plan the batches it started with: its tables' rows are those its batches make
-    (embeddings.dynamic), so more or fewer iterations would number them otherwise."""
-    saved = json.loads((Path(config.run_dir) / "config.json").read_text())
-    for name in ("iterations", "epochs"):
-        if saved.get(name) != getattr(config, name):
-            raise ValueError(f"--resume: the run in {config.run_dir} trains raw ids, whose rows are the ones its "
-                             f"batches make; it was started with {name}={saved.get(name)!r}, and resuming it with "
-                             f"{getattr(config, name)!r} is not supported yet (leave the flag out)")
-
-
 def build_run_tables(config: TrainConfig, schema: Schema, *, device: torch.device | str = "cpu",
                      numbering=None) -> EmbeddingTables | CachedTables:
     """The tables a run trains: in memory on ``device`` (--mode reference), or behind a cache on ``device``
@@ -133,17 +122,10 @@ def build_run_tables(config: TrainConfig, schema: Schema, *, device: torch.devic
 def keyed_weights(config: TrainConfig, layout: EmbeddingLayout, numbering) -> list[torch.Tensor]:
     """Each space of ``layout``'s initial rows for raw-id data: table by table, each row's value a function of
     (seed, table, key) (the table's default row first)."""
-    spaces = []
-    for space in layout.spaces:
-        parts = []
-        for index in space.tables:
-            table = layout.tables[index]
-            if len(table.features) != 1:
-                raise ValueError(f"table {table.name} embeds {len(table.features)} features: a raw-id table embeds one")
-            parts.append(numbering.initial_table(table.features[0], table=index, seed=config.seed, dim=table.dim,
-                                                 init=table.init))
-        spaces.append(torch.cat(parts))
-    return spaces
+    keys = numbering.model_table_keys(layout)
+    return [torch.cat([block for index in space.tables
+                       for block in keyed_blocks(keys[index], table_index=index, table=layout.tables[index],
+                                                 seed=config.seed)]) for space in layout.spaces]
 
 
 def single_cleanup_fraction(config: TrainConfig) -> float:
@@ -304,8 +286,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         dataset = prepare_data(config, show_progress=show_progress)
         check_same_data(config.run_dir, dataset)
         iterations = planned_iterations(config, dataset.train)
-        if dataset.numbering is not None:
-            check_same_batches(config)
+        check_same_batches(config, dataset)
         checkpoint = resumable_checkpoint(config.run_dir, iterations=iterations, every=config.checkpoint_every,
                                           every_s=config.checkpoint_every_s)
         for warning in check_job(config, dataset, show_progress=show_progress):
@@ -422,8 +403,6 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
                                        "torch_threads": torch.get_num_threads()}), full=full)
         if config.eval_every and testable and iteration + 1 < iterations and (iteration + 1) % config.eval_every == 0:
             settle()
-            if dataset.numbering is not None:  # (raw ids: the keys whose rows are made later use the default row)
-                dataset.numbering.as_of = iteration + 1
             eval_s += _evaluate_at(iteration + 1, model, tables, evaluated, run, config, watch, row_keys=row_keys)[1]
             tick = time.perf_counter()  # the evaluation is not an iteration's time
         bar.update(1)
@@ -436,8 +415,6 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
 
     metrics = no_evaluation(model)
     if testable:
-        if dataset.numbering is not None:
-            dataset.numbering.as_of = iterations
         metrics, seconds = _evaluate_at(iterations, model, tables, evaluated, run, config, watch, final=True,
                                         row_keys=row_keys)
         eval_s += seconds
@@ -508,7 +485,7 @@ def _evaluate_at(iteration: int, model: nn.Module, tables: EmbeddingTables, spli
     seconds."""
     started = time.perf_counter()
     metrics = evaluate_splits(model, tables.layout, TableRows(tables), splits, batch_size=config.eval_batch_size,
-                              max_rows=config.max_eval_rows)
+                              max_rows=config.max_eval_rows, iteration=iteration)
     record_evaluation(config, run, watch, iteration, metrics, final=final, keep=lambda: write_model(
         run, config, iteration, metrics, dense=model.state_dict(), layout=tables.layout, source=TableRows(tables),
         row_keys=row_keys and row_keys(iteration)))

@@ -148,7 +148,8 @@ def test_the_rows_made_follow_the_batches_and_the_memory_the_rows(raw_data, tmp_
     assert made[10] < made[60]
 
 
-@pytest.mark.parametrize("flags, refused", [(dict(mode="bagpipe"), "in --mode bagpipe"),
+@pytest.mark.parametrize("flags, refused", [(dict(mode="bagpipe", storage="disk", cache_rows=500),
+                                             "with --storage disk"),
                                             (dict(mode="single", storage="disk", cache_rows=500),
                                              "with --storage disk")])
 def test_modes_that_do_not_train_raw_ids_yet_refuse_them_saying_so(raw_data, tmp_path, flags, refused):
@@ -170,3 +171,50 @@ def test_a_wide_and_deep_model_of_raw_ids_keys_both_tables_of_a_feature(raw_data
     keys, tables = exported["row_keys"], exported["embeddings"]
     assert len(keys) == len(tables) == 52 and [len(k) for k in keys] == [len(t) for t in tables]
     assert torch.equal(keys[0], keys[26]) or torch.equal(keys[0], keys[1])  # a feature's two tables, one numbering
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_a_servers_shard_of_raw_id_tables_holds_the_references_rows_made_from_their_keys(raw_data, tmp_path,
+                                                                                         num_shards):
+    """What a bagpipe job's servers make (each shard's rows from the keys the oracle gives it: shard_keys), and the
+    parity of their group, equal the reference's tables, row for row."""
+    from bagpipe.optim import make_row_optimizer
+    from bagpipe.preflight import job_layout, prepare_data
+    from bagpipe.storage import RowStore
+    from bagpipe.storage.parity import ParityRows
+    from bagpipe.storage.rowstore import shard_keys
+    from bagpipe.train.reference import keyed_weights
+
+    config = small_config(raw_data, tmp_path / "run", iterations=30, batch_size=64, seed=3, mode="bagpipe")
+    dataset = prepare_data(config)
+    layout = job_layout(config, dataset)
+    table_keys = dataset.numbering.model_table_keys(layout)
+    optimizer = make_row_optimizer("adam", lr=0.1)
+    for space, weights in enumerate(keyed_weights(config, layout, dataset.numbering)):
+        def store(shard, space=space):
+            return RowStore(layout=layout, space=space, optimizer=optimizer, seed=3, shard=shard,
+                            num_shards=num_shards, keys=shard_keys(layout, table_keys, space, shard, num_shards))
+        stores = [store(shard) for shard in range(num_shards)]
+        for shard, each in enumerate(stores):
+            assert torch.equal(each.all_weights(), weights[shard::num_shards])
+        made = ParityRows.initial(layout, space, shards=list(range(num_shards)), num_shards=num_shards,
+                                  state_width=optimizer.state_width(layout.spaces[space].dim), seed=3,
+                                  keys_of=lambda shard, space=space: shard_keys(layout, table_keys, space, shard,
+                                                                                 num_shards))
+        assert np.array_equal(made.bits, ParityRows.of(stores).bits)
+
+
+def test_a_hand_started_role_that_gives_table_sizes_for_raw_ids_is_refused_saying_so(raw_data, tmp_path):
+    """Raw-id tables have the rows the run's batches make: a role's --emb-info-file cannot size them."""
+    from bagpipe.preflight import prepare_data
+    from bagpipe.runtime.oracle.main import settle
+    from bagpipe.runtime.world import World
+
+    config = small_config(raw_data, tmp_path / "run", iterations=10, mode="bagpipe")
+    dataset = prepare_data(config)
+    world = World(rank=0, world_size=4, num_trainers=2)
+    hellos = {rank: {"given": {}} for rank in (1, 2, 3)}
+    assert settle(config, dataset, world, {}, hellos)[1].schema == dataset.schema
+    hellos[3] = {"given": {"table_sizes": [100] * 26}}
+    with pytest.raises(ValueError, match=r"server 0 \(rank 3\) gives table sizes, but .* holds raw ids"):
+        settle(config, dataset, world, {}, hellos)

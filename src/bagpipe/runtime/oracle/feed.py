@@ -106,11 +106,16 @@ class Feed:
 
         negatives = fresh_negatives(config, split)
 
+        numbering = self.dataset.numbering  # raw ids: a key not admitted yet looks its table's default row up
+
         def key_stream():  # per iteration, each space's keys (replicated), or each space's keys per trainer
-            for epoch, rows in epoch_rows(split, batch_size=config.batch_size, iterations=self.iterations,
-                                          shuffle=config.shuffle, shuffle_seed=config.shuffle_seed):
+            for iteration, (epoch, rows) in enumerate(epoch_rows(
+                    split, batch_size=config.batch_size, iterations=self.iterations, shuffle=config.shuffle,
+                    shuffle_seed=config.shuffle_seed)):
                 reading = time.thread_time()
                 batch = read_batch(split, rows, epoch=epoch, negatives=negatives)
+                if numbering is not None:
+                    batch = numbering.batch_as_made(batch, iteration)
                 if self.partitioned:  # (each slice's key matrices kept, as the whole batch's below)
                     parts = [layout.keys(part.ids.numpy()) for part in batch.slices(trainers)]
                     pending.append((batch, parts))

@@ -25,7 +25,7 @@ from bagpipe.data.batches import planned_iterations
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.data.schema import original_table_sizes, with_table_sizes
 from bagpipe.faults import inject_fault
-from bagpipe.preflight import cache_rows_of, check_job, claim, job_layout, prepare_data
+from bagpipe.preflight import cache_rows_of, check_job, check_same_batches, claim, job_layout, prepare_data
 from bagpipe.train.reference import deterministic
 from bagpipe.rundir import RunDir
 from bagpipe.runlock import lock_run_dir
@@ -98,7 +98,8 @@ def job_info(config: TrainConfig, world: World, dataset: BinaryDataset, *, resum
                    start=resume[1] if resume else 0,
                    replace_trainers=(config.replace_trainers and world.num_trainers >= 2 and not scripts
                                      and not partitioned),
-                   replace_oracle=store_served_apart() and config.replace_oracle)
+                   replace_oracle=store_served_apart() and config.replace_oracle,
+                   raw_ids=dataset.numbering is not None)
 
 
 def start_job(config: TrainConfig, world: World, store, *, overwrite: bool, prepared: bool, given: dict | None,
@@ -116,6 +117,7 @@ def start_job(config: TrainConfig, world: World, store, *, overwrite: bool, prep
     try:
         config, dataset = settle(config, dataset, world, given or {}, hellos)
         if resume:
+            check_same_batches(config, dataset)
             checkpoint = resume_point(config, world)
             for warning in check_job(config, dataset):
                 log.warning("%s", warning)
@@ -269,6 +271,10 @@ def settle(config: TrainConfig, dataset: BinaryDataset, world: World, given: dic
     if agreed.get("kind") == "script" and (config.checkpoints or config.eval_every):
         raise ValueError("checkpoints during training (and --eval-every, which evaluates them) need bagpipe's "
                          "trainers: these trainers are scripts (init_cache), which send no part of a checkpoint")
+    if dataset.numbering is not None and "table_sizes" in agreed:
+        raise ValueError(f"{next(g.label for g in givens if 'table_sizes' in g.settings)} gives table sizes, but "
+                         f"{config.data} holds raw ids, whose tables have the rows the run's batches make: leave the "
+                         f"table sizes out (--emb-info-file, ln_emb)")
     inferred = dataset.meta.get("made_from", {}).get("table_sizes_from") == "inferred"
     sizes = agree_table_sizes(agreed.get("table_sizes"), original_table_sizes(dataset.schema), inferred=inferred,
                               where=next(g.label for g in givens if "table_sizes" in g.settings)

@@ -11,14 +11,17 @@ replacement) and runs it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+
+import numpy as np
 
 from bagpipe.config import TrainConfig
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.train.evaluation import BackgroundEvaluations, evaluated_splits
 from bagpipe.train.checkpoints import ChainRows
 from bagpipe.model_dir import RowSource
-from bagpipe.train.reference import build_model, evaluation_watch, record_evaluation, write_model
+from bagpipe.train.reference import build_model, evaluation_watch, model_row_keys, record_evaluation, write_model
 from bagpipe.rundir import RunDir
 from bagpipe.runtime.oracle.checkpointing import JobCheckpoints
 from bagpipe.runtime.names import ORACLE_REPLACED, TRAINER_DONE
@@ -28,6 +31,7 @@ from bagpipe.runtime.oracle.feed import Feed, Sent
 from bagpipe.runtime.oracle.state import JobState
 from bagpipe.runtime.protocol import JobInfo, Pulled, TrainerStats
 from bagpipe.runtime.succession import Failure, RecordKeeper
+from bagpipe.storage.rowstore import shard_keys
 from bagpipe.runtime.world import Epochs, Routes, World
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,7 @@ class Oracle:
         self.takeover = takeover  # this replacement's failure record, until it serves new plans
         self.reformed_before = list(reformed_before or [])  # the RPC world's re-formations before this oracle's
         self.routes = Routes(world)
+        self._table_keys, self._keys_made = None, threading.Lock()  # raw ids: each table's row keys (row_keys)
         if takeover is not None:
             self.routes.load(store)
         # Evaluations (of checkpoints during training with --eval-every, of the final state) run in the background,
@@ -92,7 +97,8 @@ class Oracle:
         model/ if it is the best so far with --keep-best (the final state: by ``summary.finish``)."""
         record_evaluation(self.config, self.run, self.watch, iteration, metrics, final=iteration == self.iterations,
                           keep=lambda: write_model(self.run, self.config, iteration, metrics, dense=dense,
-                                                   layout=self.layout, source=source))
+                                                   layout=self.layout, source=source,
+                                                   row_keys=self.model_row_keys(iteration)))
 
     def _resumed(self, replay_s: float) -> None:
         """This replacement has planned again what its trainers had (in ``replay_s``): its next plans are new."""
@@ -130,6 +136,21 @@ class Oracle:
     def replaced(self, rank: int, info: dict) -> None:
         """``Replacements.replaced``."""
         self.replacements.replaced(rank, info)
+
+    def row_keys(self, space: int, shard: int) -> list[np.ndarray]:
+        """Raw ids: the keys of the rows data shard ``shard`` of ``space`` holds, per table (its rows are made from
+        them: storage.rowstore.shard_keys), from this oracle's numbering of the run's batches."""
+        with self._keys_made:
+            if self._table_keys is None:
+                if self.dataset.numbering is None:
+                    raise ValueError("row keys asked of a job whose tables have a fixed size (not raw ids)")
+                self._table_keys = self.dataset.numbering.model_table_keys(self.layout)
+        return shard_keys(self.layout, self._table_keys, space, shard, self.world.num_shards)
+
+    def model_row_keys(self, iteration: int) -> list[np.ndarray] | None:
+        """Raw ids: what model/ keeps of the state after ``iteration`` iterations, each table's key of each row."""
+        numbering = self.dataset.numbering
+        return None if numbering is None else model_row_keys(numbering, self.layout, iteration)
 
     def trainer_done(self, trainer: int, stats: TrainerStats, dense_state: dict | None) -> None:
         state = self.state

@@ -58,9 +58,11 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
     eval_s = time.perf_counter() - eval_started
     if oracle.watch is None:  # not evaluated
         write_model_dir(run.path / MODEL_DIR, dense=dense_state, layout=layout, source=final_rows,
+                        row_keys=oracle.model_row_keys(oracle.iterations),
                         info={"iteration": oracle.iterations, "mode": "bagpipe", "model": config.model.name})
     elif keeps_final(config, oracle.watch, oracle.iterations):
-        write_model(run, config, oracle.iterations, metrics, dense=dense_state, layout=layout, source=final_rows)
+        write_model(run, config, oracle.iterations, metrics, dense=dense_state, layout=layout, source=final_rows,
+                    row_keys=oracle.model_row_keys(oracle.iterations))
     shutil.rmtree(final_dir)
     if not config.checkpoints:  # those taken to evaluate from (--eval-every) served their purpose
         shutil.rmtree(checkpoints_dir(config.run_dir), ignore_errors=True)
@@ -77,6 +79,7 @@ def finish(oracle: Oracle, run: RunDir, shards: list[dict], final_rows: ChainRow
                              else run.last_train_loss()),  # (a resumed run with nothing left to train)
         **metrics,
         **best_metrics(dataset.meta),
+        **({"raw_ids": dataset.numbering.summary(dataset.test)} if dataset.numbering is not None else {}),
         **health_summary(config, run, oracle.watch),
         **({"resumed_at": oracle.start} if oracle.start else {}),
         "trainers": oracle.world.num_trainers,

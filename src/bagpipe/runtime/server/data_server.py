@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from bagpipe.train.checkpoints import background_priority, chain_parts, write_sn
 from bagpipe.config import TrainConfig
 from bagpipe.faults import inject_fault
 from bagpipe.heap import bounded_heap
+from bagpipe.runtime.endpoints import ORACLE
 from bagpipe.runtime.protocol import JobInfo
 from bagpipe.runtime.server.deltas import DeltaSender
 from bagpipe.runtime.world import Epochs, World
@@ -153,10 +155,22 @@ def storage_specs(config: TrainConfig, layout, *, num_shards: int, state_width) 
                        for space in layout.spaces])
 
 
-def shard_stores(world: World, job: JobInfo, row_optimizer, specs: list[StorageSpec]) -> list[RowStore]:
-    """This data server's shard of every space, initialised from the seed, where ``specs`` say."""
-    return [RowStore(layout=job.layout, space=s, optimizer=row_optimizer, seed=job.config.seed,
-                     shard=world.role[1], num_shards=world.num_shards, storage=spec) for s, spec in enumerate(specs)]
+def shard_stores(world: World, job: JobInfo, row_optimizer, specs: list[StorageSpec],
+                 keys_of: Callable[[int, int], list[np.ndarray] | None] | None = None) -> list[RowStore]:
+    """This data server's shard of every space, initialised from the seed (raw ids: from each row's key,
+    ``keys_of(space, shard)``), where ``specs`` say."""
+    shard = world.role[1]
+    return [RowStore(layout=job.layout, space=s, optimizer=row_optimizer, seed=job.config.seed, shard=shard,
+                     num_shards=world.num_shards, storage=spec, keys=keys_of(s, shard) if keys_of else None)
+            for s, spec in enumerate(specs)]
+
+
+def shard_keys_of(job: JobInfo, epochs: Epochs) -> Callable[[int, int], list[np.ndarray] | None] | None:
+    """Raw-id data: (space, shard) -> the keys of that shard's rows, per table, asked of the oracle (which
+    numbered the rows: embeddings.dynamic); None for tables of a fixed size."""
+    if not job.raw_ids:
+        return None
+    return lambda space, shard: epochs.call("oracle", ORACLE.row_keys, (space, shard))
 
 
 def send_deltas(server: Server, world: World, epochs: Epochs) -> None:

@@ -15,7 +15,7 @@ from bagpipe.runtime.endpoints import ORACLE
 from bagpipe.runtime.names import STOP_KEY
 from bagpipe.runtime.liveness import Liveness
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.server.data_server import Server, send_deltas, shard_stores, storage_specs
+from bagpipe.runtime.server.data_server import Server, send_deltas, shard_keys_of, shard_stores, storage_specs
 from bagpipe.runtime.server.handlers import ServerHandlers
 from bagpipe.runtime.server.parity_server import replacement_parity, start_parity
 from bagpipe.runtime.server.takeover import RemoteStandIn, ShardTakeOver
@@ -60,7 +60,7 @@ def _start_data_server(handlers: ServerHandlers, store, liveness: Liveness, row_
     init_rpc(world, store)
     handlers.epochs = epochs = Epochs(world, store)
     specs = storage_specs(config, layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
-    server = Server(shard_stores(world, job, row_optimizer, specs))
+    server = Server(shard_stores(world, job, row_optimizer, specs, keys_of=shard_keys_of(job, epochs)))
     inject_fault("tables filled")  # (its tables made: on disk, hundreds of millions of rows take minutes)
     if job.resume:
         directory, chain = resume_chain(config.run_dir, job.resume)
@@ -114,6 +114,8 @@ def _replace_data_server(handlers: ServerHandlers, store, liveness: Liveness, ro
     world, job = handlers.world, handlers.job
     index = world.role[1]
     specs = storage_specs(job.config, job.layout, num_shards=world.num_shards, state_width=row_optimizer.state_width)
+    # (raw ids: made from the seed, not from their keys, which only the oracle has and this process is not yet in its
+    # RPC world to ask for; every row is copied from the stand-in before it serves any)
     stores = shard_stores(world, job, row_optimizer, specs)
     epochs = join_rpc_as_replacement(world, store)
     if epochs is None:  # training ended before the job needed it

@@ -15,7 +15,7 @@ from bagpipe.train.checkpoints import background_priority, resume_chain
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime.endpoints import SERVER
 from bagpipe.runtime.protocol import JobInfo
-from bagpipe.runtime.server.data_server import CHUNK_ROWS, Server
+from bagpipe.runtime.server.data_server import CHUNK_ROWS, Server, shard_keys_of
 from bagpipe.runtime.world import Epochs, ShardMoved, World
 from bagpipe.timing import cpu_seconds, peak_rss_bytes
 from bagpipe.storage import RowStore
@@ -67,6 +67,7 @@ class ParityServer:
         stand_ins = []
         for space, parity in enumerate(self.parities):
             dim = layout.spaces[space].dim
+            # (raw ids too made from the seed: every row is rebuilt from the parity before it is read)
             fresh = RowStore(layout=layout, space=space, optimizer=optimizer, seed=config.seed, shard=shard,
                              num_shards=num_shards)
             fresh.parity_sink = functools.partial(parity.apply, member)
@@ -310,7 +311,8 @@ def start_parity(world: World, job: JobInfo, index: int, row_optimizer, epochs: 
     config, layout = job.config, job.layout
     group = index - world.num_shards
     shards = world.parity_group(group * world.parity)
-    if job.resume:  # the members as restored, held here while their parity is made
+    if job.resume:  # the members as restored (every row: a made one's initial value never shows), held here while
+        # their parity is made
         directory, chain = resume_chain(config.run_dir, job.resume)
         members = []
         for shard in shards:
@@ -322,7 +324,9 @@ def start_parity(world: World, job: JobInfo, index: int, row_optimizer, epochs: 
                     for space in range(len(layout.spaces))]
         del members
     else:
+        keys_of = shard_keys_of(job, epochs)  # (raw ids: each member's rows made from their keys)
         parities = [ParityRows.initial(layout, space, shards=shards, num_shards=world.num_shards,
                                        state_width=row_optimizer.state_width(layout.spaces[space].dim),
-                                       seed=config.seed) for space in range(len(layout.spaces))]
+                                       seed=config.seed, keys_of=keys_of and functools.partial(keys_of, space))
+                    for space in range(len(layout.spaces))]
     return ParityServer(parities, group=group, shards=shards, epochs=epochs)

@@ -1,0 +1,80 @@
+"""Tables that grow with the data (embeddings.dynamic) in a bagpipe job: the oracle numbers the raw ids the run's
+batches look up, each server makes its shard's rows from their keys (asked of the oracle), and the job ends bit for
+bit as the reference does, replicated and partitioned, with admission and evaluations during training."""
+
+import json
+
+import pytest
+import torch
+
+from bagpipe.data.preprocess import preprocess
+from bagpipe.rundir import export
+from bagpipe.runtime.launch import launch_local
+from bagpipe.synth import generate
+from helpers.jobs import assert_same_parameters, job_config, reference_of
+
+
+@pytest.fixture(scope="module")
+def raw_data(tmp_path_factory):
+    """Raw-id data whose ids keep arriving (5 periods, a fifth new each), converted with --raw-ids."""
+    out = tmp_path_factory.mktemp("raw_ids")
+    generate(out / "synth", rows=3_000, test_rows=600, seed=5, table_sizes=[200] * 6 + [30] * 20, raw_ids=True,
+             periods=5, new_share=0.2, show_progress=False)
+    preprocess(out / "synth", out / "data", raw_ids=True, show_progress=False)
+    return out / "data"
+
+
+def evaluations(run_dir) -> list[tuple[int, float]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(m["iteration"], m["eval_auc"]) for m in lines if "eval_auc" in m]
+
+
+# Replicated with admission (a key's row made at its second look-up), two trainers and Adam; partitioned with three
+# trainers and Adagrad. Each evicts and fetches again rows made during the run.
+@pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count", [
+    ("replicated", "adam", 2, 2), ("partitioned", "adagrad", 3, 1)])
+def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, cache_mode, optimizer,
+                                                                   trainers, min_count):
+    config = job_config(raw_data, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, batch_size=60,
+                        iterations=40, cache_rows=900, cache_mode=cache_mode, row_min_count=min_count, eval_every=20,
+                        shuffle=True, shuffle_seed=3)
+    summary = launch_local(config, show_progress=False)
+    want = reference_of(config, tmp_path / "reference")
+    ours = export(config.run_dir, tmp_path / "ours.pt")
+    assert_same_parameters(ours, want)
+    # the model holds each row's key, as the reference's does
+    assert len(ours["row_keys"]) == 26 and all(torch.equal(a, b) for a, b in zip(ours["row_keys"], want["row_keys"]))
+    reference = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert summary["raw_ids"] == reference["raw_ids"]
+    assert summary["total_rows"] == summary["raw_ids"]["rows_made"] + 26  # the rows made and a default row each
+    assert evaluations(tmp_path / "bagpipe") == evaluations(tmp_path / "reference") and len(evaluations(
+        tmp_path / "reference")) == 2  # the one during training sees the rows made by then, as the reference's
+    assert summary["rows_written_back"] > 0 and summary["rows_fetched"] > summary["raw_ids"]["rows_made"]
+    assert (summary["raw_ids"]["training_lookups_on_the_default_row"] > 0) == (min_count > 1)
+
+
+def test_a_bagpipe_job_on_raw_ids_goes_on_through_a_killed_data_server_and_ends_bit_for_bit(raw_data, tmp_path):
+    """The parity server makes its group's parity from the keyed rows (its members' keys asked of the oracle), so
+    it stands in for a killed data server with the rows the reference has."""
+    config = job_config(raw_data, tmp_path / "bagpipe", optimizer="adagrad", servers=3, parity=2, check_parity=True,
+                        batch_size=60, iterations=40, cache_rows=900, timeout=20.0)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "server1@write-back 20:kill"})
+    assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
+    (failure,) = summary["failures"]
+    assert failure["role"] == "server 1" and failure["parity_server"] == 2
+    (parity,) = summary["parity"]
+    assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
+
+
+def test_a_bagpipe_job_on_raw_ids_restarts_from_its_checkpoint_to_the_same_export(raw_data, tmp_path):
+    """A lost trainer restarts the job from its checkpoint: the restarted oracle numbers the same rows again (the
+    same batches), the servers restore their shards, and the job ends as the reference does, admission included."""
+    config = job_config(raw_data, tmp_path / "run", optimizer="adam", batch_size=60, iterations=40, cache_rows=900,
+                        row_min_count=2, timeout=10.0, checkpoint_every=10, replace_trainers=False,
+                        replace_oracle=False)
+    summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 23:kill"})
+    [restart] = summary["restarts"]
+    assert restart["resumed_from"] == 20 and summary["resumed_at"] == 20
+    assert_same_parameters(export(config.run_dir, tmp_path / "run.pt"), reference_of(config, tmp_path / "ref"))
+    reference = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert summary["raw_ids"] == reference["raw_ids"]
