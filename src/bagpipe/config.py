@@ -371,7 +371,6 @@ class Mode:
     cached: bool = False  # trains from a cache of the rows (a plan's, or an online policy's): reads [cache]
     processes: bool = False  # a job of processes (oracle, servers, trainers) that the local launcher starts
     policies: tuple[str, ...] = ()  # the cache policies it takes (cached)
-    raw_ids: bool = False  # trains raw-id data (tables that grow with the data: embeddings.dynamic)
 
     def reads(self, setting: str) -> bool:
         return SECTION_OF[setting] in self.sections
@@ -379,14 +378,13 @@ class Mode:
 
 _EVERY_MODE = {"run", "data", "optimizer", "evaluation", "checkpoint"}
 RUN_MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth",
-         raw_ids=True),
+    Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth"),
     Mode("bagpipe", frozenset(_EVERY_MODE | {"cache", "storage", "job", "fault_tolerance", "rpc"}),
          "an oracle, embedding servers and trainers as processes, each trainer training from its planned cache",
-         cached=True, processes=True, policies=POLICIES, raw_ids=True),
+         cached=True, processes=True, policies=POLICIES),
     Mode("single", frozenset(_EVERY_MODE | {"cache", "storage"}),
          "one process, the tables in host memory or on disk behind a planned cache", cached=True,
-         policies=SINGLE_POLICIES, raw_ids=True),
+         policies=SINGLE_POLICIES),
 )}
 MODES = tuple(RUN_MODES)  # their names
 

@@ -63,19 +63,7 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
     (embeddings.dynamic), every other key the table's default row."""
     from bagpipe.data.batches import batch_rows
     from bagpipe.embeddings.dynamic import RowNumbering, numbered_dataset
-    from bagpipe.storage.tiers import tier_class
 
-    mode = config.run_mode
-    on_disk = mode.cached and tier_class(config.storage).files
-    if not mode.raw_ids or on_disk:
-        names = [name for name, each in RUN_MODES.items() if each.raw_ids]
-        modes = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-        raise ValueError(f"{config.data} holds raw ids (bagpipe preprocess --raw-ids: each value a 63-bit key, no "
-                         f"table sizes): tables that grow with the data train so far in --mode {modes} with the "
-                         f"tables in memory, not " + (f"with --storage {config.storage}" if on_disk else
-                                                      f"in --mode {config.mode}") +
-                         ". Convert the source with --table-sizes (values hashed modulo them) or --vocab-min-count N "
-                         "to train it otherwise")
     selectors = batch_rows(dataset.train, batch_size=config.batch_size, iterations=planned_iterations(
         config, dataset.train), shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
     numbering = RowNumbering.of_run(dataset.train, selectors, min_count=config.row_min_count)

@@ -33,7 +33,6 @@ def _no_process_left(run):
 
 @pytest.mark.parametrize("optimizer, fault, servers", [
     ("sgd", "oracle@planned 40:kill", PARITY),
-    ("adagrad", "oracle@planned 90:kill", PARITY),
     # its replacement is lost too, once it has taken over: a second replacement (epoch 2)
     ("adam", "oracle@planned 40:kill,oracle/1@planned 120:kill", PARITY),
     # stopped, not killed: the launcher sees its heartbeat stop (for 3 s: --liveness-s), kills it and starts its

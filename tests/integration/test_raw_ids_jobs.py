@@ -30,14 +30,15 @@ def evaluations(run_dir) -> list[tuple[int, float]]:
 
 
 # Replicated with admission (a key's row made at its second look-up), two trainers and Adam; partitioned with three
-# trainers and Adagrad. Each evicts and fetches again rows made during the run.
-@pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count", [
-    ("replicated", "adam", 2, 2), ("partitioned", "adagrad", 3, 1)])
+# trainers and Adagrad, the servers' shards on disk (files of records made from the keys, a small DRAM budget).
+# Each evicts and fetches again rows made during the run.
+@pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count, storage", [
+    ("replicated", "adam", 2, 2, "memory"), ("partitioned", "adagrad", 3, 1, "disk")])
 def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, cache_mode, optimizer,
-                                                                   trainers, min_count):
+                                                                   trainers, min_count, storage):
     config = job_config(raw_data, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, batch_size=60,
                         iterations=40, cache_rows=900, cache_mode=cache_mode, row_min_count=min_count, eval_every=20,
-                        shuffle=True, shuffle_seed=3)
+                        shuffle=True, shuffle_seed=3, storage=storage, storage_budget_mb=0.05)
     summary = launch_local(config, show_progress=False)
     want = reference_of(config, tmp_path / "reference")
     ours = export(config.run_dir, tmp_path / "ours.pt")
@@ -51,6 +52,7 @@ def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp
         tmp_path / "reference")) == 2  # the one during training sees the rows made by then, as the reference's
     assert summary["rows_written_back"] > 0 and summary["rows_fetched"] > summary["raw_ids"]["rows_made"]
     assert (summary["raw_ids"]["training_lookups_on_the_default_row"] > 0) == (min_count > 1)
+    assert (summary["storage"].get("disk_rows_read", 0) > 0) == (storage == "disk")
 
 
 def test_a_bagpipe_job_on_raw_ids_goes_on_through_a_killed_data_server_and_ends_bit_for_bit(raw_data, tmp_path):

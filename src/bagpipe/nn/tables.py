@@ -18,6 +18,7 @@ import torch
 
 from bagpipe.embeddings import (EmbeddingLayout, EmbeddingTables, Embeddings, Lookup, distinct_positions, gather,
                                 id_places, init_row_blocks, valid_keys)
+from bagpipe.embeddings.dynamic import keyed_blocks
 from bagpipe.nn.host import HostTable, host_table
 from bagpipe.nn.rows import CachedRows, hit_rate, total_stats
 from bagpipe.nn.slots import CLEANUP_FRACTION
@@ -58,16 +59,18 @@ class CachedTables:
 
     @classmethod
     def on_disk(cls, layout: EmbeddingLayout, optimizer: RowOptimizer, *, seed: int, storage: StorageSpec,
-                **options) -> "CachedTables":
-        """Tables initialised as the reference's from ``seed``, each space in a file in ``storage.directory``,
-        ``storage.budget_bytes`` of DRAM shared among the spaces in proportion to their files."""
+                row_keys: list[np.ndarray] | None = None, **options) -> "CachedTables":
+        """Tables initialised as the reference's from ``seed`` (raw-id tables: from each row's key, ``row_keys``
+        per table, embeddings.dynamic), each space in a file in ``storage.directory``, ``storage.budget_bytes`` of
+        DRAM shared among the spaces in proportion to their files."""
         shares = storage.split([storage.stored_bytes(space.num_rows, space.dim, optimizer.state_width(space.dim))
                                 for space in layout.spaces])
         hosts = []
         try:
             for space, share in zip(layout.spaces, shares):
-                blocks = itertools.chain.from_iterable(init_row_blocks(t, layout.tables[t], seed=seed)
-                                                       for t in space.tables)
+                blocks = itertools.chain.from_iterable(
+                    init_row_blocks(t, layout.tables[t], seed=seed) if row_keys is None else
+                    keyed_blocks(row_keys[t], table_index=t, table=layout.tables[t], seed=seed) for t in space.tables)
                 hosts.append(host_table(share, num_rows=space.num_rows, dim=space.dim,
                                         state_width=optimizer.state_width(space.dim), blocks=blocks))
         except BaseException:

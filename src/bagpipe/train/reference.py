@@ -115,7 +115,8 @@ def build_run_tables(config: TrainConfig, schema: Schema, *, device: torch.devic
                              config.storage_budget_mb * 2**20)
     if storage.files:
         return CachedTables.on_disk(layout, make_row_optimizer(config.optimizer, lr=config.lr), seed=config.seed,
-                                    storage=storage, **options)
+                                    storage=storage, row_keys=numbering and numbering.model_table_keys(layout),
+                                    **options)
     return CachedTables.over(build_tables(config, schema, weights=weights), **options)
 
 

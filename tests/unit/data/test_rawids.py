@@ -136,15 +136,6 @@ def test_raw_ids_refuse_sizes_vocabularies_logs_and_lists(arriving, tmp_path):
     assert not any((tmp_path / name).exists() for name in "abcd")  # a refused conversion leaves nothing
 
 
-def test_a_mode_that_does_not_train_raw_ids_yet_refuses_them_on_the_command_line(arriving, tmp_path, capsys):
-    out, _ = arriving
-    preprocess(out / "data", tmp_path / "raw", raw_ids=True, show_progress=False)
-    code = main(["train", "--data", str(tmp_path / "raw"), "--run-dir", str(tmp_path / "run"), "--iterations", "2",
-                 "--mode", "single", "--storage", "disk"])
-    assert code != 0 and not (tmp_path / "run" / "summary.json").exists()
-    assert "tables that grow with the data train so far in --mode reference, bagpipe and single" in capsys.readouterr().err
-
-
 def test_plan_stats_refuses_raw_ids_saying_why(arriving, tmp_path, capsys):
     out, _ = arriving
     preprocess(out / "data", tmp_path / "raw", raw_ids=True, show_progress=False)

@@ -78,16 +78,17 @@ def raw_data(tmp_path_factory):
     return out / "data"
 
 
-@pytest.mark.parametrize("policy, optimizer, slices, min_count", [
-    ("lookahead", "adagrad", 1, 1), ("lru", "adam", 2, 1), ("lfu", "sgd", 1, 1), ("lookahead", "adam", 1, 2),
-    ("lru", "adagrad", 2, 3)])
+# (the tables on disk too: each space a file of records made from the rows' keys, a small DRAM budget)
+@pytest.mark.parametrize("policy, optimizer, slices, min_count, storage", [
+    ("lookahead", "adagrad", 1, 1, "memory"), ("lru", "adam", 2, 1, "memory"), ("lfu", "sgd", 1, 1, "memory"),
+    ("lookahead", "adam", 1, 2, "memory"), ("lru", "adagrad", 2, 3, "memory"), ("lookahead", "adam", 1, 2, "disk")])
 def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, policy, optimizer, slices,
-                                                                 min_count):
+                                                                 min_count, storage):
     runs = {}
     for mode in ("reference", "single"):
         config = small_config(raw_data, tmp_path / mode, mode=mode, iterations=50, batch_size=64, optimizer=optimizer,
                               policy=policy, cache_rows=1000, lookahead=8, slices=slices, eval_every=25, shuffle=True,
-                              shuffle_seed=2, row_min_count=min_count)
+                              shuffle_seed=2, row_min_count=min_count, storage=storage, storage_budget_mb=0.05)
         summary = train_reference(config, show_progress=False)
         metrics = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
         runs[mode] = (summary, [m["eval_auc"] for m in metrics if "eval_auc" in m],
@@ -100,6 +101,8 @@ def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_p
     assert single["total_rows"] == sum(made) + 26 and len(want["embeddings"][0]) == made[0] + 1
     assert 0 < reference["raw_ids"]["test_lookups_on_the_default_row"] < 1  # the test period's new ids, at least
     assert single["cache"]["rows_written_back"] > 0  # rows made were evicted and fetched again
+    if storage == "disk":  # (the file's DRAM cache was too small for its rows: they were read back from disk)
+        assert single["storage"]["disk_rows_read"] > 0
     # admission: the keys looked up fewer than min_count times so far look the default row up, which trains
     assert (reference["raw_ids"]["training_lookups_on_the_default_row"] > 0) == (min_count > 1)
     initial = init_keyed(np.array([DEFAULT_KEY]), seed=0, table=0, dim=8, num_rows=made[0] + 1)[0]
@@ -146,19 +149,6 @@ def test_the_rows_made_follow_the_batches_and_the_memory_the_rows(raw_data, tmp_
         first_seen = list(dict.fromkeys(looked_up[:, 0].tolist()))
         assert keys[0][1:].tolist() == first_seen
     assert made[10] < made[60]
-
-
-@pytest.mark.parametrize("flags, refused", [(dict(mode="bagpipe", storage="disk", cache_rows=500),
-                                             "with --storage disk"),
-                                            (dict(mode="single", storage="disk", cache_rows=500),
-                                             "with --storage disk")])
-def test_modes_that_do_not_train_raw_ids_yet_refuse_them_saying_so(raw_data, tmp_path, flags, refused):
-    from bagpipe.preflight import prepare_data
-
-    with pytest.raises(ValueError, match=f"raw ids .* not {refused}"):
-        prepare_data(small_config(raw_data, tmp_path / "run", iterations=10, **flags))
-    # the reference reads no storage setting: one left in a config file is no reason to refuse
-    assert prepare_data(small_config(raw_data, tmp_path / "run", iterations=10, storage="disk")).numbering
 
 
 def test_a_wide_and_deep_model_of_raw_ids_keys_both_tables_of_a_feature(raw_data, tmp_path):
