@@ -2,6 +2,7 @@
 
 from bagpipe.nn.cached_bag import CachedEmbedding, CachedEmbeddingBag, CachedTableModule, without_optimizer_state
 from bagpipe.nn.collection import CachedEmbeddingBagCollection
+from bagpipe.nn.dynamic import DynamicEmbeddingBag
 from bagpipe.nn.lookahead import Lookahead
 from bagpipe.nn.optimizer import FusedOptimizer
 from bagpipe.nn.rows import CachedRows
@@ -9,5 +10,6 @@ from bagpipe.nn.slots import CLEANUP_FRACTION, ONLINE_POLICIES, SlotIndex
 from bagpipe.nn.tables import CachedTables
 
 __all__ = ["CLEANUP_FRACTION", "ONLINE_POLICIES", "CachedEmbedding", "CachedEmbeddingBag", "CachedEmbeddingBagCollection",
-           "CachedRows", "CachedTableModule", "CachedTables", "FusedOptimizer", "Lookahead", "SlotIndex",
+           "CachedRows", "CachedTableModule", "CachedTables", "DynamicEmbeddingBag", "FusedOptimizer", "Lookahead",
+           "SlotIndex",
            "without_optimizer_state"]

@@ -44,7 +44,8 @@ class CachedTableModule(nn.Module):
                  policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
                  storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
                  sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None) -> None:
+                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None,
+                 _grows: bool = False) -> None:
         super().__init__()
         refuse_unsupported(sparse=sparse, scale_grad_by_freq=scale_grad_by_freq, padding_idx=padding_idx,
                            max_norm=max_norm, dtype=dtype)
@@ -62,7 +63,7 @@ class CachedTableModule(nn.Module):
                           blocks=initial_blocks(num_embeddings, embedding_dim, _weight, storage=storage))
         weakref.finalize(self, host.close)  # a table on disk is this module's working copy
         self.rows = CachedRows(host, cache_rows=cache_rows, optimizer=optimizer, policy=policy,
-                               cleanup_fraction=cleanup_fraction, device=device)
+                               cleanup_fraction=cleanup_fraction, device=device, grows=_grows)
 
     def _looked_up(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``ids`` made resident: the cached rows they use (a leaf whose gradient steps them in
@@ -202,13 +203,14 @@ class CachedEmbeddingBag(CachedTableModule):
                  cleanup_fraction: float = CLEANUP_FRACTION, _weight: torch.Tensor | None = None,
                  storage: str | StorageSpec = "memory", device: torch.device | str | None = None,
                  sparse: bool = True, scale_grad_by_freq: bool = False, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None) -> None:
+                 max_norm: float | None = None, norm_type: float = 2.0, dtype: torch.dtype | None = None,
+                 _grows: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         super().__init__(num_embeddings, embedding_dim, cache_rows=cache_rows, optimizer=optimizer, lr=lr, eps=eps,
                          betas=betas, policy=policy, cleanup_fraction=cleanup_fraction, _weight=_weight,
                          storage=storage, device=device, sparse=sparse, scale_grad_by_freq=scale_grad_by_freq,
-                         padding_idx=padding_idx, max_norm=max_norm, dtype=dtype)
+                         padding_idx=padding_idx, max_norm=max_norm, dtype=dtype, _grows=_grows)
         self.mode, self.include_last_offset = mode, include_last_offset
 
     # -- the nn.EmbeddingBag interface ----------------------------------------------------------------------

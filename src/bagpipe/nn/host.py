@@ -86,6 +86,12 @@ class HostTable:
                           else state[first:stop].detach().to("cpu", torch.float32))
             self.write(np.arange(start + first, start + stop, dtype=np.int64), part, part_state)
 
+    def grow(self, rows: torch.Tensor) -> None:
+        """Rows ``rows`` appended, their optimizer state zeros (a tier that can grow: memory)."""
+        with self._lock:
+            self.tier.grow(rows)
+            self.num_rows = self.tier.num_rows
+
     def stats(self) -> dict:
         return self.tier.stats()
 

@@ -35,12 +35,14 @@ class CachedRows(nn.Module):
 
     def __init__(self, host: HostTable, *, cache_rows: int, optimizer: RowOptimizer,
                  policy: str = "lru", cleanup_fraction: float = CLEANUP_FRACTION,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, grows: bool = False) -> None:
         super().__init__()
         self.optimizer = optimizer
         self.lr_of: Callable[[], float] | None = None  # the live learning rate (a FusedOptimizer's group), if any
         self.host = host
-        self.index = SlotIndex(min(cache_rows, host.num_rows), policy=policy, cleanup_fraction=cleanup_fraction)
+        # (a table that grows with the data gets the whole cache: it may hold fewer rows than that for now)
+        self.index = SlotIndex(cache_rows if grows else min(cache_rows, host.num_rows), policy=policy,
+                               cleanup_fraction=cleanup_fraction)
         self.slots = RowCache(capacity=self.index.capacity, dim=host.dim, optimizer=optimizer, device=device)
         self.register_buffer("cache_weight", self.slots.weights, persistent=False)  # (the slots', moved with us)
         self.register_buffer("cache_state", self.slots.state, persistent=False)

@@ -80,6 +80,26 @@ class MemoryRows:
         index = torch.from_numpy(np.asarray(local, dtype=np.int64))
         update_rows(optimizer, self.weights, self.state, Lookup(index, self.weights.index_select(0, index)), grads)
 
+    def grow(self, rows: torch.Tensor) -> None:
+        """Rows ``rows`` appended (their optimizer state zeros, no version yet): a table that grows with the data
+        (bagpipe.nn.DynamicEmbeddingBag). The tensors keep room to double, so growing row by row costs amortised
+        O(1) a row; ``weights`` and ``state`` stay views of the rows held (earlier views see no new rows)."""
+        count = self.num_rows + len(rows)
+        buffers = getattr(self, "_room", None)
+        if buffers is None or len(buffers[0]) < count:
+            capacity = max(count, 2 * (len(buffers[0]) if buffers else self.num_rows), 16)
+            weights = torch.empty(capacity, self.dim)
+            state = torch.zeros(capacity, self.state_width)
+            weights[:self.num_rows] = self.weights
+            state[:self.num_rows] = self.state
+            buffers = self._room = (weights, state)
+        buffers[0][self.num_rows:count] = rows
+        buffers[1][self.num_rows:count] = 0.0
+        self.weights, self.state = buffers[0][:count], buffers[1][:count]
+        if self._versions is not None:
+            self._versions = np.concatenate([self._versions, np.full(len(rows), -1, dtype=np.int64)])
+        self.num_rows = count
+
     def set_versions(self, version: int) -> None:
         if self._versions is None:
             raise ValueError("this memory tier keeps no versions (it was opened unversioned)")

@@ -1,0 +1,78 @@
+"""bagpipe.nn.DynamicEmbeddingBag: a cached bag over any int64 id, its rows made as it trains, equal bit for bit to a
+fixed nn.EmbeddingBag holding the rows a reference run of raw ids makes (embeddings.dynamic: the same numbering,
+the same keyed initial rows, the same default row), with admission, evictions and a reload."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from bagpipe.embeddings.dynamic import RowNumbering, init_keyed
+from bagpipe.nn.dynamic import DynamicEmbeddingBag
+from bagpipe.optim import RowWise, make_row_optimizer
+
+DIM = 4
+
+
+class Split:
+    def __init__(self, ids):
+        self.ids, self.rows = ids, len(ids)
+
+
+def arriving_keys(count: int, *, seed: int) -> np.ndarray:
+    """Raw keys of one table, ``count`` look-ups: a popular few and a long tail that keeps arriving."""
+    generator = np.random.default_rng(seed)
+    popular = generator.integers(0, 2**63 - 1, size=40, dtype=np.int64)
+    keys = np.where(generator.random(count) < 0.6, popular[generator.zipf(1.5, count) % 40],
+                    generator.integers(0, 2**63 - 1, size=count, dtype=np.int64) // 2**40)  # tail: some repeat
+    return keys.reshape(-1, 1)
+
+
+def squared_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum()
+
+
+@pytest.mark.parametrize("optimizer, min_count, cache_rows", [("adam", 1, 30), ("adagrad", 2, 16), ("sgd", 3, 200)])
+def test_a_dynamic_bag_trains_as_the_reference_table_of_the_rows_its_run_makes(optimizer, min_count, cache_rows):
+    keys = arriving_keys(24 * 32, seed=1)
+    batches = [slice(i * 32, (i + 1) * 32) for i in range(24)]
+    numbering = RowNumbering.of_run(Split(keys), batches, min_count=min_count)
+    rows = numbering.table_rows[0]
+    generator = torch.Generator().manual_seed(3)
+    targets = [torch.randn(32, DIM, generator=generator) for _ in batches]
+    reference = nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True,
+                                _weight=init_keyed(numbering.row_keys(0), seed=7, table=2, dim=DIM, num_rows=rows))
+    stepper = RowWise(reference.parameters(), make_row_optimizer(optimizer, lr=0.05))
+    bag = DynamicEmbeddingBag(DIM, cache_rows=cache_rows, init_rows=rows, seed=7, table=2, row_min_count=min_count,
+                              mode="sum", optimizer=optimizer, lr=0.05)
+    for iteration, (rows_of, target) in enumerate(zip(batches, targets)):
+        stepper.zero_grad()
+        numbered = numbering.made_only(numbering.numbered(keys[rows_of]), iteration + 1)
+        squared_loss(reference(torch.from_numpy(numbered)), target).backward()
+        stepper.step()
+        squared_loss(bag(torch.from_numpy(keys[rows_of])), target).backward()
+        if iteration == 11:  # a reload mid-run trains on as the saved module would have
+            saved = bag.state_dict()
+            bag = DynamicEmbeddingBag(DIM, cache_rows=cache_rows, init_rows=rows, seed=7, table=2,
+                                      row_min_count=min_count, mode="sum", optimizer=optimizer, lr=0.05)
+            bag.load_state_dict(saved)
+    assert bag.num_embeddings == rows and torch.equal(bag.weight, reference.weight.detach())
+    np.testing.assert_array_equal(bag.row_keys(), numbering.stored_row_keys()[0])
+    if cache_rows < rows:
+        assert bag.rows.stats["rows_written_back"] > 0, (rows, bag.rows.stats)  # rows made were evicted
+    # in eval mode an id without a row looks the default row up and makes none
+    bag.eval()
+    unseen = torch.tensor([[5], [int(keys[0, 0])]])
+    out = bag(unseen)
+    assert bag.num_embeddings == rows
+    assert torch.equal(out[0], bag.weight[0]) and torch.equal(out[1], bag.weight[bag.rows_of(keys[0])[0]])
+
+
+def test_a_dynamic_bag_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="storage='disk' is not supported yet"):
+        DynamicEmbeddingBag(DIM, cache_rows=10, init_rows=10, storage="disk", optimizer="sgd", lr=0.1)
+    bag = DynamicEmbeddingBag(DIM, cache_rows=10, init_rows=10, optimizer="sgd", lr=0.1)
+    with pytest.raises(ValueError, match="non-negative int64"):
+        bag(torch.tensor([[3], [-2]]))
+    with pytest.raises(ValueError, match="more distinct rows than|cache"):
+        bag(torch.arange(30).view(30, 1))
