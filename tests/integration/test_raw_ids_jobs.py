@@ -30,10 +30,11 @@ def evaluations(run_dir) -> list[tuple[int, float]]:
 
 
 # Replicated with admission (a key's row made at its second look-up), two trainers and Adam; partitioned with three
-# trainers and Adagrad, the servers' shards on disk (files of records made from the keys, a small DRAM budget).
+# trainers, Adagrad and admission at the third look-up (each trainer's slice cut from the admitted batch), the
+# servers' shards on disk (files of records made from the keys, a small DRAM budget).
 # Each evicts and fetches again rows made during the run.
 @pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count, storage", [
-    ("replicated", "adam", 2, 2, "memory"), ("partitioned", "adagrad", 3, 1, "disk")])
+    ("replicated", "adam", 2, 2, "memory"), ("partitioned", "adagrad", 3, 3, "disk")])
 def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, cache_mode, optimizer,
                                                                    trainers, min_count, storage):
     config = job_config(raw_data, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, batch_size=60,

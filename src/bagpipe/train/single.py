@@ -25,7 +25,6 @@ from bagpipe.planner.partitioned import plan_partitioned_spaces
 from bagpipe.models.layers import set_dropout_step
 from bagpipe.train.reference import train_step
 from bagpipe.storage import RowStore, gather_flat
-from bagpipe.storage.rowstore import shard_keys
 from bagpipe.storage.parity import ParityGroups
 
 
@@ -40,9 +39,8 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
                          layout: EmbeddingLayout, row_optimizer: RowOptimizer, seed: int, cache_rows: int,
                          lookahead: int, policy: str = "lookahead", num_shards: int = 1,
                          timeout: float = 30.0, parity: int = 0, losses: dict[int, list[int]] | None = None,
-                         rebuild_rows: int = 0, row_keys: list[np.ndarray] | None = None) -> list[list[RowStore]]:
-    """Train on ``batches`` from a cache of ``cache_rows`` rows (shared among the spaces). Raw-id tables:
-    ``row_keys``, each table's key of each row (embeddings.dynamic), which its rows start from.
+                         rebuild_rows: int = 0) -> list[list[RowStore]]:
+    """Train on ``batches`` from a cache of ``cache_rows`` rows (shared among the spaces).
 
     ``parity`` k > 0: the shards form erasure-coded groups of k (storage.parity); ``losses``: the shards lost
     just before each iteration (their rows dropped, served by their group from then on), rebuilt ``rebuild_rows``
@@ -55,7 +53,7 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
 
     def make_store(space: int, shard: int) -> RowStore:
         return RowStore(layout=layout, space=space, optimizer=row_optimizer, seed=seed, shard=shard,
-                        num_shards=num_shards, keys=_keys(layout, row_keys, space, shard, num_shards))
+                        num_shards=num_shards)
 
     groups = [ParityGroups(functools.partial(make_store, s), num_shards=num_shards, k=parity) for s in spaces
               ] if parity else []
@@ -90,16 +88,10 @@ def train_cached_batches(model: nn.Module, dense_optimizer: torch.optim.Optimize
     return [group.stores for group in groups] or stores
 
 
-def _keys(layout: EmbeddingLayout, row_keys: list[np.ndarray] | None, space: int, shard: int,
-          num_shards: int) -> list[np.ndarray] | None:
-    return None if row_keys is None else shard_keys(layout, row_keys, space, shard, num_shards)
-
-
 def train_partitioned_batches(model: nn.Module, dense_optimizer: torch.optim.Optimizer, batches: list[Batch], *,
                               layout: EmbeddingLayout, row_optimizer: RowOptimizer, seed: int, cache_rows: int,
                               lookahead: int, trainers: int, num_shards: int = 1, keep_within: int = 0,
-                              timeout: float = 30.0, row_keys: list[np.ndarray] | None = None
-                              ) -> list[list[RowStore]]:
+                              timeout: float = 30.0) -> list[list[RowStore]]:
     """Train on ``batches`` as ``trainers`` trainers with a partitioned cache of ``cache_rows`` rows each (shared
     among the spaces): each trainer carries out its part of every plan step on its own caches (write-backs, drops,
     fetches), trains its slice of the batch from them, and each row's gradient is the sum of its users'
@@ -108,8 +100,7 @@ def train_partitioned_batches(model: nn.Module, dense_optimizer: torch.optim.Opt
     space's row stores, every row written back."""
     spaces = range(len(layout.spaces))
     stores = [[RowStore(layout=layout, space=s, optimizer=row_optimizer, seed=seed, shard=shard,
-                        num_shards=num_shards, keys=_keys(layout, row_keys, s, shard, num_shards))
-               for shard in range(num_shards)] for s in spaces]
+                        num_shards=num_shards) for shard in range(num_shards)] for s in spaces]
     size = len(batches[0]) // trainers
     shares = layout.split_cache(cache_rows, batch_size=size)
     caches = [[RowCache(capacity=shares[s], dim=layout.spaces[s].dim, optimizer=row_optimizer) for s in spaces]

@@ -52,27 +52,45 @@ def test_a_dynamic_bag_trains_as_the_reference_table_of_the_rows_its_run_makes(o
         stepper.step()
         squared_loss(bag(torch.from_numpy(keys[rows_of])), target).backward()
         if iteration == 11:  # a reload mid-run trains on as the saved module would have
-            saved = bag.state_dict()
+            saved, counted = bag.state_dict(), bag.default_lookups
             bag = DynamicEmbeddingBag(DIM, cache_rows=cache_rows, init_rows=rows, seed=7, table=2,
                                       row_min_count=min_count, mode="sum", optimizer=optimizer, lr=0.05)
             bag.load_state_dict(saved)
     assert bag.num_embeddings == rows and torch.equal(bag.weight, reference.weight.detach())
     np.testing.assert_array_equal(bag.row_keys(), numbering.stored_row_keys()[0])
+    assert counted + bag.default_lookups == numbering.default_lookups  # (0 without admission)
     if cache_rows < rows:
         assert bag.rows.stats["rows_written_back"] > 0, (rows, bag.rows.stats)  # rows made were evicted
     # in eval mode an id without a row looks the default row up and makes none
     bag.eval()
-    unseen = torch.tensor([[5], [int(keys[0, 0])]])
-    out = bag(unseen)
+    out = bag(torch.tensor([[5], [int(bag.row_keys()[7])]]))
     assert bag.num_embeddings == rows
-    assert torch.equal(out[0], bag.weight[0]) and torch.equal(out[1], bag.weight[bag.rows_of(keys[0])[0]])
+    assert torch.equal(out[0], bag.weight[0]) and torch.equal(out[1], bag.weight[7])
 
 
 def test_a_dynamic_bag_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="storage='disk' is not supported yet"):
+    with pytest.raises(ValueError, match="the 'disk' tier cannot yet: storage='disk' is not supported"):
         DynamicEmbeddingBag(DIM, cache_rows=10, init_rows=10, storage="disk", optimizer="sgd", lr=0.1)
     bag = DynamicEmbeddingBag(DIM, cache_rows=10, init_rows=10, optimizer="sgd", lr=0.1)
     with pytest.raises(ValueError, match="non-negative int64"):
         bag(torch.tensor([[3], [-2]]))
-    with pytest.raises(ValueError, match="more distinct rows than|cache"):
+    # a batch whose rows do not fit is refused before it makes a row or counts a look-up
+    with pytest.raises(ValueError, match="touches 30 distinct rows, more than the cache's 10"):
         bag(torch.arange(30).view(30, 1))
+    assert bag.num_embeddings == 1 and bag.index.count == 0
+    with pytest.raises(NotImplementedError, match="accumulate"):
+        bag.accumulate()
+    admitting = DynamicEmbeddingBag(DIM, cache_rows=10, init_rows=10, row_min_count=3, optimizer="sgd", lr=0.1)
+    admitting(torch.tensor([[4], [4], [9]])).sum().backward()
+    with pytest.raises(RuntimeError, match="row_min_count 2 would have given one"):
+        DynamicEmbeddingBag(DIM, cache_rows=10, init_rows=10, row_min_count=2, optimizer="sgd",
+                            lr=0.1).load_state_dict(admitting.state_dict())
+
+
+def test_a_dynamic_bags_warm_up_preloads_the_rows_its_ids_have_and_makes_none():
+    bag = DynamicEmbeddingBag(DIM, cache_rows=8, init_rows=10, optimizer="sgd", lr=0.1, policy="lfu")
+    bag(torch.tensor([[2**60], [7], [2**40]])).sum().backward()
+    loaded = DynamicEmbeddingBag(DIM, cache_rows=8, init_rows=10, optimizer="sgd", lr=0.1, policy="lfu")
+    loaded.load_state_dict(bag.state_dict())  # (its cache empty)
+    assert loaded.warm_up(torch.tensor([2**60, 2**60, 99, 7]), fraction=1.0) == 3  # rows 1, 2 and the default row
+    assert loaded.num_embeddings == 4 and loaded.rows.index.resident_rows == 3
