@@ -59,14 +59,16 @@ def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp
 def test_a_bagpipe_job_on_raw_ids_goes_on_through_a_killed_data_server_and_ends_bit_for_bit(raw_data, tmp_path):
     """The parity server makes its group's parity from the keyed rows (its members' keys asked of the oracle), so
     it stands in for a killed data server with the rows the reference has."""
-    config = job_config(raw_data, tmp_path / "bagpipe", optimizer="adagrad", servers=3, parity=2, check_parity=True,
+    # --parity 1: each data server has a parity server of its own (2 data servers, 2 parity servers); SGD
+    config = job_config(raw_data, tmp_path / "bagpipe", optimizer="sgd", servers=4, parity=1, check_parity=True,
                         batch_size=60, iterations=40, cache_rows=900, timeout=20.0)
     summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "server1@write-back 20:kill"})
     assert_same_parameters(export(config.run_dir, tmp_path / "ours.pt"), reference_of(config, tmp_path / "ref"))
     (failure,) = summary["failures"]
-    assert failure["role"] == "server 1" and failure["parity_server"] == 2
-    (parity,) = summary["parity"]
-    assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
+    assert failure["role"] == "server 1" and failure["parity_server"] == 3
+    assert len(summary["parity"]) == 2  # (a parity server a data server: each checked against its one member)
+    for parity in summary["parity"]:
+        assert parity["check"]["mismatched_rows"] == [0] and parity["pending_rows"] == 0
 
 
 def test_a_bagpipe_job_on_raw_ids_restarts_from_its_checkpoint_to_the_same_export(raw_data, tmp_path):
