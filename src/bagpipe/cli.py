@@ -282,6 +282,9 @@ def _add_vocab_flag(p) -> None:
     p.add_argument("--row-min-count", type=int, default=None, help="raw-id data (preprocess --raw-ids): look-ups "
                    "a key needs before it gets a row of its own; until then it uses its table's default row "
                    "(admission)" + _default("row_min_count"))
+    p.add_argument("--row-retire-after", type=int, default=None, help="raw-id data: retire a row unused for N "
+                   "iterations, its number reused by the next row made (the key, if it comes back, gets a new row); "
+                   "--mode reference so far; 0: never" + _default("row_retire_after"))
 
 
 def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:

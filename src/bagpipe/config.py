@@ -167,6 +167,9 @@ class TrainConfig:
     # raw-id data (preprocess --raw-ids): look-ups a key needs before it gets a row of its own; until then, and
     # for keys that never do, the table's default row (admission: embeddings.dynamic)
     row_min_count: int = 1
+    # raw-id data: a row unused for this many iterations is retired, its number reused by the next row made (the key,
+    # if it comes back, gets a new row); 0: rows are never retired (embeddings.dynamic.RetiringNumbering)
+    row_retire_after: int = 0
     # checkpoints during training (RUN_DIR/checkpoints; --resume continues from the newest): every this many
     # iterations and/or seconds (0: not by that measure), the newest keep_checkpoints kept
     checkpoint_every: int = 0
@@ -236,8 +239,8 @@ class TrainConfig:
         for name in ("batch_size", "eval_batch_size", "log_every", "epochs", "row_min_count"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "checkpoint_every",
-                     "eval_every", "max_restarts", "keep_within"):
+        for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "row_retire_after",
+                     "checkpoint_every", "eval_every", "max_restarts", "keep_within"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout"):
@@ -343,8 +346,8 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("run_dir", "mode", "device", "compile", "iterations", "epochs", "batch_size", "seed", "warmup_iterations",
             "log_every"),
-    "data": ("data", "data_format", "holdout", "vocab_min_count", "row_min_count", "shuffle", "shuffle_seed",
-             "fresh_negatives"),
+    "data": ("data", "data_format", "holdout", "vocab_min_count", "row_min_count", "row_retire_after", "shuffle",
+             "shuffle_seed", "fresh_negatives"),
     "optimizer": ("optimizer", "lr"),
     "evaluation": ("eval_batch_size", "max_eval_rows", "eval_every", "eval_protocol", "keep_best"),
     "checkpoint": ("checkpoint_every", "checkpoint_every_s", "keep_checkpoints"),
@@ -371,6 +374,7 @@ class Mode:
     cached: bool = False  # trains from a cache of the rows (a plan's, or an online policy's): reads [cache]
     processes: bool = False  # a job of processes (oracle, servers, trainers) that the local launcher starts
     policies: tuple[str, ...] = ()  # the cache policies it takes (cached)
+    retires_rows: bool = False  # trains raw ids with rows retired (row_retire_after: embeddings.dynamic)
 
     def reads(self, setting: str) -> bool:
         return SECTION_OF[setting] in self.sections
@@ -378,7 +382,8 @@ class Mode:
 
 _EVERY_MODE = {"run", "data", "optimizer", "evaluation", "checkpoint"}
 RUN_MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth"),
+    Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth",
+         retires_rows=True),
     Mode("bagpipe", frozenset(_EVERY_MODE | {"cache", "storage", "job", "fault_tolerance", "rpc"}),
          "an oracle, embedding servers and trainers as processes, each trainer training from its planned cache",
          cached=True, processes=True, policies=POLICIES),

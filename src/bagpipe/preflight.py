@@ -64,9 +64,14 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
     from bagpipe.data.batches import batch_rows
     from bagpipe.embeddings.dynamic import RowNumbering, numbered_dataset
 
+    if config.row_retire_after and not config.run_mode.retires_rows:
+        modes = ", ".join(name for name, each in RUN_MODES.items() if each.retires_rows)
+        raise ValueError(f"--row-retire-after: rows retired and their numbers reused train so far in --mode {modes}, "
+                         f"not in --mode {config.mode} (leave it out to keep every row the run makes)")
     selectors = batch_rows(dataset.train, batch_size=config.batch_size, iterations=planned_iterations(
         config, dataset.train), shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
-    numbering = RowNumbering.of_run(dataset.train, selectors, min_count=config.row_min_count)
+    numbering = RowNumbering.of_run(dataset.train, selectors, min_count=config.row_min_count,
+                                    retire_after=config.row_retire_after)
     log.info("raw ids: %d rows made for the keys the run's batches look up (largest table %d), a default row a table "
              "for the others", sum(numbering.rows_made), max(numbering.rows_made))
     return dataclasses.replace(numbered_dataset(dataset, numbering), numbering=numbering)
@@ -273,7 +278,7 @@ def check_cache(config: TrainConfig, dataset: BinaryDataset, *, show_progress: b
         if negatives is not None:
             negatives.apply(ids, selector, epoch)
         if dataset.numbering is not None:  # (raw ids: a key not admitted yet looks the default row up)
-            ids = dataset.numbering.made_only(ids, iteration + 1)
+            ids = dataset.numbering.training_ids(ids, iteration)
         if ((ids < lowest) | (ids >= cardinalities)).any():
             bar.close()
             read_batch(split, selector)  # refuses the batch, naming the row, the id and its table

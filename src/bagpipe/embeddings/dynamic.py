@@ -17,6 +17,7 @@ row, and whatever else it makes, it makes the same one.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Iterator
 
@@ -71,20 +72,27 @@ class RowNumbering:
         self.default_lookups = default_lookups  # the run's training look-ups of a default row (all its batches')
 
     @classmethod
-    def of_run(cls, split, selectors, *, min_count: int = 1) -> "RowNumbering":
+    def of_run(cls, split, selectors, *, min_count: int = 1, retire_after: int = 0) -> "RowNumbering":
         """The rows the batches of ``selectors`` (``data.batches.batch_rows``, from iteration 0) make from
         ``split``'s raw ids: a key's row is made at the iteration whose batch brings its look-ups to ``min_count``
         (admission; 1: its first), numbered in that order (within a batch, by the row of that look-up). A key
-        looked up fewer times has no row."""
+        looked up fewer times has no row. ``retire_after`` N > 0: a row unused for N iterations is retired and its
+        number reused (``RetiringNumbering``)."""
         if min_count < 1:
             raise ValueError(f"row_min_count must be at least 1, got {min_count}")
+        if retire_after < 0:
+            raise ValueError(f"row_retire_after must not be negative, got {retire_after}")
         order, iterations = [], []  # every look-up's row of the split, in the run's order, and its iteration
         for iteration, rows in enumerate(selectors):
             rows = np.arange(*rows.indices(split.rows)) if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
             order.append(rows)
             iterations.append(np.full(len(rows), iteration, dtype=np.int64))
+        count = len(order)
         order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
         at = np.concatenate(iterations) if iterations else np.zeros(0, dtype=np.int64)
+        if retire_after:
+            return RetiringNumbering.of_lookups(split, order, at, iterations=count, min_count=min_count,
+                                                retire_after=retire_after)
         sorted_keys, rows, made_at, default_lookups = [], [], [], 0
         for table in range(split.ids.shape[1]):  # a column at a time: memory of the look-ups, not of the batches
             looked_up = np.asarray(split.ids[:, table], dtype=np.int64)[order]
@@ -135,6 +143,18 @@ class RowNumbering:
         limits = np.asarray(self.made_by(as_of), dtype=np.int64)
         return np.where(rows <= limits, rows, 0)
 
+    retire_after = 0  # (RetiringNumbering: rows unused this long are retired)
+
+    def training_ids(self, ids: np.ndarray, iteration: int) -> np.ndarray:
+        """Iteration ``iteration``'s training batch (its raw ids numbered: ``numbered``) as it trains: each key on
+        the row it has then (a key not admitted yet: the default row)."""
+        return self.made_only(ids, iteration + 1)
+
+    def resets(self, iteration: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per table, the rows made again at the start of ``iteration`` (a retired row's number reused: its
+        rows and their keys) and the keys they are made for; none without retirement."""
+        return [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)) for _ in self.sorted_keys]
+
     def as_made(self, batches, *, start: int):
         """The training batches (from iteration ``start``) each with the rows made by its own iteration: a key
         not admitted yet looks its table's default row up (a no-op without admission: every key a batch looks up
@@ -144,7 +164,7 @@ class RowNumbering:
 
     def batch_as_made(self, batch, iteration: int):
         """Iteration ``iteration``'s training batch with the rows made by then (``as_made``)."""
-        return dataclasses.replace(batch, ids=torch.from_numpy(self.made_only(batch.ids.numpy(), iteration + 1)))
+        return dataclasses.replace(batch, ids=torch.from_numpy(self.training_ids(batch.ids.numpy(), iteration)))
 
     def summary(self, test) -> dict:
         """What summary.json says of the rows: made, per table, and the share of ``test``'s look-ups (a split of
@@ -182,6 +202,177 @@ class RowNumbering:
                                  f"one")
             keys.append(self.row_keys(table.features[0]))
         return keys
+
+
+class RetiringNumbering(RowNumbering):
+    """A run's rows when rows unused for ``retire_after`` iterations are retired (``--row-retire-after N``).
+
+    A key's look-ups fall into episodes: a gap of more than N iterations between two look-ups ends one. Each
+    episode's row is made at its admitting look-up (its ``min_count``-th) and retired at the start of the
+    iteration N + 1 after its last look-up (if the run gets there); a key that comes back later is a new key and
+    gets a new row, from its key (the same value: ``init_keyed``) with fresh optimizer state. A retired row's number
+    is reused: each row made takes the smallest number free (retirements first, then the rows made at an
+    iteration in the order of their admitting look-ups), so a table holds as many rows as are alive at once, plus
+    its default row, and a reused number is made again (``resets``) at the start of the iteration it is reused.
+    The training batches are numbered as they train (``training_ids``: each look-up's row, held for the run);
+    an evaluation as of iteration i sees the rows alive then."""
+
+    def __init__(self, tenures: list[dict], assigned: list[np.ndarray], ends: np.ndarray, *, iterations: int,
+                 retire_after: int, default_lookups: int) -> None:
+        self.tenures = tenures  # per table: keys, rows, start (made at), end (retired at the start of; -1: never)
+        self.assigned = assigned  # per table, every training look-up's row, in the run's order
+        self.ends = ends  # where each iteration's look-ups end in ``assigned``
+        self.iterations, self.retire_after, self.default_lookups = iterations, retire_after, default_lookups
+        self.sorted_keys = [np.unique(t["keys"]) for t in tenures]  # (the keys that ever had a row)
+        self._again: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # (resets, made at first use)
+
+    @classmethod
+    def of_lookups(cls, split, order: np.ndarray, at: np.ndarray, *, iterations: int, min_count: int,
+                   retire_after: int) -> "RetiringNumbering":
+        tenures, assigned, default_lookups = [], [], 0
+        for table in range(split.ids.shape[1]):
+            looked_up = np.asarray(split.ids[:, table], dtype=np.int64)[order]
+            by_key = np.argsort(looked_up, kind="stable")  # each key's look-ups together, in the run's order
+            keys, when = looked_up[by_key], at[by_key]
+            starts = np.ones(len(keys), dtype=bool)  # where an episode starts: a key's first look-up, or a gap
+            starts[1:] = (keys[1:] != keys[:-1]) | (when[1:] - when[:-1] > retire_after)
+            first = np.flatnonzero(starts)
+            last = np.append(first[1:], len(keys)) - 1
+            admitted = last - first + 1 >= min_count
+            admitting = first[admitted] + min_count - 1
+            made = when[admitting]
+            end = when[last[admitted]] + retire_after + 1
+            end = np.where(end < iterations, end, -1)
+            numbers = _numbers(made, by_key[admitting], end)
+            # each look-up's row: its episode's from the iteration the row is made at, else the default row
+            episode = np.cumsum(starts) - 1
+            row_of_episode = np.zeros(len(first), dtype=np.int64)
+            row_of_episode[admitted] = numbers
+            made_of_episode = np.full(len(first), np.iinfo(np.int64).max)
+            made_of_episode[admitted] = made
+            rows = np.where(when >= made_of_episode[episode], row_of_episode[episode], 0)
+            in_order = np.empty(len(rows), dtype=np.int64)
+            in_order[by_key] = rows
+            default_lookups += int(np.count_nonzero(rows == 0))
+            tenures.append({"keys": keys[admitting], "rows": numbers, "start": made, "end": end})
+            assigned.append(in_order)
+        ends = np.searchsorted(at, np.arange(1, iterations + 1), side="left")  # (at: non-decreasing)
+        return cls(tenures, assigned, ends, iterations=iterations, retire_after=retire_after,
+                   default_lookups=default_lookups)
+
+    @property
+    def rows_made(self) -> list[int]:
+        """Per table, the rows made (a key that came back after its row was retired: counted again)."""
+        return [len(t["rows"]) for t in self.tenures]
+
+    @property
+    def rows_retired(self) -> list[int]:
+        return [int(np.count_nonzero(t["end"] >= 0)) for t in self.tenures]
+
+    @property
+    def table_rows(self) -> list[int]:
+        """Per table, its rows: the most alive at once (numbers are reused) and the default row."""
+        return [int(t["rows"].max()) + 1 if len(t["rows"]) else 1 for t in self.tenures]
+
+    def _alive(self, table: int, as_of: int) -> np.ndarray:
+        """Table ``table``'s rows alive as of iteration ``as_of`` (made before it, not retired by then)."""
+        tenure = self.tenures[table]
+        return (tenure["start"] < as_of) & ((tenure["end"] < 0) | (tenure["end"] >= as_of))
+
+    def numbered(self, ids: np.ndarray, *, as_of: int | None = None) -> np.ndarray:
+        """Raw ids ``[B, T]`` as the rows their keys have as of iteration ``as_of`` (default: the run's end)."""
+        as_of = self.iterations if as_of is None else as_of
+        ids = np.asarray(ids, dtype=np.int64)
+        rows = np.zeros(ids.shape, dtype=np.int64)
+        for table, tenure in enumerate(self.tenures):
+            alive = self._alive(table, as_of)
+            keys, order = np.unique(tenure["keys"][alive], return_index=True)  # (a key has one row alive at once)
+            if not len(keys):
+                continue
+            table_rows = tenure["rows"][alive][order]
+            column = ids[..., table]
+            at = np.minimum(np.searchsorted(keys, column), len(keys) - 1)
+            rows[..., table] = np.where(keys[at] == column, table_rows[at], 0)
+        return rows
+
+    def made_only(self, rows: np.ndarray, as_of: int) -> np.ndarray:
+        raise NotImplementedError("with retirement a key's row depends on the iteration: use training_ids")
+
+    def training_ids(self, ids: np.ndarray, iteration: int) -> np.ndarray:
+        start = self.ends[iteration - 1] if iteration else 0
+        rows = np.stack([assigned[start:self.ends[iteration]] for assigned in self.assigned], axis=1)
+        if rows.shape != np.shape(ids):
+            raise ValueError(f"iteration {iteration}'s batch is {np.shape(ids)}, the run's numbering planned "
+                             f"{rows.shape}")
+        return rows
+
+    def resets(self, iteration: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self._again is None:  # per table, the tenures of a number used before, by the iteration they start at
+            self._again = []
+            for tenure in self.tenures:
+                again = np.ones(len(tenure["rows"]), dtype=bool)
+                again[_first_tenures(tenure)] = False  # (a number's first tenure: its initial row)
+                order = np.flatnonzero(again)[np.argsort(tenure["start"][again], kind="stable")]
+                self._again.append((tenure["start"][order], tenure["rows"][order], tenure["keys"][order]))
+        out = []
+        for starts, rows, keys in self._again:
+            first, last = np.searchsorted(starts, [iteration, iteration + 1])
+            out.append((rows[first:last], keys[first:last].astype(np.uint64)))
+        return out
+
+    def row_keys(self, table: int) -> np.ndarray:
+        """Table ``table``'s key of each row as first made (what its initial value is drawn from)."""
+        tenure = self.tenures[table]
+        keys = np.empty(self.table_rows[table], dtype=np.uint64)
+        keys[0] = DEFAULT_KEY
+        first = _first_tenures(tenure)
+        keys[tenure["rows"][first]] = tenure["keys"][first].astype(np.uint64)
+        return keys
+
+    def stored_row_keys(self, as_of: int | None = None) -> list[np.ndarray]:
+        """Each table's key of each row alive as of ``as_of`` (default: the run's end), int64; -1 for the default
+        row and for numbers free then."""
+        as_of = self.iterations if as_of is None else as_of
+        stored = []
+        for table, tenure in enumerate(self.tenures):
+            keys = np.full(self.table_rows[table], -1, dtype=np.int64)
+            alive = self._alive(table, as_of)
+            keys[tenure["rows"][alive]] = tenure["keys"][alive]
+            stored.append(keys)
+        return stored
+
+    def made_by(self, iteration: int) -> list[int]:
+        raise NotImplementedError("with retirement rows are not made in the order of their numbers")
+
+    def summary(self, test) -> dict:
+        figures = super().summary(test)
+        return {**figures, "rows_retired": sum(self.rows_retired), "rows_held_per_table": self.table_rows,
+                "retire_after": self.retire_after}
+
+
+def _first_tenures(tenure: dict) -> np.ndarray:
+    """The index of each number's first tenure (the earliest made: a number's tenures never overlap)."""
+    by_start = np.argsort(tenure["start"], kind="stable")
+    return by_start[np.unique(tenure["rows"][by_start], return_index=True)[1]]
+
+
+def _numbers(made: np.ndarray, position: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Each row's number, 1 and up, made at iteration ``made`` (in the order of ``position``, its admitting
+    look-up's place in the run) and retired at the start of iteration ``end`` (-1: never): the smallest number
+    free then, retirements taken before the rows made at the same iteration."""
+    numbers = np.zeros(len(made), dtype=np.int64)
+    retiring = sorted((int(e), i) for i, e in enumerate(end) if e >= 0)
+    free: list[int] = []
+    next_number, j = 1, 0
+    for i in np.lexsort((position, made)).tolist():
+        while j < len(retiring) and retiring[j][0] <= made[i]:
+            heapq.heappush(free, int(numbers[retiring[j][1]]))
+            j += 1
+        if free:
+            numbers[i] = heapq.heappop(free)
+        else:
+            numbers[i], next_number = next_number, next_number + 1
+    return numbers
 
 
 def keyed_blocks(keys: np.ndarray, *, table_index: int, table, seed: int) -> Iterator[torch.Tensor]:

@@ -129,6 +129,23 @@ def keyed_weights(config: TrainConfig, layout: EmbeddingLayout, numbering) -> li
                                                  seed=config.seed)]) for space in layout.spaces]
 
 
+def remake_rows(tables: EmbeddingTables, numbering, iteration: int, *, seed: int) -> None:
+    """Raw ids with retirement (embeddings.dynamic.RetiringNumbering): the rows whose numbers are reused at
+    ``iteration`` made again from their new keys, as a row made then would be, their optimizer state zero."""
+    resets = numbering.resets(iteration)
+    for index, table in enumerate(tables.layout.tables):
+        rows, keys = resets[table.features[0]]
+        if not len(rows):
+            continue
+        space, offset = tables.layout.place(index)
+        flat = torch.from_numpy(rows + offset).to(tables.device)
+        made = torch.cat(list(keyed_blocks(keys, table_index=index, table=table, seed=seed)))
+        tables.weights[space].index_copy_(0, flat, made.to(tables.device))
+        tables.state[space].index_fill_(0, flat, 0.0)
+        if tables.changed:  # (an incremental checkpoint writes them)
+            tables.changed[space][flat] = True
+
+
 def single_cleanup_fraction(config: TrainConfig) -> float:
     return max(config.cleanup_fraction, CLEANUP_FRACTION)  # --mode single frees 5% at least
 
@@ -358,6 +375,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
                               negatives=fresh_negatives(config, dataset.train))
     if dataset.numbering is not None:  # (raw ids: a key not admitted yet looks its table's default row up)
         batches = dataset.numbering.as_made(batches, start=start)
+    retiring = dataset.numbering is not None and dataset.numbering.retire_after > 0
     if config.run_mode.cached and plans_ahead(config.policy):
         batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
                             cleanup_fraction=cleanup_fraction)
@@ -372,6 +390,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
     step_ops.begin(start)
     for iteration, batch in enumerate(batches, start=start):
         clock.lap("data")
+        if retiring:  # (raw ids, rows retired: the numbers reused now are made again for their new keys)
+            remake_rows(tables, dataset.numbering, iteration, seed=config.seed)
         pending.add(iteration, step_loss(model, tables, dense_optimizer, batch.to(device), clock,
                                          slices=config.slices, seed=config.seed, iteration=iteration))
         step_ops.end(iteration)

@@ -208,3 +208,79 @@ def test_a_hand_started_role_that_gives_table_sizes_for_raw_ids_is_refused_sayin
     hellos[3] = {"given": {"table_sizes": [100] * 26}}
     with pytest.raises(ValueError, match=r"server 0 \(rank 3\) gives table sizes, but .* holds raw ids"):
         settle(config, dataset, world, {}, hellos)
+
+
+def test_a_row_unused_for_n_iterations_is_retired_and_its_number_made_again_for_the_next_key():
+    # iterations:        0        1        2        3        4
+    split = FakeSplit([[10], [20], [30], [10], [40], [50], [20], [60], [10], [70]])
+    batches = [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10)]
+    numbering = RowNumbering.of_run(split, batches, retire_after=1)
+    # unused for one iteration, a row is retired at the start of the next: 20 (row 2, used at 0 alone) at 2, where
+    # 40 takes its number and 50 a new one; 10 and 30 (rows 1 and 3, last used at 1) at 3, where 20 comes back as
+    # a new key and takes the smallest free number (1), 60 the next (3); 40 and 50 at 4, taken by 10 and 70
+    np.testing.assert_array_equal([numbering.training_ids(np.zeros((2, 1)), i)[:, 0] for i in range(5)],
+                                  [[1, 2], [3, 1], [2, 4], [1, 3], [2, 4]])
+    assert numbering.table_rows == [5] and numbering.rows_made == [9] and numbering.rows_retired == [5]
+    assert [(rows.tolist(), keys.tolist()) for rows, keys in (numbering.resets(i)[0] for i in range(5))] == [
+        ([], []), ([], []), ([2], [40]), ([1, 3], [20, 60]), ([2, 4], [10, 70])]  # numbers made again, for whom
+    assert numbering.row_keys(0).tolist()[1:] == [10, 20, 30, 50]  # each number's first key (its initial row)
+    assert numbering.stored_row_keys()[0].tolist() == [-1, 20, 10, 60, 70]  # alive at the end (5)
+    # an evaluation as of 3 sees the rows alive then: 10 and 30 (retired at the start of 3), 40 and 50; 20 gone
+    np.testing.assert_array_equal(numbering.numbered([[20], [30], [60], [10]], as_of=3)[:, 0], [0, 3, 0, 1])
+
+
+@pytest.mark.parametrize("retire_after, min_count", [(1, 1), (3, 2), (2, 3)])
+def test_retired_numbering_gives_each_look_up_the_row_its_key_has_then_and_no_two_live_keys_one_row(
+        retire_after, min_count):
+    generator = np.random.default_rng(retire_after)
+    ids = np.stack([generator.zipf(1.3, 600) % 80, generator.integers(0, 15, 600)], axis=1)  # a tail, a few hot
+    split = FakeSplit(ids)
+    batches = [slice(i * 20, (i + 1) * 20) for i in range(30)]
+    numbering = RowNumbering.of_run(split, batches, min_count=min_count, retire_after=retire_after)
+    for i, rows in enumerate(batches):  # each look-up's row is the one its key has as of the end of its iteration
+        np.testing.assert_array_equal(numbering.training_ids(ids[rows], i), numbering.numbered(ids[rows], as_of=i + 1))
+    for as_of in range(31):  # one key a row at any time, and the numbers compact: the most alive at once
+        for keys in numbering.stored_row_keys(as_of):
+            alive = keys[keys >= 0]
+            assert len(np.unique(alive)) == len(alive)
+    alive_most = [max(int(np.count_nonzero(numbering.stored_row_keys(a)[t] >= 0)) for a in range(31))
+                  for t in range(2)]
+    assert numbering.table_rows == [most + 1 for most in alive_most]
+    assert sum(numbering.rows_retired) > 0 and numbering.table_rows[0] - 1 < numbering.rows_made[0]
+    # never retired within the run: the numbering without retirement
+    kept = RowNumbering.of_run(split, batches, min_count=min_count, retire_after=30)
+    plain = RowNumbering.of_run(split, batches, min_count=min_count)
+    for i, rows in enumerate(batches):
+        np.testing.assert_array_equal(kept.training_ids(ids[rows], i),
+                                      plain.training_ids(plain.numbered(ids[rows]), i))
+    assert kept.table_rows == plain.table_rows and kept.rows_retired == [0, 0]
+
+
+def test_a_run_with_rows_retired_resumes_from_its_checkpoint_as_if_never_stopped(raw_data, tmp_path, monkeypatch):
+    """Rows made again when their number is reused (new key, fresh optimizer state) go into the incremental
+    checkpoints, so a resumed run ends as an uninterrupted one; the tables hold the rows alive at once."""
+    from bagpipe import faults
+
+    common = dict(iterations=40, batch_size=64, optimizer="adam", shuffle=True, shuffle_seed=1, row_retire_after=4,
+                  eval_every=20)
+    whole = train_reference(small_config(raw_data, tmp_path / "whole", **common), show_progress=False)
+    kept = train_reference(small_config(raw_data, tmp_path / "kept", **{**common, "row_retire_after": 0}),
+                           show_progress=False)
+    raw = whole["raw_ids"]
+    assert raw["rows_retired"] > 0 and raw["rows_made"] > kept["raw_ids"]["rows_made"]  # (keys made again)
+    assert sum(raw["rows_held_per_table"]) < sum(kept["raw_ids"]["rows_made_per_table"])  # memory: rows alive
+    cut = small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **common)
+    monkeypatch.setattr(faults, "_FAULTS", {("reference", "iteration 27"): ("fail", 0.0)})
+    monkeypatch.setattr(faults, "_ROLE", "reference")
+    with pytest.raises(faults.InjectedFault):
+        train_reference(cut, show_progress=False)
+    monkeypatch.setattr(faults, "_FAULTS", {})
+    resumed = train_reference(cut, show_progress=False, resume=True)
+    assert resumed["resumed_at"] == 25 and resumed["raw_ids"] == raw and resumed["eval_auc"] == whole["eval_auc"]
+    exported = export(tmp_path / "whole", tmp_path / "whole.pt")
+    assert exports_equal(exported, export(tmp_path / "cut", tmp_path / "cut.pt"))
+    # the model keys the rows alive at the end, -1 the numbers free then
+    assert [len(k) for k in exported["row_keys"]] == raw["rows_held_per_table"]
+    with pytest.raises(ValueError, match="rows retired and their numbers reused train so far in --mode reference"):
+        train_reference(small_config(raw_data, tmp_path / "single", mode="single", cache_rows=1000, **common),
+                        show_progress=False)
