@@ -389,7 +389,7 @@ RUN_MODES: dict[str, Mode] = {mode.name: mode for mode in (
          cached=True, processes=True, policies=POLICIES),
     Mode("single", frozenset(_EVERY_MODE | {"cache", "storage"}),
          "one process, the tables in host memory or on disk behind a planned cache", cached=True,
-         policies=SINGLE_POLICIES),
+         policies=SINGLE_POLICIES, retires_rows=True),
 )}
 MODES = tuple(RUN_MODES)  # their names
 

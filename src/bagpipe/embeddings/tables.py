@@ -232,6 +232,15 @@ class EmbeddingTables:
         return (self.weights[space].index_select(0, index).cpu().numpy(),
                 self.state[space].index_select(0, index).cpu().numpy() if with_state else None)
 
+    def remake_rows(self, space: int, keys: np.ndarray, weights: torch.Tensor) -> None:
+        """Rows ``keys`` of a space made again: ``weights``, their optimizer state zero (a raw-id row retired and its
+        number reused: embeddings.dynamic.RetiringNumbering)."""
+        index = torch.from_numpy(np.asarray(keys, dtype=np.int64)).to(self.device)
+        self.weights[space].index_copy_(0, index, weights.to(self.device))
+        self.state[space].index_fill_(0, index, 0.0)
+        if self.changed:  # (an incremental checkpoint writes them)
+            self.changed[space][index] = True
+
     def load_rows(self, space: int, rows: np.ndarray, state: np.ndarray) -> None:
         """Every row of a space and its optimizer state replaced (a checkpoint restored)."""
         self.weights[space].copy_(torch.from_numpy(rows))

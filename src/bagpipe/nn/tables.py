@@ -145,6 +145,25 @@ class CachedTables:
             weights, state = (part.numpy() for part in rows.host.read(keys))
         return weights, state if with_state else None
 
+    def remake_rows(self, space: int, keys: np.ndarray, weights: torch.Tensor) -> None:
+        """``EmbeddingTables.remake_rows``, wherever each row is: a cached one in its slot (written back when it
+        leaves), any other on the host (a plan makes the rows of its step resident before the step: those are
+        cached, and the read-ahead, which reads only rows not cached, never meets them)."""
+        rows = self.spaces[space]
+        keys = np.asarray(keys, dtype=np.int64)
+        slots = rows.index.locate(keys)
+        state = torch.zeros(len(keys), rows.host.state_width)
+        cached = slots >= 0
+        if cached.any():
+            rows.slots.install(slots[cached], keys[cached], weights[torch.from_numpy(cached)],
+                               state[torch.from_numpy(cached)], refill=True)
+            rows.dirty = True
+        if not cached.all():
+            away = torch.from_numpy(~cached)
+            rows.host.write(keys[~cached], weights[away], state[away])
+        if self.changed:
+            self.changed[space][torch.from_numpy(keys)] = True
+
     def load_rows(self, space: int, weights: np.ndarray, state: np.ndarray) -> None:
         """Every row of a space and its optimizer state replaced (a checkpoint restored); the cache emptied."""
         rows = self.spaces[space]

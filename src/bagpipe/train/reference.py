@@ -129,21 +129,16 @@ def keyed_weights(config: TrainConfig, layout: EmbeddingLayout, numbering) -> li
                                                  seed=config.seed)]) for space in layout.spaces]
 
 
-def remake_rows(tables: EmbeddingTables, numbering, iteration: int, *, seed: int) -> None:
+def remake_rows(tables: EmbeddingTables | CachedTables, numbering, iteration: int, *, seed: int) -> None:
     """Raw ids with retirement (embeddings.dynamic.RetiringNumbering): the rows whose numbers are reused at
     ``iteration`` made again from their new keys, as a row made then would be, their optimizer state zero."""
     resets = numbering.resets(iteration)
     for index, table in enumerate(tables.layout.tables):
         rows, keys = resets[table.features[0]]
-        if not len(rows):
-            continue
-        space, offset = tables.layout.place(index)
-        flat = torch.from_numpy(rows + offset).to(tables.device)
-        made = torch.cat(list(keyed_blocks(keys, table_index=index, table=table, seed=seed)))
-        tables.weights[space].index_copy_(0, flat, made.to(tables.device))
-        tables.state[space].index_fill_(0, flat, 0.0)
-        if tables.changed:  # (an incremental checkpoint writes them)
-            tables.changed[space][flat] = True
+        if len(rows):
+            space, offset = tables.layout.place(index)
+            tables.remake_rows(space, rows + offset, torch.cat(list(keyed_blocks(keys, table_index=index,
+                                                                                 table=table, seed=seed))))
 
 
 def single_cleanup_fraction(config: TrainConfig) -> float:
