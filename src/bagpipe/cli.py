@@ -284,7 +284,7 @@ def _add_vocab_flag(p) -> None:
                    "(admission)" + _default("row_min_count"))
     p.add_argument("--row-retire-after", type=int, default=None, help="raw-id data: retire a row unused for N "
                    "iterations, its number reused by the next row made (the key, if it comes back, gets a new row); "
-                   "--mode reference and single so far; 0: never" + _default("row_retire_after"))
+                   "0: never" + _default("row_retire_after"))
 
 
 def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:

@@ -374,7 +374,6 @@ class Mode:
     cached: bool = False  # trains from a cache of the rows (a plan's, or an online policy's): reads [cache]
     processes: bool = False  # a job of processes (oracle, servers, trainers) that the local launcher starts
     policies: tuple[str, ...] = ()  # the cache policies it takes (cached)
-    retires_rows: bool = False  # trains raw ids with rows retired (row_retire_after: embeddings.dynamic)
 
     def reads(self, setting: str) -> bool:
         return SECTION_OF[setting] in self.sections
@@ -382,14 +381,13 @@ class Mode:
 
 _EVERY_MODE = {"run", "data", "optimizer", "evaluation", "checkpoint"}
 RUN_MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth",
-         retires_rows=True),
+    Mode("reference", frozenset(_EVERY_MODE | {"reference"}), "one process, every table in memory: the ground truth"),
     Mode("bagpipe", frozenset(_EVERY_MODE | {"cache", "storage", "job", "fault_tolerance", "rpc"}),
          "an oracle, embedding servers and trainers as processes, each trainer training from its planned cache",
          cached=True, processes=True, policies=POLICIES),
     Mode("single", frozenset(_EVERY_MODE | {"cache", "storage"}),
          "one process, the tables in host memory or on disk behind a planned cache", cached=True,
-         policies=SINGLE_POLICIES, retires_rows=True),
+         policies=SINGLE_POLICIES),
 )}
 MODES = tuple(RUN_MODES)  # their names
 

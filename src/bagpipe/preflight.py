@@ -64,10 +64,6 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
     from bagpipe.data.batches import batch_rows
     from bagpipe.embeddings.dynamic import RowNumbering, numbered_dataset
 
-    if config.row_retire_after and not config.run_mode.retires_rows:
-        modes = ", ".join(name for name, each in RUN_MODES.items() if each.retires_rows)
-        raise ValueError(f"--row-retire-after: rows retired and their numbers reused train so far in --mode {modes}, "
-                         f"not in --mode {config.mode} (leave it out to keep every row the run makes)")
     selectors = batch_rows(dataset.train, batch_size=config.batch_size, iterations=planned_iterations(
         config, dataset.train), shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
     numbering = RowNumbering.of_run(dataset.train, selectors, min_count=config.row_min_count,

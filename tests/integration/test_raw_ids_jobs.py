@@ -30,16 +30,18 @@ def evaluations(run_dir) -> list[tuple[int, float]]:
 
 
 # Replicated with admission (a key's row made at its second look-up), two trainers and Adam; partitioned with three
-# trainers, Adagrad and admission at the third look-up (each trainer's slice cut from the admitted batch), the
-# servers' shards on disk (files of records made from the keys, a small DRAM budget).
-# Each evicts and fetches again rows made during the run.
-@pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count, storage", [
-    ("replicated", "adam", 2, 2, "memory"), ("partitioned", "adagrad", 3, 3, "disk")])
+# trainers, Adagrad, admission at the third look-up (each trainer's slice cut from the admitted batch) and rows
+# retired after 4 iterations unused (each reused number made again by every trainer holding it), the servers' shards
+# on disk (files of records made from the keys, a small DRAM budget). Each evicts and fetches again rows made during
+# the run.
+@pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count, storage, retire_after", [
+    ("replicated", "adam", 2, 2, "memory", 0), ("partitioned", "adagrad", 3, 3, "disk", 4)])
 def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, cache_mode, optimizer,
-                                                                   trainers, min_count, storage):
+                                                                   trainers, min_count, storage, retire_after):
     config = job_config(raw_data, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, batch_size=60,
                         iterations=40, cache_rows=900, cache_mode=cache_mode, row_min_count=min_count, eval_every=20,
-                        shuffle=True, shuffle_seed=3, storage=storage, storage_budget_mb=0.05)
+                        shuffle=True, shuffle_seed=3, storage=storage, storage_budget_mb=0.05,
+                        row_retire_after=retire_after)
     summary = launch_local(config, show_progress=False)
     want = reference_of(config, tmp_path / "reference")
     ours = export(config.run_dir, tmp_path / "ours.pt")
@@ -48,7 +50,10 @@ def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp
     assert len(ours["row_keys"]) == 26 and all(torch.equal(a, b) for a, b in zip(ours["row_keys"], want["row_keys"]))
     reference = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert summary["raw_ids"] == reference["raw_ids"]
-    assert summary["total_rows"] == summary["raw_ids"]["rows_made"] + 26  # the rows made and a default row each
+    raw = summary["raw_ids"]
+    held = raw.get("rows_held_per_table", [rows + 1 for rows in raw["rows_made_per_table"]])
+    assert summary["total_rows"] == sum(held)  # the rows made (alive at once, if retired) and a default row each
+    assert (raw.get("rows_retired", 0) > 0) == (retire_after > 0)
     assert evaluations(tmp_path / "bagpipe") == evaluations(tmp_path / "reference") and len(evaluations(
         tmp_path / "reference")) == 2  # the one during training sees the rows made by then, as the reference's
     assert summary["rows_written_back"] > 0 and summary["rows_fetched"] > summary["raw_ids"]["rows_made"]
@@ -73,10 +78,11 @@ def test_a_bagpipe_job_on_raw_ids_goes_on_through_a_killed_data_server_and_ends_
 
 def test_a_bagpipe_job_on_raw_ids_restarts_from_its_checkpoint_to_the_same_export(raw_data, tmp_path):
     """A lost trainer restarts the job from its checkpoint: the restarted oracle numbers the same rows again (the
-    same batches), the servers restore their shards, and the job ends as the reference does, admission included."""
+    same batches), the servers restore their shards, and the job ends as the reference does, admission and rows
+    retired (their numbers made again for new keys, before and after the restart) included."""
     config = job_config(raw_data, tmp_path / "run", optimizer="adam", batch_size=60, iterations=40, cache_rows=900,
-                        row_min_count=2, timeout=10.0, checkpoint_every=10, replace_trainers=False,
-                        replace_oracle=False)
+                        row_min_count=2, row_retire_after=3, timeout=10.0, checkpoint_every=10,
+                        replace_trainers=False, replace_oracle=False)
     summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 23:kill"})
     [restart] = summary["restarts"]
     assert restart["resumed_from"] == 20 and summary["resumed_at"] == 20

@@ -384,6 +384,34 @@ def keyed_blocks(keys: np.ndarray, *, table_index: int, table, seed: int) -> Ite
                          num_rows=table.num_rows, init=table.init)
 
 
+def remade(numbering: RowNumbering, layout, iteration: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per space of ``layout`` (an EmbeddingLayout), the rows made again at the start of ``iteration`` (retirement:
+    ``RowNumbering.resets``): their flat keys, their new raw keys (int64) and each one's model table."""
+    resets = numbering.resets(iteration)
+    parts = [([], [], []) for _ in layout.spaces]
+    for index, table in enumerate(layout.tables):
+        rows, keys = resets[table.features[0]]
+        if len(rows):
+            space, offset = layout.place(index)
+            parts[space][0].append(rows + offset)
+            parts[space][1].append(keys.astype(np.int64))
+            parts[space][2].append(np.full(len(rows), index, dtype=np.int64))
+    return [tuple(np.concatenate(part) if part else np.zeros(0, dtype=np.int64) for part in space)
+            for space in parts]
+
+
+def remade_weights(layout, tables: np.ndarray, keys: np.ndarray, *, seed: int) -> torch.Tensor:
+    """The rows ``remade`` gives, made from their keys as a row made then is (``keyed_blocks``), in its order."""
+    dim = layout.tables[int(tables[0])].dim if len(tables) else 0
+    weights = torch.empty(len(keys), dim)
+    for index in np.unique(tables):
+        mine = np.flatnonzero(tables == index)
+        weights[torch.from_numpy(mine)] = torch.cat(list(keyed_blocks(
+            np.asarray(keys[mine]).astype(np.uint64), table_index=int(index), table=layout.tables[int(index)],
+            seed=seed)))
+    return weights
+
+
 class NumberedIds:
     """A split's raw ids read as rows: indexing reads the raw ids asked for and numbers them (``RowNumbering``),
     as of iteration ``as_of`` if given (an evaluation during training: rows made later are the default row)."""

@@ -154,10 +154,14 @@ class StepMessage:
     spaces: list  # SpaceStep per space (replicated cache), or PartSpaceStep (partitioned)
     lookups: int = 0  # ids in the global batch, repeats included
     checkpoint: bool = False  # a checkpoint is taken at this boundary: trainer 0 (partitioned: each) sends its part
+    # raw ids with rows retired: per space, the rows made again before this iteration (their numbers reused: flat keys,
+    # new raw keys, model tables), which every trainer holding one makes again in its slot (embeddings.dynamic.remade)
+    remade: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def nbytes(self) -> int:
         tensors = [t for t in (self.dense_x, self.ids, self.target) if t is not None]
         tensors += [t for space in self.spaces for t in space.tensors()]
+        tensors += [t for space in self.remade or [] for t in space]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

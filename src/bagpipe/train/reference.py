@@ -29,7 +29,7 @@ from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.embeddings.dynamic import keyed_blocks
+from bagpipe.embeddings.dynamic import keyed_blocks, remade, remade_weights
 from bagpipe.train.evaluation import EvaluatedSplit, evaluate_splits, evaluated_splits, no_evaluation, watched_metric
 from bagpipe.health import Best, EvaluationWatch, LossWatch, RunWarning
 from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
@@ -132,13 +132,9 @@ def keyed_weights(config: TrainConfig, layout: EmbeddingLayout, numbering) -> li
 def remake_rows(tables: EmbeddingTables | CachedTables, numbering, iteration: int, *, seed: int) -> None:
     """Raw ids with retirement (embeddings.dynamic.RetiringNumbering): the rows whose numbers are reused at
     ``iteration`` made again from their new keys, as a row made then would be, their optimizer state zero."""
-    resets = numbering.resets(iteration)
-    for index, table in enumerate(tables.layout.tables):
-        rows, keys = resets[table.features[0]]
-        if len(rows):
-            space, offset = tables.layout.place(index)
-            tables.remake_rows(space, rows + offset, torch.cat(list(keyed_blocks(keys, table_index=index,
-                                                                                 table=table, seed=seed))))
+    for space, (flat, keys, owners) in enumerate(remade(numbering, tables.layout, iteration)):
+        if len(flat):
+            tables.remake_rows(space, flat, remade_weights(tables.layout, owners, keys, seed=seed))
 
 
 def single_cleanup_fraction(config: TrainConfig) -> float:

@@ -18,12 +18,14 @@ from collections import deque
 from typing import Callable
 
 import numpy as np
+import torch
 
 from bagpipe.cache import batch_view
 from bagpipe.config import TrainConfig
 from bagpipe.data.batches import epoch_rows, fresh_negatives, read_batch
 from bagpipe.data.binary import BinaryDataset
 from bagpipe.embeddings import valid_keys
+from bagpipe.embeddings.dynamic import remade
 from bagpipe.faults import inject_fault
 from bagpipe.planner import PlannerConfig, plan_spaces
 from bagpipe.planner.ahead import NumberingLost, plan_spaces_ahead
@@ -107,6 +109,7 @@ class Feed:
         negatives = fresh_negatives(config, split)
 
         numbering = self.dataset.numbering  # raw ids: a key not admitted yet looks its table's default row up
+        retiring = numbering is not None and numbering.retire_after > 0
 
         def key_stream():  # per iteration, each space's keys (replicated), or each space's keys per trainer
             for iteration, (epoch, rows) in enumerate(epoch_rows(
@@ -147,7 +150,13 @@ class Feed:
                 self.state.await_servers()  # a checkpoint asks every server for its part
                 checkpoint = self.checkpoints.maybe_begin(iteration)
             inject_fault(f"planned {iteration}")
-            for out, message in zip(self.queues, messages_of(batch, batch_keys, checkpoint)):
+            messages = messages_of(batch, batch_keys, checkpoint)
+            if retiring and iteration < self.iterations:  # (rows made again now: each trainer holding one)
+                made_again = [tuple(torch.from_numpy(part) for part in space)
+                              for space in remade(numbering, layout, iteration)]
+                for message in messages:
+                    message.remade = made_again
+            for out, message in zip(self.queues, messages):
                 self.bytes_sent += message.nbytes()
                 while not stop.is_set():
                     try:

@@ -24,6 +24,7 @@ import torch
 from bagpipe.cache import RowCache, StepTables
 from bagpipe.train.checkpoints import RowPart
 from bagpipe.embeddings import Embeddings, Lookup
+from bagpipe.embeddings.dynamic import remade_weights
 from bagpipe.faults import inject_fault
 from bagpipe.optim import make_row_optimizer
 from bagpipe.runtime import transport
@@ -86,6 +87,7 @@ class TrainerRuntime:
         self._writes: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
         self._late: list[tuple] = []  # partitioned: the last boundary's fetches due at the next one
+        self._remade_at = -1  # raw ids, rows retired: the iteration whose rows made again this trainer has made
         self._checkpoint_sends: list[threading.Thread] = []  # trainer 0's parts of checkpoints, on their way
         self._tags = 0  # fetches sent: each carries its number, which its answer echoes (check_fetched)
         self.recent: deque = deque(maxlen=REDO_DEPTH + 1)  # this trainer's last plan messages, by the compute thread
@@ -303,12 +305,34 @@ class TrainerRuntime:
                 self.others_evicted.append((iteration - 1, space, step.evict_keys[others], rows[others], state[others]))
         self._install_fetched(space, iteration, step, requests)
 
+    def _remake(self, remade: list, *, spaces: list[int] | None = None, only: np.ndarray | None = None) -> None:
+        """Raw ids with rows retired: the rows whose numbers are reused at this iteration made again for their new
+        keys (each from its key, its optimizer state zero) in the slots that hold them, as every trainer holding
+        one does (its server's copy is stale until the row is written back, as any cached row's is). A row's last
+        use before it was retired is two boundaries back at least, so its lazily synced update is in by now.
+        ``spaces`` and ``only``: those spaces' rows among keys ``only`` (a keeper's late fetches)."""
+        for space, (keys, raw, tables) in enumerate(remade):
+            cache = self.caches[space]
+            if not len(keys) or (spaces is not None and space not in spaces):
+                continue
+            wanted = keys.numpy() if only is None else np.intersect1d(keys.numpy(), only)
+            slots = np.flatnonzero(np.isin(cache.slot_key, wanted))
+            if not len(slots):
+                continue
+            held = cache.slot_key[slots]
+            order = np.argsort(keys.numpy(), kind="stable")
+            mine = order[np.searchsorted(keys.numpy(), held, sorter=order)]
+            weights = remade_weights(self.layout, tables.numpy()[mine], raw.numpy()[mine], seed=self.job.config.seed)
+            cache.install(slots, held, weights, torch.zeros(len(slots), cache.state.shape[1]), refill=True)
+
     def _part_boundary(self, message: StepMessage, fetches: list) -> None:
         """This trainer's part of a partitioned plan's boundary (trainer/partitioned.py): the last boundary's late
         fetches, the last iteration's shared rows' updates, then every space's write-backs and rows let go, then
         every space's fetches due now (the late ones are kept for the next boundary)."""
-        for space, iteration, step, requests in self._late:  # the last boundary's fetches due now
-            self._install_fetched(space, iteration, step, requests)
+        for space, iteration, step, requests, remade in self._late:  # the last boundary's fetches due now
+            installed = self._install_fetched(space, iteration, step, requests)
+            if remade is not None:  # (a row made again at that iteration reaches this keeper as its server had it)
+                self._remake(remade, spaces=[space], only=installed)
         self._late = []
         self.shared.apply()
         for space, step in enumerate(message.spaces):
@@ -318,13 +342,13 @@ class TrainerRuntime:
         for space, (step, (due, late)) in enumerate(zip(message.spaces, fetches)):
             self._install_fetched(space, message.iteration, step, due)
             if late:
-                self._late.append((space, message.iteration, step, late))
+                self._late.append((space, message.iteration, step, late, message.remade))
 
-    def _install_fetched(self, space: int, iteration: int, step, requests: list) -> None:
+    def _install_fetched(self, space: int, iteration: int, step, requests: list) -> np.ndarray | None:
         """A space's fetches of the boundary before ``iteration`` that ``requests`` ask for, waited for and
-        installed in their slots."""
+        installed in their slots; their keys."""
         if not requests:
-            return
+            return None
         dim = self.layout.spaces[space].dim
         index = torch.cat([index for _, index, _ in requests])
         rows = torch.empty(len(step.fetch_keys), dim)
@@ -334,9 +358,10 @@ class TrainerRuntime:
             rows[part], state[part], have, tag = self._answer(request, what="fetch")
             check_fetched(*request.args, have, tag, server=request.sent_to, iteration=iteration)
         stalled(self.stats, "fetch_wait_s", waited)
-        self.caches[space].install(step.fetch_slots[index].numpy(), step.fetch_keys[index].numpy(), rows[index],
-                                   state[index])
+        keys = step.fetch_keys[index].numpy()
+        self.caches[space].install(step.fetch_slots[index].numpy(), keys, rows[index], state[index])
         self.stats.rows_fetched += len(index)
+        return keys
 
     def _send_write_backs(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *,
                           version: int) -> None:
@@ -398,9 +423,14 @@ class TrainerRuntime:
     def lookup(self) -> tuple[Embeddings, list[Lookup]]:
         """This iteration's slice's embeddings, and each space's Lookup.
 
-        The oracle sent each id's row (``positions``) and each row's slot: no search here.
+        The oracle sent each id's row (``positions``) and each row's slot: no search here. Raw ids with rows retired:
+        the rows made again at this iteration are, first (after the boundary's checkpoint part, which holds the
+        state after the iterations before: ``_remake``).
         """
         message = self.step
+        if message.remade is not None and self._remade_at != message.iteration:
+            self._remake(message.remade)
+            self._remade_at = message.iteration
         return StepTables(self.caches, [step.view() for step in message.spaces], self.layout).lookup(message.ids)
 
     def _flush(self) -> None:
