@@ -285,6 +285,9 @@ def _add_vocab_flag(p) -> None:
     p.add_argument("--row-retire-after", type=int, default=None, help="raw-id data: retire a row unused for N "
                    "iterations, its number reused by the next row made (the key, if it comes back, gets a new row); "
                    "0: never" + _default("row_retire_after"))
+    p.add_argument("--row-budget", type=int, default=None, help="raw-id data: the rows each table holds at most; "
+                   "past it the least frequently used row a batch does not look up is retired (its number reused); "
+                   "0: no bound" + _default("row_budget"))
 
 
 def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:

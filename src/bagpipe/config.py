@@ -170,6 +170,9 @@ class TrainConfig:
     # raw-id data: a row unused for this many iterations is retired, its number reused by the next row made (the key,
     # if it comes back, gets a new row); 0: rows are never retired (embeddings.dynamic.RetiringNumbering)
     row_retire_after: int = 0
+    # raw-id data: the rows a table holds at most (the default row aside): past it, the least frequently used row a
+    # batch does not look up is retired, its number reused; 0: no bound
+    row_budget: int = 0
     # checkpoints during training (RUN_DIR/checkpoints; --resume continues from the newest): every this many
     # iterations and/or seconds (0: not by that measure), the newest keep_checkpoints kept
     checkpoint_every: int = 0
@@ -240,7 +243,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("iterations", "warmup_iterations", "max_eval_rows", "vocab_min_count", "row_retire_after",
-                     "checkpoint_every", "eval_every", "max_restarts", "keep_within"):
+                     "row_budget", "checkpoint_every", "eval_every", "max_restarts", "keep_within"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout"):
@@ -346,8 +349,8 @@ def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfi
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("run_dir", "mode", "device", "compile", "iterations", "epochs", "batch_size", "seed", "warmup_iterations",
             "log_every"),
-    "data": ("data", "data_format", "holdout", "vocab_min_count", "row_min_count", "row_retire_after", "shuffle",
-             "shuffle_seed", "fresh_negatives"),
+    "data": ("data", "data_format", "holdout", "vocab_min_count", "row_min_count", "row_retire_after", "row_budget",
+             "shuffle", "shuffle_seed", "fresh_negatives"),
     "optimizer": ("optimizer", "lr"),
     "evaluation": ("eval_batch_size", "max_eval_rows", "eval_every", "eval_protocol", "keep_best"),
     "checkpoint": ("checkpoint_every", "checkpoint_every_s", "keep_checkpoints"),

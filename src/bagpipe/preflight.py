@@ -67,7 +67,7 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
     selectors = batch_rows(dataset.train, batch_size=config.batch_size, iterations=planned_iterations(
         config, dataset.train), shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
     numbering = RowNumbering.of_run(dataset.train, selectors, min_count=config.row_min_count,
-                                    retire_after=config.row_retire_after)
+                                    retire_after=config.row_retire_after, budget=config.row_budget)
     log.info("raw ids: %d rows made for the keys the run's batches look up (largest table %d), a default row a table "
              "for the others", sum(numbering.rows_made), max(numbering.rows_made))
     return dataclasses.replace(numbered_dataset(dataset, numbering), numbering=numbering)

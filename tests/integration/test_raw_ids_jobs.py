@@ -29,19 +29,19 @@ def evaluations(run_dir) -> list[tuple[int, float]]:
     return [(m["iteration"], m["eval_auc"]) for m in lines if "eval_auc" in m]
 
 
-# Replicated with admission (a key's row made at its second look-up), two trainers and Adam; partitioned with three
-# trainers, Adagrad, admission at the third look-up (each trainer's slice cut from the admitted batch) and rows
-# retired after 4 iterations unused (each reused number made again by every trainer holding it), the servers' shards
-# on disk (files of records made from the keys, a small DRAM budget). Each evicts and fetches again rows made during
-# the run.
-@pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count, storage, retire_after", [
-    ("replicated", "adam", 2, 2, "memory", 0), ("partitioned", "adagrad", 3, 3, "disk", 4)])
+# Replicated with admission (a key's row made at its second look-up), two trainers, Adam and a row budget of 100 a
+# table (the least frequently used retired past it); partitioned with three trainers, Adagrad, admission at the third
+# look-up (each trainer's slice cut from the admitted batch) and rows retired after 4 iterations unused (each reused
+# number made again by every trainer holding it), the servers' shards on disk (files of records made from the keys,
+# a small DRAM budget). Each evicts and fetches again rows made during the run.
+@pytest.mark.parametrize("cache_mode, optimizer, trainers, min_count, storage, retire_after, budget", [
+    ("replicated", "adam", 2, 2, "memory", 0, 100), ("partitioned", "adagrad", 3, 3, "disk", 4, 0)])
 def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, cache_mode, optimizer,
-                                                                   trainers, min_count, storage, retire_after):
+                                                                   trainers, min_count, storage, retire_after, budget):
     config = job_config(raw_data, tmp_path / "bagpipe", optimizer=optimizer, trainers=trainers, batch_size=60,
                         iterations=40, cache_rows=900, cache_mode=cache_mode, row_min_count=min_count, eval_every=20,
                         shuffle=True, shuffle_seed=3, storage=storage, storage_budget_mb=0.05,
-                        row_retire_after=retire_after)
+                        row_retire_after=retire_after, row_budget=budget)
     summary = launch_local(config, show_progress=False)
     want = reference_of(config, tmp_path / "reference")
     ours = export(config.run_dir, tmp_path / "ours.pt")
@@ -53,7 +53,7 @@ def test_a_bagpipe_job_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp
     raw = summary["raw_ids"]
     held = raw.get("rows_held_per_table", [rows + 1 for rows in raw["rows_made_per_table"]])
     assert summary["total_rows"] == sum(held)  # the rows made (alive at once, if retired) and a default row each
-    assert (raw.get("rows_retired", 0) > 0) == (retire_after > 0)
+    assert (raw.get("rows_retired", 0) > 0) == (retire_after > 0 or budget > 0)
     assert evaluations(tmp_path / "bagpipe") == evaluations(tmp_path / "reference") and len(evaluations(
         tmp_path / "reference")) == 2  # the one during training sees the rows made by then, as the reference's
     assert summary["rows_written_back"] > 0 and summary["rows_fetched"] > summary["raw_ids"]["rows_made"]

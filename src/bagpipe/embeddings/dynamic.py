@@ -72,16 +72,18 @@ class RowNumbering:
         self.default_lookups = default_lookups  # the run's training look-ups of a default row (all its batches')
 
     @classmethod
-    def of_run(cls, split, selectors, *, min_count: int = 1, retire_after: int = 0) -> "RowNumbering":
+    def of_run(cls, split, selectors, *, min_count: int = 1, retire_after: int = 0,
+               budget: int = 0) -> "RowNumbering":
         """The rows the batches of ``selectors`` (``data.batches.batch_rows``, from iteration 0) make from
         ``split``'s raw ids: a key's row is made at the iteration whose batch brings its look-ups to ``min_count``
         (admission; 1: its first), numbered in that order (within a batch, by the row of that look-up). A key
         looked up fewer times has no row. ``retire_after`` N > 0: a row unused for N iterations is retired and its
-        number reused (``RetiringNumbering``)."""
+        number reused; ``budget`` B > 0: a table holds B rows at most, the least frequently used retired to make
+        room (``RetiringNumbering``)."""
         if min_count < 1:
             raise ValueError(f"row_min_count must be at least 1, got {min_count}")
-        if retire_after < 0:
-            raise ValueError(f"row_retire_after must not be negative, got {retire_after}")
+        if retire_after < 0 or budget < 0:
+            raise ValueError(f"row_retire_after and row_budget must not be negative, got {retire_after} and {budget}")
         order, iterations = [], []  # every look-up's row of the split, in the run's order, and its iteration
         for iteration, rows in enumerate(selectors):
             rows = np.arange(*rows.indices(split.rows)) if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)
@@ -90,6 +92,9 @@ class RowNumbering:
         count = len(order)
         order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
         at = np.concatenate(iterations) if iterations else np.zeros(0, dtype=np.int64)
+        if budget:
+            return RetiringNumbering.of_lookups_in_turn(split, order, at, iterations=count, min_count=min_count,
+                                                        retire_after=retire_after, budget=budget)
         if retire_after:
             return RetiringNumbering.of_lookups(split, order, at, iterations=count, min_count=min_count,
                                                 retire_after=retire_after)
@@ -215,7 +220,13 @@ class RetiringNumbering(RowNumbering):
     iteration in the order of their admitting look-ups), so a table holds as many rows as are alive at once, plus
     its default row, and a reused number is made again (``resets``) at the start of the iteration it is reused.
     The training batches are numbered as they train (``training_ids``: each look-up's row, held for the run);
-    an evaluation as of iteration i sees the rows alive then."""
+    an evaluation as of iteration i sees the rows alive then.
+
+    With a ``budget`` B a table holds B rows at most: when an iteration's rows made would pass it, the least
+    frequently used rows that the iteration does not look up are retired first (fewest look-ups since made, then the
+    longest unused, then the smallest number), and a batch that needs more than B rows of a table is refused. That
+    needs the iterations in turn (``of_lookups_in_turn``); without one, a key's episodes give every row at once
+    (``of_lookups``), and the two agree (tests/unit/train/test_dynamic_tables.py)."""
 
     def __init__(self, tenures: list[dict], assigned: list[np.ndarray], ends: np.ndarray, *, iterations: int,
                  retire_after: int, default_lookups: int) -> None:
@@ -259,6 +270,27 @@ class RetiringNumbering(RowNumbering):
         ends = np.searchsorted(at, np.arange(1, iterations + 1), side="left")  # (at: non-decreasing)
         return cls(tenures, assigned, ends, iterations=iterations, retire_after=retire_after,
                    default_lookups=default_lookups)
+
+    @classmethod
+    def of_lookups_in_turn(cls, split, order: np.ndarray, at: np.ndarray, *, iterations: int, min_count: int,
+                           retire_after: int, budget: int = 0) -> "RetiringNumbering":
+        """``of_lookups`` an iteration at a time (what a ``budget`` needs: which rows it retires depends on the
+        rows alive at each iteration)."""
+        ends = np.searchsorted(at, np.arange(1, iterations + 1), side="left")
+        tenures, assigned, default_lookups = [], [], 0
+        for table in range(split.ids.shape[1]):
+            looked_up = np.asarray(split.ids[:, table], dtype=np.int64)[order]
+            tenure, rows = _in_turn(looked_up, ends, table=table, min_count=min_count, retire_after=retire_after,
+                                    budget=budget)
+            default_lookups += int(np.count_nonzero(rows == 0))
+            tenures.append(tenure)
+            assigned.append(rows)
+        numbering = cls(tenures, assigned, ends, iterations=iterations, retire_after=retire_after,
+                        default_lookups=default_lookups)
+        numbering.budget = budget
+        return numbering
+
+    budget = 0  # (of_lookups_in_turn: the rows a table holds at most)
 
     @property
     def rows_made(self) -> list[int]:
@@ -347,7 +379,80 @@ class RetiringNumbering(RowNumbering):
     def summary(self, test) -> dict:
         figures = super().summary(test)
         return {**figures, "rows_retired": sum(self.rows_retired), "rows_held_per_table": self.table_rows,
-                "retire_after": self.retire_after}
+                "retire_after": self.retire_after, **({"row_budget": self.budget} if self.budget else {})}
+
+
+def _in_turn(looked_up: np.ndarray, ends: np.ndarray, *, table: int, min_count: int, retire_after: int,
+             budget: int) -> tuple[dict, np.ndarray]:
+    """One table's tenures and each look-up's row (``RetiringNumbering.of_lookups_in_turn``), iteration by
+    iteration: retirements of rows unused for ``retire_after`` iterations, admission, the least frequently used
+    retired to keep ``budget`` rows at most (0: no bound), then the rows made, each taking the smallest free number."""
+    keys, key_of = np.unique(looked_up, return_inverse=True)
+    row_of = np.zeros(len(keys), dtype=np.int64)  # each key's row (0: none)
+    tenure_of = np.full(len(keys), -1, dtype=np.int64)
+    pending = np.zeros(len(keys), dtype=np.int64)  # look-ups toward admission, while without a row
+    last = np.full(len(keys), np.iinfo(np.int64).min // 2, dtype=np.int64)  # each key's last look-up
+    uses = np.zeros(len(keys), dtype=np.int64)  # look-ups since its row was made (the LFU's count)
+    made_keys: list[int] = []
+    made_rows: list[int] = []
+    made_at: list[int] = []
+    retired_at: list[int] = []
+    rows = np.zeros(len(looked_up), dtype=np.int64)
+    free: list[int] = []
+    next_number, start = 1, 0
+
+    def retire(victims: np.ndarray, iteration: int) -> None:
+        for victim in victims.tolist():
+            heapq.heappush(free, int(row_of[victim]))
+            retired_at[tenure_of[victim]] = iteration
+        row_of[victims], tenure_of[victims] = 0, -1
+
+    for iteration, stop in enumerate(ends.tolist()):
+        batch = key_of[start:stop]
+        alive = np.flatnonzero(row_of)
+        if retire_after:  # unused for retire_after iterations: retired at the start of the next
+            retire(alive[last[alive] < iteration - retire_after], iteration)
+        distinct, counts = np.unique(batch, return_counts=True)
+        rowless = row_of[distinct] == 0
+        if retire_after:  # (a key away longer than that starts counting toward admission again)
+            pending[distinct[rowless & (iteration - last[distinct] > retire_after)]] = 0
+        before = pending[distinct]
+        admit = rowless & (before + counts >= min_count)
+        order = np.argsort(batch, kind="stable")
+        at = order[np.searchsorted(batch[order], distinct[admit]) + min_count - before[admit] - 1]
+        new = distinct[admit][np.argsort(at, kind="stable")]
+        waiting = rowless & ~admit
+        pending[distinct[waiting]] += counts[waiting]
+        pending[new] = 0
+        if budget:
+            kept = int(np.count_nonzero(~rowless))  # rows this batch looks up that are alive already
+            if kept + len(new) > budget:
+                raise ValueError(f"iteration {iteration}'s batch looks up {kept + len(new)} rows of table {table}, "
+                                 f"more than its row budget of {budget} (--row-budget): give it a budget of one "
+                                 f"batch's rows at least, or use smaller batches")
+            alive = np.flatnonzero(row_of)
+            over = len(alive) + len(new) - budget
+            if over > 0:  # the least frequently used rows this batch does not look up
+                idle = alive[~np.isin(alive, distinct)]
+                retire(idle[np.lexsort((row_of[idle], last[idle], uses[idle]))[:over]], iteration)
+        for key in new.tolist():
+            if free:
+                number = heapq.heappop(free)
+            else:
+                number, next_number = next_number, next_number + 1
+            row_of[key], tenure_of[key], uses[key] = number, len(made_keys), 0
+            made_keys.append(key)
+            made_rows.append(number)
+            made_at.append(iteration)
+            retired_at.append(-1)
+        rows[start:stop] = row_of[batch]
+        holding = row_of[distinct] > 0
+        uses[distinct[holding]] += counts[holding]
+        last[distinct] = iteration
+        start = stop
+    tenure = {"keys": keys[np.asarray(made_keys, dtype=np.int64)], "rows": np.asarray(made_rows, dtype=np.int64),
+              "start": np.asarray(made_at, dtype=np.int64), "end": np.asarray(retired_at, dtype=np.int64)}
+    return tenure, rows
 
 
 def _first_tenures(tenure: dict) -> np.ndarray:

@@ -80,19 +80,20 @@ def raw_data(tmp_path_factory):
 
 # (the tables on disk too: each space a file of records made from the rows' keys, a small DRAM budget; and rows
 # retired, their numbers made again for new keys wherever the row then is: in the cache, or on the host)
-@pytest.mark.parametrize("policy, optimizer, slices, min_count, storage, retire_after", [
-    ("lookahead", "adagrad", 1, 1, "memory", 0), ("lru", "adam", 2, 1, "memory", 0), ("lfu", "sgd", 1, 1, "memory", 0),
-    ("lookahead", "adam", 1, 2, "memory", 0), ("lru", "adagrad", 2, 3, "memory", 0),
-    ("lookahead", "adam", 1, 2, "disk", 0), ("lookahead", "adam", 1, 1, "memory", 3),
-    ("lru", "adagrad", 2, 2, "disk", 5)])
+@pytest.mark.parametrize("policy, optimizer, slices, min_count, storage, retire_after, budget", [
+    ("lookahead", "adagrad", 1, 1, "memory", 0, 0), ("lru", "adam", 2, 1, "memory", 0, 0),
+    ("lfu", "sgd", 1, 1, "memory", 0, 0), ("lookahead", "adam", 1, 2, "memory", 0, 0),
+    ("lru", "adagrad", 2, 3, "memory", 0, 0), ("lookahead", "adam", 1, 2, "disk", 0, 0),
+    ("lookahead", "adam", 1, 1, "memory", 3, 0), ("lru", "adagrad", 2, 2, "disk", 5, 0),
+    ("lookahead", "sgd", 1, 1, "memory", 0, 90)])
 def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, policy, optimizer, slices,
-                                                                 min_count, storage, retire_after):
+                                                                 min_count, storage, retire_after, budget):
     runs = {}
     for mode in ("reference", "single"):
         config = small_config(raw_data, tmp_path / mode, mode=mode, iterations=50, batch_size=64, optimizer=optimizer,
                               policy=policy, cache_rows=1000, lookahead=8, slices=slices, eval_every=25, shuffle=True,
                               shuffle_seed=2, row_min_count=min_count, storage=storage, storage_budget_mb=0.05,
-                              row_retire_after=retire_after)
+                              row_retire_after=retire_after, row_budget=budget)
         summary = train_reference(config, show_progress=False)
         metrics = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
         runs[mode] = (summary, [m["eval_auc"] for m in metrics if "eval_auc" in m],
@@ -104,7 +105,8 @@ def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_p
     made = reference["raw_ids"]["rows_made_per_table"]
     held = reference["raw_ids"].get("rows_held_per_table", [rows + 1 for rows in made])  # (retired: numbers reused)
     assert single["total_rows"] == sum(held) and len(want["embeddings"][0]) == held[0]
-    assert (reference["raw_ids"].get("rows_retired", 0) > 0) == (retire_after > 0)
+    assert (reference["raw_ids"].get("rows_retired", 0) > 0) == (retire_after > 0 or budget > 0)
+    assert not budget or max(held) == budget + 1  # (the tables of many keys: held to the budget)
     assert 0 < reference["raw_ids"]["test_lookups_on_the_default_row"] < 1  # the test period's new ids, at least
     assert single["cache"]["rows_written_back"] > 0  # rows made were evicted and fetched again
     if storage == "disk":  # (the file's DRAM cache was too small for its rows: they were read back from disk)
@@ -287,3 +289,50 @@ def test_a_run_with_rows_retired_resumes_from_its_checkpoint_as_if_never_stopped
     assert exports_equal(exported, export(tmp_path / "cut", tmp_path / "cut.pt"))
     # the model keys the rows alive at the end, -1 the numbers free then
     assert [len(k) for k in exported["row_keys"]] == raw["rows_held_per_table"]
+
+
+@pytest.mark.parametrize("retire_after, min_count", [(1, 1), (3, 2), (2, 3)])
+def test_retirement_worked_out_an_iteration_at_a_time_equals_the_episodes_at_once(retire_after, min_count):
+    from bagpipe.embeddings.dynamic import RetiringNumbering
+
+    generator = np.random.default_rng(retire_after + 10)
+    ids = np.stack([generator.zipf(1.3, 600) % 80, generator.integers(0, 15, 600)], axis=1)
+    order, at = np.arange(600), np.repeat(np.arange(30), 20)
+    at_once = RetiringNumbering.of_lookups(FakeSplit(ids), order, at, iterations=30, min_count=min_count,
+                                           retire_after=retire_after)
+    in_turn = RetiringNumbering.of_lookups_in_turn(FakeSplit(ids), order, at, iterations=30, min_count=min_count,
+                                                   retire_after=retire_after)
+    for a, b in zip(at_once.assigned, in_turn.assigned):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(at_once.tenures, in_turn.tenures):
+        by_a, by_b = np.lexsort((a["keys"], a["start"])), np.lexsort((b["keys"], b["start"]))
+        for field in ("keys", "rows", "start", "end"):
+            np.testing.assert_array_equal(a[field][by_a], b[field][by_b])
+    assert at_once.default_lookups == in_turn.default_lookups
+
+
+@pytest.mark.parametrize("budget, retire_after", [(25, 0), (21, 4)])
+def test_a_row_budget_retires_the_least_frequently_used_and_a_batch_past_it_is_refused(budget, retire_after):
+    generator = np.random.default_rng(budget)
+    ids = np.stack([generator.zipf(1.2, 600) % 200, generator.integers(0, 12, 600)], axis=1)
+    split, batches = FakeSplit(ids), [slice(i * 20, (i + 1) * 20) for i in range(30)]
+    numbering = RowNumbering.of_run(split, batches, budget=budget, retire_after=retire_after)
+    assert numbering.table_rows[0] == budget + 1 and numbering.table_rows[1] <= 13  # (12 keys fit: none retired)
+    assert numbering.rows_retired[1] == 0 and numbering.rows_retired[0] > 0
+    for i, rows in enumerate(batches):  # each look-up's row is its key's live one; never more than the budget
+        np.testing.assert_array_equal(numbering.training_ids(ids[rows], i), numbering.numbered(ids[rows], as_of=i + 1))
+        assert all(np.count_nonzero(keys >= 0) <= budget for keys in numbering.stored_row_keys(i + 1))
+    # the first retired for the budget was looked up no more than any row alive beside it then
+    tenure = numbering.tenures[0]
+    first = int(np.argmin(np.where(tenure["end"] >= 0, tenure["end"], 10**9)))
+    end = int(tenure["end"][first])
+    if not retire_after:
+        looked = ids[:end * 20, 0]
+        alive = numbering.stored_row_keys(end)[0]
+        alive = alive[alive >= 0]
+        uses = lambda key, made: int(np.count_nonzero(looked[made * 20:] == key))  # noqa: E731
+        mine = uses(tenure["keys"][first], tenure["start"][first])
+        assert all(mine <= uses(key, int(tenure["start"][(tenure["keys"] == key) & (tenure["start"] < end)].max()))
+                   for key in alive if key not in ids[end * 20:(end + 1) * 20, 0])
+    with pytest.raises(ValueError, match=r"batch looks up \d+ rows of table 0, more than its row budget of 5"):
+        RowNumbering.of_run(split, batches, budget=5)
