@@ -26,6 +26,7 @@ import torch
 
 from bagpipe.data.rawids import KEY_SPACE, mix64
 from bagpipe.data.schema import Schema
+from bagpipe.planner.keys import KeyIndex
 
 DEFAULT_KEY = KEY_SPACE  # the default row's key: no raw key is this (keys lie below 2**63)
 INIT_CHUNK_KEYS = 1 << 16  # keys whose initial rows are drawn at once (their words: keys x dim x 8 bytes, twice)
@@ -121,6 +122,11 @@ class RowNumbering:
     def rows_made(self) -> list[int]:
         """Per table, the rows made for keys (the default row not counted)."""
         return [len(keys) for keys in self.sorted_keys]
+
+    @property
+    def rows_retired(self) -> list[int]:
+        """Per table, the rows retired (none: ``RetiringNumbering`` retires them)."""
+        return [0 for _ in self.sorted_keys]
 
     @property
     def table_rows(self) -> list[int]:
@@ -382,77 +388,174 @@ class RetiringNumbering(RowNumbering):
                 "retire_after": self.retire_after, **({"row_budget": self.budget} if self.budget else {})}
 
 
+class TableRows:
+    """One raw-id table's rows as its batches arrive, one ``step`` a batch: retirements of rows unused for
+    ``retire_after`` iterations, admission (``min_count``), the least frequently used retired to keep ``budget``
+    rows at most (0: no bound), then the rows made, each taking the smallest free number. What
+    ``RetiringNumbering.of_lookups_in_turn`` works out for a run before it trains, and what
+    ``bagpipe.nn.DynamicEmbeddingBag`` does as it trains: one rule, so the two agree."""
+
+    def __init__(self, *, min_count: int = 1, retire_after: int = 0, budget: int = 0, table: int = 0) -> None:
+        self.min_count, self.retire_after, self.budget, self.table = min_count, retire_after, budget, table
+        self.ids = KeyIndex()  # every key seen -> its id (the arrays below are by id)
+        self.row_of = np.zeros(0, dtype=np.int64)  # each key's row (0: none)
+        self.pending = np.zeros(0, dtype=np.int64)  # look-ups toward admission, while without a row
+        self.last = np.zeros(0, dtype=np.int64)  # each key's last look-up
+        self.uses = np.zeros(0, dtype=np.int64)  # look-ups since its row was made (the LFU's count)
+        self.tenure_of = np.zeros(0, dtype=np.int64)
+        self.made_keys: list[int] = []  # every row made: its key, number, iteration, and where it was retired
+        self.made_rows: list[int] = []
+        self.made_at: list[int] = []
+        self.retired_at: list[int] = []
+        self.free: list[int] = []
+        self.next_number = 1
+        self.iteration = 0
+        self.made_now: tuple[np.ndarray, np.ndarray] = (np.zeros(0, dtype=np.int64),) * 2  # the last step's
+
+    def _grow(self, count: int) -> None:
+        if count <= len(self.row_of):
+            return
+        size = max(count, 2 * len(self.row_of), 64)
+        for name, fill in (("row_of", 0), ("pending", 0), ("last", np.iinfo(np.int64).min // 2), ("uses", 0),
+                           ("tenure_of", -1)):
+            grown = np.full(size, fill, dtype=np.int64)
+            grown[:len(getattr(self, name))] = getattr(self, name)
+            setattr(self, name, grown)
+
+    def rows(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's row now (0: none), making none."""
+        known = self.ids.known(np.asarray(keys, dtype=np.int64))
+        return np.where(known >= 0, self.row_of[np.maximum(known, 0)] if len(self.row_of) else 0, 0)
+
+    @property
+    def alive(self) -> int:
+        return int(np.count_nonzero(self.row_of[:self.ids.count]))
+
+    def _retire(self, victims: np.ndarray) -> None:
+        for victim in victims.tolist():
+            heapq.heappush(self.free, int(self.row_of[victim]))
+            self.retired_at[self.tenure_of[victim]] = self.iteration
+        self.row_of[victims], self.tenure_of[victims] = 0, -1
+
+    def step(self, keys: np.ndarray, *, capacity: int = 0) -> np.ndarray:
+        """The next iteration's look-ups (raw keys, in batch order): each one's row, rows retired and made first
+        (``made_now``: the numbers made and their keys, in order). A batch that needs more rows than the budget,
+        or (``capacity`` > 0: a cache's) touches more distinct rows than that, is refused before anything
+        changes."""
+        keys = np.asarray(keys, dtype=np.int64)
+        iteration, min_count, retire_after = self.iteration, self.min_count, self.retire_after
+        distinct, first, counts = np.unique(keys, return_index=True, return_counts=True)
+        known = self.ids.known(distinct)
+        rowless = (known < 0) | (self.row_of[np.maximum(known, 0)] == 0 if len(self.row_of) else True)
+        alive = np.flatnonzero(self.row_of[:self.ids.count])
+        if retire_after:  # unused for retire_after iterations: retired at the start of the next (even if back now)
+            retiring = alive[self.last[alive] < iteration - retire_after]
+            rowless |= np.isin(known, retiring) & (known >= 0)
+        else:
+            retiring = alive[:0]
+        seen_before = np.where(known >= 0, self.last[np.maximum(known, 0)] if len(self.last) else 0,
+                               np.iinfo(np.int64).min // 2)
+        before = np.where(known >= 0, self.pending[np.maximum(known, 0)] if len(self.pending) else 0, 0)
+        if retire_after:  # (a key away longer than that starts counting toward admission again)
+            before = np.where(rowless & (iteration - seen_before > retire_after), 0, before)
+        admit = rowless & (before + counts >= min_count)
+        order = np.argsort(keys, kind="stable")
+        at = order[np.searchsorted(keys[order], distinct[admit]) + min_count - before[admit] - 1]
+        admitted = np.argsort(at, kind="stable")
+        if self.budget:
+            kept = int(np.count_nonzero(~rowless))
+            if kept + int(np.count_nonzero(admit)) > self.budget:
+                raise ValueError(f"iteration {iteration}'s batch looks up {kept + int(np.count_nonzero(admit))} rows "
+                                 f"of table {self.table}, more than its row budget of {self.budget} (--row-budget): "
+                                 f"give it a budget of one batch's rows at least, or use smaller batches")
+        touched = int(np.count_nonzero(~rowless | admit)) + int((rowless & ~admit).any())  # (+ the default row)
+        if capacity and touched > capacity:
+            raise ValueError(f"a batch touches {touched} distinct rows, more than the cache's {capacity}: give the "
+                             f"table more cache rows or use smaller batches")
+        # from here on the batch is taken
+        ids = self.ids.numbers(distinct)  # (new keys get ids, in key order: ids only index the arrays)
+        self._grow(self.ids.count)
+        self._retire(retiring)
+        self.pending[ids] = np.where(rowless & ~admit, before + counts, 0)
+        new = ids[admit][admitted]
+        if self.budget:
+            alive = np.flatnonzero(self.row_of[:self.ids.count])
+            over = len(alive) + len(new) - self.budget
+            if over > 0:  # the least frequently used rows this batch does not look up
+                idle = alive[~np.isin(alive, ids)]
+                self._retire(idle[np.lexsort((self.row_of[idle], self.last[idle], self.uses[idle]))[:over]])
+        numbers = np.empty(len(new), dtype=np.int64)
+        for place, key in enumerate(new.tolist()):
+            if self.free:
+                number = heapq.heappop(self.free)
+            else:
+                number, self.next_number = self.next_number, self.next_number + 1
+            numbers[place] = number
+            self.row_of[key], self.tenure_of[key], self.uses[key] = number, len(self.made_keys), 0
+            self.made_keys.append(int(distinct[admit][admitted][place]))
+            self.made_rows.append(number)
+            self.made_at.append(iteration)
+            self.retired_at.append(-1)
+        self.made_now = (numbers, distinct[admit][admitted])
+        rows = self.row_of[ids][np.searchsorted(distinct, keys)]
+        holding = self.row_of[ids] > 0
+        self.uses[ids[holding]] += counts[holding]
+        self.last[ids] = iteration
+        self.iteration += 1
+        return rows
+
+    def row_keys(self, size: int) -> np.ndarray:
+        """The key of each row number below ``size`` alive now (int64; -1: the default row, or a number free)."""
+        keys = np.full(size, -1, dtype=np.int64)
+        ids = np.flatnonzero(self.row_of[:self.ids.count])
+        keys[self.row_of[ids]] = self.ids.keys_of(ids)
+        return keys
+
+    def state(self) -> dict[str, np.ndarray]:
+        """What ``load`` takes: every key seen with its row, pending count, last look-up and uses, and the counters."""
+        count = self.ids.count
+        columns = [self.ids.keys_of(np.arange(count)), self.row_of[:count], self.pending[:count], self.last[:count],
+                   self.uses[:count]]
+        return {"keys": np.stack(columns, axis=1) if count else np.zeros((0, 5), dtype=np.int64),
+                "counters": np.array([self.next_number, self.iteration], dtype=np.int64)}
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """The rows as ``state`` (``state()``) had them; rows made before are not listed as made (``tenures``)."""
+        keys = np.asarray(state["keys"], dtype=np.int64).reshape(-1, 5)
+        self.__init__(min_count=self.min_count, retire_after=self.retire_after, budget=self.budget, table=self.table)
+        ids = self.ids.numbers(keys[:, 0]) if len(keys) else np.zeros(0, dtype=np.int64)
+        self._grow(self.ids.count)
+        for column, name in enumerate(("row_of", "pending", "last", "uses"), start=1):
+            getattr(self, name)[ids] = keys[:, column]
+        self.next_number, self.iteration = (int(v) for v in state["counters"])
+        alive = ids[keys[:, 1] > 0]
+        for key in alive.tolist():  # (a tenure each, so that retiring them is recorded)
+            self.tenure_of[key] = len(self.made_keys)
+            self.made_keys.append(int(self.ids.keys_of(np.array([key]))[0]))
+            self.made_rows.append(int(self.row_of[key]))
+            self.made_at.append(-1)
+            self.retired_at.append(-1)
+        taken = set(self.row_of[alive].tolist())
+        self.free = [number for number in range(1, self.next_number) if number not in taken]
+        heapq.heapify(self.free)
+
+    def tenures(self) -> dict:
+        """Every row made: its key, number, the iteration it was made at and the one it was retired at (-1: not)."""
+        return {"keys": np.asarray(self.made_keys, dtype=np.int64), "rows": np.asarray(self.made_rows, dtype=np.int64),
+                "start": np.asarray(self.made_at, dtype=np.int64), "end": np.asarray(self.retired_at, dtype=np.int64)}
+
+
 def _in_turn(looked_up: np.ndarray, ends: np.ndarray, *, table: int, min_count: int, retire_after: int,
              budget: int) -> tuple[dict, np.ndarray]:
-    """One table's tenures and each look-up's row (``RetiringNumbering.of_lookups_in_turn``), iteration by
-    iteration: retirements of rows unused for ``retire_after`` iterations, admission, the least frequently used
-    retired to keep ``budget`` rows at most (0: no bound), then the rows made, each taking the smallest free number."""
-    keys, key_of = np.unique(looked_up, return_inverse=True)
-    row_of = np.zeros(len(keys), dtype=np.int64)  # each key's row (0: none)
-    tenure_of = np.full(len(keys), -1, dtype=np.int64)
-    pending = np.zeros(len(keys), dtype=np.int64)  # look-ups toward admission, while without a row
-    last = np.full(len(keys), np.iinfo(np.int64).min // 2, dtype=np.int64)  # each key's last look-up
-    uses = np.zeros(len(keys), dtype=np.int64)  # look-ups since its row was made (the LFU's count)
-    made_keys: list[int] = []
-    made_rows: list[int] = []
-    made_at: list[int] = []
-    retired_at: list[int] = []
+    """One table's tenures and each look-up's row (``RetiringNumbering.of_lookups_in_turn``): its batches
+    through a ``TableRows`` in turn."""
+    life = TableRows(min_count=min_count, retire_after=retire_after, budget=budget, table=table)
     rows = np.zeros(len(looked_up), dtype=np.int64)
-    free: list[int] = []
-    next_number, start = 1, 0
-
-    def retire(victims: np.ndarray, iteration: int) -> None:
-        for victim in victims.tolist():
-            heapq.heappush(free, int(row_of[victim]))
-            retired_at[tenure_of[victim]] = iteration
-        row_of[victims], tenure_of[victims] = 0, -1
-
-    for iteration, stop in enumerate(ends.tolist()):
-        batch = key_of[start:stop]
-        alive = np.flatnonzero(row_of)
-        if retire_after:  # unused for retire_after iterations: retired at the start of the next
-            retire(alive[last[alive] < iteration - retire_after], iteration)
-        distinct, counts = np.unique(batch, return_counts=True)
-        rowless = row_of[distinct] == 0
-        if retire_after:  # (a key away longer than that starts counting toward admission again)
-            pending[distinct[rowless & (iteration - last[distinct] > retire_after)]] = 0
-        before = pending[distinct]
-        admit = rowless & (before + counts >= min_count)
-        order = np.argsort(batch, kind="stable")
-        at = order[np.searchsorted(batch[order], distinct[admit]) + min_count - before[admit] - 1]
-        new = distinct[admit][np.argsort(at, kind="stable")]
-        waiting = rowless & ~admit
-        pending[distinct[waiting]] += counts[waiting]
-        pending[new] = 0
-        if budget:
-            kept = int(np.count_nonzero(~rowless))  # rows this batch looks up that are alive already
-            if kept + len(new) > budget:
-                raise ValueError(f"iteration {iteration}'s batch looks up {kept + len(new)} rows of table {table}, "
-                                 f"more than its row budget of {budget} (--row-budget): give it a budget of one "
-                                 f"batch's rows at least, or use smaller batches")
-            alive = np.flatnonzero(row_of)
-            over = len(alive) + len(new) - budget
-            if over > 0:  # the least frequently used rows this batch does not look up
-                idle = alive[~np.isin(alive, distinct)]
-                retire(idle[np.lexsort((row_of[idle], last[idle], uses[idle]))[:over]], iteration)
-        for key in new.tolist():
-            if free:
-                number = heapq.heappop(free)
-            else:
-                number, next_number = next_number, next_number + 1
-            row_of[key], tenure_of[key], uses[key] = number, len(made_keys), 0
-            made_keys.append(key)
-            made_rows.append(number)
-            made_at.append(iteration)
-            retired_at.append(-1)
-        rows[start:stop] = row_of[batch]
-        holding = row_of[distinct] > 0
-        uses[distinct[holding]] += counts[holding]
-        last[distinct] = iteration
+    start = 0
+    for stop in ends.tolist():
+        rows[start:stop] = life.step(looked_up[start:stop])
         start = stop
-    tenure = {"keys": keys[np.asarray(made_keys, dtype=np.int64)], "rows": np.asarray(made_rows, dtype=np.int64),
-              "start": np.asarray(made_at, dtype=np.int64), "end": np.asarray(retired_at, dtype=np.int64)}
-    return tenure, rows
+    return life.tenures(), rows
 
 
 def _first_tenures(tenure: dict) -> np.ndarray:
