@@ -74,16 +74,19 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
 
 
 def check_same_batches(config: TrainConfig, dataset: BinaryDataset) -> None:
-    """A resumed run on raw ids must plan the batches it started with: its tables' rows are those its batches make
-    (embeddings.dynamic), so more or fewer iterations would number them otherwise."""
-    if dataset.numbering is None:
+    """A resumed job of processes on raw ids must plan the batches it started with: its tables' rows are those its
+    batches make (embeddings.dynamic), and its servers restore their shards by the rows' places, so more or fewer
+    iterations would number them otherwise. (The in-process modes regrow a checkpoint's tables instead:
+    train.reference.numbered_before.)"""
+    if dataset.numbering is None or not config.run_mode.processes:
         return
     saved = json.loads((Path(config.run_dir) / "config.json").read_text())
     for name in ("iterations", "epochs"):
         if saved.get(name) != getattr(config, name):
             raise ValueError(f"--resume: the run in {config.run_dir} trains raw ids, whose rows are the ones its "
                              f"batches make; it was started with {name}={saved.get(name)!r}, and resuming it with "
-                             f"{getattr(config, name)!r} is not supported yet (leave the flag out)")
+                             f"{getattr(config, name)!r} is not supported yet in --mode {config.mode} (leave the "
+                             f"flag out; --mode reference and single resume it)")
 
 
 def claim(config: TrainConfig, dataset: BinaryDataset, *, overwrite: bool, show_progress: bool = False) -> None:

@@ -17,6 +17,9 @@ class Feature:
     name: str
     cardinality: int  # ids in [0, cardinality)
     width: int = 1  # columns: 1 one-hot, more a bag or a sequence (padded with PAD)
+    # raw-id tables (embeddings.dynamic): the rows their initial values are scaled for, a property of the data (its
+    # train split's distinct keys and the default row), not of the rows a run makes; 0: the cardinality
+    init_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.cardinality <= 0 or self.width <= 0:

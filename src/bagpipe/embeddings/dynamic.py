@@ -91,14 +91,19 @@ class RowNumbering:
             order.append(rows)
             iterations.append(np.full(len(rows), iteration, dtype=np.int64))
         count = len(order)
+        # each table's initial values are scaled for its train split's distinct keys and the default row: the data's,
+        # whatever rows the run makes (so a longer run's rows start as a shorter one's)
+        init_rows = [len(np.unique(np.asarray(split.ids[:, table], dtype=np.int64))) + 1
+                     for table in range(split.ids.shape[1])]
         order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
         at = np.concatenate(iterations) if iterations else np.zeros(0, dtype=np.int64)
-        if budget:
-            return RetiringNumbering.of_lookups_in_turn(split, order, at, iterations=count, min_count=min_count,
-                                                        retire_after=retire_after, budget=budget)
-        if retire_after:
-            return RetiringNumbering.of_lookups(split, order, at, iterations=count, min_count=min_count,
-                                                retire_after=retire_after)
+        if budget or retire_after:
+            numbering = (RetiringNumbering.of_lookups_in_turn(split, order, at, iterations=count, min_count=min_count,
+                                                              retire_after=retire_after, budget=budget) if budget else
+                         RetiringNumbering.of_lookups(split, order, at, iterations=count, min_count=min_count,
+                                                      retire_after=retire_after))
+            numbering.init_rows = init_rows
+            return numbering
         sorted_keys, rows, made_at, default_lookups = [], [], [], 0
         for table in range(split.ids.shape[1]):  # a column at a time: memory of the look-ups, not of the batches
             looked_up = np.asarray(split.ids[:, table], dtype=np.int64)[order]
@@ -116,7 +121,9 @@ class RowNumbering:
             sorted_keys.append(keys)
             rows.append(row)
             made_at.append(at[made_by_look_up[in_made_order]])
-        return cls(sorted_keys, rows, made_at, default_lookups=default_lookups)
+        numbering = cls(sorted_keys, rows, made_at, default_lookups=default_lookups)
+        numbering.init_rows = init_rows
+        return numbering
 
     @property
     def rows_made(self) -> list[int]:
@@ -155,6 +162,7 @@ class RowNumbering:
         return np.where(rows <= limits, rows, 0)
 
     retire_after = 0  # (RetiringNumbering: rows unused this long are retired)
+    init_rows: list[int] | None = None  # per table, the rows its initial values are scaled for (of_run: the data's)
 
     def training_ids(self, ids: np.ndarray, iteration: int) -> np.ndarray:
         """Iteration ``iteration``'s training batch (its raw ids numbered: ``numbered``) as it trains: each key on
@@ -589,7 +597,7 @@ def keyed_blocks(keys: np.ndarray, *, table_index: int, table, seed: int) -> Ite
     (seed, table, key) alone, so a server's shard holds the rows the reference's whole table does."""
     for start in range(0, len(keys), INIT_CHUNK_KEYS):
         yield init_keyed(keys[start:start + INIT_CHUNK_KEYS], seed=seed, table=table_index, dim=table.dim,
-                         num_rows=table.num_rows, init=table.init)
+                         num_rows=table.init_rows or table.num_rows, init=table.init)
 
 
 def remade(numbering: RowNumbering, layout, iteration: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -655,7 +663,9 @@ def numbered_dataset(dataset, numbering: RowNumbering):
     if len(numbering.sorted_keys) != len(schema.features) or any(f.width != 1 for f in schema.features):
         raise ValueError("raw-id data holds one id a feature")
     numbered = Schema(num_dense=schema.num_dense, features=tuple(
-        dataclasses.replace(feature, cardinality=rows) for feature, rows in zip(schema.features, numbering.table_rows)))
+        dataclasses.replace(feature, cardinality=rows, init_rows=scale)
+        for feature, rows, scale in zip(schema.features, numbering.table_rows,
+                                        numbering.init_rows or [0] * len(schema.features))))
     return dataclasses.replace(dataset, **{name: dataclasses.replace(split, schema=numbered,
                                                                      ids=NumberedIds(split.ids, numbering))
                                            for name, split in dataset.splits().items()})

@@ -9,6 +9,7 @@ several widths (factor and first-order embeddings, say) has several spaces.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +27,7 @@ class TableConfig:
     dim: int
     features: tuple[int, ...]  # the data's sparse features this table embeds, one lookup each
     init: str = "uniform"  # uniform: +-1/sqrt(num_rows), as DLRM; normal: N(0, (1/dim)^2), as Caser; zeros
+    init_rows: int = 0  # raw-id tables: the rows the uniform init is scaled for instead (Feature.init_rows)
 
     def __post_init__(self) -> None:
         if self.num_rows <= 0 or self.dim <= 0:
@@ -37,7 +39,7 @@ class TableConfig:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "num_rows": self.num_rows, "dim": self.dim, "features": list(self.features),
-                "init": self.init}
+                "init": self.init, **({"init_rows": self.init_rows} if self.init_rows else {})}
 
     @classmethod
     def from_dict(cls, values: dict) -> "TableConfig":
@@ -79,7 +81,10 @@ class EmbeddingLayout:
     """Tables grouped into spaces by width, and every lookup's place (pure: no tensors held)."""
 
     def __init__(self, tables: Sequence[TableConfig], schema: Schema) -> None:
-        self.tables = tuple(tables)
+        # (a raw-id table's initial values are scaled for its data's rows: Feature.init_rows)
+        self.tables = tuple(dataclasses.replace(table, init_rows=schema.features[table.features[0]].init_rows)
+                            if not table.init_rows and table.features and table.features[0] < len(schema.features)
+                            and schema.features[table.features[0]].init_rows else table for table in tables)
         self.schema = schema
         if not self.tables:
             raise ValueError("a model needs at least one embedding table")

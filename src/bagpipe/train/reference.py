@@ -8,6 +8,7 @@ optimizer step per iteration.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -21,15 +22,16 @@ import torch
 from torch import nn
 
 from bagpipe import models
-from bagpipe.train.checkpoints import (CheckpointSchedule, CheckpointWriter, capture, discard_after, load_checkpoint,
-                                       resumable_checkpoint, restore)
+from bagpipe.train.checkpoints import (CheckpointSchedule, CheckpointWriter, TrainState, capture, discard_after,
+                                       load_checkpoint, resumable_checkpoint, restore)
 from bagpipe.config import TrainConfig, config_to_dict
-from bagpipe.data.batches import Batch, batches_per_epoch, fresh_negatives, iterate_batches, planned_iterations
+from bagpipe.data.batches import (Batch, batch_rows, batches_per_epoch, fresh_negatives, iterate_batches,
+                                  planned_iterations)
 from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.embeddings.dynamic import keyed_blocks, remade, remade_weights
+from bagpipe.embeddings.dynamic import RowNumbering, keyed_blocks, numbered_dataset, remade, remade_weights
 from bagpipe.train.evaluation import EvaluatedSplit, evaluate_splits, evaluated_splits, no_evaluation, watched_metric
 from bagpipe.health import Best, EvaluationWatch, LossWatch, RunWarning
 from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
@@ -325,7 +327,9 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
         cleanup.callback(tables.close)  # (tables on disk: their files are this run's working copies)
     cleanup_fraction = single_cleanup_fraction(config)
     dense_optimizer = tables.optimizer.dense_optimizer(model.parameters())
-    progress_state = _resume(config, run, model, dense_optimizer, tables, checkpoint) if resume else _Progress()
+    progress_state = (_resume(config, run, model, dense_optimizer, tables, checkpoint,
+                              before=numbered_before(config, dataset, checkpoint[1][-1]["extra"], iterations))
+                      if resume else _Progress())
     start = progress_state.iteration
     # Its health (health.py), as far as an interrupted run had judged it, and its best evaluation.
     loss_watch = LossWatch(**progress_state.loss_watch)
@@ -412,7 +416,8 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
             full = writer.wants_full()
             writer.save(capture(iteration + 1, model, dense_optimizer, tables, full=full,
                                 extra={"recent_losses": list(recent_losses), "loss_watch": loss_watch.state(),
-                                       "torch_threads": torch.get_num_threads()}), full=full)
+                                       "torch_threads": torch.get_num_threads(),
+                                       **raw_ids_extra(dataset.numbering, iterations)}), full=full)
         if config.eval_every and testable and iteration + 1 < iterations and (iteration + 1) % config.eval_every == 0:
             settle()
             eval_s += _evaluate_at(iteration + 1, model, tables, evaluated, run, config, watch, row_keys=row_keys)[1]
@@ -569,10 +574,13 @@ class _Progress:
 
 
 def _resume(config: TrainConfig, run: RunDir, model: nn.Module, dense_optimizer: torch.optim.Optimizer,
-            tables: EmbeddingTables, checkpoint: tuple) -> _Progress:
+            tables: EmbeddingTables, checkpoint: tuple, *, before: EmbeddingLayout | None = None) -> _Progress:
     """Restore ``checkpoint`` (the run's newest valid one: its directory and chain), and forget what the run
-    logged or checkpointed after it: those iterations are computed again."""
-    state = load_checkpoint(*checkpoint, num_rows=[space.num_rows for space in tables.layout.spaces])
+    logged or checkpointed after it: those iterations are computed again. ``before``: raw ids numbered for another
+    number of iterations (``numbered_before``): the checkpoint's tables regrown into this run's."""
+    state = load_checkpoint(*checkpoint, num_rows=[space.num_rows for space in (before or tables.layout).spaces])
+    if before is not None:
+        state = regrown(state, before, tables)
     restore(state, model, dense_optimizer, tables)
     threads = state.extra.get("torch_threads")
     if threads and threads != torch.get_num_threads():
@@ -584,6 +592,56 @@ def _resume(config: TrainConfig, run: RunDir, model: nn.Module, dense_optimizer:
     log.info("resuming %s from its checkpoint at iteration %d", config.run_dir, state.iteration)
     return _Progress(iteration=state.iteration, recent_losses=list(state.extra.get("recent_losses", [])),
                      loss_watch=dict(state.extra.get("loss_watch", {})))
+
+
+def raw_ids_extra(numbering, iterations: int) -> dict:
+    """What a checkpoint of raw-id tables records of its numbering: the iterations it planned and each table's rows
+    (so that a resume planning another number of iterations regrows its tables: ``numbered_before``)."""
+    return {} if numbering is None else {"raw_ids": {"iterations": iterations, "table_rows": numbering.table_rows}}
+
+
+def numbered_before(config: TrainConfig, dataset, extra: dict, iterations: int) -> EmbeddingLayout | None:
+    """The layout a raw-id checkpoint's rows were numbered under, if its run planned another number of iterations
+    than this one (``iterations``; None: the same, or fixed tables). The rows a run makes are numbered in the
+    order of its batches, and batch i is the same whatever the run's length, so either numbering's rows are the
+    other's first ones: checked, row by row, against the numbering made again for the checkpoint's length."""
+    numbering, saved = dataset.numbering, extra.get("raw_ids")
+    if numbering is None or saved is None or saved["iterations"] == iterations:
+        return None
+    raw = dataclasses.replace(dataset.train, ids=dataset.train.ids.raw)
+    selectors = batch_rows(raw, batch_size=config.batch_size, iterations=saved["iterations"], shuffle=config.shuffle,
+                           shuffle_seed=config.shuffle_seed)
+    old = RowNumbering.of_run(raw, selectors, min_count=config.row_min_count, retire_after=config.row_retire_after,
+                              budget=config.row_budget)
+    same = old.table_rows == saved["table_rows"] and all(
+        np.array_equal(old.row_keys(f)[:rows], numbering.row_keys(f)[:rows])
+        for f, rows in enumerate(map(min, old.table_rows, numbering.table_rows)))
+    if not same:
+        raise ValueError(f"--resume: the checkpoint's tables in {config.run_dir} are not the first rows of this run's "
+                         f"(numbered for {saved['iterations']} iterations, now {iterations}): its data or batches "
+                         f"changed")
+    log.info("raw ids: the checkpoint's tables (numbered for %d iterations) regrown to this run's %d",
+             saved["iterations"], iterations)
+    schema = numbered_dataset(dataclasses.replace(dataset, **{name: dataclasses.replace(
+        split, ids=split.ids.raw) for name, split in dataset.splits().items()}), old).schema
+    return EmbeddingLayout(models.model_tables(config.model, schema), schema)
+
+
+def regrown(state: TrainState, before: EmbeddingLayout, tables) -> TrainState:
+    """``state``'s rows (of the tables ``before`` lays out) where ``tables``' layout has them: each table's first
+    rows, as many as both have; the rest as ``tables`` hold them now (made from their keys, optimizer state zero)."""
+    parts = []
+    for part in state.parts:
+        rows, row_state = tables.read_rows(part.space)
+        rows, row_state = rows.copy(), np.zeros_like(row_state)
+        for index in before.spaces[part.space].tables:
+            _, old = before.place(index)
+            _, new = tables.layout.place(index)
+            count = min(before.tables[index].num_rows, tables.layout.tables[index].num_rows)
+            rows[new:new + count] = part.rows[old:old + count]
+            row_state[new:new + count] = part.state[old:old + count]
+        parts.append(dataclasses.replace(part, rows=rows, state=row_state))
+    return dataclasses.replace(state, parts=parts)
 
 
 def check_loss(loss: float, iteration: int, config: TrainConfig) -> None:
