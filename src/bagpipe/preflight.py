@@ -49,6 +49,11 @@ def prepare_data(config: TrainConfig, *, show_progress: bool = False) -> BinaryD
                                                holdout=config.holdout, vocab_min_count=config.vocab_min_count))
     if dataset.meta.get("raw_ids"):
         dataset = numbered_run_data(config, dataset)
+    else:
+        for name in ("row_min_count", "row_retire_after", "row_budget"):
+            if getattr(config, name) != getattr(default_config(), name):
+                log.warning("--%s does nothing: %s holds no raw ids (bagpipe preprocess --raw-ids)",
+                            name.replace("_", "-"), config.data)
     held = dataset.meta.get("held_out")
     if held:
         log.info("%s has no test split: its last %d rows (%.1f%%, --holdout %.4g) are held out for evaluation",
@@ -68,8 +73,9 @@ def numbered_run_data(config: TrainConfig, dataset: BinaryDataset) -> BinaryData
         config, dataset.train), shuffle=config.shuffle, shuffle_seed=config.shuffle_seed)
     numbering = RowNumbering.of_run(dataset.train, selectors, min_count=config.row_min_count,
                                     retire_after=config.row_retire_after, budget=config.row_budget)
-    log.info("raw ids: %d rows made for the keys the run's batches look up (largest table %d), a default row a table "
-             "for the others", sum(numbering.rows_made), max(numbering.rows_made))
+    log.info("raw ids: %d rows made for the keys the run's batches look up, the tables holding %d rows (largest %d), "
+             "a default row each for the others", sum(numbering.rows_made), sum(numbering.table_rows),
+             max(numbering.table_rows))
     return dataclasses.replace(numbered_dataset(dataset, numbering), numbering=numbering)
 
 

@@ -86,6 +86,8 @@ def test_a_bagpipe_job_on_raw_ids_restarts_from_its_checkpoint_to_the_same_expor
     summary = launch_local(config, show_progress=False, env={"BAGPIPE_FAULTS": "trainer1@iteration 23:kill"})
     [restart] = summary["restarts"]
     assert restart["resumed_from"] == 20 and summary["resumed_at"] == 20
+    from bagpipe.preflight import prepare_data  # (rows are made again at the very boundary it resumed from)
+    assert any(len(rows) for rows, _ in prepare_data(config).numbering.resets(20))
     assert_same_parameters(export(config.run_dir, tmp_path / "run.pt"), reference_of(config, tmp_path / "ref"))
     reference = json.loads((tmp_path / "ref" / "summary.json").read_text())
     assert summary["raw_ids"] == reference["raw_ids"]

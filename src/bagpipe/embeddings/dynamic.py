@@ -162,6 +162,7 @@ class RowNumbering:
         return np.where(rows <= limits, rows, 0)
 
     retire_after = 0  # (RetiringNumbering: rows unused this long are retired)
+    retires = False  # rows are retired and their numbers reused (RetiringNumbering: made again, ``resets``)
     init_rows: list[int] | None = None  # per table, the rows its initial values are scaled for (of_run: the data's)
 
     def training_ids(self, ids: np.ndarray, iteration: int) -> np.ndarray:
@@ -250,6 +251,9 @@ class RetiringNumbering(RowNumbering):
         self.iterations, self.retire_after, self.default_lookups = iterations, retire_after, default_lookups
         self.sorted_keys = [np.unique(t["keys"]) for t in tenures]  # (the keys that ever had a row)
         self._again: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # (resets, made at first use)
+        self._maps: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # the live key -> row maps, by as_of
+
+    retires = True
 
     @classmethod
     def of_lookups(cls, split, order: np.ndarray, at: np.ndarray, *, iterations: int, min_count: int,
@@ -330,16 +334,27 @@ class RetiringNumbering(RowNumbering):
         as_of = self.iterations if as_of is None else as_of
         ids = np.asarray(ids, dtype=np.int64)
         rows = np.zeros(ids.shape, dtype=np.int64)
-        for table, tenure in enumerate(self.tenures):
-            alive = self._alive(table, as_of)
-            keys, order = np.unique(tenure["keys"][alive], return_index=True)  # (a key has one row alive at once)
+        for table, (keys, table_rows) in enumerate(self._map(as_of)):
             if not len(keys):
                 continue
-            table_rows = tenure["rows"][alive][order]
             column = ids[..., table]
             at = np.minimum(np.searchsorted(keys, column), len(keys) - 1)
             rows[..., table] = np.where(keys[at] == column, table_rows[at], 0)
         return rows
+
+    def _map(self, as_of: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per table, the keys alive as of ``as_of`` (sorted) and their rows; the last few kept (every batch of a
+        split is numbered as of one iteration)."""
+        if as_of not in self._maps:
+            if len(self._maps) >= 4:
+                self._maps.pop(next(iter(self._maps)))
+            maps = []
+            for table, tenure in enumerate(self.tenures):
+                alive = self._alive(table, as_of)
+                keys, order = np.unique(tenure["keys"][alive], return_index=True)  # (one row alive a key at once)
+                maps.append((keys, tenure["rows"][alive][order]))
+            self._maps[as_of] = maps
+        return self._maps[as_of]
 
     def made_only(self, rows: np.ndarray, as_of: int) -> np.ndarray:
         raise NotImplementedError("with retirement a key's row depends on the iteration: use training_ids")
@@ -455,12 +470,12 @@ class TableRows:
         distinct, first, counts = np.unique(keys, return_index=True, return_counts=True)
         known = self.ids.known(distinct)
         rowless = (known < 0) | (self.row_of[np.maximum(known, 0)] == 0 if len(self.row_of) else True)
-        alive = np.flatnonzero(self.row_of[:self.ids.count])
         if retire_after:  # unused for retire_after iterations: retired at the start of the next (even if back now)
+            alive = np.flatnonzero(self.row_of[:self.ids.count])
             retiring = alive[self.last[alive] < iteration - retire_after]
             rowless |= np.isin(known, retiring) & (known >= 0)
         else:
-            retiring = alive[:0]
+            retiring = np.zeros(0, dtype=np.int64)
         seen_before = np.where(known >= 0, self.last[np.maximum(known, 0)] if len(self.last) else 0,
                                np.iinfo(np.int64).min // 2)
         before = np.where(known >= 0, self.pending[np.maximum(known, 0)] if len(self.pending) else 0, 0)
@@ -492,19 +507,18 @@ class TableRows:
             if over > 0:  # the least frequently used rows this batch does not look up
                 idle = alive[~np.isin(alive, ids)]
                 self._retire(idle[np.lexsort((self.row_of[idle], self.last[idle], self.uses[idle]))[:over]])
-        numbers = np.empty(len(new), dtype=np.int64)
-        for place, key in enumerate(new.tolist()):
-            if self.free:
-                number = heapq.heappop(self.free)
-            else:
-                number, self.next_number = self.next_number, self.next_number + 1
-            numbers[place] = number
-            self.row_of[key], self.tenure_of[key], self.uses[key] = number, len(self.made_keys), 0
-            self.made_keys.append(int(distinct[admit][admitted][place]))
-            self.made_rows.append(number)
-            self.made_at.append(iteration)
-            self.retired_at.append(-1)
-        self.made_now = (numbers, distinct[admit][admitted])
+        reused = min(len(new), len(self.free))  # the smallest free numbers first, then new ones
+        numbers = np.concatenate([np.array([heapq.heappop(self.free) for _ in range(reused)], dtype=np.int64),
+                                  np.arange(self.next_number, self.next_number + len(new) - reused, dtype=np.int64)])
+        self.next_number += len(new) - reused
+        made = distinct[admit][admitted]
+        self.row_of[new], self.uses[new] = numbers, 0
+        self.tenure_of[new] = np.arange(len(self.made_keys), len(self.made_keys) + len(new))
+        self.made_keys.extend(made.tolist())
+        self.made_rows.extend(numbers.tolist())
+        self.made_at.extend([iteration] * len(new))
+        self.retired_at.extend([-1] * len(new))
+        self.made_now = (numbers, made)
         rows = self.row_of[ids][np.searchsorted(distinct, keys)]
         holding = self.row_of[ids] > 0
         self.uses[ids[holding]] += counts[holding]

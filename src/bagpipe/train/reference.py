@@ -370,7 +370,7 @@ def _train(config: TrainConfig, cleanup: contextlib.ExitStack, *, show_progress:
                               negatives=fresh_negatives(config, dataset.train))
     if dataset.numbering is not None:  # (raw ids: a key not admitted yet looks its table's default row up)
         batches = dataset.numbering.as_made(batches, start=start)
-    retiring = dataset.numbering is not None and dataset.numbering.retire_after > 0
+    retiring = dataset.numbering is not None and dataset.numbering.retires
     if config.run_mode.cached and plans_ahead(config.policy):
         batches = Lookahead(batches, tables, ids=lambda batch: batch.ids, lookahead=config.lookahead,
                             cleanup_fraction=cleanup_fraction)

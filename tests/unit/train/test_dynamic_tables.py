@@ -362,3 +362,30 @@ def test_a_row_budget_retires_the_least_frequently_used_and_a_batch_past_it_is_r
                    for key in alive if key not in ids[end * 20:(end + 1) * 20, 0])
     with pytest.raises(ValueError, match=r"batch looks up \d+ rows of table 0, more than its row budget of 5"):
         RowNumbering.of_run(split, batches, budget=5)
+
+
+def test_a_reused_number_is_made_again_for_its_new_key_with_fresh_state_under_a_budget_alone(raw_data, tmp_path,
+                                                                                            monkeypatch):
+    """A budget alone retires rows too: the run makes each reused number again (new key's initial row, optimizer
+    state zero) at the iteration it is reused, before the step."""
+    from bagpipe.train import reference
+
+    seen = []
+
+    def remake_rows(tables, numbering, iteration, *, seed):
+        made = reference.remade(numbering, tables.layout, iteration)
+        before = [(tables.weights[s].clone(), tables.state[s].clone()) for s in range(len(made))]
+        real(tables, numbering, iteration, seed=seed)
+        for space, (flat, keys, owners) in enumerate(made):
+            if len(flat):
+                index = torch.from_numpy(flat)
+                want = reference.remade_weights(tables.layout, owners, keys, seed=seed)
+                assert torch.equal(tables.weights[space][index], want) and not tables.state[space][index].any()
+                assert not torch.equal(before[space][0][index], want)  # (it held the retired key's trained row)
+                seen.append(iteration)
+
+    real = reference.remake_rows
+    monkeypatch.setattr(reference, "remake_rows", remake_rows)
+    summary = train_reference(small_config(raw_data, tmp_path / "run", iterations=30, batch_size=64, optimizer="adam",
+                                           row_budget=70), show_progress=False)
+    assert seen and summary["raw_ids"]["rows_retired"] > 0 and summary["raw_ids"]["retire_after"] == 0

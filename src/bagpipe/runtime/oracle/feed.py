@@ -109,7 +109,7 @@ class Feed:
         negatives = fresh_negatives(config, split)
 
         numbering = self.dataset.numbering  # raw ids: a key not admitted yet looks its table's default row up
-        retiring = numbering is not None and numbering.retire_after > 0
+        retiring = numbering is not None and numbering.retires
 
         def key_stream():  # per iteration, each space's keys (replicated), or each space's keys per trainer
             for iteration, (epoch, rows) in enumerate(epoch_rows(

@@ -305,25 +305,37 @@ class TrainerRuntime:
                 self.others_evicted.append((iteration - 1, space, step.evict_keys[others], rows[others], state[others]))
         self._install_fetched(space, iteration, step, requests)
 
-    def _remake(self, remade: list, *, spaces: list[int] | None = None, only: np.ndarray | None = None) -> None:
+    def _remake(self, remade: list, *, spaces: list[int] | None = None,
+                held: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Raw ids with rows retired: the rows whose numbers are reused at this iteration made again for their new
         keys (each from its key, its optimizer state zero) in the slots that hold them, as every trainer holding
         one does (its server's copy is stale until the row is written back, as any cached row's is). A row's last
         use before it was retired is two boundaries back at least, so its lazily synced update is in by now.
-        ``spaces`` and ``only``: those spaces' rows among keys ``only`` (a keeper's late fetches)."""
+        A row made again is looked up at its iteration, so this trainer holds it only among the step's rows (its
+        batch's, and with the partitioned cache those it keeps): found there, not by a scan of the cache.
+        ``spaces`` and ``held``: those spaces' rows among ``held`` (keys and slots: a keeper's late fetches)."""
         for space, (keys, raw, tables) in enumerate(remade):
-            cache = self.caches[space]
             if not len(keys) or (spaces is not None and space not in spaces):
                 continue
-            wanted = keys.numpy() if only is None else np.intersect1d(keys.numpy(), only)
-            slots = np.flatnonzero(np.isin(cache.slot_key, wanted))
-            if not len(slots):
+            if held is not None:
+                have_keys, have_slots = held
+            else:
+                step = self.step.spaces[space]
+                have_keys, have_slots = step.batch_keys.numpy(), step.batch_slots.numpy()
+                kept = getattr(step, "kept_keys", None)
+                if kept is not None and len(kept):
+                    have_keys = np.concatenate([have_keys, kept.numpy()])
+                    have_slots = np.concatenate([have_slots, step.kept_slots.numpy()])
+            cache = self.caches[space]
+            hit = np.isin(have_keys, keys.numpy())
+            hit[hit] = cache.slot_key[have_slots[hit]] == have_keys[hit]  # (a keeper's late fetch: at its install)
+            if not hit.any():
                 continue
-            held = cache.slot_key[slots]
+            slots, found = have_slots[hit], have_keys[hit]
             order = np.argsort(keys.numpy(), kind="stable")
-            mine = order[np.searchsorted(keys.numpy(), held, sorter=order)]
+            mine = order[np.searchsorted(keys.numpy(), found, sorter=order)]
             weights = remade_weights(self.layout, tables.numpy()[mine], raw.numpy()[mine], seed=self.job.config.seed)
-            cache.install(slots, held, weights, torch.zeros(len(slots), cache.state.shape[1]), refill=True)
+            cache.install(slots, found, weights, torch.zeros(len(slots), cache.state.shape[1]), refill=True)
 
     def _part_boundary(self, message: StepMessage, fetches: list) -> None:
         """This trainer's part of a partitioned plan's boundary (trainer/partitioned.py): the last boundary's late
@@ -331,8 +343,8 @@ class TrainerRuntime:
         every space's fetches due now (the late ones are kept for the next boundary)."""
         for space, iteration, step, requests, remade in self._late:  # the last boundary's fetches due now
             installed = self._install_fetched(space, iteration, step, requests)
-            if remade is not None:  # (a row made again at that iteration reaches this keeper as its server had it)
-                self._remake(remade, spaces=[space], only=installed)
+            if remade is not None and installed is not None:  # (a row made again at that iteration reaches this
+                self._remake(remade, spaces=[space], held=installed)  # keeper as its server had it)
         self._late = []
         self.shared.apply()
         for space, step in enumerate(message.spaces):
@@ -344,9 +356,10 @@ class TrainerRuntime:
             if late:
                 self._late.append((space, message.iteration, step, late, message.remade))
 
-    def _install_fetched(self, space: int, iteration: int, step, requests: list) -> np.ndarray | None:
+    def _install_fetched(self, space: int, iteration: int, step, requests: list
+                         ) -> tuple[np.ndarray, np.ndarray] | None:
         """A space's fetches of the boundary before ``iteration`` that ``requests`` ask for, waited for and
-        installed in their slots; their keys."""
+        installed in their slots; their keys and slots."""
         if not requests:
             return None
         dim = self.layout.spaces[space].dim
@@ -358,10 +371,10 @@ class TrainerRuntime:
             rows[part], state[part], have, tag = self._answer(request, what="fetch")
             check_fetched(*request.args, have, tag, server=request.sent_to, iteration=iteration)
         stalled(self.stats, "fetch_wait_s", waited)
-        keys = step.fetch_keys[index].numpy()
-        self.caches[space].install(step.fetch_slots[index].numpy(), keys, rows[index], state[index])
+        keys, slots = step.fetch_keys[index].numpy(), step.fetch_slots[index].numpy()
+        self.caches[space].install(slots, keys, rows[index], state[index])
         self.stats.rows_fetched += len(index)
-        return keys
+        return keys, slots
 
     def _send_write_backs(self, space: int, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, *,
                           version: int) -> None:
