@@ -17,8 +17,7 @@ ITERATIONS = 100  # the faults come by iteration 45; the checkpoint case's last 
     # the issue's shape: 3 data servers and a parity server; killed after its step (the survivor's next sums fail)
     ("sgd", "trainer1@iteration 30:kill", {"servers": 4, "parity": 3, "check_parity": True}),
     # killed between its backward and its main sum (the survivor waits in that sum): the leader, then trainer 1
-    ("adam", "trainer0@backward 40:kill", {"servers": 4, "parity": 3, "check_parity": True}),
-    ("adagrad", "trainer1@backward 25:kill", {"servers": 4, "parity": 3, "check_parity": True}),
+    ("adam", "trainer0@backward 40:kill", {"servers": 4, "parity": 3, "check_parity": True}),  # (trainer 1's: below)
     # in the last iteration: the survivor's next boundary is the final flush, where the replacement takes over
     ("sgd", f"trainer1@backward {ITERATIONS - 1}:kill", {"servers": 2}),
     # then the survivor, in the first iteration after it handed its state over: the replacement gives its own
@@ -102,14 +101,14 @@ def test_a_checkpoint_part_lost_with_trainer_0_is_abandoned_and_later_checkpoint
     assert_same_parameters(export(config.run_dir, tmp_path / "resumed.pt"), reference)
 
 
-def test_a_trainer_whose_world_re_forms_five_times_keeps_a_bounded_number_of_threads(small_binary, tmp_path):
+def test_a_trainer_whose_world_re_forms_four_times_keeps_a_bounded_number_of_threads(small_binary, tmp_path):
     """Trainer 1 killed at 20 iterations in turn (its n-th replacement, trainer1/n, at the n+1-th): the survivor
-    re-forms the trainers' group 5 times and its threads stay where the first re-formation left them (an old
+    re-forms the trainers' group 4 times and its threads stay where the first re-formation left them (an old
     group's threads end with it: reduce.TrainerGroup.close), and the job still ends bit for bit as the sliced
-    reference. (5, not the 20 this test once ran: a leak of 3 threads a re-formation shows as 12 past the bound of 4.)"""
+    reference. (4, not the 20 this test once ran: a leak of 3 threads a re-formation shows as 9 past the bound of 4.)"""
     from bagpipe.runtime.launch import launch_local
 
-    kills = [6 * (k + 1) for k in range(5)]
+    kills = [6 * (k + 1) for k in range(4)]
     config = job_config(small_binary, tmp_path / "bagpipe", iterations=kills[-1] + 6, timeout=20.0, servers=2,
                         max_eval_rows=500)
     summary = launch_local(config, show_progress=False,
@@ -119,7 +118,7 @@ def test_a_trainer_whose_world_re_forms_five_times_keeps_a_bounded_number_of_thr
     recoveries = summary["recoveries"]["trainer0"]
     assert [r["epoch"] for r in recoveries] == list(range(1, len(kills) + 1))
     threads = [r["threads"] for r in recoveries]
-    # (kept, each old group's two gloo workers and TCP loop made 3 more per re-formation: 15 more here; let go,
+    # (kept, each old group's two gloo workers and TCP loop made 3 more per re-formation: 12 more here; let go,
     # at most one old group is still ending, on a thread of its own, when the next re-formation counts)
     assert max(threads) <= threads[0] + 4 and sorted(threads)[len(threads) // 2] <= threads[0], \
         f"the survivor's threads after each re-formation: {threads}"

@@ -82,8 +82,8 @@ def raw_data(tmp_path_factory):
 # retired, their numbers made again for new keys wherever the row then is: in the cache, or on the host)
 @pytest.mark.parametrize("policy, optimizer, slices, min_count, storage, retire_after, budget", [
     ("lookahead", "adagrad", 1, 1, "memory", 0, 0), ("lru", "adam", 2, 1, "memory", 0, 0),
-    ("lfu", "sgd", 1, 1, "memory", 0, 0), ("lookahead", "adam", 1, 2, "memory", 0, 0),
-    ("lru", "adagrad", 2, 3, "memory", 0, 0), ("lookahead", "adam", 1, 2, "disk", 0, 0),
+    ("lfu", "sgd", 1, 1, "memory", 0, 0), ("lru", "adagrad", 2, 3, "memory", 0, 0),
+    ("lookahead", "adam", 1, 2, "disk", 0, 0),
     ("lookahead", "adam", 1, 1, "memory", 3, 0), ("lru", "adagrad", 2, 2, "disk", 5, 0),
     ("lookahead", "sgd", 1, 1, "memory", 0, 90)])
 def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_path, policy, optimizer, slices,
@@ -134,7 +134,7 @@ def test_a_run_on_raw_ids_resumes_from_its_checkpoint_as_if_never_stopped(raw_da
     assert exports_equal(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
 
 
-@pytest.mark.parametrize("before, after, retire_after", [(40, 60, 0), (60, 40, 4), (40, 60, 3)])
+@pytest.mark.parametrize("before, after, retire_after", [(40, 60, 0), (60, 40, 4)])
 def test_a_run_on_raw_ids_resumed_for_more_or_fewer_iterations_regrows_its_tables(raw_data, tmp_path, monkeypatch,
                                                                                    before, after, retire_after):
     """The rows a run makes are numbered in its batches' order, and batch i is the same whatever the run's length:
