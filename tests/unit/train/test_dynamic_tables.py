@@ -90,7 +90,7 @@ def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_p
                                                                  min_count, storage, retire_after, budget):
     runs = {}
     for mode in ("reference", "single"):
-        config = small_config(raw_data, tmp_path / mode, mode=mode, iterations=50, batch_size=64, optimizer=optimizer,
+        config = small_config(raw_data, tmp_path / mode, mode=mode, iterations=30, batch_size=64, optimizer=optimizer,
                               policy=policy, cache_rows=1000, lookahead=8, slices=slices, eval_every=25, shuffle=True,
                               shuffle_seed=2, row_min_count=min_count, storage=storage, storage_budget_mb=0.05,
                               row_retire_after=retire_after, row_budget=budget)
