@@ -275,19 +275,21 @@ def _add_checkpoint_flags(p):
     return g
 
 
+RAW_ID_FLAGS = {
+    "row_min_count": "raw-id data (preprocess --raw-ids): look-ups a key needs before it gets a row of its own; until "
+                     "then it uses its table's default row (admission)",
+    "row_retire_after": "raw-id data: retire a row unused for N iterations, its number reused by the next row made "
+                        "(the key, if it comes back, gets a new row); 0: never",
+    "row_budget": "raw-id data: the rows each table holds at most; past it the least frequently used row a batch "
+                  "does not look up is retired (its number reused); 0: no bound"}
+
+
 def _add_vocab_flag(p) -> None:
     p.add_argument("--vocab-min-count", type=int, default=None, help="criteo, avazu text: ids by a vocabulary of "
                    "the train split's values seen N times or more (the rest share id 0); 0: values hashed modulo "
                    "the table sizes, and Avazu with none gets min count 1" + _default("vocab_min_count"))
-    p.add_argument("--row-min-count", type=int, default=None, help="raw-id data (preprocess --raw-ids): look-ups "
-                   "a key needs before it gets a row of its own; until then it uses its table's default row "
-                   "(admission)" + _default("row_min_count"))
-    p.add_argument("--row-retire-after", type=int, default=None, help="raw-id data: retire a row unused for N "
-                   "iterations, its number reused by the next row made (the key, if it comes back, gets a new row); "
-                   "0: never" + _default("row_retire_after"))
-    p.add_argument("--row-budget", type=int, default=None, help="raw-id data: the rows each table holds at most; "
-                   "past it the least frequently used row a batch does not look up is retired (its number reused); "
-                   "0: no bound" + _default("row_budget"))
+    for name, what in RAW_ID_FLAGS.items():  # (embeddings.dynamic: the rows a raw-id table makes and retires)
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=what + _default(name))
 
 
 def _add_model_flags(p, *, emb_flags: tuple[str, ...]) -> None:

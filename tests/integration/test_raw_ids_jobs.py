@@ -7,21 +7,15 @@ import json
 import pytest
 import torch
 
-from bagpipe.data.preprocess import preprocess
 from bagpipe.rundir import export
 from bagpipe.runtime.launch import launch_local
-from bagpipe.synth import generate
 from helpers.jobs import assert_same_parameters, job_config, reference_of
+from helpers.raw_ids import arriving_raw_data
 
 
 @pytest.fixture(scope="module")
 def raw_data(tmp_path_factory):
-    """Raw-id data whose ids keep arriving (5 periods, a fifth new each), converted with --raw-ids."""
-    out = tmp_path_factory.mktemp("raw_ids")
-    generate(out / "synth", rows=3_000, test_rows=600, seed=5, table_sizes=[200] * 6 + [30] * 20, raw_ids=True,
-             periods=5, new_share=0.2, show_progress=False)
-    preprocess(out / "synth", out / "data", raw_ids=True, show_progress=False)
-    return out / "data"
+    return arriving_raw_data(tmp_path_factory.mktemp("raw_ids"), rows=3_000, test_rows=600)
 
 
 def evaluations(run_dir) -> list[tuple[int, float]]:

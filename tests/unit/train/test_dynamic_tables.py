@@ -9,12 +9,11 @@ import torch
 
 from bagpipe.data.binary import open_dataset
 from bagpipe.data.batches import Batch, batch_rows
-from bagpipe.data.preprocess import preprocess
 from bagpipe.embeddings.dynamic import DEFAULT_KEY, RowNumbering, init_keyed
 from bagpipe.rundir import export
-from bagpipe.synth import generate
 from bagpipe.train.reference import train_reference
 from helpers.jobs import exports_equal, small_config
+from helpers.raw_ids import arriving_raw_data, cut_and_resumed
 
 
 def test_a_keys_initial_row_is_a_function_of_seed_table_and_key_alone():
@@ -70,12 +69,7 @@ def test_admission_makes_a_keys_row_at_the_batch_that_brings_its_look_ups_to_the
 
 @pytest.fixture(scope="module")
 def raw_data(tmp_path_factory):
-    """Raw-id data whose ids keep arriving (5 periods, a fifth new each), converted with --raw-ids."""
-    out = tmp_path_factory.mktemp("raw_ids")
-    generate(out / "synth", rows=4_000, test_rows=800, seed=5, table_sizes=[200] * 6 + [30] * 20, raw_ids=True,
-             periods=5, new_share=0.2, show_progress=False)
-    preprocess(out / "synth", out / "data", raw_ids=True, show_progress=False)
-    return out / "data"
+    return arriving_raw_data(tmp_path_factory.mktemp("raw_ids"), rows=4_000, test_rows=800)
 
 
 # (the tables on disk too: each space a file of records made from the rows' keys, a small DRAM budget; and rows
@@ -119,17 +113,9 @@ def test_single_mode_on_raw_ids_equals_the_reference_bit_for_bit(raw_data, tmp_p
 
 
 def test_a_run_on_raw_ids_resumes_from_its_checkpoint_as_if_never_stopped(raw_data, tmp_path, monkeypatch):
-    from bagpipe import faults
-
     common = dict(iterations=40, batch_size=64, optimizer="adam", shuffle=True, shuffle_seed=1, row_min_count=2)
     whole = train_reference(small_config(raw_data, tmp_path / "whole", **common), show_progress=False)
-    cut = small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **common)
-    monkeypatch.setattr(faults, "_FAULTS", {("reference", "iteration 27"): ("fail", 0.0)})
-    monkeypatch.setattr(faults, "_ROLE", "reference")
-    with pytest.raises(faults.InjectedFault):
-        train_reference(cut, show_progress=False)
-    monkeypatch.setattr(faults, "_FAULTS", {})
-    resumed = train_reference(cut, show_progress=False, resume=True)
+    resumed = cut_and_resumed(small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **common), monkeypatch)
     assert resumed["resumed_at"] == 25 and resumed["raw_ids"] == whole["raw_ids"]
     assert exports_equal(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
 
@@ -141,20 +127,14 @@ def test_a_run_on_raw_ids_resumed_for_more_or_fewer_iterations_regrows_its_table
     a checkpoint's tables are the first rows of a longer (or shorter) run's, so a resume that changes --iterations
     regrows them and ends exactly as a run of the new length never stopped (in-process modes; a bagpipe job refuses
     it)."""
-    from bagpipe import faults
     from bagpipe.preflight import check_same_batches, prepare_data
 
     common = dict(batch_size=64, optimizer="adam", shuffle=True, shuffle_seed=1, row_min_count=2,
                   row_retire_after=retire_after)
     whole = train_reference(small_config(raw_data, tmp_path / "whole", iterations=after, **common), show_progress=False)
     cut = small_config(raw_data, tmp_path / "cut", iterations=before, checkpoint_every=5, **common)
-    monkeypatch.setattr(faults, "_FAULTS", {("reference", "iteration 27"): ("fail", 0.0)})
-    monkeypatch.setattr(faults, "_ROLE", "reference")
-    with pytest.raises(faults.InjectedFault):
-        train_reference(cut, show_progress=False)
-    monkeypatch.setattr(faults, "_FAULTS", {})
     grown = small_config(raw_data, tmp_path / "cut", iterations=after, checkpoint_every=5, **common)
-    resumed = train_reference(grown, show_progress=False, resume=True)
+    resumed = cut_and_resumed(cut, monkeypatch, resumed=grown)
     assert resumed["resumed_at"] == 25 and resumed["raw_ids"] == whole["raw_ids"]
     assert exports_equal(export(tmp_path / "whole", tmp_path / "whole.pt"), export(tmp_path / "cut", tmp_path / "cut.pt"))
     job = small_config(raw_data, tmp_path / "cut", iterations=after + 5, mode="bagpipe", **common)
@@ -293,8 +273,6 @@ def test_retired_numbering_gives_each_look_up_the_row_its_key_has_then_and_no_tw
 def test_a_run_with_rows_retired_resumes_from_its_checkpoint_as_if_never_stopped(raw_data, tmp_path, monkeypatch):
     """Rows made again when their number is reused (new key, fresh optimizer state) go into the incremental
     checkpoints, so a resumed run ends as an uninterrupted one; the tables hold the rows alive at once."""
-    from bagpipe import faults
-
     common = dict(iterations=40, batch_size=64, optimizer="adam", shuffle=True, shuffle_seed=1, row_retire_after=4,
                   eval_every=20)
     whole = train_reference(small_config(raw_data, tmp_path / "whole", **common), show_progress=False)
@@ -303,13 +281,7 @@ def test_a_run_with_rows_retired_resumes_from_its_checkpoint_as_if_never_stopped
     raw = whole["raw_ids"]
     assert raw["rows_retired"] > 0 and raw["rows_made"] > kept["raw_ids"]["rows_made"]  # (keys made again)
     assert sum(raw["rows_held_per_table"]) < sum(kept["raw_ids"]["rows_made_per_table"])  # memory: rows alive
-    cut = small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **common)
-    monkeypatch.setattr(faults, "_FAULTS", {("reference", "iteration 27"): ("fail", 0.0)})
-    monkeypatch.setattr(faults, "_ROLE", "reference")
-    with pytest.raises(faults.InjectedFault):
-        train_reference(cut, show_progress=False)
-    monkeypatch.setattr(faults, "_FAULTS", {})
-    resumed = train_reference(cut, show_progress=False, resume=True)
+    resumed = cut_and_resumed(small_config(raw_data, tmp_path / "cut", checkpoint_every=5, **common), monkeypatch)
     assert resumed["resumed_at"] == 25 and resumed["raw_ids"] == raw and resumed["eval_auc"] == whole["eval_auc"]
     exported = export(tmp_path / "whole", tmp_path / "whole.pt")
     assert exports_equal(exported, export(tmp_path / "cut", tmp_path / "cut.pt"))
