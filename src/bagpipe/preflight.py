@@ -50,8 +50,9 @@ def prepare_data(config: TrainConfig, *, show_progress: bool = False) -> BinaryD
     if dataset.meta.get("raw_ids"):
         dataset = numbered_run_data(config, dataset)
     else:
+        defaults = default_config()
         for name in ("row_min_count", "row_retire_after", "row_budget"):
-            if getattr(config, name) != getattr(default_config(), name):
+            if getattr(config, name) != getattr(defaults, name):
                 log.warning("--%s does nothing: %s holds no raw ids (bagpipe preprocess --raw-ids)",
                             name.replace("_", "-"), config.data)
     held = dataset.meta.get("held_out")

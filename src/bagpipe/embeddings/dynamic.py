@@ -450,10 +450,6 @@ class TableRows:
         known = self.ids.known(np.asarray(keys, dtype=np.int64))
         return np.where(known >= 0, self.row_of[np.maximum(known, 0)] if len(self.row_of) else 0, 0)
 
-    @property
-    def alive(self) -> int:
-        return int(np.count_nonzero(self.row_of[:self.ids.count]))
-
     def _retire(self, victims: np.ndarray) -> None:
         for victim in victims.tolist():
             heapq.heappush(self.free, int(self.row_of[victim]))
@@ -467,7 +463,7 @@ class TableRows:
         changes."""
         keys = np.asarray(keys, dtype=np.int64)
         iteration, min_count, retire_after = self.iteration, self.min_count, self.retire_after
-        distinct, first, counts = np.unique(keys, return_index=True, return_counts=True)
+        distinct, counts = np.unique(keys, return_counts=True)
         known = self.ids.known(distinct)
         rowless = (known < 0) | (self.row_of[np.maximum(known, 0)] == 0 if len(self.row_of) else True)
         if retire_after:  # unused for retire_after iterations: retired at the start of the next (even if back now)

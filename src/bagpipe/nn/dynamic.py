@@ -104,17 +104,7 @@ class DynamicEmbeddingBag(CachedEmbeddingBag):
 
     def _remake(self, numbers: np.ndarray, keys: np.ndarray) -> None:
         """Rows whose numbers are reused made again for their new ids, optimizer state zero, wherever they are."""
-        weights = init_keyed(keys.astype(np.uint64), **self._init)
-        state = torch.zeros(len(numbers), self.rows.host.state_width)
-        slots = self.rows.index.locate(numbers)
-        cached = slots >= 0
-        if cached.any():
-            mask = torch.from_numpy(cached)
-            self.rows.slots.install(slots[cached], numbers[cached], weights[mask], state[mask], refill=True)
-            self.rows.dirty = True
-        if not cached.all():
-            mask = torch.from_numpy(~cached)
-            self.rows.host.write(numbers[~cached], weights[mask], state[mask])
+        self.rows.remake(numbers, init_keyed(keys.astype(np.uint64), **self._init))
 
     @property
     def weight(self) -> torch.Tensor:

@@ -128,6 +128,21 @@ class CachedRows(nn.Module):
         not cached (they are staged for the device when installed, on the training thread)."""
         return self.host.read(keys)
 
+    def remake(self, keys: np.ndarray, weights: torch.Tensor) -> None:
+        """Rows ``keys`` replaced by ``weights``, their optimizer state zero, wherever each is: a cached one in its
+        slot (written back when it leaves), any other in the host table (a raw-id row whose number is reused)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        slots = self.index.locate(keys)
+        state = torch.zeros(len(keys), self.host.state_width)
+        cached = slots >= 0
+        if cached.any():
+            mask = torch.from_numpy(cached)
+            self.slots.install(slots[cached], keys[cached], weights[mask], state[mask], refill=True)
+            self.dirty = True
+        if not cached.all():
+            mask = torch.from_numpy(~cached)
+            self.host.write(keys[~cached], weights[mask], state[mask])
+
     def flush(self) -> None:
         """Write every cached row (and its state) into the host table; the rows stay cached."""
         if self.dirty:

@@ -149,18 +149,8 @@ class CachedTables:
         """``EmbeddingTables.remake_rows``, wherever each row is: a cached one in its slot (written back when it
         leaves), any other on the host (a plan makes the rows of its step resident before the step: those are
         cached, and the read-ahead, which reads only rows not cached, never meets them)."""
-        rows = self.spaces[space]
         keys = np.asarray(keys, dtype=np.int64)
-        slots = rows.index.locate(keys)
-        state = torch.zeros(len(keys), rows.host.state_width)
-        cached = slots >= 0
-        if cached.any():
-            rows.slots.install(slots[cached], keys[cached], weights[torch.from_numpy(cached)],
-                               state[torch.from_numpy(cached)], refill=True)
-            rows.dirty = True
-        if not cached.all():
-            away = torch.from_numpy(~cached)
-            rows.host.write(keys[~cached], weights[away], state[away])
+        self.spaces[space].remake(keys, weights)
         if self.changed:
             self.changed[space][torch.from_numpy(keys)] = True
 

@@ -31,7 +31,7 @@ from bagpipe.data.binary import BinarySplit
 from bagpipe.data.schema import Schema
 from bagpipe.device import resolve_device
 from bagpipe.embeddings import EmbeddingLayout, EmbeddingTables, Lookup
-from bagpipe.embeddings.dynamic import RowNumbering, keyed_blocks, numbered_dataset, remade, remade_weights
+from bagpipe.embeddings.dynamic import RowNumbering, keyed_blocks, remade, remade_weights
 from bagpipe.train.evaluation import EvaluatedSplit, evaluate_splits, evaluated_splits, no_evaluation, watched_metric
 from bagpipe.health import Best, EvaluationWatch, LossWatch, RunWarning
 from bagpipe.model_dir import MODEL_DIR, RowSource, TableRows, evaluation_of, write_model_dir
@@ -622,8 +622,9 @@ def numbered_before(config: TrainConfig, dataset, extra: dict, iterations: int) 
                          f"changed")
     log.info("raw ids: the checkpoint's tables (numbered for %d iterations) regrown to this run's %d",
              saved["iterations"], iterations)
-    schema = numbered_dataset(dataclasses.replace(dataset, **{name: dataclasses.replace(
-        split, ids=split.ids.raw) for name, split in dataset.splits().items()}), old).schema
+    features = dataset.schema.features  # (its table sizes then; the same data otherwise)
+    schema = dataclasses.replace(dataset.schema, features=tuple(
+        dataclasses.replace(feature, cardinality=rows) for feature, rows in zip(features, old.table_rows)))
     return EmbeddingLayout(models.model_tables(config.model, schema), schema)
 
 
